@@ -1,0 +1,135 @@
+"""Paged KV-cache block allocator. Pure Python: imports no torch.
+
+The KV cache is split into ``num_blocks`` blocks of ``block_size`` token slots.
+A sequence owns an ordered *block table*; token position ``p`` of the sequence
+lives in slot ``table[p // block_size] * block_size + p % block_size``.
+
+Ownership contract (who frees, and when):
+- ``allocate``/``grow`` hand blocks to a sequence id; from then on the caller
+  that owns that id must call ``free(seq_id)`` on every exit path (finish,
+  abort, deadline, peer death). ``free`` is idempotent so racing exit paths
+  are harmless.
+- ``fork`` shares a table between two ids by reference count; a block returns
+  to the free list only when its last owner frees it.
+- Every operation either succeeds fully or raises and changes nothing.
+
+Invariant (checked by ``check_invariants`` and the property tests): every
+block is either on the free list with refcount 0 or owned, with refcount equal
+to the number of tables that hold it; free + distinct owned == num_blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free KV blocks; the allocator state is unchanged."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._tables: dict[Hashable, list[int]] = {}
+
+    # -- queries -----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= len(self._free)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return list(self._tables[seq_id])
+
+    def capacity(self, seq_id: Hashable) -> int:
+        """Token slots the sequence can hold without growing."""
+        return len(self._tables[seq_id]) * self.block_size
+
+    def slot(self, seq_id: Hashable, position: int) -> int:
+        table = self._tables[seq_id]
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # -- mutations ---------------------------------------------------------
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(
+                f"need {n} KV blocks but only {len(self._free)} of {self.num_blocks} are free"
+            )
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._ref[b] = 1
+        return blocks
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Give a new sequence enough blocks for ``num_tokens`` tokens."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        blocks = self._take(self.blocks_needed(num_tokens))
+        self._tables[seq_id] = blocks
+        return list(blocks)
+
+    def grow(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Extend a sequence's table to hold ``num_tokens`` tokens; returns the added blocks."""
+        table = self._tables[seq_id]
+        extra = self.blocks_needed(num_tokens) - len(table)
+        if extra <= 0:
+            return []
+        blocks = self._take(extra)
+        table.extend(blocks)
+        return blocks
+
+    def fork(self, src: Hashable, dst: Hashable) -> None:
+        """``dst`` shares every block of ``src`` (reference counted, read-only sharing)."""
+        if dst in self._tables:
+            raise ValueError(f"sequence {dst!r} already holds blocks")
+        table = self._tables[src]
+        for b in table:
+            self._ref[b] += 1
+        self._tables[dst] = list(table)
+
+    def free(self, seq_id: Hashable) -> bool:
+        """Release a sequence's blocks. Returns False when it held none (idempotent)."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return False
+        for b in table:
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free.append(b)
+        return True
+
+    def check_invariants(self) -> None:
+        counts = [0] * self.num_blocks
+        for table in self._tables.values():
+            for b in table:
+                counts[b] += 1
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        for b in range(self.num_blocks):
+            assert counts[b] == self._ref[b], f"block {b}: refcount {self._ref[b]} != owners {counts[b]}"
+            assert (b in free) == (counts[b] == 0), f"block {b}: free-list membership disagrees"

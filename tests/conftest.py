@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.tiny_models import KINDS, make_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    # Two cores are shared by everything a test starts; be explicit.
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session", params=KINDS)
+def tiny_model_dir(request, tmp_path_factory):
+    """An HF directory with a tiny random-weight model, one per kind (llama, qwen2, llama3)."""
+    return make_tiny_model(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-single"))

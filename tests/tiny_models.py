@@ -1,0 +1,73 @@
+"""Tiny random-weight Llama-family models built with transformers: the correctness oracle.
+
+Weights are drawn with a large init std so logits are peaked and greedy argmax
+is not decided by float32 rounding noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+KINDS = ("llama", "qwen2", "llama3")
+
+
+def hf_config(kind: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if kind == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if kind == "llama3":
+        # Llama-3 style rope scaling, tied embeddings (as SmolLM2).
+        return LlamaConfig(
+            **common,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        )
+    if kind == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False)
+    raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+
+
+def make_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """Save a random-init float32 HF model directory at ``path`` and return it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_reference(path: Path):
+    """The transformers model for a directory made by ``make_tiny_model`` (float32, eval)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
