@@ -1,0 +1,113 @@
+"""Routing policy and admission control. Pure logic: no grpc, no torch.
+
+Routing a request of ``prompt_len`` tokens:
+1. Decode side: READY workers that decode (role decode or both) with room
+   (router-assigned requests below ``max_running`` and free KV blocks for the
+   prompt). Least loaded first: fewest assigned requests, then most free
+   blocks, then id (deterministic).
+2. Prefill side: a colocated (``both``) decode worker always prefills
+   locally. A ``decode`` worker prefills locally when the prompt is shorter
+   than ``local_prefill_threshold`` (conditional disaggregation: the transfer
+   does not pay for short prompts) or when no prefill worker is READY;
+   otherwise the prefill worker with the fewest queued prefill tokens
+   (heartbeat figure plus tokens the router dispatched since) is chosen.
+
+Admission: at most ``max_waiting`` requests wait at the router for a worker
+with room; beyond that new requests are rejected (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from router.registry import Role, Worker
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    local_prefill_threshold: int = 256
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0")
+
+
+@dataclass(frozen=True)
+class Route:
+    decode: Worker
+    prefill: Worker | None  # None: the decode worker prefills locally
+
+
+def _has_room(w: Worker, blocks_needed: int) -> bool:
+    return w.assigned < w.max_running and w.kv_blocks_free >= blocks_needed
+
+
+def choose_route(ready: list[Worker], prompt_len: int, config: RoutingConfig) -> Route | None:
+    """Pick workers for a request, or None when no READY worker has room now."""
+    decoders = []
+    for w in ready:
+        if not w.role.decodes:
+            continue
+        # Blocks for the prompt plus the first generated token.
+        need = -(-(prompt_len + 1) // max(w.block_size, 1))
+        if _has_room(w, need):
+            decoders.append(w)
+    if not decoders:
+        return None
+    decoders.sort(key=lambda w: (w.assigned, -w.kv_blocks_free, w.worker_id))
+    d = decoders[0]
+    if d.role is Role.BOTH or prompt_len < config.local_prefill_threshold:
+        return Route(decode=d, prefill=None)
+    prefillers = [w for w in ready if w.role.prefills_remote]
+    if not prefillers:
+        return Route(decode=d, prefill=None)
+    p = min(prefillers, key=lambda w: (w.queued_prefill_tokens + w.assigned_prefill_tokens, w.worker_id))
+    return Route(decode=d, prefill=p)
+
+
+def can_ever_serve(workers: list[Worker], prompt_len: int) -> bool:
+    """True when some decoding worker could hold the prompt if it were idle."""
+    for w in workers:
+        if w.role.decodes and -(-(prompt_len + 1) // max(w.block_size, 1)) <= w.kv_blocks_total:
+            return True
+    return False
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class Admission:
+    """Bounded FIFO of requests waiting for a worker with room.
+
+    ``wait_for_route`` retries the routing function each time capacity may have
+    changed (a request finished, a heartbeat arrived, a worker joined).
+    """
+
+    def __init__(self, max_waiting: int) -> None:
+        if max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        self.max_waiting = max_waiting
+        self.waiting = 0
+        self._changed = asyncio.Condition()
+
+    async def notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_for_route(self, try_route, timeout_s: float | None) -> Route | None:
+        """Route now, or wait in the bounded queue. None when ``timeout_s`` passes first."""
+        route = try_route()
+        if route is not None:
+            return route
+        if self.waiting >= self.max_waiting:
+            raise QueueFullError(f"the router queue is full ({self.max_waiting} requests waiting)")
+        self.waiting += 1
+        try:
+            async with self._changed:
+                return await asyncio.wait_for(self._changed.wait_for(try_route), timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            self.waiting -= 1

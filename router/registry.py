@@ -1,0 +1,162 @@
+"""Worker registry: who is in the cluster, in what state, under what load.
+
+Pure logic (no grpc, no torch), driven by the router's gRPC handlers and a
+periodic sweep. A worker's life at the router:
+
+    register -> READY (or LOADING until its first heartbeat says READY)
+    READY --drain(id)--> DRAINING --deregister / heartbeat STOPPED--> removed
+    any --missed heartbeats or a failed RPC (mark_dead)--> removed
+
+Invariant: only READY workers are offered to the routing policy. The router
+also counts requests it has dispatched to each worker (``assigned``) so that
+routing sees load between heartbeats.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    @property
+    def decodes(self) -> bool:
+        return self is not Role.PREFILL
+
+    @property
+    def prefills_remote(self) -> bool:
+        return self is Role.PREFILL
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: Role
+    address: str
+    kv_blocks_total: int
+    block_size: int
+    max_running: int
+    metrics_url: str = ""
+    pid: int = 0
+    state: State = State.LOADING
+    running: int = 0
+    queued: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_used: int = 0
+    last_heartbeat: float = 0.0
+    # Router-side view, updated on dispatch/finish; heartbeats lag behind it.
+    assigned: int = 0
+    assigned_prefill_tokens: int = 0
+    drain_requested: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return max(self.kv_blocks_total - self.kv_blocks_used, 0)
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    heartbeat_interval_s: float = 0.5
+    # A worker is dropped after this long without a heartbeat.
+    heartbeat_timeout_s: float = 2.5
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be > 0")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+
+
+class Registry:
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        self._workers: dict[str, Worker] = {}
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def register(self, worker: Worker, now: float) -> None:
+        """Add or replace a worker (a re-registration after a router restart keeps the worker usable)."""
+        old = self._workers.get(worker.worker_id)
+        if old is not None:
+            worker.assigned = old.assigned
+            worker.assigned_prefill_tokens = old.assigned_prefill_tokens
+            worker.drain_requested = old.drain_requested
+            if old.drain_requested:
+                worker.state = State.DRAINING
+        worker.last_heartbeat = now
+        self._workers[worker.worker_id] = worker
+
+    def heartbeat(
+        self,
+        worker_id: str,
+        now: float,
+        *,
+        state: State,
+        running: int,
+        queued: int,
+        queued_prefill_tokens: int,
+        kv_blocks_used: int,
+    ) -> Worker | None:
+        """Record a worker's load. Returns None when the worker is unknown (it must register again)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return None
+        w.last_heartbeat = now
+        w.running, w.queued = running, queued
+        w.queued_prefill_tokens = queued_prefill_tokens
+        w.kv_blocks_used = kv_blocks_used
+        if state is State.STOPPED:
+            del self._workers[worker_id]
+            return w
+        # A drain the router asked for sticks even if the worker has not seen it yet.
+        w.state = State.DRAINING if w.drain_requested else state
+        return w
+
+    def drain(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        w.drain_requested = True
+        w.state = State.DRAINING
+        return True
+
+    def remove(self, worker_id: str) -> Worker | None:
+        return self._workers.pop(worker_id, None)
+
+    mark_dead = remove
+
+    def expire(self, now: float) -> list[Worker]:
+        """Drop workers whose heartbeats stopped; returns them so callers can fail their requests."""
+        dead = [w for w in self._workers.values() if now - w.last_heartbeat > self.config.heartbeat_timeout_s]
+        for w in dead:
+            del self._workers[w.worker_id]
+        return dead
+
+    def ready(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.state is State.READY]
+
+    def counts(self) -> dict[tuple[Role, State], int]:
+        out: dict[tuple[Role, State], int] = {}
+        for w in self._workers.values():
+            out[(w.role, w.state)] = out.get((w.role, w.state), 0) + 1
+        return out

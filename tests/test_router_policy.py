@@ -1,0 +1,98 @@
+"""Router registry, routing policy and admission: pure logic, no processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.policy import Admission, QueueFullError, RoutingConfig, can_ever_serve, choose_route
+from router.registry import Registry, RegistryConfig, Role, State, Worker
+
+
+def mk(wid: str, role: Role, *, total: int = 100, used: int = 0, assigned: int = 0, max_running: int = 8,
+       queued_tokens: int = 0, state: State = State.READY) -> Worker:
+    w = Worker(worker_id=wid, role=role, address=f"127.0.0.1:{wid}", kv_blocks_total=total, block_size=16,
+               max_running=max_running, state=state)
+    w.kv_blocks_used, w.assigned, w.queued_prefill_tokens = used, assigned, queued_tokens
+    return w
+
+
+CFG = RoutingConfig(local_prefill_threshold=100)
+
+
+def test_long_prompt_goes_to_least_loaded_prefill_and_decode():
+    ws = [mk("d1", Role.DECODE, assigned=3), mk("d2", Role.DECODE, assigned=1),
+          mk("p1", Role.PREFILL, queued_tokens=500), mk("p2", Role.PREFILL, queued_tokens=10)]
+    r = choose_route(ws, 1000, CFG)
+    assert r is not None and r.prefill is not None
+    assert (r.decode.worker_id, r.prefill.worker_id) == ("d2", "p2")
+
+
+def test_assigned_prefill_tokens_count_before_heartbeats_catch_up():
+    p1, p2 = mk("p1", Role.PREFILL), mk("p2", Role.PREFILL)
+    p1.assigned_prefill_tokens = 2000
+    r = choose_route([mk("d", Role.DECODE), p1, p2], 500, CFG)
+    assert r is not None and r.prefill is p2
+
+
+def test_short_prompt_prefills_locally_on_decode_worker():
+    r = choose_route([mk("d", Role.DECODE), mk("p", Role.PREFILL)], 99, CFG)
+    assert r is not None and r.prefill is None
+
+
+def test_colocated_worker_always_local_and_no_prefill_pool_means_local():
+    assert choose_route([mk("b", Role.BOTH, total=1000), mk("p", Role.PREFILL)], 5000, CFG).prefill is None
+    assert choose_route([mk("d", Role.DECODE, total=1000)], 5000, CFG).prefill is None
+
+
+def test_no_room_returns_none_and_prefill_only_cluster_cannot_decode():
+    assert choose_route([mk("d", Role.DECODE, assigned=8)], 10, CFG) is None
+    assert choose_route([mk("d", Role.DECODE, total=10, used=5)], 100, CFG) is None  # 7 blocks needed, 5 free
+    assert choose_route([mk("p", Role.PREFILL)], 10, CFG) is None
+    assert can_ever_serve([mk("d", Role.DECODE, total=10, used=10)], 100)
+    assert not can_ever_serve([mk("d", Role.DECODE, total=4)], 100)
+
+
+def test_registry_heartbeat_expiry_and_drain():
+    reg = Registry(RegistryConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0))
+    reg.register(mk("a", Role.DECODE, state=State.LOADING), now=0.0)
+    reg.register(mk("b", Role.PREFILL, state=State.LOADING), now=0.0)
+    assert reg.ready() == []
+    kw = dict(running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=3)
+    assert reg.heartbeat("a", 1.0, state=State.READY, **kw).kv_blocks_used == 3
+    assert reg.heartbeat("zzz", 1.0, state=State.READY, **kw) is None
+    assert [w.worker_id for w in reg.ready()] == ["a"]
+    assert [w.worker_id for w in reg.expire(2.5)] == ["b"]  # b never heartbeat after t=0
+    assert reg.drain("a") and reg.ready() == []
+    # A stale READY heartbeat does not undo a drain the router asked for.
+    assert reg.heartbeat("a", 2.6, state=State.READY, **kw).state is State.DRAINING
+    reg.heartbeat("a", 2.7, state=State.STOPPED, **kw)
+    assert len(reg) == 0
+    with pytest.raises(ValueError):
+        RegistryConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=1.0)
+
+
+def test_admission_queue_bound_and_wakeup():
+    async def main():
+        adm = Admission(max_waiting=1)
+        room = {"free": False}
+        w = mk("d", Role.DECODE)
+
+        def try_route():
+            return choose_route([w], 10, CFG) if room["free"] else None
+
+        waiter = asyncio.create_task(adm.wait_for_route(try_route, timeout_s=5))
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 1
+        with pytest.raises(QueueFullError):
+            await adm.wait_for_route(try_route, timeout_s=5)
+        room["free"] = True
+        await adm.notify()
+        r = await asyncio.wait_for(waiter, 2)
+        assert r is not None and r.decode is w and adm.waiting == 0
+        room["free"] = False
+        assert await adm.wait_for_route(try_route, timeout_s=0.05) is None
+        assert adm.waiting == 0
+
+    asyncio.run(main())
