@@ -1,0 +1,228 @@
+"""Tokenizer and chat template: SmolLM2's against transformers' GGUF tokenizer, and the edge cases."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.registry import DEFAULT_MODEL, KNOWN_MODELS, packaged_gguf_path, resolve_model
+from engine.tokenizer import Tokenizer
+from tests.tiny_gguf import write_tiny_gguf
+from tests.tiny_models import make_tiny_model
+
+TEXTS = [
+    "Hello world",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnewlines\r\n\n\nblank lines",
+    "digits 1234567890 3.14159 1,000,000 2024-06-01",
+    "unicode: café naïve Ærøskøbing 日本語のテキスト 中文 한국어 Ελληνικά русский",
+    "emoji 😀👍🏽 👨‍👩‍👧‍👦 flags 🇫🇷",
+    "def f(x):\n    return {'a': [x ** 2 for x in range(10)]}  # comment\n",
+    "<|im_start|>user\nspecial tokens inline<|im_end|><|endoftext|>",
+    "almost special <|im_start and <|im_end |> <repo_name>",
+    "punctuation!!! ??? ... ,,, ;;; --- ___ *** ''' \"\"\"",
+    "I'm you're they'll we've he'd it's DON'T",
+    "",
+    " ",
+    "a" * 300,
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi! 😀"}],
+    [
+        {"role": "user", "content": "Write a haiku about rain."},
+        {"role": "assistant", "content": "Soft rain on the roof"},
+        {"role": "user", "content": "Another one, in 日本語."},
+    ],
+    [{"role": "user", "content": "  spaces\n\nand newlines  "}],
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory) -> Path:
+    return resolve_model(DEFAULT_MODEL, tmp_path_factory.mktemp("cache"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_dir) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoTokenizer
+
+    gguf = packaged_gguf_path(DEFAULT_MODEL, KNOWN_MODELS[DEFAULT_MODEL])
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def test_tokenizer_json_equals_transformers(ours, reference):
+    assert json.loads(ours.backend.to_str()) == json.loads(reference.backend_tokenizer.to_str())
+
+
+def test_attributes(ours, reference):
+    assert ours.vocab_size == len(reference) == 49152
+    assert ours.bos_token_id == reference.bos_token_id == 1
+    assert ours.eos_token_ids == (reference.eos_token_id,) == (2,)
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_equals_transformers(ours, reference, add_special_tokens):
+    for text in TEXTS:
+        expected = reference(text, add_special_tokens=add_special_tokens)["input_ids"]
+        assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_equals_transformers(ours, reference, skip_special_tokens):
+    import random
+
+    rng = random.Random(0)
+    id_lists = [reference(text)["input_ids"] for text in TEXTS]
+    id_lists += [[rng.randrange(ours.vocab_size) for _ in range(40)] for _ in range(20)]
+    for ids in id_lists:
+        assert ours.decode(ids, skip_special_tokens) == reference.decode(
+            ids, skip_special_tokens=skip_special_tokens
+        )
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_equals_transformers(ours, reference, add_generation_prompt):
+    for chat in CHATS:
+        text = reference.apply_chat_template(
+            chat, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert ours.render_chat(chat, add_generation_prompt) == text
+        ids = reference.apply_chat_template(chat, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert ours.apply_chat_template(chat, add_generation_prompt) == list(ids)
+
+
+def test_default_system_prompt_and_generation_prompt(ours):
+    text = ours.render_chat([{"role": "user", "content": "hi"}])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+
+
+def test_decode_stream_matches_decode(ours):
+    for text in TEXTS + ["Hi<|im_end|>there"]:
+        ids = ours.encode(text)
+        for skip in (True, False):
+            stream = ours.decode_stream(skip_special_tokens=skip)
+            assert "".join(stream.step(i) for i in ids) == ours.decode(ids, skip_special_tokens=skip), text
+
+
+def test_decode_stream_holds_incomplete_characters(ours):
+    ids = ours.encode("😀")
+    assert len(ids) > 1  # a 4-byte character spread over byte tokens
+    stream = ours.decode_stream()
+    pieces = [stream.step(i) for i in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "😀"
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ([{"role": "tool", "content": "x"}], "role 'tool'"),
+        ([{"role": "User", "content": "x"}], "role 'User'"),
+        ([], "empty"),
+        ("hello", "list"),
+        ({"role": "user", "content": "x"}, "list"),
+        ([{"content": "x"}], "role"),
+        ([{"role": "user"}], "content"),
+        ([{"role": "user", "content": 5}], "content"),
+        ([{"role": "user", "content": "x", "name": 3}], "name"),
+        (["user: hi"], "mapping"),
+    ],
+)
+def test_bad_messages_are_value_errors_naming_the_problem(ours, messages, problem):
+    with pytest.raises(ValueError, match=problem):
+        ours.apply_chat_template(messages)
+
+
+def test_none_values_count_as_absent(ours):
+    plain = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(
+        [{"role": "user", "content": "hi", "name": None}]
+    ) == ours.apply_chat_template(plain)
+
+
+def test_directory_without_tokenizer_raises_file_not_found(tiny_llama_dir):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tiny_llama_dir)
+
+
+@pytest.fixture()
+def tiny_tok_dir(tmp_path) -> Path:
+    """A converted tiny GGUF (byte-level BPE, add_bos_token, ChatML), copied so tests may edit it."""
+    gguf = write_tiny_gguf(make_tiny_model("llama", tmp_path / "hf"), tmp_path / "tiny.gguf")
+    converted = resolve_model(str(gguf), tmp_path / "cache", progress=False)
+    copy = tmp_path / "tok"
+    shutil.copytree(converted, copy)
+    return copy
+
+
+def test_tiny_tokenizer_bos_and_eos_sources(tiny_tok_dir):
+    tok = Tokenizer.from_dir(tiny_tok_dir)
+    assert tok.encode("the")[0] == tok.bos_token_id == 1
+    assert tok.encode("the", add_special_tokens=False)[0] != 1
+    # the tokenizer's EOS first, then every stop id of generation_config.json, deduplicated
+    (tiny_tok_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2, 7]}))
+    assert Tokenizer.from_dir(tiny_tok_dir).eos_token_ids == (2, 0, 7)
+
+
+def test_template_features_like_transformers(tiny_tok_dir):
+    config = json.loads((tiny_tok_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
+        "{{ raise_exception('conversation must not start with the assistant') }}{% endif %}"
+        "{% generation %}{{ m['role'] | upper }}: {{ m['content'] | tojson }}{% endgeneration %}\n"
+        "{% endfor %}"
+    )
+    config["pdserve_chat_roles"] = ["user", "assistant", "tool"]
+    (tiny_tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_dir(tiny_tok_dir)
+    chat = [{"role": "tool", "content": "é<b>"}, {"role": "user", "content": "x"}]
+    # trim_blocks eats the newline after a block tag; tojson neither escapes HTML nor non-ASCII
+    assert tok.render_chat(chat, False) == '<|im_start|>TOOL: "é<b>"USER: "x"'
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[chat],
+        chat_template=config["chat_template"],
+        add_generation_prompt=False,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+    )
+    assert tok.render_chat(chat, False) == rendered[0]
+    with pytest.raises(ValueError, match="must not start with the assistant"):
+        tok.apply_chat_template([{"role": "assistant", "content": "x"}])
+    # chat_template.jinja (transformers 5's separate file) wins over the config entry
+    (tiny_tok_dir / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert Tokenizer.from_dir(tiny_tok_dir).render_chat([{"role": "user", "content": "a"}]) == "[a]"
+
+
+def test_template_is_sandboxed_and_errors_are_value_errors(tiny_tok_dir):
+    config_path = tiny_tok_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for template, problem in (
+        ("{{ messages.append({'role': 'user'}) }}", "rejected"),
+        ("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}", "rejected"),
+        ("{% for m in messages %}", "does not parse"),
+    ):
+        config["chat_template"] = template
+        config_path.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=problem):
+            Tokenizer.from_dir(tiny_tok_dir).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_missing_chat_template_is_a_value_error(tiny_tok_dir):
+    config_path = tiny_tok_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(tiny_tok_dir).apply_chat_template([{"role": "user", "content": "x"}])
