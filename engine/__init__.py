@@ -1,0 +1,34 @@
+"""pdserve's model runtime. ``from engine import LLM, SamplingParams``.
+
+Names are resolved lazily (PEP 562) so ``import engine`` loads neither torch
+nor a model: the pure modules (block manager, scheduler, params) stay cheap
+to import for the router.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "RequestOutput": "engine.llm",
+    "SamplingParams": "engine.params",
+    "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.llm_engine",
+    "RequestOutputDelta": "engine.llm_engine",
+}
+
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "RequestOutputDelta", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from engine.llm import LLM, RequestOutput
+    from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
+    from engine.params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,215 @@
+"""The offline API, in the shape users know from vLLM.
+
+    from engine import LLM, SamplingParams
+    llm = LLM("smollm2-135m-instruct", dtype="float32")
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+
+``generate`` validates every prompt and parameter set before any work, adds
+all requests to the engine and steps it until all finish (continuous
+batching: sequences finish at different times and free their blocks at once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterator, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta, engine_config_fields
+from engine.params import SamplingParams
+from engine.registry import DEFAULT_MODEL, resolve_model
+from engine.tokenizer import Tokenizer
+
+Prompt = str | Seq[int]
+Messages = Seq[Mapping[str, str]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None  # the text prompt, None for token-id prompts
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str  # "" when the model has no tokenizer
+    finish_reason: str  # "stop" | "length"
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path = DEFAULT_MODEL,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        cache_dir: str | Path | None = None,
+        **engine_options: Any,
+    ) -> None:
+        unknown = sorted(set(engine_options) - engine_config_fields())
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(engine_config_fields())}")
+        config = EngineConfig(dtype=dtype, device=device, **engine_options)
+        path = resolve_model(str(model), cache_dir)
+        try:
+            tokenizer: Tokenizer | None = Tokenizer.from_dir(path)
+        except FileNotFoundError:
+            tokenizer = None  # token-id prompts still work
+        self.model_dir = path
+        self.engine = LLMEngine(path, tokenizer, config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    # -- public API ------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in prompt order."""
+        items = _as_prompt_list(prompts)
+        plist = self._params_list(params, len(items))
+        encoded = [self._encode(p, i) for i, p in enumerate(items)]
+        for i, (ids, sp) in enumerate(zip(encoded, plist, strict=True)):
+            try:
+                self.engine.validate_request(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        texts = [p if isinstance(p, str) else None for p in items]
+        return self._run(texts, encoded, plist, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Seq[Messages],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate a reply to each conversation (one list of messages, or a list of them)."""
+        convs = [messages] if _is_conversation(messages) else list(messages)  # type: ignore[list-item]
+        return self.generate(
+            [self.encode_chat(c, add_generation_prompt) for c in convs],  # type: ignore[arg-type]
+            params,
+            use_tqdm,
+        )
+
+    def encode_chat(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+        """Prompt token ids for a conversation, via the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer and {self.model_dir} has none")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutputDelta]:
+        """Deltas of one request as they are produced. Closing the iterator early aborts the request."""
+        ids = self._encode(prompt, 0)
+        params = SamplingParams() if params is None else params
+        self.engine.validate_request(ids, params)
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, ids, params)
+        try:
+            while self.engine.has_unfinished():
+                ran = self.engine.num_steps
+                deltas = self.engine.step()
+                if self.engine.num_steps == ran:
+                    raise RuntimeError("engine stalled")
+                for d in deltas:
+                    if d.request_id == rid:
+                        yield d
+                if self.engine.scheduler.get(rid) is None:
+                    return
+        finally:
+            self.engine.abort(rid)
+
+    # -- internals -------------------------------------------------------------
+    def _encode(self, prompt: Prompt, index: int) -> list[int]:
+        if not isinstance(prompt, str | Seq):
+            raise ValueError(
+                f"prompt {index} must be text or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(f"prompt {index} is text but {self.model_dir} has no tokenizer; pass token ids")
+        if not prompt:
+            raise ValueError(f"prompt {index}: prompt is empty")
+        return self.tokenizer.encode(prompt)
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        plist = list(params)
+        if len(plist) != n:
+            raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts")
+        for i, p in enumerate(plist):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params {i} must be a SamplingParams, got {type(p).__name__}")
+        return plist
+
+    def _run(
+        self, texts: list[str | None], encoded: list[list[int]], plist: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        outs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for text, ids, sp in zip(texts, encoded, plist, strict=True):
+            rid = str(next(self._ids))
+            engine.add_request(rid, ids, sp)
+            outs[rid] = RequestOutput(rid, text, ids, [], "", "")
+            order.append(rid)
+        bar = _progress(len(order), use_tqdm)
+        try:
+            pending = len(order)
+            while pending:
+                ran = engine.num_steps
+                deltas = engine.step()
+                if engine.num_steps == ran:  # cannot happen for requests that passed validation
+                    raise RuntimeError(f"engine stalled with {pending} unfinished requests")
+                for d in deltas:
+                    out = outs[d.request_id]  # type: ignore[index]
+                    out.token_ids.extend(d.new_token_ids)
+                    out.text += d.new_text
+                    if d.finish_reason is not None:
+                        out.finish_reason = d.finish_reason
+                        pending -= 1
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in order:  # an interrupted call leaves nothing behind
+                engine.abort(rid)
+        return [outs[rid] for rid in order]
+
+
+def _is_conversation(messages: object) -> bool:
+    return isinstance(messages, Seq) and len(messages) > 0 and isinstance(messages[0], Mapping)
+
+
+def _as_prompt_list(prompts: object) -> list[Prompt]:
+    """One prompt (a string or a list of ints) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Seq):
+        raise ValueError(
+            f"prompts must be a string, a list of token ids, or a list of those; got {prompts!r}"
+        )
+    if len(prompts) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _progress(total: int, use_tqdm: bool) -> Any:
+    if not use_tqdm or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)

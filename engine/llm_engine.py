@@ -1,0 +1,294 @@
+"""LLMEngine: scheduler + model runner + sampler + detokenizer, one ``step()`` at a time.
+
+A request goes through: ``add_request`` (validated, queued) -> prefill steps
+(chunked when longer than the token budget) -> token 0 sampled -> decode steps
+-> finished (stop token, stop string, max_tokens, context full) or aborted.
+Every exit frees the request's KV blocks at once.
+
+For a decode worker, ``add_prefilled_request`` adopts a request whose prompt
+K/V arrived over the network into blocks this engine's ``block_manager``
+already holds under the request id: the engine owns and frees them from then
+on. ``abort`` of an id that only holds reserved blocks frees those too.
+
+Not thread-safe: one thread drives ``add_*``, ``abort`` and ``step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+from engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from engine.sampler import Sampler, SampleRow
+from engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
+from engine.sequence import FinishReason
+from engine.sequence import Sequence as EngineSequence
+from engine.stopping import StopStringMatcher
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TextStream, Tokenizer
+
+PRIME_TOKENS = 4  # prompt tokens replayed into a request's text stream before its first output
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64  # sequences per decode batch
+    max_num_batched_tokens: int = 2048  # prompt tokens per prefill step; longer prompts are chunked
+    block_size: int = 16
+    num_blocks: int | None = (
+        None  # KV blocks; or size the cache by kv_cache_bytes; neither: the runner decides
+    )
+    kv_cache_bytes: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None  # torch.set_num_threads when given
+    max_model_len: int | None = None  # cap on the model's context
+    seed: int = 0  # the engine-wide generator for unseeded sampling
+    detokenize: bool = True  # False: the caller turns tokens into text and applies stop strings
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, torch.dtype):
+            names = {v: k for k, v in DTYPES.items()}
+            object.__setattr__(self, "dtype", names.get(self.dtype, str(self.dtype)))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("num_blocks", "kv_cache_bytes", "threads", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_blocks or kv_cache_bytes, not both")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class RequestOutputDelta:
+    """What one step produced for one request."""
+
+    request_id: Hashable
+    new_token_ids: tuple[int, ...]
+    new_text: str  # "" without a tokenizer, or while a multi-byte character is incomplete
+    finish_reason: str | None  # "stop" | "length" on the last delta, else None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int  # since start
+
+
+@dataclass
+class _TextState:
+    stream: TextStream | None
+    matcher: StopStringMatcher
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path | ModelRunner,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        if isinstance(model, ModelRunner):
+            self.runner = model
+        else:
+            self.runner = ModelRunner(
+                model,
+                dtype=config.torch_dtype,
+                device=config.device,
+                block_size=config.block_size,
+                num_blocks=config.num_blocks,
+                kv_cache_bytes=config.kv_cache_bytes,
+            )
+        self.tokenizer = tokenizer
+        mc = self.runner.config
+        self.max_model_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        eos = list(mc.eos_token_ids)
+        if tokenizer is not None:
+            eos += [t for t in tokenizer.eos_token_ids if t not in eos]
+        self.eos_token_ids = tuple(eos)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                eos_token_ids=self.eos_token_ids,
+            ),
+            self.block_manager,
+        )
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.runner.kv.device)
+        self._text: dict[Hashable, _TextState] = {}
+        self.num_steps = 0  # batches run since start
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.config.vocab_size
+
+    @property
+    def detokenizes(self) -> bool:
+        return self.config.detokenize and self.tokenizer is not None
+
+    # -- requests ------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Every check ``add_request`` makes except the request id; ValueError naming the problem."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        validate_prompt_token_ids(
+            prompt_token_ids, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        # Stop strings are the caller's job when the engine does not detokenize on purpose.
+        validate_params_for_model(
+            params, vocab_size=self.vocab_size, can_detokenize=self.detokenizes or not self.config.detokenize
+        )
+        self.scheduler.check_fits(len(prompt_token_ids), params)
+
+    def add_request(
+        self, request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> None:
+        params = SamplingParams() if params is None else params
+        self.validate_request(prompt_token_ids, params)
+        self.scheduler.add(request_id, list(prompt_token_ids), params)
+        self._text[request_id] = self._new_text_state(params, prompt_token_ids)
+
+    def add_prefilled_request(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams | None = None,
+    ) -> RequestOutputDelta:
+        """Adopt a request whose prompt K/V fill the blocks ``block_manager`` holds under ``request_id``.
+
+        ``first_token_id`` is output token 0 (sampled by the prefill worker); it
+        passes the same stop checks as any token. Returns its delta: the request
+        may already be finished, and then its blocks are already freed. On
+        ValueError the blocks stay with the caller.
+        """
+        params = SamplingParams() if params is None else params
+        self.validate_request(prompt_token_ids, params)
+        if not 0 <= first_token_id < self.vocab_size:
+            raise ValueError(
+                f"first_token_id {first_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        self._text[request_id] = self._new_text_state(params, prompt_token_ids)
+        try:
+            seq = self.scheduler.add_prefilled(request_id, list(prompt_token_ids), first_token_id, params)
+        except ValueError:
+            del self._text[request_id]
+            raise
+        return self._emit(seq)
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Stop a request and free its blocks now. False when the engine knew nothing of it."""
+        self._text.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        bm = self.block_manager
+        return EngineStats(len(s.running), len(s.waiting), bm.num_free, bm.num_blocks, s.num_preemptions)
+
+    # -- stepping ------------------------------------------------------------
+    def step(self) -> list[RequestOutputDelta]:
+        """Run one prefill or decode batch; returns a delta per request that got a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        self.num_steps += 1
+        logits = self._forward(batch)  # [n_sample, V]
+        rows = [SampleRow(it.seq.params, it.seq.num_output_tokens) for it in batch.sample_items]
+        tokens = self.sampler(logits, rows) if rows else []
+        return [self._emit(seq) for seq in self.scheduler.postprocess(batch, tokens)]
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        bm = self.block_manager
+        if batch.kind is BatchKind.DECODE:
+            dec = [
+                DecodeItem(it.seq.last_token_id, it.start, bm.block_table(it.seq.seq_id))
+                for it in batch.items
+            ]
+            return self.runner.decode(dec)
+        pre = [PrefillItem(it.token_ids, bm.block_table(it.seq.seq_id), it.start) for it in batch.items]
+        logits = self.runner.prefill(pre)  # [n_items, V]
+        keep = [i for i, it in enumerate(batch.items) if it.sample]
+        return logits if len(keep) == len(pre) else logits[keep]
+
+    # -- text ----------------------------------------------------------------
+    def _new_text_state(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> _TextState:
+        if self.tokenizer is None or not self.config.detokenize:
+            return _TextState(None, StopStringMatcher(()))
+        stream = self.tokenizer.decode_stream()
+        # Prime with the prompt's tail (as vLLM does) so the first output token decodes in context:
+        # a SentencePiece word start then keeps its leading space. The suffix is the shortest of at
+        # least PRIME_TOKENS that decodes without a broken multi-byte character.
+        prime = list(prompt_token_ids[-PRIME_TOKENS:])
+        for n in range(PRIME_TOKENS, min(len(prompt_token_ids), 4 * PRIME_TOKENS) + 1):
+            suffix = list(prompt_token_ids[-n:])
+            if "\ufffd" not in self.tokenizer.decode(suffix):
+                prime = suffix
+                break
+        for t in prime:
+            stream.step(t)
+        return _TextState(stream, StopStringMatcher(params.stop))
+
+    def _emit(self, seq: EngineSequence) -> RequestOutputDelta:
+        """Detokenize the sequence's newest token, apply stop strings, and describe the step."""
+        st = self._text[seq.seq_id]
+        token = seq.output_token_ids[-1]
+        text = ""
+        # A stop token's own text is never emitted (vLLM's include_stop_str_in_output=False).
+        if st.stream is not None and seq.finish_reason is not FinishReason.STOP:
+            # vLLM semantics: stop strings count only once min_tokens tokens exist.
+            match = st.matcher.feed(
+                st.stream.step(token), can_stop=seq.num_output_tokens > seq.params.min_tokens
+            )
+            text = match.text
+            if match.stopped:
+                self.scheduler.finish(seq, FinishReason.STOP)
+        if seq.is_finished:
+            text += st.matcher.flush()
+            del self._text[seq.seq_id]
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        return RequestOutputDelta(
+            seq.seq_id, (token,), text, reason, seq.num_prompt_tokens, seq.num_output_tokens
+        )
+
+
+def engine_config_fields() -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(EngineConfig))

@@ -1,0 +1,108 @@
+"""Sampling parameters of one request (vLLM names and defaults) and request validation.
+
+Pure Python: imports no torch, so the router validates requests with the same
+rules the engine applies. Every check raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing
+# logits by a tiny temperature would only amplify float noise.
+GREEDY_EPS = 1e-5
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Lists are accepted and stored as tuples.
+
+    ``temperature`` 0 means greedy; ``top_k`` -1 means off; ``seed`` makes the
+    draw for output token ``i`` depend only on ``(seed, i)``, whatever else is
+    in the batch and whichever worker samples it.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalise before checking: a bare string is one stop string, not characters.
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            stop = ()
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, Sequence) or not all(_is_int(t) for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain an empty string")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def validate_prompt_token_ids(
+    token_ids: Sequence[int], *, vocab_size: int, max_model_len: int, name: str = "prompt"
+) -> None:
+    """Empty prompts, ids outside the vocabulary and prompts that leave no room to generate are errors."""
+    if len(token_ids) == 0:
+        raise ValueError(f"{name} is empty")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"{name} has {len(token_ids)} tokens; the model's context is {max_model_len} tokens "
+            f"and at least one must be left to generate"
+        )
+    for t in token_ids:
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise ValueError(f"{name} has token id {t!r} outside the vocabulary [0, {vocab_size})")
+
+
+def validate_params_for_model(params: SamplingParams, *, vocab_size: int, can_detokenize: bool) -> None:
+    """Checks that need the model: stop ids inside the vocabulary, stop strings need a tokenizer."""
+    for t in params.stop_token_ids:
+        if t >= vocab_size:
+            raise ValueError(f"stop_token_ids has id {t} outside the vocabulary [0, {vocab_size})")
+    if params.stop and not can_detokenize:
+        raise ValueError(
+            "stop strings need a tokenizer (this model directory has none, or detokenize is off)"
+        )

@@ -1,0 +1,295 @@
+"""Continuous-batching scheduler over a paged KV cache. Pure Python: imports no torch.
+
+``schedule()`` returns plain data (a prefill batch or a decode batch) and
+``postprocess()`` applies the sampled tokens, nano-vllm style.
+
+Policy:
+- Prefill first: while sequences wait, a step prefills them FIFO under the
+  token budget ``max_num_batched_tokens``. A prompt longer than what is left
+  of the budget is chunked (``start`` > 0 on later steps), so any prompt runs;
+  at most one sequence is partially prefilled at a time and it heads the queue.
+- Otherwise a step decodes up to ``max_num_seqs`` running sequences, oldest
+  first. When a sequence needs a block and none is free, the newest sequence
+  holding blocks is preempted (blocks freed, requeued to recompute prompt and
+  outputs); with no newer holder the sequence preempts itself. Nothing
+  deadlocks because every request fits the cache alone (checked at ``add``).
+- Finished and aborted sequences free their blocks at once.
+
+Block ownership: a sequence's blocks live in the BlockManager under its
+``seq_id``. ``add_prefilled`` takes over blocks someone else allocated under
+that id (a decode worker whose prompt KV arrived over the network); from then
+on the scheduler frees them on finish, abort and preemption.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Hashable, Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager, OutOfBlocksError
+from engine.params import SamplingParams
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int  # the model's context: positions [0, max_model_len)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+
+class BatchKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int  # positions [start, start + num_tokens) are computed this step
+    sample: bool  # this step ends at the sequence's last token, so a token is sampled
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids(self.start, self.start + self.num_tokens)
+
+
+@dataclass(frozen=True)
+class Batch:
+    kind: BatchKind
+    items: tuple[ScheduledSeq, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items)
+
+    @property
+    def sample_items(self) -> tuple[ScheduledSeq, ...]:
+        return tuple(it for it in self.items if it.sample)
+
+
+def check_stop(seq: Sequence, eos_token_ids: Iterable[int], max_model_len: int) -> FinishReason | None:
+    """Token-level stop check after a token is appended (stop strings are checked on text, elsewhere)."""
+    p = seq.params
+    n = seq.num_output_tokens
+    if n >= p.min_tokens:
+        last = seq.output_token_ids[-1]
+        if (not p.ignore_eos and last in eos_token_ids) or last in p.stop_token_ids:
+            return FinishReason.STOP
+    if n >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # ordered by arrival
+        self.running: list[Sequence] = []
+        self._seqs: dict[Hashable, Sequence] = {}
+        self._arrivals = 0
+        self.num_preemptions = 0  # since start, for metrics
+
+    # -- requests ------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """The request fits the context and, alone, the whole cache (so preemption always makes progress)."""
+        if num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; the context is {self.config.max_model_len} tokens"
+            )
+        bm = self.block_manager
+        need = bm.blocks_needed(min(num_prompt_tokens + params.max_tokens, self.config.max_model_len))
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks of {bm.block_size} tokens but the cache has "
+                f"{bm.num_blocks}: lower max_tokens or give the engine more KV memory"
+            )
+
+    def add(self, seq_id: Hashable, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
+        """Queue a new request; its prompt is prefilled by this engine."""
+        if seq_id in self._seqs or seq_id in self.block_manager:
+            raise ValueError(f"request id {seq_id!r} is already in use")
+        self.check_fits(len(prompt_token_ids), params)
+        seq = self._new_seq(seq_id, prompt_token_ids, params)
+        self.waiting.append(seq)  # newest arrival: the end keeps arrival order
+        return seq
+
+    def add_prefilled(
+        self, seq_id: Hashable, prompt_token_ids: Seq[int], first_token_id: int, params: SamplingParams
+    ) -> Sequence:
+        """Adopt a request whose prompt K/V already sit in blocks held under ``seq_id``.
+
+        ``first_token_id`` (sampled by the prefill side) is output token 0 and
+        goes through the same stop checks; the sequence may finish at once.
+        """
+        bm = self.block_manager
+        if seq_id in self._seqs:
+            raise ValueError(f"request id {seq_id!r} is already in use")
+        if seq_id not in bm or bm.capacity(seq_id) < len(prompt_token_ids):
+            raise ValueError(
+                f"request {seq_id!r} holds no blocks covering its {len(prompt_token_ids)} prompt tokens"
+            )
+        self.check_fits(len(prompt_token_ids), params)
+        seq = self._new_seq(seq_id, prompt_token_ids, params)
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._append(seq, first_token_id)
+        return seq
+
+    def _new_seq(self, seq_id: Hashable, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(seq_id, prompt_token_ids, params, arrival=self._arrivals)
+        self._arrivals += 1
+        self._seqs[seq_id] = seq
+        return seq
+
+    def get(self, seq_id: Hashable) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence and free its blocks now (idempotent)."""
+        if seq.is_finished:
+            return
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.block_manager.free(seq.seq_id)
+        self._seqs.pop(seq.seq_id, None)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+
+    def abort(self, seq_id: Hashable) -> bool:
+        """Abort a request and free its blocks, including blocks reserved under its id but never adopted."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+            return True
+        return self.block_manager.free(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    # -- scheduling ----------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """The next step's work, or None when there is nothing to run."""
+        items = self._schedule_prefill()
+        if items:
+            return Batch(BatchKind.PREFILL, tuple(items))
+        items = self._schedule_decode()
+        if items:
+            return Batch(BatchKind.DECODE, tuple(items))
+        return None
+
+    def _schedule_prefill(self) -> list[ScheduledSeq]:
+        cfg, budget = self.config, self.config.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        num_seqs = len(self.running)
+        while self.waiting and budget > 0 and num_seqs < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            if not self._reserve(seq, start + n):
+                break  # FIFO: later requests do not overtake one that waits for blocks
+            done = start + n == seq.num_tokens
+            items.append(ScheduledSeq(seq, start, n, sample=done))
+            budget -= n
+            num_seqs += 1
+            if not done:
+                break  # budget exhausted; this partial prefill stays at the head of the queue
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return items
+
+    def _schedule_decode(self) -> list[ScheduledSeq]:
+        self.running.sort(key=lambda s: s.arrival)
+        items: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and len(items) < self.config.max_num_seqs:
+            seq = self.running[i]
+            while not self._reserve(seq, seq.num_tokens):
+                victim = self._newest_holder_after(seq)
+                self._preempt(victim if victim is not None else seq)
+                if victim is None:
+                    break
+            else:
+                items.append(ScheduledSeq(seq, seq.num_tokens - 1, 1, sample=True))
+                i += 1
+        return items
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Cover ``num_tokens`` positions with blocks; False (nothing changed) when out of blocks."""
+        bm = self.block_manager
+        try:
+            if seq.seq_id in bm:
+                bm.grow(seq.seq_id, num_tokens)
+            else:
+                bm.allocate(seq.seq_id, num_tokens)
+        except OutOfBlocksError:
+            return False
+        return True
+
+    def _newest_holder_after(self, seq: Sequence) -> Sequence | None:
+        """The newest sequence newer than ``seq`` holding blocks: running ones or a partial prefill."""
+        cands = [s for s in self.running if s.arrival > seq.arrival]
+        cands += [s for s in self.waiting if s.arrival > seq.arrival and s.seq_id in self.block_manager]
+        return max(cands, key=lambda s: s.arrival, default=None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        # Arrival order keeps the invariant that a waiting sequence holding
+        # blocks (a partial prefill) is never behind one that holds none.
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    # -- results -------------------------------------------------------------
+    def postprocess(self, batch: Batch, token_ids: Seq[int]) -> list[Sequence]:
+        """Apply a step's results: ``token_ids`` has one sampled token per item of ``batch.sample_items``.
+
+        Returns the sequences that got a token, in batch order; finished ones
+        have ``finish_reason`` set and their blocks already freed.
+        """
+        if len(token_ids) != len(batch.sample_items):
+            raise ValueError(f"{len(batch.sample_items)} sequences sampled but {len(token_ids)} tokens given")
+        tokens = iter(token_ids)
+        out: list[Sequence] = []
+        for it in batch.items:
+            seq = it.seq
+            if seq.is_finished:  # aborted between schedule and postprocess
+                if it.sample:
+                    next(tokens)
+                continue
+            seq.num_computed_tokens = it.start + it.num_tokens
+            if it.sample:
+                self._append(seq, next(tokens))
+                out.append(seq)
+        return out
+
+    def _append(self, seq: Sequence, token_id: int) -> None:
+        seq.output_token_ids.append(token_id)
+        reason = check_stop(seq, self.config.eos_token_ids, self.config.max_model_len)
+        if reason is not None:
+            self.finish(seq, reason)

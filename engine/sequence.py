@@ -1,0 +1,77 @@
+"""One request's token sequence and its lifecycle. Pure Python.
+
+States: WAITING (queued; may hold blocks for a partially prefilled prompt) ->
+RUNNING (whole sequence but the last token is cached; decodes each step) ->
+FINISHED. Preemption sends a RUNNING sequence back to WAITING with its blocks
+freed and ``num_computed_tokens`` reset, so prompt and outputs are recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from collections.abc import Sequence as Seq
+
+from engine.params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # eos, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens, or the model's context is full
+    ABORT = "abort"
+
+
+class Sequence:
+    def __init__(self, seq_id: Hashable, prompt_token_ids: Seq[int], params: SamplingParams, arrival: int):
+        self.seq_id = seq_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival  # admission order; the newest running sequence is preempted first
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        # Tokens whose K/V are in the cache: always a prefix of token_ids.
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Tokens [start, end) of prompt + outputs."""
+        end = self.num_tokens if end is None else end
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

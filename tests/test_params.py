@@ -1,0 +1,88 @@
+"""SamplingParams: vLLM defaults, normalisation, and a ValueError naming the field for every bad value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (16, 1.0, 1.0, -1, None)
+    assert (p.stop, p.stop_token_ids, p.min_tokens, p.ignore_eos) == ((), (), 0, False)
+    assert not p.greedy
+    assert SamplingParams(temperature=0).greedy
+
+
+def test_lists_become_tuples_and_a_bare_stop_string_is_one_string():
+    p = SamplingParams(stop=["a", "bc"], stop_token_ids=[3, 4])
+    assert p.stop == ("a", "bc") and p.stop_token_ids == (3, 4)
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert hash(p) == hash(SamplingParams(stop=("a", "bc"), stop_token_ids=(3, 4)))
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SamplingParams().max_tokens = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": -1}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens"),  # > max_tokens (16)
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_edge_values_are_valid():
+    SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=1, min_tokens=1, seed=-3)
+    SamplingParams(top_p=1e-9, top_k=-1, temperature=100.0, seed=2**80)
+
+
+def test_prompt_validation_names_the_problem():
+    with pytest.raises(ValueError, match="empty"):
+        validate_prompt_token_ids([], vocab_size=10, max_model_len=8)
+    with pytest.raises(ValueError, match="context is 8"):
+        validate_prompt_token_ids(list(range(8)), vocab_size=10, max_model_len=8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        validate_prompt_token_ids([1, 10], vocab_size=10, max_model_len=8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        validate_prompt_token_ids([-1], vocab_size=10, max_model_len=8)
+    validate_prompt_token_ids(list(range(7)), vocab_size=10, max_model_len=8)
+
+
+def test_params_against_the_model():
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        validate_params_for_model(SamplingParams(stop_token_ids=[99]), vocab_size=10, can_detokenize=True)
+    with pytest.raises(ValueError, match="tokenizer"):
+        validate_params_for_model(SamplingParams(stop=["x"]), vocab_size=10, can_detokenize=False)
+    validate_params_for_model(
+        SamplingParams(stop=["x"], stop_token_ids=[9]), vocab_size=10, can_detokenize=True
+    )
