@@ -1,0 +1,382 @@
+"""``pdserve bench`` against an in-process fake ``Generation`` server (grpc.aio, no engine).
+
+The fake streams ``max_tokens`` tokens (4 when unset) after a message with no
+tokens: one token in the first token-bearing message, then chunks of 1, 2, 3, ...
+with a short sleep before each message. Its fate is fixed by the request, so a
+test predicts it from the seeded plan: a token prompt starting with an id
+``% 5 == 0`` fails with UNAVAILABLE after its first token, ``% 5 == 1`` finishes
+with "abort"; the text prompt "fail" fails the same way and "hang" never answers.
+The server runs on its own event loop in a thread, so ``main()`` (which runs its
+own loop) can be tested too; every test stops it, even on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.arrivals import ArrivalConfig
+from bench.datasets import DatasetName, TokenSpace, WorkloadConfig
+from bench.metrics import Slo
+from bench.plan import plan_run
+from bench.serve import BenchConfig, main, run_benchmark
+from proto import generation_pb2 as g
+from proto import generation_pb2_grpc
+
+CHUNKS = (1, 2, 3)
+SPACE = TokenSpace(vocab_size=500, excluded_ids=frozenset({0, 1, 2}))
+STEP_S = 0.002
+VLLM_KEYS = [
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "request_goodput",
+    "slo_attainment",
+] + [
+    f"{s}_{m}_ms"
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for s in ("mean", "median", "std", "p50", "p90", "p99")
+]
+RECORD_KEYS = {
+    "ttft_ms",
+    "itl_ms",
+    "e2el_ms",
+    "prompt_tokens",
+    "output_tokens",
+    "error",
+    "start_time",
+    "token_times",
+}
+
+
+def fate(req: g.GenerateRequest) -> str:
+    kind = req.WhichOneof("input")
+    if kind == "prompt_token_ids":
+        return {0: "fail", 1: "abort"}.get(req.prompt_token_ids.ids[0] % 5, "ok")
+    if kind == "prompt" and req.prompt in ("fail", "hang"):
+        return req.prompt
+    return "ok"
+
+
+def chunk_sizes(n: int) -> list[int]:
+    sizes, i = [1], 0
+    while sum(sizes) < n:
+        sizes.append(min(CHUNKS[i % len(CHUNKS)], n - sum(sizes)))
+        i += 1
+    return sizes[:n]
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServicer):
+    def __init__(self) -> None:
+        self.received: list[g.GenerateRequest] = []
+        self.cancelled: list[str] = []
+        self.cancel_seen = threading.Event()
+
+    async def Generate(self, request, context):  # noqa: N802 - the gRPC method name
+        self.received.append(request)
+        mode = fate(request)
+        s = request.sampling
+        n = s.max_tokens if s.HasField("max_tokens") else 4
+        kind = request.WhichOneof("input")
+        if kind == "prompt_token_ids":
+            prompt_tokens = len(request.prompt_token_ids.ids)
+        elif kind == "prompt":
+            prompt_tokens = len(request.prompt.split())
+        else:
+            prompt_tokens = sum(len(m.content.split()) for m in request.messages.messages)
+        try:
+            if mode == "hang":
+                await asyncio.sleep(60)  # the client's timeout cancels it long before
+            await asyncio.sleep(STEP_S)
+            yield g.GenerateResponse(request_id=request.request_id)  # no tokens: must not count as the first
+            sent = 0
+            for j, k in enumerate(chunk_sizes(n)):
+                if mode == "fail" and j == 1:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake: decode worker died")
+                await asyncio.sleep(STEP_S)
+                sent += k
+                last = sent == n
+                yield g.GenerateResponse(
+                    request_id=request.request_id,
+                    token_ids=list(range(sent - k, sent)),
+                    text="x" * k,
+                    finish_reason=("abort" if mode == "abort" else "length") if last else "",
+                    usage=g.Usage(prompt_tokens=prompt_tokens, completion_tokens=n) if last else None,
+                )
+            if mode == "fail":  # one-token requests fail after their only token
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "fake: decode worker died")
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            self.cancel_seen.set()
+            raise
+
+
+@contextlib.contextmanager
+def fake_router(servicer: FakeGeneration) -> Iterator[str]:
+    """Serve ``servicer`` on 127.0.0.1 from a thread with its own event loop; yields the address."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-router", daemon=True)
+    thread.start()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server = None
+    try:
+        server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if server is not None:
+            asyncio.run_coroutine_threadsafe(server.stop(grace=None), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.fixture
+def fake():
+    servicer = FakeGeneration()
+    with fake_router(servicer) as address:
+        yield servicer, address
+
+
+def _config(address: str, **kw) -> BenchConfig:
+    base = dict(
+        router=address,
+        workload=WorkloadConfig(input_len=16, output_len=6, range_ratio=0.5),
+        arrivals=ArrivalConfig(request_rate=400.0),
+        num_prompts=24,
+        seed=7,
+        connect_timeout_s=10.0,
+        request_timeout_s=30.0,
+    )
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def _measured(servicer: FakeGeneration) -> dict[int, g.GenerateRequest]:
+    """Measured requests by index (their ids end in -<index>; warmup ids in -w-<index>)."""
+    return {int(r.request_id.rsplit("-", 1)[1]): r for r in servicer.received if "-w-" not in r.request_id}
+
+
+def _recompute(records: list[dict], slo: dict[str, float]) -> dict:
+    """The aggregate figures from the per-request timestamps alone, independently of bench.metrics."""
+    ttft, tpot, itl, e2el, good = [], [], [], [], 0
+    for r in records:
+        if r["error"] is not None:
+            continue
+        times, counts = r["token_times"], r["token_counts"]
+        t_first = times[0] - r["start_time"]
+        total = r["end_time"] - r["start_time"]
+        gaps = [(b - a) / k for a, b, k in zip(times, times[1:], counts[1:], strict=False) for _ in range(k)]
+        n_out = sum(counts)
+        per_token = (total - t_first) / (n_out - 1) if n_out > 1 else None
+        ttft.append(t_first * 1e3)
+        e2el.append(total * 1e3)
+        itl.extend(x * 1e3 for x in gaps)
+        if per_token is not None:
+            tpot.append(per_token * 1e3)
+        measured = {"ttft": t_first * 1e3, "tpot": (per_token or 0.0) * 1e3, "e2el": total * 1e3}
+        good += all(measured[k] <= v for k, v in slo.items())
+    ok = [r for r in records if r["error"] is None]
+    duration = max(r["end_time"] for r in records)
+    out = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": sum(r["prompt_tokens"] for r in ok),
+        "total_output_tokens": sum(sum(r["token_counts"]) for r in ok),
+        "duration": duration,
+        "request_goodput": good / duration,
+        "slo_attainment": good / len(records),
+    }
+    out["request_throughput"] = out["completed"] / duration
+    out["output_throughput"] = out["total_output_tokens"] / duration
+    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        out[f"mean_{name}_ms"] = float(np.mean(xs))
+        out[f"median_{name}_ms"] = float(np.median(xs))
+        out[f"std_{name}_ms"] = float(np.std(xs))
+        for p in (50, 90, 99):
+            out[f"p{p}_{name}_ms"] = float(np.percentile(xs, p))
+    return out
+
+
+def test_saved_result_matches_figures_recomputed_from_timestamps(fake, tmp_path):
+    servicer, address = fake
+    slo = {"ttft": 20.0, "tpot": 10.0}
+    config = _config(address, warmup=3, max_concurrency=5, slo=Slo(ttft_ms=20.0, tpot_ms=10.0))
+    result = asyncio.run(run_benchmark(config, token_space=SPACE))
+    path = tmp_path / "out" / "result.json"
+    result.save(path)
+    doc = json.loads(path.read_text())
+
+    for key in VLLM_KEYS:
+        assert key in doc, key
+    assert doc["config"]["seed"] == 7 and doc["config"]["request_rate"] == 400.0
+    assert doc["config"]["cpu_count"] == os.cpu_count() and doc["config"]["max_concurrency"] == 5
+    assert doc["goodput_slo"] == slo and doc["warmup_requests"] == 3
+
+    # The server saw the warmup first, then exactly the planned measured stream.
+    plan = plan_run(config.workload, config.arrivals, 24, 3, 7, SPACE)
+    assert sum("-w-" in r.request_id for r in servicer.received) == 3
+    assert all("-w-" in r.request_id for r in servicer.received[:3])
+    sent = _measured(servicer)
+    assert sorted(sent) == list(range(24))
+    for i, sample in enumerate(plan.requests):
+        assert tuple(sent[i].prompt_token_ids.ids) == sample.prompt_token_ids
+        assert sent[i].sampling.max_tokens == sample.output_len and sent[i].sampling.ignore_eos
+
+    records = doc["requests"]
+    assert [r["index"] for r in records] == list(range(24))
+    for r, sample, at in zip(records, plan.requests, plan.send_times, strict=True):
+        assert RECORD_KEYS <= set(r)
+        assert r["scheduled_time"] == at
+        expected = fate(sent[r["index"]])
+        if expected == "ok":
+            assert r["error"] is None and r["finish_reason"] == "length"
+            assert r["token_counts"] == chunk_sizes(sample.output_len)
+            assert r["output_tokens"] == sample.output_len and r["prompt_tokens"] == sample.prompt_len
+        elif expected == "fail":
+            assert r["error"].startswith("UNAVAILABLE") and "decode worker died" in r["error"]
+        else:
+            assert "abort" in r["error"]
+        # Each record's own figures follow from its timestamps.
+        if r["error"] is None:
+            assert r["ttft_ms"] == pytest.approx((r["token_times"][0] - r["start_time"]) * 1e3)
+            assert r["e2el_ms"] == pytest.approx((r["end_time"] - r["start_time"]) * 1e3)
+            assert len(r["itl_ms"]) == r["output_tokens"] - 1
+            assert sum(r["itl_ms"]) == pytest.approx((r["token_times"][-1] - r["token_times"][0]) * 1e3)
+    fates = [fate(sent[i]) for i in range(24)]
+    assert 0 < doc["failed"] == sum(f != "ok" for f in fates) < 24
+
+    expected = _recompute(records, slo)
+    for key, value in expected.items():
+        assert doc[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+
+    # --max-concurrency: never more than 5 streams open at once.
+    events = sorted([(r["start_time"], 1) for r in records] + [(r["end_time"], -1) for r in records])
+    assert max(np.cumsum([d for _, d in events])) <= 5
+
+
+def test_same_seed_same_request_stream(fake):
+    servicer, address = fake
+
+    def run(seed: int) -> tuple[list, list[float]]:
+        servicer.received.clear()
+        config = _config(address, num_prompts=8, seed=seed, arrivals=ArrivalConfig(200.0, burstiness=0.5))
+        result = asyncio.run(run_benchmark(config, token_space=SPACE))
+        sent = _measured(servicer)
+        stream = [(tuple(sent[i].prompt_token_ids.ids), sent[i].sampling.max_tokens) for i in range(8)]
+        return stream, [r.scheduled_time for r in result.records]
+
+    first, second, other = run(3), run(3), run(4)
+    assert first == second
+    assert first[0] != other[0] and first[1] != other[1]
+
+
+def test_timeouts_and_errors_are_recorded_not_raised(fake, tmp_path):
+    servicer, address = fake
+    path = tmp_path / "w.jsonl"
+    lines = [
+        {"prompt": "hang"},
+        {"prompt": "fail"},
+        {"prompt": "one two three", "output_len": 5},
+        {"messages": [{"role": "user", "content": "hi there"}], "output_len": 2},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    config = _config(
+        address,
+        workload=WorkloadConfig(DatasetName.JSONL, output_len=3, dataset_path=path),
+        arrivals=ArrivalConfig(),
+        num_prompts=4,
+        request_timeout_s=0.5,
+    )
+    result = asyncio.run(run_benchmark(config))
+    sent = _measured(servicer)
+    by_kind = {(sent[r.index].prompt or "chat"): r for r in result.records}
+    hung = by_kind["hang"]
+    assert hung.error is not None and ("timeout" in hung.error or "DEADLINE_EXCEEDED" in hung.error)
+    assert by_kind["fail"].error is not None and by_kind["fail"].error.startswith("UNAVAILABLE")
+    assert by_kind["one two three"].ok and by_kind["one two three"].output_tokens == 5
+    assert by_kind["one two three"].prompt_tokens == 3  # from the server's usage
+    chat = by_kind["chat"]
+    assert chat.ok and chat.output_tokens == 2 and chat.prompt_tokens == 2
+    assert [(m.role, m.content) for m in sent[chat.index].messages.messages] == [("user", "hi there")]
+    assert result.metrics["completed"] == 2 and result.metrics["failed"] == 2
+    # The stuck stream was cancelled: the server saw it go.
+    assert servicer.cancel_seen.wait(timeout=10)
+    assert servicer.cancelled == [hung.request_id]
+
+
+def test_cli_prints_summary_and_saves(fake, tmp_path, capsys):
+    from router.cluster import ClusterState, ProcessEntry, save_state
+
+    servicer, address = fake
+    data = tmp_path / "w.jsonl"
+    data.write_text('{"prompt": "a b"}\n{"prompt": "c d e", "output_len": 2}\n')
+    state_dir = tmp_path / "cluster"
+    entry = ProcessEntry(id="router", pid=1, log="router.log")
+    save_state(
+        state_dir, ClusterState(address, entry, model="tiny-model", dtype="float32", threads=1, host="h")
+    )
+    out = tmp_path / "r.json"
+    argv = ["--state-dir", str(state_dir), "--dataset-path", str(data), "--num-prompts", "5", "--warmup", "1"]
+    argv += [
+        "--no-progress",
+        "--request-rate",
+        "100",
+        "--goodput",
+        "ttft:1000",
+        "tpot:1000",
+        "--save-result",
+        str(out),
+    ]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "Serving Benchmark Result" in stdout and "Request goodput (req/s):" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["completed"] == 5 and len(doc["requests"]) == 5 and doc["config"]["router"] == address
+    assert doc["config"]["model"] == "tiny-model" and doc["config"]["dataset_name"] == "jsonl"
+    assert len(servicer.received) == 6
+
+
+def test_cli_reports_an_unreachable_router(tmp_path, capsys):
+    with contextlib.closing(__import__("socket").socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        argv = [
+            "--router",
+            f"127.0.0.1:{port}",
+            "--dataset-path",
+            str(_one_line(tmp_path)),
+            "--num-prompts",
+            "1",
+        ]
+        assert main([*argv, "--connect-timeout", "0.5", "--no-progress"]) == 1
+    assert "not reachable" in capsys.readouterr().err
+    assert main(["--state-dir", str(tmp_path / "none"), "--no-progress"]) == 1
+    assert "no cluster in" in capsys.readouterr().err
+
+
+def _one_line(tmp_path: Path) -> Path:
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"prompt": "x"}\n')
+    return path
