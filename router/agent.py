@@ -1,0 +1,181 @@
+"""The worker side of the control plane: register with the router, heartbeat, obey drain.
+
+Every worker process runs one ``RouterAgent``:
+
+    register (retried until the router answers, bounded by register_timeout_s)
+    -> a first heartbeat at once (the router marks a worker READY on its heartbeat)
+    -> heartbeat every interval the router asked for, with a load snapshot
+       from the ``load`` callback
+         - answer ``known=False`` (the router restarted or expired us): register again
+         - answer ``drain=True``: call ``on_drain`` once (the worker drains and exits)
+         - router unreachable: keep trying each interval (the router may be restarting)
+    -> ``close``: stop heartbeating, deregister (bounded)
+
+``run_worker`` strings a ``WorkerShell`` and an agent together for a pool's ``serve``.
+Imports only grpc, the protos and ``router.worker_shell``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from proto import worker_pb2, worker_pb2_grpc
+from router.worker_shell import WorkerShell
+
+log = logging.getLogger(__name__)
+
+# gRPC's default reconnect backoff starts at 1 s: a worker started together with the router
+# would idle that long after the router came up. Retry the connection sooner.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    router_address: str
+    # Registration retries for this long (the router may still be starting), then fails.
+    register_timeout_s: float = 60.0
+    retry_interval_s: float = 0.2
+    rpc_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.router_address:
+            raise ValueError("router_address must not be empty")
+        if self.register_timeout_s <= 0 or self.retry_interval_s <= 0 or self.rpc_timeout_s <= 0:
+            raise ValueError("register_timeout_s, retry_interval_s and rpc_timeout_s must be > 0")
+
+
+class RegistrationError(RuntimeError):
+    pass
+
+
+class RouterAgent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        info: worker_pb2.WorkerInfo,
+        load: Callable[[], worker_pb2.WorkerLoad],
+        on_drain: Callable[[], object],
+    ) -> None:
+        """``load`` returns the worker's current load (worker_id is filled in here); ``on_drain``
+        may return an awaitable."""
+        self.config = config
+        self.info = info
+        self._load = load
+        self._on_drain = on_drain
+        self.interval_s = 0.5
+        self.drain_requested = False
+        self.registrations = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.RegistryStub | None = None
+        self._task: asyncio.Task | None = None
+
+    def _registry(self) -> worker_pb2_grpc.RegistryStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.config.router_address, options=_CHANNEL_OPTIONS)
+            self._stub = worker_pb2_grpc.RegistryStub(self._channel)
+        return self._stub
+
+    async def register(self) -> None:
+        """Register, retrying while the router is unreachable; then send the first heartbeat.
+
+        Raises RegistrationError when the router rejects the worker or does not answer in time.
+        """
+        cfg = self.config
+        give_up = time.monotonic() + cfg.register_timeout_s
+        while True:
+            try:
+                await self._register_once()
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise RegistrationError(
+                        f"router {cfg.router_address} rejected {self.info.worker_id}: "
+                        f"{e.code().name}: {e.details()}"
+                    ) from e
+                if time.monotonic() + cfg.retry_interval_s > give_up:
+                    raise RegistrationError(
+                        f"router {cfg.router_address} did not answer within {cfg.register_timeout_s}s"
+                    ) from e
+                await asyncio.sleep(cfg.retry_interval_s)
+        await self._heartbeat_once()
+
+    def start(self) -> None:
+        """Heartbeat in the background until ``close``."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    async def close(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if deregister and self.registrations:
+            try:
+                await self._registry().Deregister(self.info, timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                log.warning("deregister of %s failed: %s", self.info.worker_id, e.code().name)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def _register_once(self) -> None:
+        resp = await self._registry().Register(self.info, timeout=self.config.rpc_timeout_s)
+        if resp.heartbeat_interval_s > 0:
+            self.interval_s = resp.heartbeat_interval_s
+        self.registrations += 1
+
+    async def _heartbeat_once(self) -> None:
+        load = self._load()
+        load.worker_id = self.info.worker_id
+        resp = await self._registry().Heartbeat(load, timeout=self.config.rpc_timeout_s)
+        if not resp.known:
+            log.info("router does not know %s; registering again", self.info.worker_id)
+            await self._register_once()
+            return
+        if resp.drain and not self.drain_requested:
+            self.drain_requested = True
+            log.info("router asked %s to drain", self.info.worker_id)
+            result = self._on_drain()
+            if inspect.isawaitable(result):
+                await result
+
+    async def _heartbeat_loop(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._heartbeat_once()
+                failing = False
+            except grpc.aio.AioRpcError as e:
+                # Logged once per outage, not once per beat.
+                if not failing:
+                    log.warning("heartbeat to %s failed: %s", self.config.router_address, e.code().name)
+                failing = True
+
+
+async def run_worker(shell: WorkerShell, agent: RouterAgent) -> None:
+    """A started, SERVING shell joins the cluster and serves until it has drained; then it leaves.
+
+    Drain comes from the router (heartbeat answer), a signal (``shell.install_signal_handlers``) or the
+    pool's Drain RPC calling ``shell.begin_drain``.
+    """
+    await agent.register()
+    agent.start()
+    try:
+        await shell.wait_stopped()
+    finally:
+        await agent.close()

@@ -1,0 +1,314 @@
+"""The ``pdserve`` command line.
+
+Local cluster (background processes, found again through ``--state-dir``):
+    up, scale, status, generate, down
+Foreground pieces for deployments:
+    router, worker
+
+Environment is read here only (``engine.env.EngineEnv``: the model cache directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import grpc
+
+from router import client, cluster, cluster_cmds
+from router.config import DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, RouterConfig
+from router.registry import Role
+from router.worker_shell import WorkerArgs
+
+DEFAULT_STATE_DIR = ".pdserve"
+# ``pdserve worker --role R`` runs ``serve(args: WorkerArgs)`` from this module.
+POOL_MODULES = {
+    Role.PREFILL: "prefill_pool.worker",
+    Role.DECODE: "decode_pool.worker",
+    Role.BOTH: "decode_pool.worker",
+}
+
+
+def _nonneg(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def _state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(DEFAULT_STATE_DIR),
+        help=f"where `up` keeps the cluster's state file and logs (default ./{DEFAULT_STATE_DIR})",
+    )
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model name or path (default: %(default)s)")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="model cache (default: $PDSERVE_CACHE_DIR or user cache)"
+    )
+
+
+def _router_tuning(p: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    p.add_argument("--max-waiting", type=_nonneg, default=d.max_waiting, help="router queue bound")
+    p.add_argument(
+        "--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds a request may wait"
+    )
+    p.add_argument(
+        "--local-prefill-threshold",
+        type=_nonneg,
+        default=d.local_prefill_threshold,
+        help="prompts shorter than this many tokens prefill on the decode worker",
+    )
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
+    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="deadline for requests that set none (0: none)",
+    )
+
+
+def _worker_tuning(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--kv-blocks", type=_nonneg, default=0, help="KV cache blocks (0: from --kv-cache-mib or default)"
+    )
+    p.add_argument(
+        "--kv-cache-mib", type=_nonneg, default=0, help="KV cache size in MiB (0: the engine default)"
+    )
+    p.add_argument("--max-running", type=int, default=64, help="decode batch bound")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill token budget per step")
+    p.add_argument(
+        "--worker-module",
+        default=None,
+        help="module whose `async serve(args: WorkerArgs)` runs the worker (default: the role's pool)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start a router and workers as local background processes")
+    p.add_argument("--prefill", type=_nonneg, default=1)
+    p.add_argument("--decode", type=_nonneg, default=1)
+    p.add_argument("--colocated", type=_nonneg, default=0, help="workers that prefill and decode (role both)")
+    _model_args(p)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: cores / workers, at least 1)",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for everything to be ready")
+    _router_tuning(p)
+    _worker_tuning(p)
+    _state_dir(p)
+
+    p = sub.add_parser("scale", help="grow or shrink the pools of the local cluster")
+    p.add_argument("--prefill", type=_nonneg, default=None)
+    p.add_argument("--decode", type=_nonneg, default=None)
+    p.add_argument("--colocated", type=_nonneg, default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for new workers / drains")
+    _state_dir(p)
+
+    p = sub.add_parser("status", help="workers, their state and load")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--router", default=None, help="router address (default: from the state file)")
+    _state_dir(p)
+
+    p = sub.add_parser("generate", help="stream a completion to stdout")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="one JSON object per streamed message")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--router", default=None, help="router address (default: from the state file)")
+    _state_dir(p)
+
+    p = sub.add_parser("down", help="stop the local cluster: drain, SIGTERM, then SIGKILL")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds workers get to drain")
+    _state_dir(p)
+
+    p = sub.add_parser("router", help="run the router in the foreground")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    _model_args(p)
+    _router_tuning(p)
+    _state_dir(p)
+
+    p = sub.add_parser("worker", help="run a worker in the foreground")
+    p.add_argument("--role", choices=[r.value for r in Role], required=True)
+    p.add_argument("--router", required=True, help="the router's address, host:port")
+    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--port", type=_nonneg, default=0, help="0: pick a free port")
+    _model_args(p)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
+    p.add_argument("--drain-timeout", type=float, default=300.0)
+    _worker_tuning(p)
+    _state_dir(p)
+    return parser
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    from engine.env import EngineEnv
+
+    cache_dir = args.cache_dir or EngineEnv.from_environ().cache_dir
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        cache_dir=cache_dir,
+        max_waiting=args.max_waiting,
+        queue_timeout_s=args.queue_timeout,
+        local_prefill_threshold=args.local_prefill_threshold,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) -> WorkerArgs:
+    from engine.env import EngineEnv
+
+    role = Role(args.role)
+    return WorkerArgs(
+        role=role,
+        router=args.router,
+        worker_id=args.worker_id or f"{role.value}-{hostname}-{pid}",
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        dtype=args.dtype,
+        threads=args.threads or cluster.default_threads(1, cpus),
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        max_running=args.max_running,
+        max_batched_tokens=args.max_batched_tokens,
+        cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+# ---- foreground pieces --------------------------------------------------------------------------------
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from router.server import main as serve_router
+
+    try:
+        serve_router(router_config(args))
+    except (ValueError, OSError) as e:
+        # A model that does not resolve or load: one line for `up` to show, not a traceback.
+        print(f"pdserve router: cannot serve model {args.model!r}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import importlib
+    import os
+    import socket
+
+    wargs = worker_args(args, socket.gethostname(), os.getpid(), os.cpu_count() or 1)
+    module_name = args.worker_module or POOL_MODULES[wargs.role]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        print(
+            f"pdserve worker: the {wargs.role.value} pool ({module_name}) is not available: {e}",
+            file=sys.stderr,
+        )
+        return 2
+    import torch
+    import uvloop
+
+    # Set before the model loads: every worker shares the machine's cores with the others.
+    torch.set_num_threads(wargs.threads)
+    uvloop.run(module.serve(wargs))
+    return 0
+
+
+# ---- the local cluster --------------------------------------------------------------------------------
+
+
+def _router_address(args: argparse.Namespace) -> str:
+    if getattr(args, "router", None):
+        return args.router
+    state = cluster.load_state(args.state_dir)
+    if state is None:
+        raise cluster.ClusterError(
+            f"no cluster in {args.state_dir} (run `pdserve up` there first, or pass --router)"
+        )
+    return state.router_address
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    address = _router_address(args)
+    doc = client.status_dict(cluster.cluster_status(address))
+    print(json.dumps(doc, indent=2) if args.json else client.status_table(doc), flush=True)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    req = client.build_request(
+        args.prompt,
+        chat=args.chat,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    client.print_stream(
+        client.stream(_router_address(args), req, args.timeout), sys.stdout, sys.stderr, args.json
+    )
+    return 0
+
+
+COMMANDS = {
+    "up": cluster_cmds.cmd_up,
+    "scale": cluster_cmds.cmd_scale,
+    "status": cmd_status,
+    "generate": cmd_generate,
+    "down": cluster_cmds.cmd_down,
+    "router": cmd_router,
+    "worker": cmd_worker,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("router", "worker"):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except cluster.ClusterError as e:
+        cluster_cmds.say(f"pdserve {args.command}: {e}")
+        return 1
+    except grpc.RpcError as e:
+        cluster_cmds.say(f"pdserve {args.command}: {e.code().name}: {e.details()}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

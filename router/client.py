@@ -1,0 +1,156 @@
+"""Client side of the CLI: ``status`` (JSON and table) and ``generate`` (streaming)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf import json_format
+
+from proto import generation_pb2, generation_pb2_grpc, worker_pb2
+
+ROLE_NAMES = {
+    worker_pb2.ROLE_PREFILL: "prefill",
+    worker_pb2.ROLE_DECODE: "decode",
+    worker_pb2.ROLE_BOTH: "both",
+}
+STATE_NAMES = {
+    worker_pb2.WORKER_STATE_LOADING: "loading",
+    worker_pb2.WORKER_STATE_READY: "ready",
+    worker_pb2.WORKER_STATE_DRAINING: "draining",
+    worker_pb2.WORKER_STATE_STOPPED: "stopped",
+}
+
+
+def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None) -> dict[str, Any]:
+    """The ``pdserve status --json`` document (output only: it never crosses back into a process)."""
+    now_unix = time.time() if now_unix is None else now_unix
+    workers = []
+    for e in status.workers:
+        info, load = e.info, e.load
+        workers.append(
+            {
+                "id": info.worker_id,
+                "role": ROLE_NAMES.get(info.role, "unknown"),
+                "address": info.address,
+                "state": STATE_NAMES.get(load.state, "unknown"),
+                "running": load.running,
+                "queued": load.queued,
+                "kv_blocks_used": load.kv_blocks_used,
+                "kv_blocks_total": load.kv_blocks_total,
+                "metrics_url": info.metrics_url,
+                "queued_prefill_tokens": load.queued_prefill_tokens,
+                "model": info.model,
+                "dtype": info.dtype,
+                "pid": info.pid,
+                "heartbeat_age_s": round(max(now_unix - e.last_heartbeat_unix, 0.0), 3),
+            }
+        )
+    by_role: dict[str, int] = {}
+    for w in workers:
+        by_role[w["role"]] = by_role.get(w["role"], 0) + 1
+    totals = {
+        "workers": len(workers),
+        "by_role": by_role,
+        "ready": sum(w["state"] == "ready" for w in workers),
+        **{k: sum(w[k] for w in workers) for k in ("running", "queued", "kv_blocks_used", "kv_blocks_total")},
+    }
+    router = {
+        "address": status.router_address,
+        "requests_running": status.requests_running,
+        "requests_waiting": status.requests_waiting,
+    }
+    return {"router": router, "workers": workers, "totals": totals}
+
+
+def status_table(doc: dict[str, Any]) -> str:
+    r, t = doc["router"], doc["totals"]
+    lines = [f"router {r['address']}: {r['requests_running']} running, {r['requests_waiting']} waiting"]
+    head = ("ID", "ROLE", "STATE", "ADDRESS", "RUNNING", "QUEUED", "KV USED/TOTAL", "METRICS")
+    rows = [head] + [
+        (
+            w["id"],
+            w["role"],
+            w["state"],
+            w["address"],
+            str(w["running"]),
+            str(w["queued"]),
+            f"{w['kv_blocks_used']}/{w['kv_blocks_total']}",
+            w["metrics_url"] or "-",
+        )
+        for w in doc["workers"]
+    ]
+    rows.append(
+        (
+            "TOTAL",
+            f"{t['workers']} workers",
+            f"{t['ready']} ready",
+            "",
+            str(t["running"]),
+            str(t["queued"]),
+            f"{t['kv_blocks_used']}/{t['kv_blocks_total']}",
+            "",
+        )
+    )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines += ["  ".join(c.ljust(wd) for c, wd in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def build_request(
+    prompt: str,
+    *,
+    chat: bool,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+    stop: list[str],
+) -> generation_pb2.GenerateRequest:
+    sampling = generation_pb2.SamplingParams(stop=stop)
+    # Only what the user set: unset fields keep the engine defaults.
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("seed", seed),
+    ):
+        if value is not None:
+            setattr(sampling, name, value)
+    if chat:
+        messages = generation_pb2.ChatMessages(
+            messages=[generation_pb2.ChatMessage(role="user", content=prompt)]
+        )
+        return generation_pb2.GenerateRequest(messages=messages, sampling=sampling)
+    return generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+
+
+def stream(
+    address: str, request: generation_pb2.GenerateRequest, timeout_s: float
+) -> Iterator[generation_pb2.GenerateResponse]:
+    with grpc.insecure_channel(address) as channel:
+        yield from generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s)
+
+
+def print_stream(
+    responses: Iterator[generation_pb2.GenerateResponse], out: TextIO, err: TextIO, as_json: bool
+) -> None:
+    """Text (or JSON lines) to ``out`` as it arrives; the finish summary to ``err``."""
+    last = None
+    for m in responses:
+        last = m
+        if as_json:
+            doc = json_format.MessageToDict(m, preserving_proto_field_name=True)
+            out.write(json.dumps(doc) + "\n")
+        else:
+            out.write(m.text)
+        out.flush()
+    if not as_json:
+        out.write("\n")
+        out.flush()
+        if last is not None and last.finish_reason:
+            u = last.usage
+            err.write(f"[{last.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} out]\n")

@@ -1,0 +1,331 @@
+"""A local cluster of background processes: the state file, spawning, readiness, scaling, stopping.
+
+``pdserve up`` writes ``<state-dir>/cluster.json`` (``ClusterState``) before it
+waits for anything, so ``down`` can always find what ``up`` started. Every
+process is started in its own session (``start_new_session``) with its log in
+``<state-dir>/logs/``; it is stopped by its pid only (after checking the pid
+still runs ``router.cli``, so a reused pid is never signalled).
+
+Removing a worker (``scale`` down, ``down``): the router's DrainWorker (the
+worker stops taking requests, finishes in-flight ones, deregisters, exits),
+then SIGTERM, then SIGKILL, each step bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import grpc
+import msgspec
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import worker_pb2, worker_pb2_grpc
+from router.registry import Role
+
+STATE_FILE = "cluster.json"
+GENERATION_SERVICE = "pdserve.v1.Generation"
+_POLL_S = 0.2
+_RPC_TIMEOUT_S = 2.0
+
+
+class ProcessEntry(msgspec.Struct, frozen=True):
+    id: str
+    pid: int
+    start: int  # start time (clock ticks since boot): with the pid, identifies the process
+    log: str
+    role: Role | None = None  # None: the router
+
+
+class ClusterState(msgspec.Struct, frozen=True):
+    router_address: str
+    router: ProcessEntry
+    model: str
+    dtype: str
+    threads: int
+    host: str
+    worker_flags: tuple[str, ...] = ()  # tuning flags every worker of this cluster is started with
+    workers: tuple[ProcessEntry, ...] = ()
+    next_index: int = 1  # worker ids are never reused within a cluster's life
+    version: int = 1
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def state_path(state_dir: Path) -> Path:
+    return Path(state_dir) / STATE_FILE
+
+
+def load_state(state_dir: Path) -> ClusterState | None:
+    path = state_path(state_dir)
+    if not path.is_file():
+        return None
+    return msgspec.json.decode(path.read_bytes(), type=ClusterState)
+
+
+def save_state(state_dir: Path, state: ClusterState) -> None:
+    """Atomic: a reader sees the old file or the new one."""
+    path = state_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(state), indent=2))
+    os.replace(tmp, path)
+
+
+def remove_state(state_dir: Path) -> None:
+    state_path(state_dir).unlink(missing_ok=True)
+
+
+def default_threads(n_workers: int, cpus: int | None = None) -> int:
+    """Torch threads per worker: the cores shared evenly, at least one each.
+
+    On the 2-core reference machine two or more workers get 1 thread each, so
+    they do not oversubscribe the cores and slow each other down; a single
+    worker gets both.
+    """
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, cpus // max(n_workers, 1))
+
+
+# ---- processes ----------------------------------------------------------------------------------------
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process, or None when there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[19])
+
+
+def spawn(
+    entry_id: str, argv: Sequence[str], log_path: Path, env: dict[str, str], role: Role | None = None
+) -> ProcessEntry:
+    """Start a background process in its own session, output to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    stat = _stat(proc.pid)
+    return ProcessEntry(id=entry_id, pid=proc.pid, start=stat[1] if stat else 0, log=str(log_path), role=role)
+
+
+def alive(p: ProcessEntry) -> bool:
+    """True while the process ``p`` describes runs: same pid and start time, so a reused pid is not it."""
+    try:
+        os.waitpid(p.pid, os.WNOHANG)  # reaps it when it is our own exited child
+    except ChildProcessError:
+        pass
+    stat = _stat(p.pid)
+    return stat is not None and stat[0] != "Z" and stat[1] == p.start
+
+
+def send(p: ProcessEntry, sig: int) -> None:
+    if alive(p):
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_exit(procs: Iterable[ProcessEntry], timeout_s: float) -> list[ProcessEntry]:
+    """Wait (bounded) for the processes to exit; returns those still alive."""
+    pending = list(procs)
+    give_up = time.monotonic() + timeout_s
+    while pending:
+        pending = [p for p in pending if alive(p)]
+        if not pending or time.monotonic() > give_up:
+            break
+        time.sleep(_POLL_S)
+    return pending
+
+
+def stop_processes(
+    procs: Sequence[ProcessEntry], term_timeout_s: float, kill_timeout_s: float = 5.0
+) -> list[str]:
+    """SIGTERM, wait, SIGKILL what is left. Returns the ids of those that had to be killed."""
+    for p in procs:
+        send(p, signal.SIGTERM)
+    stuck = wait_exit(procs, term_timeout_s)
+    for p in stuck:
+        send(p, signal.SIGKILL)
+    wait_exit(stuck, kill_timeout_s)
+    return [p.id for p in stuck]
+
+
+def log_tail(path: str | Path, lines: int = 30) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ---- talking to the router ----------------------------------------------------------------------------
+
+
+def cluster_status(address: str, timeout_s: float = _RPC_TIMEOUT_S) -> worker_pb2.ClusterStatus:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.RegistryStub(channel).GetClusterStatus(worker_pb2.Empty(), timeout=timeout_s)
+
+
+def drain_worker(address: str, worker_id: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.RegistryStub(channel)
+        return stub.DrainWorker(
+            worker_pb2.DrainWorkerRequest(worker_id=worker_id), timeout=_RPC_TIMEOUT_S
+        ).found
+
+
+def router_serving(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=_RPC_TIMEOUT_S
+            )
+    except grpc.RpcError:
+        return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_ready(
+    state: ClusterState,
+    worker_ids: set[str],
+    timeout_s: float,
+    progress: Callable[[str], None] = lambda _: None,
+) -> None:
+    """Wait until the router serves and every worker in ``worker_ids`` is READY.
+
+    Raises ClusterError naming the process whose exit (or the timeout) ended the wait, with its log tail.
+    """
+    give_up = time.monotonic() + timeout_s
+    procs = [state.router] + [w for w in state.workers if w.id in worker_ids]
+    last = ""
+    while True:
+        for p in procs:
+            if not alive(p):
+                raise ClusterError(
+                    f"{p.id} (pid {p.pid}) exited while starting; last lines of {p.log}:\n{log_tail(p.log)}"
+                )
+        waiting = _not_ready(state.router_address, worker_ids)
+        if not waiting:
+            return
+        note = f"waiting for: {', '.join(sorted(waiting))}"
+        if note != last:
+            progress(note)
+            last = note
+        if time.monotonic() > give_up:
+            tails = "\n".join(
+                f"--- {p.id} ({p.log}):\n{log_tail(p.log, 15)}" for p in procs if p.id in waiting
+            )
+            raise ClusterError(f"not ready after {timeout_s:.0f}s: {', '.join(sorted(waiting))}\n{tails}")
+        time.sleep(_POLL_S)
+
+
+def _not_ready(address: str, worker_ids: set[str]) -> set[str]:
+    if not router_serving(address):
+        return {"router", *worker_ids}
+    try:
+        status = cluster_status(address)
+    except grpc.RpcError:
+        return {"router", *worker_ids}
+    ready = {e.info.worker_id for e in status.workers if e.load.state == worker_pb2.WORKER_STATE_READY}
+    return worker_ids - ready
+
+
+# ---- commands -----------------------------------------------------------------------------------------
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # OpenMP sizes its pool at start: match torch's thread count so workers do not oversubscribe cores.
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router.cli", *args]
+
+
+def spawn_router(
+    state_dir: Path, host: str, port: int, model: str, router_args: Sequence[str]
+) -> ProcessEntry:
+    log = state_dir / "logs" / "router.log"
+    argv = _cli("router", "--host", host, "--port", str(port), "--model", model, *router_args)
+    return spawn("router", argv, log, child_env(1))
+
+
+def spawn_workers(state_dir: Path, state: ClusterState, role: Role, count: int) -> ClusterState:
+    """Start ``count`` workers of ``role``; returns the state listing them."""
+    new = []
+    index = state.next_index
+    for _ in range(count):
+        wid = f"{role.value}-{index}"
+        index += 1
+        log = state_dir / "logs" / f"{wid}.log"
+        argv = _cli(
+            "worker",
+            "--role",
+            role.value,
+            "--router",
+            state.router_address,
+            "--host",
+            state.host,
+            "--port",
+            "0",
+            "--model",
+            state.model,
+            "--dtype",
+            state.dtype,
+            "--threads",
+            str(state.threads),
+            "--worker-id",
+            wid,
+            *state.worker_flags,
+        )
+        new.append(spawn(wid, argv, log, child_env(state.threads), role))
+    return msgspec.structs.replace(state, workers=(*state.workers, *new), next_index=index)
+
+
+def remove_workers(
+    state: ClusterState,
+    entries: Sequence[ProcessEntry],
+    drain_timeout_s: float,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[str]:
+    """Drain each worker through the router, wait for it to exit; SIGTERM/SIGKILL stragglers.
+
+    Returns the ids that did not drain in time (they were then stopped by signal).
+    """
+    for e in entries:
+        try:
+            if not drain_worker(state.router_address, e.id):
+                progress(f"{e.id} is not registered with the router; stopping it by signal")
+        except grpc.RpcError as err:
+            progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")
+    stuck = wait_exit(entries, drain_timeout_s)
+    stop_processes(stuck, term_timeout_s=10.0)
+    return [p.id for p in stuck]
+
+
+def live_workers(state: ClusterState) -> tuple[ClusterState, list[ProcessEntry]]:
+    """Drop workers whose process is gone from the state; returns (state, the dropped ones)."""
+    gone = [w for w in state.workers if not alive(w)]
+    if not gone:
+        return state, []
+    return msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w not in gone)), gone

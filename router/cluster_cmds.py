@@ -1,0 +1,140 @@
+"""``pdserve up``, ``scale`` and ``down``: the local cluster's life, on top of ``router.cluster``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import msgspec
+
+from router import cluster
+from router.registry import Role
+
+
+def say(text: str) -> None:
+    """Progress goes to stderr; stdout carries only results (the router address)."""
+    print(text, file=sys.stderr, flush=True)
+
+
+# ``up`` options handed on to the router and to every worker (``scale`` reuses the workers' from the state).
+_ROUTER_FLAGS = (
+    "max_waiting",
+    "queue_timeout",
+    "local_prefill_threshold",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "request_timeout",
+)
+_WORKER_FLAGS = ("block_size", "kv_blocks", "kv_cache_mib", "max_running", "max_batched_tokens")
+
+
+def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    flags = []
+    for name in names:
+        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return flags
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir
+    old = cluster.load_state(state_dir)
+    if old is not None and cluster.alive(old.router):
+        raise cluster.ClusterError(
+            f"a cluster is already running from {state_dir} "
+            f"(router {old.router_address}); `pdserve down` it first"
+        )
+    if not 0 < args.port < 65536:
+        raise cluster.ClusterError(f"--port must be in [1, 65535] for a local cluster, got {args.port}")
+    counts = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
+    if sum(counts.values()) and not (counts[Role.DECODE] or counts[Role.BOTH]):
+        raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
+    threads = args.threads or cluster.default_threads(sum(counts.values()))
+    cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
+    module = ["--worker-module", args.worker_module] if args.worker_module else []
+    state_dir.mkdir(parents=True, exist_ok=True)
+    router = cluster.spawn_router(
+        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + cache
+    )
+    state = cluster.ClusterState(
+        router_address=f"{args.host}:{args.port}",
+        router=router,
+        model=args.model,
+        dtype=args.dtype,
+        threads=threads,
+        host=args.host,
+        worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module),
+    )
+    # Written before any wait, so `down` finds whatever was started even if `up` dies.
+    cluster.save_state(state_dir, state)
+    for role, n in counts.items():
+        state = cluster.spawn_workers(state_dir, state, role, n)
+    cluster.save_state(state_dir, state)
+    say(
+        f"started router (pid {router.pid}) and {len(state.workers)} workers, {threads} thread(s) each; "
+        f"logs in {state_dir / 'logs'}"
+    )
+    try:
+        cluster.wait_ready(state, {w.id for w in state.workers}, args.timeout, say)
+    except (cluster.ClusterError, KeyboardInterrupt):
+        say("start failed; stopping what was started")
+        _stop_all(state, drain_timeout_s=0.0)
+        cluster.remove_state(state_dir)
+        raise
+    print(state.router_address, flush=True)
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    state = cluster.load_state(args.state_dir)
+    if state is None:
+        raise cluster.ClusterError(f"no cluster in {args.state_dir}")
+    state, gone = cluster.live_workers(state)
+    for w in gone:
+        say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")
+    targets = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
+    removing, added = [], []
+    for role, target in targets.items():
+        if target is None:
+            continue
+        current = [w for w in state.workers if w.role is role]
+        if target > len(current):
+            before = {w.id for w in state.workers}
+            state = cluster.spawn_workers(args.state_dir, state, role, target - len(current))
+            added += [w.id for w in state.workers if w.id not in before]
+        else:
+            removing += current[target:]  # the newest go first
+    cluster.save_state(args.state_dir, state)
+    if added:
+        say(f"starting {', '.join(added)}")
+        cluster.wait_ready(state, set(added), args.timeout, say)
+    if removing:
+        say(f"draining {', '.join(w.id for w in removing)}")
+        stuck = cluster.remove_workers(state, removing, args.timeout, say)
+        for wid in stuck:
+            say(f"{wid} did not drain within {args.timeout:.0f}s and was stopped by signal")
+        state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w not in removing))
+        cluster.save_state(args.state_dir, state)
+    counts = {r.value: sum(w.role is r for w in state.workers) for r in Role}
+    say("workers: " + ", ".join(f"{n} {role}" for role, n in counts.items()))
+    return 0
+
+
+def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
+    workers = [w for w in state.workers if cluster.alive(w)]
+    if workers and drain_timeout_s > 0 and cluster.alive(state.router):
+        cluster.remove_workers(state, workers, drain_timeout_s, say)
+    else:
+        cluster.stop_processes(workers, term_timeout_s=10.0)
+    cluster.stop_processes([state.router], term_timeout_s=15.0)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state = cluster.load_state(args.state_dir)
+    if state is None:
+        say(f"no cluster in {args.state_dir}")
+        return 0
+    _stop_all(state, args.timeout)
+    cluster.remove_state(args.state_dir)
+    say(f"stopped the cluster of {args.state_dir}")
+    return 0

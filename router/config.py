@@ -1,0 +1,64 @@
+"""Router configuration: one frozen dataclass built once (by the CLI) and passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from router.policy import RoutingConfig
+from router.registry import RegistryConfig
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0 picks a free port (tests)
+    model: str = DEFAULT_MODEL  # a registry name or an HF-style directory
+    cache_dir: Path | None = None  # where model names resolve to directories (None: engine default)
+    # Requests waiting at the router for a worker with room; more are rejected (RESOURCE_EXHAUSTED).
+    max_waiting: int = 256
+    # How long a request may wait for room before it fails with UNAVAILABLE.
+    queue_timeout_s: float = 30.0
+    # Prompts shorter than this are prefilled by the decode worker itself.
+    local_prefill_threshold: int = 256
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 2.5
+    # Deadline given to requests whose client set none (0: none). Bounds every worker RPC.
+    request_timeout_s: float = 600.0
+    # On SIGTERM: how long in-flight requests may run before the server cancels them.
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        if not self.model:
+            raise ValueError("model must not be empty")
+        if self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
+        if self.request_timeout_s < 0:
+            raise ValueError(f"request_timeout_s must be >= 0, got {self.request_timeout_s}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        # The nested configs check their own fields; build them once here so a bad value fails at startup.
+        self.registry_config()
+        self.routing_config()
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+    @property
+    def bind_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def registry_config(self) -> RegistryConfig:
+        return RegistryConfig(
+            heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.heartbeat_timeout_s
+        )
+
+    def routing_config(self) -> RoutingConfig:
+        return RoutingConfig(local_prefill_threshold=self.local_prefill_threshold)

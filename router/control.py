@@ -1,0 +1,131 @@
+"""The router's control plane: ``pdserve.internal.v1.Registry`` for workers and the CLI.
+
+Register/Heartbeat/Deregister keep ``router.registry.Registry`` current (a
+worker is READY once a heartbeat says so); HeartbeatResponse.drain carries a
+drain the CLI asked for with DrainWorker. Every change that may free capacity
+wakes the requests waiting in admission.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from proto import worker_pb2, worker_pb2_grpc
+from router.registry import Role, State, Worker
+from router.service import Router
+
+_ROLES = {
+    worker_pb2.ROLE_PREFILL: Role.PREFILL,
+    worker_pb2.ROLE_DECODE: Role.DECODE,
+    worker_pb2.ROLE_BOTH: Role.BOTH,
+}
+_STATES = {
+    worker_pb2.WORKER_STATE_LOADING: State.LOADING,
+    worker_pb2.WORKER_STATE_READY: State.READY,
+    worker_pb2.WORKER_STATE_DRAINING: State.DRAINING,
+    worker_pb2.WORKER_STATE_STOPPED: State.STOPPED,
+}
+_STATE_TO_PROTO = {v: k for k, v in _STATES.items()}
+
+
+def _check_info(info: worker_pb2.WorkerInfo) -> str | None:
+    """Why a registration is unusable, or None."""
+    if not info.worker_id:
+        return "worker_id is empty"
+    if not info.address:
+        return "address is empty"
+    role = _ROLES.get(info.role)
+    if role is None:
+        return "role is unspecified"
+    if role.decodes:
+        for name in ("kv_blocks_total", "block_size", "max_running"):
+            if getattr(info, name) < 1:
+                return f"{name} must be >= 1 for a worker that decodes"
+    return None
+
+
+class RegistryService(worker_pb2_grpc.RegistryServicer):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def Register(self, info: worker_pb2.WorkerInfo, context: grpc.aio.ServicerContext):
+        problem = _check_info(info)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        router = self._router
+        w = Worker(
+            worker_id=info.worker_id,
+            role=_ROLES[info.role],
+            address=info.address,
+            kv_blocks_total=info.kv_blocks_total,
+            block_size=info.block_size,
+            max_running=info.max_running,
+            metrics_url=info.metrics_url,
+            pid=info.pid,
+        )
+        router.registry.register(w, time.monotonic())
+        router.ledger.sync(w)
+        router.infos[info.worker_id] = info
+        await router.admission.notify()
+        return worker_pb2.RegisterResponse(heartbeat_interval_s=router.config.heartbeat_interval_s)
+
+    async def Heartbeat(self, load: worker_pb2.WorkerLoad, context: grpc.aio.ServicerContext):
+        router = self._router
+        w = router.registry.heartbeat(
+            load.worker_id,
+            time.monotonic(),
+            state=_STATES.get(load.state, State.LOADING),
+            running=load.running,
+            queued=load.queued,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            kv_blocks_used=load.kv_blocks_used,
+        )
+        if w is None:
+            return worker_pb2.HeartbeatResponse(known=False)
+        if load.kv_blocks_total:
+            w.kv_blocks_total = load.kv_blocks_total
+        if router.registry.get(load.worker_id) is None:
+            router.infos.pop(load.worker_id, None)  # it reported STOPPED
+        await router.admission.notify()
+        return worker_pb2.HeartbeatResponse(known=True, drain=w.drain_requested)
+
+    async def Deregister(self, info: worker_pb2.WorkerInfo, context: grpc.aio.ServicerContext):
+        router = self._router
+        w = router.registry.get(info.worker_id)
+        # A stale deregistration (the id re-registered at another address) must not remove the new one.
+        if w is not None and (not info.address or w.address == info.address):
+            router.registry.remove(info.worker_id)
+            # Its calls are not failed here: a worker deregisters after its in-flight calls ended.
+            router.infos.pop(info.worker_id, None)
+        return worker_pb2.Empty()
+
+    async def GetClusterStatus(self, request: worker_pb2.Empty, context: grpc.aio.ServicerContext):
+        router = self._router
+        now_mono, now_unix = time.monotonic(), time.time()
+        entries = []
+        for w in sorted(router.registry, key=lambda w: (w.role.value, w.worker_id)):
+            info = router.infos.get(w.worker_id) or worker_pb2.WorkerInfo(
+                worker_id=w.worker_id, address=w.address
+            )
+            load = worker_pb2.WorkerLoad(
+                worker_id=w.worker_id,
+                state=_STATE_TO_PROTO[w.state],
+                running=w.running,
+                queued=w.queued,
+                queued_prefill_tokens=w.queued_prefill_tokens,
+                kv_blocks_used=w.kv_blocks_used,
+                kv_blocks_total=w.kv_blocks_total,
+            )
+            last = now_unix - (now_mono - w.last_heartbeat)
+            entries.append(worker_pb2.WorkerEntry(info=info, load=load, last_heartbeat_unix=last))
+        return worker_pb2.ClusterStatus(
+            router_address=router.address,
+            workers=entries,
+            requests_running=len(router.ledger.jobs),
+            requests_waiting=router.admission.waiting,
+        )
+
+    async def DrainWorker(self, request: worker_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext):
+        return worker_pb2.DrainWorkerResponse(found=self._router.registry.drain(request.worker_id))

@@ -1,0 +1,116 @@
+"""Router-side bookkeeping of admitted requests. Pure: no grpc, no torch.
+
+``Job`` is one admitted request: its route and the worker calls it has open,
+so that something other than the request's own task (the heartbeat sweep,
+a worker's death seen by another request) can fail it.
+
+``Ledger`` owns the router-side load figures the routing policy reads
+(``Worker.assigned`` and ``Worker.assigned_prefill_tokens``). Counts are kept
+per worker id, not on the ``Worker`` objects, because a worker that
+re-registers gets a new object while its old requests are still running; the
+ledger writes the current count onto whichever object the registry holds.
+Invariant: when no request is in flight every count is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.policy import Route
+from router.registry import Registry, Worker
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the router ended a request on its own; the service maps ``code`` to a gRPC status."""
+
+    code: str  # a grpc.StatusCode name, e.g. "UNAVAILABLE"
+    details: str
+
+
+class Job:
+    __slots__ = ("request_id", "prompt_len", "route", "prefill_claimed", "calls", "failure")
+
+    def __init__(self, request_id: str, prompt_len: int) -> None:
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.route: Route | None = None
+        self.prefill_claimed = False
+        self.calls: list[Cancellable] = []
+        self.failure: Failure | None = None
+
+    def uses(self, worker_id: str) -> bool:
+        r = self.route
+        return r is not None and (
+            r.decode.worker_id == worker_id or (r.prefill is not None and r.prefill.worker_id == worker_id)
+        )
+
+    def fail(self, failure: Failure) -> None:
+        """Record why and cancel the open worker calls; the request's task turns that into ``failure``."""
+        if self.failure is None:
+            self.failure = failure
+        for c in self.calls:
+            c.cancel()
+
+
+class Ledger:
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._assigned: dict[str, int] = {}
+        self._prefill_tokens: dict[str, int] = {}
+        self.jobs: set[Job] = set()
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(list(self.jobs))
+
+    def claim(self, job: Job, route: Route) -> None:
+        """Count ``route`` against its workers at once, so that the next routing decision sees it."""
+        job.route = route
+        self.jobs.add(job)
+        self._bump(self._assigned, route.decode, 1, "assigned")
+        if route.prefill is not None:
+            job.prefill_claimed = True
+            self._bump(self._prefill_tokens, route.prefill, job.prompt_len, "assigned_prefill_tokens")
+
+    def release_prefill(self, job: Job) -> None:
+        """The prefill call ended (either way): its tokens no longer queue on that worker. Idempotent."""
+        if job.prefill_claimed and job.route is not None and job.route.prefill is not None:
+            job.prefill_claimed = False
+            self._bump(self._prefill_tokens, job.route.prefill, -job.prompt_len, "assigned_prefill_tokens")
+
+    def release(self, job: Job) -> None:
+        """The request ended (any way). Idempotent."""
+        if job not in self.jobs or job.route is None:
+            return
+        self.release_prefill(job)
+        self._bump(self._assigned, job.route.decode, -1, "assigned")
+        self.jobs.discard(job)
+
+    def sync(self, worker: Worker) -> None:
+        """A (re-)registered worker object takes over the counts of its id."""
+        worker.assigned = self._assigned.get(worker.worker_id, 0)
+        worker.assigned_prefill_tokens = self._prefill_tokens.get(worker.worker_id, 0)
+
+    def assigned(self, worker_id: str) -> int:
+        return self._assigned.get(worker_id, 0)
+
+    def prefill_tokens(self, worker_id: str) -> int:
+        return self._prefill_tokens.get(worker_id, 0)
+
+    def _bump(self, counts: dict[str, int], w: Worker, delta: int, attr: str) -> None:
+        wid = w.worker_id
+        n = counts.get(wid, 0) + delta
+        if n:
+            counts[wid] = n
+        else:
+            counts.pop(wid, None)
+        current = self._registry.get(wid)
+        for obj in (w, current):
+            if obj is not None:
+                setattr(obj, attr, n)

@@ -1,0 +1,309 @@
+"""Running one admitted request on its workers and relaying tokens to the client.
+
+Stages of a request here (after validation and admission, see ``service``):
+
+local route (the decode or colocated worker prefills):
+    D.Generate(mode=LOCAL) -> relay D's messages
+remote route:
+    D.Generate(mode=REMOTE) -> read D's first message (the KV transfer ticket)
+    -> P.Prefill(ticket) while still reading D -> P's first token goes to the
+    client at once (TTFT does not wait for decode) -> relay D's messages,
+    skipping tokens already sent (D's messages carry ``first_index``).
+
+Every token goes through the request's ``Detokenizer``; a stop string ends the
+client stream with "stop" and cancels the worker calls. Whatever ends the
+request (finish, stop string, client cancel, deadline, a worker failure, the
+sweep failing the job), ``run`` leaves no worker call open.
+
+The relay loop is the router's added inter-token latency: per worker message
+it does one read, one detokenizer step and one write, and never logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+
+from proto import generation_pb2, worker_pb2, worker_pb2_grpc
+from router.detok import Detokenizer
+from router.jobs import Failure, Job
+from router.registry import Worker
+from router.validate import Prepared, RouterTokenizer
+from router.worker_shell import REJECT_METADATA_KEY
+
+log = logging.getLogger(__name__)
+
+_EOF = grpc.aio.EOF
+_Resp = generation_pb2.GenerateResponse
+Write = Callable[[generation_pb2.GenerateResponse], Awaitable[None]]
+# worker, dead (True: drop it from the registry; False: it is draining), reason
+OnWorkerFailed = Callable[[Worker, bool, str], None]
+
+
+class RelayError(Exception):
+    """The request ends with this gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def of(cls, failure: Failure) -> RelayError:
+        return cls(grpc.StatusCode[failure.code], failure.details)
+
+
+class WorkerChannels:
+    """One channel per worker address, reused by every request to that worker."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address)
+            entry = self._stubs[address] = (channel, worker_pb2_grpc.WorkerStub(channel))
+        return entry[1]
+
+    async def close_except(self, keep: set[str]) -> None:
+        """Close channels to addresses no worker or request uses any more."""
+        for address in [a for a in self._stubs if a not in keep]:
+            channel, _ = self._stubs.pop(address)
+            await channel.close()
+
+    async def close(self) -> None:
+        await self.close_except(set())
+
+
+class _Out:
+    """What has been sent to the client for one request."""
+
+    __slots__ = ("request_id", "prompt_tokens", "detok")
+
+    def __init__(self, prep: Prepared, detok: Detokenizer) -> None:
+        self.request_id = prep.request_id
+        self.prompt_tokens = len(prep.prompt_token_ids)
+        self.detok = detok
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class Relay:
+    def __init__(
+        self,
+        tokenizer: RouterTokenizer,
+        channels: WorkerChannels,
+        release_prefill: Callable[[Job], None],
+        on_worker_failed: OnWorkerFailed,
+    ) -> None:
+        self._tok = tokenizer
+        self._channels = channels
+        self._release_prefill = release_prefill
+        self._on_worker_failed = on_worker_failed
+
+    async def run(
+        self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float
+    ) -> None:
+        """Run ``job`` (already routed) to its end. Raises RelayError when it ends with an error status."""
+        route = job.route
+        assert route is not None, "run() needs a routed job"
+        d = route.decode
+        req = worker_pb2.WorkerGenerateRequest(
+            request_id=prep.request_id,
+            prompt_token_ids=prep.prompt_token_ids,
+            sampling=prep.sampling,
+            mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
+            deadline_unix=deadline_unix,
+        )
+        dcall = self._channels.stub(d.address).Generate(req, timeout=timeout)
+        job.calls.append(dcall)
+        out = _Out(prep, Detokenizer(self._tok.decode_stream(skip_special_tokens=True), prep.params))
+        try:
+            pending: asyncio.Future | None = None
+            if route.prefill is not None:
+                finished, pending = await self._remote_start(
+                    job, prep, dcall, out, write, timeout, deadline_unix
+                )
+                if finished:
+                    return
+            await self._relay(job, d, dcall, out, write, pending)
+        finally:
+            for c in job.calls:
+                c.cancel()  # a no-op on a call that has already ended
+            self._release_prefill(job)
+
+    async def _relay(self, job: Job, d: Worker, dcall, out: _Out, write: Write, pending) -> None:
+        """Relay D's stream until its finish (or a stop string). The hot loop."""
+        deliver = self._deliver
+        try:
+            m = await (pending if pending is not None else dcall.read())
+            while True:
+                if m is _EOF:
+                    raise RelayError(
+                        grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
+                    )
+                if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+                    return
+                m = await dcall.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._worker_error(job, d, "decode", e) from None
+        except asyncio.CancelledError:
+            # A cancel of the worker call by ``Job.fail`` (not of this task) carries the job's failure.
+            if job.failure is not None and not _cancelling():
+                raise RelayError.of(job.failure) from None
+            raise
+
+    async def _remote_start(
+        self,
+        job: Job,
+        prep: Prepared,
+        dcall,
+        out: _Out,
+        write: Write,
+        timeout: float | None,
+        deadline_unix: float,
+    ) -> tuple[bool, asyncio.Future | None]:
+        """Ticket from D, prefill on P, P's first token to the client.
+
+        Returns (finished, D's pending read to continue with). D is read while
+        P prefills: D dying then fails the request at once rather than after
+        the prefill, and tokens D sends before P's answer arrives are relayed.
+        """
+        route = job.route
+        assert route is not None and route.prefill is not None
+        d, p = route.decode, route.prefill
+        try:
+            first = await dcall.read()
+        except grpc.aio.AioRpcError as e:
+            raise self._worker_error(job, d, "decode", e) from None
+        except asyncio.CancelledError:
+            if job.failure is not None and not _cancelling():
+                raise RelayError.of(job.failure) from None
+            raise
+        if first is _EOF:
+            raise RelayError(grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a ticket")
+        if first.finish_reason:  # D ended the request before any prefill (e.g. aborted)
+            await self._deliver(out, first.token_ids, first.first_index, first.finish_reason, write)
+            return True, None
+        if not first.transfer_ticket:
+            raise RelayError(grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} sent no transfer ticket")
+        preq = worker_pb2.PrefillRequest(
+            request_id=prep.request_id,
+            prompt_token_ids=prep.prompt_token_ids,
+            sampling=prep.sampling,
+            transfer_ticket=first.transfer_ticket,
+            deadline_unix=deadline_unix,
+        )
+        pcall = self._channels.stub(p.address).Prefill(preq, timeout=timeout)
+        job.calls.append(pcall)
+        p_task: asyncio.Future = asyncio.ensure_future(pcall)
+        read: asyncio.Future | None = asyncio.ensure_future(dcall.read())
+        try:
+            while True:
+                waiting = (p_task,) if read is None else (p_task, read)
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if read is not None and read.done():
+                    m = self._outcome(read, job, d, "decode")
+                    read = None
+                    if m is _EOF:
+                        raise RelayError(
+                            grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
+                        )
+                    if await self._deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+                        return True, None
+                if p_task.done():
+                    self._release_prefill(job)
+                    try:
+                        resp = self._outcome(p_task, job, p, "prefill")
+                    except RelayError:
+                        # Once D streams, all KV has arrived: a late prefill failure changes nothing.
+                        if out.detok.count == 0:
+                            raise
+                        log.info("request %s: prefill failed after decode started; ignored", prep.request_id)
+                    else:
+                        # Output index 0: sent only when D has not already delivered it.
+                        tok = resp.first_token_id
+                        if await self._deliver(out, (tok,), 0, self._first_token_finish(prep, tok), write):
+                            return True, None
+                    return False, read
+                if read is None:
+                    read = asyncio.ensure_future(dcall.read())
+        except BaseException:
+            p_task.cancel()
+            if read is not None:
+                read.cancel()
+            raise
+
+    def _first_token_finish(self, prep: Prepared, token_id: int) -> str:
+        """The engine's token-level stop check for output 0, so the router can end the request at once."""
+        p = prep.params
+        if p.min_tokens <= 1 and (
+            token_id in p.stop_token_ids or (not p.ignore_eos and token_id in self._tok.eos_token_ids)
+        ):
+            return "stop"
+        return "length" if p.max_tokens == 1 else ""
+
+    def _outcome(self, task: asyncio.Future, job: Job, w: Worker, role: str):
+        try:
+            return task.result()
+        except grpc.aio.AioRpcError as e:
+            raise self._worker_error(job, w, role, e) from None
+        except asyncio.CancelledError:
+            if job.failure is not None:
+                raise RelayError.of(job.failure) from None
+            raise
+
+    async def _deliver(
+        self, out: _Out, ids: Sequence[int], first_index: int, finish: str, write: Write
+    ) -> bool:
+        """Send the new part of a worker message to the client. True when the request is finished."""
+        detok = out.detok
+        skip = detok.count - first_index
+        if skip:
+            if skip < 0 and len(ids):
+                raise RelayError(
+                    grpc.StatusCode.INTERNAL, f"worker skipped output tokens {detok.count}..{first_index}"
+                )
+            if skip > 0:
+                ids = ids[skip:]
+        if not ids and not finish:
+            return False
+        # The router owns stop strings (workers get none), so a worker's "stop" is eos or a stop token id.
+        text, used = detok.feed(ids, ends_on_stop_token=finish == "stop")
+        if detok.stopped:
+            ids, finish = ids[:used], "stop"
+        if not finish:
+            await write(_Resp(request_id=out.request_id, token_ids=ids, text=text))
+            return False
+        await write(
+            _Resp(
+                request_id=out.request_id,
+                token_ids=ids,
+                text=text + detok.flush(),
+                finish_reason=finish,
+                usage=generation_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=detok.count),
+            )
+        )
+        return True
+
+    def _worker_error(self, job: Job, w: Worker, role: str, e: grpc.aio.AioRpcError) -> RelayError:
+        if job.failure is not None:
+            return RelayError.of(job.failure)
+        code = e.code()
+        details = f"{role} worker {w.worker_id} failed: {code.name}: {e.details()}"
+        if code is grpc.StatusCode.UNAVAILABLE:
+            trailing = e.trailing_metadata() or ()
+            draining = any(k == REJECT_METADATA_KEY for k, _ in trailing)
+            self._on_worker_failed(w, not draining, details)
+            return RelayError(code, details)
+        if code is grpc.StatusCode.CANCELLED:
+            # Not our cancel (that raises CancelledError): the worker went away mid-call.
+            return RelayError(grpc.StatusCode.UNAVAILABLE, details)
+        return RelayError(code, details)

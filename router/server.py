@@ -1,0 +1,141 @@
+"""The router process: a grpc.aio server on uvloop.
+
+Serves ``pdserve.v1.Generation`` (clients), ``pdserve.internal.v1.Registry``
+(workers and the CLI), ``grpc.health.v1.Health`` and server reflection.
+
+Life of the router:
+
+    start: bind, serve; health NOT_SERVING for "" and Generation (Registry
+           is SERVING at once, so workers can register while the router loads)
+    load:  resolve the model, load its tokenizer and limits; SERVING
+    run:   a sweep every heartbeat interval drops workers that missed heartbeats
+    stop (SIGTERM/SIGINT): NOT_SERVING, new requests UNAVAILABLE, in-flight
+           requests get ``shutdown_grace_s``, then the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.config import RouterConfig
+from router.control import RegistryService
+from router.service import GenerationService, Router
+from router.validate import ModelLimits, RouterTokenizer
+from router.worker_shell import SERVER_OPTIONS
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+REGISTRY_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+def load_frontend(model: str, cache_dir=None) -> tuple[RouterTokenizer, ModelLimits]:
+    """The model's tokenizer and limits (blocking: run it off the event loop)."""
+    from engine.registry import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    path = resolve_model(model, cache_dir, progress=False)
+    return Tokenizer.from_dir(path), ModelLimits.from_model_dir(path)
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.router = Router(config)
+        self.health = HealthServicer()
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._sweep: asyncio.Task | None = None
+        self._stop = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    async def start(self) -> str:
+        """Bind and serve (Generation NOT_SERVING until ``set_frontend``/``load``). Returns the address."""
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.router), server)
+        worker_pb2_grpc.add_RegistryServicer_to_server(RegistryService(self.router), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, REGISTRY_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+        for name in ("", GENERATION_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(REGISTRY_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self.port = server.add_insecure_port(self.config.bind_address)
+        await server.start()
+        self._server = server
+        self.router.address = f"{self.config.host}:{self.port}"
+        self._sweep = asyncio.get_running_loop().create_task(self.router.sweep_forever())
+        log.info("router listening on %s", self.router.address)
+        return self.router.address
+
+    async def set_frontend(self, tokenizer: RouterTokenizer, limits: ModelLimits) -> None:
+        self.router.set_frontend(tokenizer, limits)
+        for name in ("", GENERATION_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def load(self) -> None:
+        """Load the configured model's tokenizer, then serve Generation."""
+        tokenizer, limits = await asyncio.to_thread(load_frontend, self.config.model, self.config.cache_dir)
+        await self.set_frontend(tokenizer, limits)
+        log.info("router serving model %s (context %d)", self.config.model, limits.context_length)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, refuse new requests, let in-flight ones finish (bounded), stop."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.router.closing = True
+        await self.health.enter_graceful_shutdown()
+        give_up = time.monotonic() + grace
+        while self.router.ledger.jobs and time.monotonic() < give_up:
+            await asyncio.sleep(0.05)
+        if self._server is not None:
+            await self._server.stop(1.0)
+            self._server = None
+        if self._sweep is not None:
+            self._sweep.cancel()
+            try:
+                await self._sweep
+            except asyncio.CancelledError:
+                pass
+            self._sweep = None
+        await self.router.channels.close()
+
+    async def serve(self) -> None:
+        """Run until SIGTERM/SIGINT."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        load = loop.create_task(self.load())
+        stop = loop.create_task(self._stop.wait())
+        try:
+            await asyncio.wait((load, stop), return_when=asyncio.FIRST_COMPLETED)
+            if load.done():
+                load.result()  # a model that cannot load ends the process with its error
+                await stop
+        finally:
+            for task in (load, stop):
+                task.cancel()
+            await self.stop()
+
+
+def main(config: RouterConfig) -> None:
+    import uvloop
+
+    uvloop.run(RouterServer(config).serve())

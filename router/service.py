@@ -1,0 +1,198 @@
+"""The router's request path: ``pdserve.v1.Generation/Generate``.
+
+Stages of a request at the router:
+
+1. validate and prepare (``validate.prepare``): INVALID_ARGUMENT naming the field;
+2. admit (``Router.admit``): route now, or wait in the bounded queue
+   (RESOURCE_EXHAUSTED when full; UNAVAILABLE when no worker can ever take
+   the prompt or none has room before the wait ends). The chosen route is
+   counted against its workers (``jobs.Ledger``) in the same step;
+3. run (``relay.Relay``): worker calls, first token, token relay;
+4. finish: on every exit path the ledger releases the route and waiting
+   requests are woken, since capacity may have freed.
+
+``Router`` holds the cluster state the Generation and Registry services share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from proto import generation_pb2_grpc, worker_pb2
+from router.config import RouterConfig
+from router.jobs import Failure, Job, Ledger
+from router.policy import Admission, QueueFullError, Route, can_ever_serve, choose_route
+from router.registry import Registry, Role, State, Worker
+from router.relay import Relay, RelayError, WorkerChannels
+from router.validate import InvalidRequest, ModelLimits, RouterTokenizer, prepare
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Registry, admission, ledger and worker channels of one router process."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.registry = Registry(config.registry_config())
+        self.routing = config.routing_config()
+        self.admission = Admission(config.max_waiting)
+        self.ledger = Ledger(self.registry)
+        self.channels = WorkerChannels()
+        self.infos: dict[str, worker_pb2.WorkerInfo] = {}  # the registration of every known worker
+        self.address = config.bind_address  # the bound address once the server has started
+        self.tokenizer: RouterTokenizer | None = None  # None until loaded: Generate is UNAVAILABLE
+        self.limits = ModelLimits()
+        self.relay: Relay | None = None
+        self.closing = False
+
+    def set_frontend(self, tokenizer: RouterTokenizer, limits: ModelLimits) -> None:
+        self.tokenizer, self.limits = tokenizer, limits
+        self.relay = Relay(tokenizer, self.channels, self.ledger.release_prefill, self.worker_failed)
+
+    def current_limits(self) -> ModelLimits:
+        """The model's limits; the context length falls back to what the workers registered."""
+        if self.limits.context_length > 0:
+            return self.limits
+        known = [i.context_length for i in self.infos.values() if i.context_length > 0]
+        return ModelLimits(context_length=min(known, default=0), vocab_size=self.limits.vocab_size)
+
+    async def admit(self, job: Job, timeout_s: float | None) -> Route:
+        n = job.prompt_len
+        live = [w for w in self.registry if w.state in (State.READY, State.LOADING)]
+        if not can_ever_serve(live, n):
+            if not any(w.role.decodes for w in live):
+                raise RelayError(grpc.StatusCode.UNAVAILABLE, "no decode or colocated worker is available")
+            raise RelayError(
+                grpc.StatusCode.UNAVAILABLE, f"no decode worker has KV cache for a {n}-token prompt"
+            )
+
+        def try_route() -> Route | None:
+            route = choose_route(self.registry.ready(), n, self.routing)
+            if route is not None:
+                self.ledger.claim(job, route)
+            return route
+
+        wait = (
+            self.config.queue_timeout_s if timeout_s is None else min(self.config.queue_timeout_s, timeout_s)
+        )
+        try:
+            route = await self.admission.wait_for_route(try_route, max(wait, 0.0))
+        except QueueFullError as e:
+            raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        if route is None:
+            raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no worker had room within {wait:.3g}s")
+        return route
+
+    async def finish(self, job: Job) -> None:
+        self.ledger.release(job)
+        await self.admission.notify()
+
+    def worker_failed(self, w: Worker, dead: bool, reason: str) -> None:
+        """A call to ``w`` failed with UNAVAILABLE: it died (stop routing to it) or is draining."""
+        current = self.registry.get(w.worker_id)
+        if current is None or current.address != w.address:
+            return  # already removed, or re-registered elsewhere
+        if dead:
+            log.warning("worker %s marked dead: %s", w.worker_id, reason)
+            self.registry.mark_dead(w.worker_id)
+            self.infos.pop(w.worker_id, None)
+        else:
+            current.state = State.DRAINING
+
+    def fail_jobs_on(self, worker_id: str, reason: str) -> None:
+        for job in self.ledger:
+            if job.uses(worker_id):
+                job.fail(Failure("UNAVAILABLE", reason))
+
+    async def sweep(self, now: float) -> list[Worker]:
+        """Drop workers that missed heartbeats, fail their requests, close unused channels."""
+        dead = self.registry.expire(now)
+        for w in dead:
+            log.warning("worker %s (%s) missed heartbeats; removed", w.worker_id, w.address)
+            self.infos.pop(w.worker_id, None)
+            self.fail_jobs_on(w.worker_id, f"worker {w.worker_id} missed heartbeats")
+        keep = {w.address for w in self.registry}
+        for job in self.ledger:
+            if job.route is not None:
+                keep.add(job.route.decode.address)
+                if job.route.prefill is not None:
+                    keep.add(job.route.prefill.address)
+        await self.channels.close_except(keep)
+        return dead
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await self.sweep(time.monotonic())
+
+    def counts_by_role(self) -> dict[Role, int]:
+        out: dict[Role, int] = {}
+        for w in self.registry:
+            out[w.role] = out.get(w.role, 0) + 1
+        return out
+
+
+# Prompts up to this many characters are tokenized inline (well under a millisecond).
+_INLINE_PREPARE_CHARS = 4096
+
+
+def _input_chars(request) -> int:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return len(request.prompt)
+    if kind == "messages":
+        return sum(len(m.content) for m in request.messages.messages)
+    return 0
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
+        router = self._router
+        tokenizer, relay = router.tokenizer, router.relay
+        if router.closing or tokenizer is None or relay is None:
+            state = "shutting down" if router.closing else "starting"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the router is {state}")
+            return  # abort raises; this tells type checkers so
+        limits = router.current_limits()
+        if limits.context_length <= 0:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model's context length is not known yet")
+        try:
+            if _input_chars(request) > _INLINE_PREPARE_CHARS:
+                # Long texts tokenize off the event loop, which relays every other request's tokens.
+                prep = await asyncio.to_thread(prepare, request, tokenizer, limits)
+            else:
+                prep = prepare(request, tokenizer, limits)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        remaining = context.time_remaining()
+        if remaining is None and router.config.request_timeout_s > 0:
+            remaining = router.config.request_timeout_s
+        deadline = None if remaining is None else time.monotonic() + remaining
+        job = Job(prep.request_id, len(prep.prompt_token_ids))
+        try:
+            await router.admit(job, remaining)
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            deadline_unix = 0.0 if timeout is None else time.time() + timeout
+            await relay.run(job, prep, context.write, timeout, deadline_unix)
+        except RelayError as e:
+            await context.abort(e.code, e.details)
+        except asyncio.CancelledError:
+            # The sweep failed the job by cancelling its worker calls: report why, not a cancel.
+            if job.failure is not None and not _cancelling():
+                await context.abort(grpc.StatusCode[job.failure.code], job.failure.details)
+            raise
+        finally:
+            await router.finish(job)

@@ -1,0 +1,137 @@
+"""Request validation and preparation at the router. Pure: no grpc, no torch.
+
+A ``GenerateRequest`` becomes a ``Prepared`` request (prompt token ids,
+checked sampling parameters, an id) or raises ``InvalidRequest`` whose message
+names the offending field; the router answers that with INVALID_ARGUMENT.
+The rules are the engine's own (``engine.params``), so a request the router
+accepts is one the workers accept.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from proto import generation_pb2
+
+# proto3 optional fields copied into SamplingParams when set; unset ones keep the engine defaults.
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos")
+# Used when the model's vocabulary size is unknown: only the context check then bounds the ids.
+_UNKNOWN_VOCAB = 1 << 32
+
+
+class InvalidRequest(ValueError):
+    """The request is malformed; the message names the field."""
+
+
+class TextStream(Protocol):
+    def step(self, token_id: int) -> str | None: ...
+
+
+class RouterTokenizer(Protocol):
+    """What the router needs from ``engine.tokenizer.Tokenizer``."""
+
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream: ...
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """Model facts the router validates against. 0 / None: unknown (ask the workers)."""
+
+    context_length: int = 0
+    vocab_size: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> ModelLimits:
+        """Read ``max_position_embeddings`` and ``vocab_size`` from an HF-style ``config.json``."""
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            return cls()
+        cfg = json.loads(cfg_path.read_text())
+        # Multimodal configs nest the language model's settings.
+        cfg = cfg.get("text_config", cfg)
+        ctx = cfg.get("max_position_embeddings") or 0
+        vocab = cfg.get("vocab_size")
+        return cls(context_length=int(ctx), vocab_size=int(vocab) if vocab else None)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampling: generation_pb2.SamplingParams  # forwarded to the workers: the client's, minus stop strings
+
+
+def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingParams:
+    """Build the engine's SamplingParams; its ValueError names the field."""
+    kw: dict[str, object] = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if s.HasField(f)}
+    return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
+
+
+def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer) -> tuple[str, list[int]]:
+    """The prompt's token ids and the name of the field they came from."""
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("prompt is empty: set one of prompt, prompt_token_ids or messages")
+    if kind == "prompt":
+        if not request.prompt:
+            raise InvalidRequest("prompt is empty")
+        return "prompt", list(tokenizer.encode(request.prompt))
+    if kind == "prompt_token_ids":
+        return "prompt_token_ids", list(request.prompt_token_ids.ids)
+    messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+    try:
+        # The tokenizer checks roles against what the model's chat template allows.
+        return "messages", list(tokenizer.apply_chat_template(messages))
+    except ValueError as e:
+        text = str(e)
+        raise InvalidRequest(text if text.startswith("messages") else f"messages: {text}") from e
+
+
+def prepare(
+    request: generation_pb2.GenerateRequest,
+    tokenizer: RouterTokenizer,
+    limits: ModelLimits,
+) -> Prepared:
+    """Validate ``request`` and turn it into what the workers need. Raises InvalidRequest."""
+    if limits.context_length <= 0:
+        raise ValueError("the model's context length is unknown")
+    try:
+        params = sampling_params_from_proto(request.sampling)
+        validate_params_for_model(params, vocab_size=limits.vocab_size or _UNKNOWN_VOCAB, can_detokenize=True)
+    except ValueError as e:
+        raise InvalidRequest(f"sampling.{e}") from e
+    field, ids = _prompt_ids(request, tokenizer)
+    try:
+        validate_prompt_token_ids(
+            ids,
+            vocab_size=limits.vocab_size or _UNKNOWN_VOCAB,
+            max_model_len=limits.context_length,
+            name=field,
+        )
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
+    sampling = request.sampling
+    if sampling.stop:
+        # The router owns stop strings (it detokenizes); workers stop only on token ids.
+        sampling = generation_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling)
+        del sampling.stop[:]
+    return Prepared(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_token_ids=ids,
+        params=params,
+        sampling=sampling,
+    )

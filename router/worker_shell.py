@@ -1,0 +1,324 @@
+"""The gRPC server every worker process runs, and the arguments the CLI hands a pool.
+
+Imports only grpc, the protos and the pure ``router.registry`` (for ``Role``),
+so ``prefill_pool`` and ``decode_pool`` use it without the router's internals.
+
+A worker server's life:
+
+    STARTING (health NOT_SERVING; Generate/Prefill rejected)
+    -> SERVING (``set_serving`` once the model is loaded)
+    -> DRAINING (``begin_drain``: SIGTERM, the router's drain, or a Drain RPC;
+       health NOT_SERVING, new Generate/Prefill rejected with UNAVAILABLE
+       and trailing metadata ``pdserve-rejected: draining`` so the router
+       does not take the worker for dead; in-flight calls run to their end,
+       bounded by ``drain_timeout_s``)
+    -> STOPPED (server stopped; ``wait_stopped`` returns)
+
+In-flight calls are counted by a server interceptor on Worker.Generate and
+Worker.Prefill, so a pool's servicer needs no bookkeeping of its own.
+
+What the router expects of a pool's ``serve(args: WorkerArgs)`` and servicer:
+- shell = WorkerShell(args.shell_config()); start it with the servicer; load
+  the model; ``set_serving``; ``install_signal_handlers``; then
+  ``agent.run_worker(shell, RouterAgent(AgentConfig(args.router),
+  args.worker_info(...), load, shell.begin_drain))``. ``load()`` reports
+  ``shell.state.proto``; the Drain RPC calls ``shell.begin_drain``.
+- Generate: every message sets ``first_index``; the message carrying
+  ``finish_reason`` also carries the last token. The router strips stop
+  strings from ``sampling`` (it applies them itself), so a worker's "stop"
+  means eos or a stop token id, whose text the router does not emit.
+  Remote mode: the first message holds only ``transfer_ticket``; later
+  messages may repeat output 0 (the router skips what it already sent).
+- A cancelled call (client cancel, stop string, deadline) frees the
+  request's blocks. UNAVAILABLE from a worker means "gone": the router
+  drops it from the registry. A prefill whose KV push fails should answer
+  ABORTED, not UNAVAILABLE, or the router takes the prefill worker for dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import logging
+import signal
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from proto import worker_pb2
+from router.registry import Role
+
+log = logging.getLogger(__name__)
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+REJECT_METADATA_KEY = "pdserve-rejected"
+# gRPC enables SO_REUSEPORT by default; a fixed port already taken must fail to bind instead.
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+_TRACKED = frozenset({f"/{WORKER_SERVICE}/Generate", f"/{WORKER_SERVICE}/Prefill"})
+ROLE_TO_PROTO = {
+    Role.PREFILL: worker_pb2.ROLE_PREFILL,
+    Role.DECODE: worker_pb2.ROLE_DECODE,
+    Role.BOTH: worker_pb2.ROLE_BOTH,
+}
+
+
+class ShellState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+    @property
+    def proto(self) -> int:
+        """The WorkerState a heartbeat reports."""
+        return _STATE_TO_PROTO[self]
+
+
+_STATE_TO_PROTO = {
+    ShellState.STARTING: worker_pb2.WORKER_STATE_LOADING,
+    ShellState.SERVING: worker_pb2.WORKER_STATE_READY,
+    ShellState.DRAINING: worker_pb2.WORKER_STATE_DRAINING,
+    ShellState.STOPPED: worker_pb2.WORKER_STATE_STOPPED,
+}
+
+
+@dataclass(frozen=True)
+class ShellConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks a free port
+    # In-flight requests get this long to finish once a drain starts; then they are cancelled.
+    drain_timeout_s: float = 300.0
+    stop_grace_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0 or self.stop_grace_s < 0:
+            raise ValueError("drain_timeout_s and stop_grace_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What ``pdserve worker`` passes to ``prefill_pool.worker.serve`` / ``decode_pool.worker.serve``.
+
+    The CLI has already set torch's thread count to ``threads`` before calling ``serve``.
+    """
+
+    role: Role
+    router: str  # the router's address, host:port
+    worker_id: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port (the address registered with the router is the bound one)
+    model: str = "smollm2-135m-instruct"  # a registry name or a model directory
+    dtype: str = "float32"  # float32 | bfloat16
+    threads: int = 1
+    block_size: int = 16  # tokens per KV block
+    kv_blocks: int = 0  # KV cache size in blocks; 0: from kv_cache_bytes, or the engine's default
+    kv_cache_bytes: int = 0
+    max_running: int = 64  # decode batch bound (EngineConfig.max_num_seqs)
+    max_batched_tokens: int = 2048  # prefill token budget per step (EngineConfig.max_num_batched_tokens)
+    cache_dir: Path | None = None  # where model names resolve (None: the engine's default)
+    drain_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise ValueError(f"role must be a Role, got {self.role!r}")
+        if not self.router or not self.worker_id:
+            raise ValueError("router and worker_id must not be empty")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        for name in ("threads", "block_size", "max_running", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
+            raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
+
+    def shell_config(self) -> ShellConfig:
+        return ShellConfig(host=self.host, port=self.port, drain_timeout_s=self.drain_timeout_s)
+
+    def worker_info(
+        self, address: str, *, kv_blocks_total: int, context_length: int, pid: int, metrics_url: str = ""
+    ) -> worker_pb2.WorkerInfo:
+        """The registration message for this worker once its server is bound and its cache sized."""
+        return worker_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=ROLE_TO_PROTO[self.role],
+            address=address,
+            model=self.model,
+            dtype=self.dtype,
+            kv_blocks_total=kv_blocks_total,
+            block_size=self.block_size,
+            pid=pid,
+            metrics_url=metrics_url,
+            max_running=self.max_running,
+            context_length=context_length,
+        )
+
+
+class _Tracker(grpc.aio.ServerInterceptor):
+    """Counts in-flight Generate/Prefill calls and rejects new ones unless the shell is SERVING."""
+
+    def __init__(self, shell: WorkerShell) -> None:
+        self._shell = shell
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in _TRACKED:
+            return handler
+        shell = self._shell
+        kw = dict(
+            request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary(request, context):
+                if not shell._enter():
+                    return await shell._reject(context)
+                try:
+                    return await behavior(request, context)
+                finally:
+                    shell._exit()
+
+            return grpc.unary_unary_rpc_method_handler(unary, **kw)
+        if handler.unary_stream is None:
+            return handler
+        stream_behavior = handler.unary_stream
+        if inspect.isasyncgenfunction(stream_behavior):
+
+            async def stream_gen(request, context):
+                if not shell._enter():
+                    await shell._reject(context)
+                    return
+                try:
+                    async for m in stream_behavior(request, context):
+                        yield m
+                finally:
+                    shell._exit()
+
+            return grpc.unary_stream_rpc_method_handler(stream_gen, **kw)
+
+        async def stream_writer(request, context):
+            if not shell._enter():
+                return await shell._reject(context)
+            try:
+                return await stream_behavior(request, context)
+            finally:
+                shell._exit()
+
+        return grpc.unary_stream_rpc_method_handler(stream_writer, **kw)
+
+
+class WorkerShell:
+    def __init__(self, config: ShellConfig) -> None:
+        self.config = config
+        self.state = ShellState.STARTING
+        self.inflight = 0
+        self.port = 0
+        self.address = ""
+        self.health = HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._services: tuple[str, ...] = ()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stopped = asyncio.Event()
+        self._drain_task: asyncio.Task | None = None
+
+    async def start(
+        self,
+        add_servicers: Callable[[grpc.aio.Server], None],
+        service_names: Sequence[str] = (WORKER_SERVICE,),
+    ) -> str:
+        """Bind and start serving health and reflection (NOT_SERVING) plus the given servicers.
+
+        Returns the address to register (host:bound_port).
+        """
+        server = grpc.aio.server(interceptors=[_Tracker(self)], options=SERVER_OPTIONS)
+        add_servicers(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self._services = tuple(service_names)
+        names = (
+            *self._services,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+        for name in ("", *self._services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = socket.gethostname()  # a wildcard bind is not an address others can dial
+        self.address = f"{host}:{self.port}"
+        return self.address
+
+    async def set_serving(self) -> None:
+        if self.state is not ShellState.STARTING:
+            return
+        self.state = ShellState.SERVING
+        for name in ("", *self._services):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def begin_drain(self) -> None:
+        """Stop taking requests, let in-flight ones finish, then stop. Idempotent; signal-handler safe."""
+        if self.state in (ShellState.DRAINING, ShellState.STOPPED) or self._drain_task is not None:
+            return
+        log.info("worker at %s draining (%d in flight)", self.address, self.inflight)
+        self.state = ShellState.DRAINING
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """Drain and wait for the server to stop."""
+        self.begin_drain()
+        if self._drain_task is not None:
+            await self._drain_task
+        else:
+            await self._stopped.wait()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.begin_drain)
+
+    async def _drain(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain timed out with %d requests in flight; cancelling them", self.inflight)
+        if self._server is not None:
+            await self._server.stop(self.config.stop_grace_s)
+        self.state = ShellState.STOPPED
+        self._stopped.set()
+
+    def _enter(self) -> bool:
+        if self.state is not ShellState.SERVING:
+            return False
+        self.inflight += 1
+        self._idle.clear()
+        return True
+
+    def _exit(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    async def _reject(self, context: grpc.aio.ServicerContext) -> None:
+        state = self.state.value
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"worker is {state}",
+            trailing_metadata=((REJECT_METADATA_KEY, state),),
+        )

@@ -1,0 +1,248 @@
+"""Router test fixtures: a tiny model directory and fake workers.
+
+Fake workers are real gRPC ``Worker`` servicers that stream canned token ids.
+
+They run in the WorkerShell and join the router through the RouterAgent, as the
+real pools will, so the router, the shell and the agent are tested together
+without the engine. ``serve`` runs one as its own process through
+``pdserve worker --worker-module tests.fake_workers`` (kill -9, scale, down tests).
+
+Each request generates ``tokens`` (output index 0..n-1) then finishes with
+``finish``. Remote mode: Generate answers with a ticket, waits until the fake
+prefill worker "transferred" the KV (``Transfers``), then streams from index 0,
+so the router must skip token 0 that the prefill worker already returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+from proto import worker_pb2, worker_pb2_grpc
+from router.agent import AgentConfig, RouterAgent, run_worker
+from router.registry import Role
+from router.worker_shell import ROLE_TO_PROTO, ShellConfig, WorkerArgs, WorkerShell
+
+# The test model: a WordLevel vocabulary, so ids("hello world") == [4, 5] and text is easy to check.
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "hello", "world", "the", "cat", "sat", "on", "mat", ":",
+         "user", "assistant", "system", "a", "b", "c"]
+ID = {w: i for i, w in enumerate(WORDS)}
+EOS = ID["</s>"]
+CONTEXT = 24
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+def ids(text: str) -> list[int]:
+    return [ID[w] for w in text.split()]
+
+
+def make_model_dir(path: Path) -> Path:
+    """A model directory with only what the router reads: a WordLevel tokenizer, a chat template, limits."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    backend = Backend(models.WordLevel(ID, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<pad>", "<s>", "</s>"])
+    path.mkdir(parents=True, exist_ok=True)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "</s>", "bos_token": "<s>", "chat_template": TEMPLATE})
+    )
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT, "vocab_size": 32}))
+    return path
+
+
+class Transfers:
+    """The fake KV transfer: prefill marks a ticket done, decode waits for it."""
+
+    def __init__(self) -> None:
+        self._done: dict[bytes, asyncio.Event] = {}
+
+    def event(self, ticket: bytes) -> asyncio.Event:
+        return self._done.setdefault(ticket, asyncio.Event())
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(
+        self,
+        worker_id: str,
+        role: Role,
+        tokens: Sequence[int],
+        *,
+        finish: str = "length",
+        transfers: Transfers | None = None,
+        kv_blocks_total: int = 64,
+        block_size: int = 4,
+        max_running: int = 8,
+        context_length: int = 0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.tokens = list(tokens)
+        self.finish = finish
+        self.transfers: Transfers | None = transfers or Transfers()
+        self.kv_blocks_total, self.block_size, self.max_running = kv_blocks_total, block_size, max_running
+        self.context_length = context_length
+        # Test controls: tokens from index ``hold_at`` on wait for ``release``;
+        # prefill waits for ``prefill_gate``.
+        self.hold_at: int | None = None
+        self.release = asyncio.Event()
+        self.decode_gate: asyncio.Event | None = None  # remote mode: streaming waits for this too
+        self.prefill_gate: asyncio.Event | None = None
+        self.requests: list[worker_pb2.WorkerGenerateRequest | worker_pb2.PrefillRequest] = []
+        self.timeouts: list[float | None] = []
+        self.started: list[str] = []  # request ids whose token stream started
+        self.cancelled: list[str] = []
+        self.changed = asyncio.Event()  # set on every start/cancel/hold, for tests to wait on
+        self.active: set[str] = set()
+        self.shell: WorkerShell | None = None
+        self.agent: RouterAgent | None = None
+
+    def _note(self) -> None:
+        self.changed.set()
+
+    async def wait_for(self, predicate, timeout: float = 10.0) -> None:
+        """Wait until ``predicate()`` holds (woken by the worker's own events, bounded)."""
+
+        async def loop() -> None:
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(loop(), timeout)
+
+    async def Generate(self, request, context):
+        rid = request.request_id
+        self.requests.append(request)
+        self.timeouts.append(context.time_remaining())
+        self.active.add(rid)
+        try:
+            if request.mode == worker_pb2.PREFILL_MODE_REMOTE:
+                ticket = f"ticket:{rid}".encode()
+                yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket)
+                if self.transfers is not None:  # a fake in its own process has no transfer to wait for
+                    await self.transfers.event(ticket).wait()
+                if self.decode_gate is not None:
+                    await self.decode_gate.wait()
+            self.started.append(rid)
+            self._note()
+            last = len(self.tokens) - 1
+            hold_at = 1 if rid.startswith("hold-") else self.hold_at
+            for i, t in enumerate(self.tokens):
+                if hold_at is not None and i >= hold_at:
+                    self._note()
+                    await self.release.wait()
+                finish = self.finish if i == last else ""
+                yield worker_pb2.WorkerGenerateResponse(first_index=i, token_ids=[t], finish_reason=finish)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.cancelled.append(rid)
+            self._note()
+            raise
+        finally:
+            self.active.discard(rid)
+
+    async def Prefill(self, request, context):
+        self.requests.append(request)
+        self.timeouts.append(context.time_remaining())
+        self.active.add(request.request_id)
+        self._note()
+        try:
+            if self.prefill_gate is not None:
+                await self.prefill_gate.wait()
+            if self.transfers is not None:
+                self.transfers.event(request.transfer_ticket).set()
+            return worker_pb2.PrefillResponse(
+                first_token_id=self.tokens[0], transfer_bytes=len(request.prompt_token_ids)
+            )
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            self._note()
+            raise
+        finally:
+            self.active.discard(request.request_id)
+
+    async def GetLoad(self, request, context):
+        return self.load()
+
+    async def Drain(self, request, context):
+        if self.shell is not None:
+            self.shell.begin_drain()
+        return self.load()
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        state = self.shell.state.proto if self.shell is not None else worker_pb2.WORKER_STATE_LOADING
+        return worker_pb2.WorkerLoad(
+            worker_id=self.worker_id,
+            state=state,
+            running=len(self.active),
+            kv_blocks_total=self.kv_blocks_total,
+        )
+
+    async def start(self, router_address: str, **agent_kw) -> None:
+        """Serve, register with the router (heartbeating in the background)."""
+        self.shell = WorkerShell(ShellConfig(drain_timeout_s=10.0, stop_grace_s=0.1))
+        address = await self.shell.start(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(self, s))
+        await self.shell.set_serving()
+        info = worker_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=ROLE_TO_PROTO[self.role],
+            address=address,
+            kv_blocks_total=self.kv_blocks_total,
+            block_size=self.block_size,
+            max_running=self.max_running,
+            pid=os.getpid(),
+            context_length=self.context_length,
+        )
+        self.agent = RouterAgent(
+            AgentConfig(router_address, **agent_kw), info, self.load, self.shell.begin_drain
+        )
+        await self.agent.register()
+        self.agent.start()
+
+    async def stop(self) -> None:
+        self.release.set()
+        for gate in (self.decode_gate, self.prefill_gate):
+            if gate is not None:
+                gate.set()
+        if self.agent is not None:
+            await self.agent.close()
+        if self.shell is not None:
+            await self.shell.stop()
+
+
+# Tokens a fake worker started by the CLI generates (the test tokenizer's "hello world the cat").
+CLI_TOKENS = (4, 5, 6, 7)  # ids("hello world the cat")
+
+
+async def serve(args: WorkerArgs) -> None:
+    """``pdserve worker --worker-module tests.fake_workers``: a fake worker as its own process.
+
+    Requests whose id starts with "hold-" stop after output 0 until the worker drains, so a test
+    can show that a drain waits for them.
+    """
+    w = FakeWorker(args.worker_id, args.role, CLI_TOKENS, block_size=args.block_size,
+                   max_running=args.max_running)
+    w.transfers = None
+    w.shell = WorkerShell(args.shell_config())
+    address = await w.shell.start(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(w, s))
+    await w.shell.set_serving()
+
+    def drain() -> None:
+        w.shell.begin_drain()
+        w.release.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, drain)
+    info = args.worker_info(address, kv_blocks_total=w.kv_blocks_total, context_length=0, pid=os.getpid())
+    w.agent = RouterAgent(AgentConfig(args.router, register_timeout_s=30.0), info, w.load, drain)
+    await run_worker(w.shell, w.agent)

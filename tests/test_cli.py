@@ -1,0 +1,275 @@
+"""The pdserve CLI: parsing, the state file, and up/status/down against a real router process."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router import cli, cluster
+from router.registry import Role
+from tests.fake_workers import make_model_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_parser_defaults_and_validation():
+    p = cli.build_parser()
+    a = p.parse_args(["up"])
+    assert (a.prefill, a.decode, a.colocated) == (1, 1, 0)
+    assert (a.model, a.dtype, a.host, a.port) == ("smollm2-135m-instruct", "float32", "127.0.0.1", 50051)
+    assert str(a.state_dir) == ".pdserve" and a.threads is None
+    a = p.parse_args(["scale", "--decode", "2", "--state-dir", "x"])
+    assert (a.prefill, a.decode, a.colocated, str(a.state_dir)) == (None, 2, None, "x")
+    a = p.parse_args(["generate", "hi", "--chat", "--max-tokens", "5", "--seed", "3", "--json"])
+    assert a.chat and a.json and (a.prompt, a.max_tokens, a.seed, a.temperature) == ("hi", 5, 3, None)
+    for command in ("status", "down", "router"):
+        assert str(p.parse_args([command, "--state-dir", "d"]).state_dir) == "d"
+    for bad in (
+        ["up", "--prefill", "-1"],
+        ["up", "--dtype", "float16"],
+        ["worker", "--role", "prefill"],
+        ["worker", "--role", "gpu", "--router", "a:1"],
+        ["frobnicate"],
+    ):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+
+
+def test_worker_args_threads_and_router_config():
+    p = cli.build_parser()
+    a = p.parse_args(["worker", "--role", "decode", "--router", "r:1", "--kv-cache-mib", "3"])
+    w = cli.worker_args(a, "host", 42, cpus=2)
+    assert (w.role, w.router, w.worker_id, w.port) == (Role.DECODE, "r:1", "decode-host-42", 0)
+    assert w.threads == 2 and w.kv_cache_bytes == 3 << 20  # a worker alone gets every core
+    assert w.worker_info("h:5", kv_blocks_total=7, context_length=99, pid=1).role == worker_pb2.ROLE_DECODE
+    # Workers sharing the 2 cores get one thread each.
+    assert [cluster.default_threads(n, cpus=2) for n in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    c = cli.router_config(p.parse_args(["router", "--port", "0", "--max-waiting", "3"]))
+    assert (c.port, c.max_waiting, c.bind_address) == (0, 3, "127.0.0.1:0")
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        cli.router_config(p.parse_args(["router", "--heartbeat-timeout", "0.1"]))
+
+
+def test_state_file_roundtrip(tmp_path):
+    router = cluster.ProcessEntry(id="router", pid=11, start=5, log="r.log")
+    state = cluster.ClusterState(
+        router_address="127.0.0.1:1",
+        router=router,
+        model="m",
+        dtype="float32",
+        threads=1,
+        host="127.0.0.1",
+        workers=(cluster.ProcessEntry(id="decode-1", pid=12, start=6, log="d.log", role=Role.DECODE),),
+        next_index=2,
+    )
+    assert cluster.load_state(tmp_path) is None
+    cluster.save_state(tmp_path, state)
+    assert cluster.load_state(tmp_path) == state
+    assert json.loads((tmp_path / "cluster.json").read_text())["workers"][0]["role"] == "decode"
+    assert [p.name for p in tmp_path.iterdir()] == ["cluster.json"]  # no temporary file left behind
+    cluster.remove_state(tmp_path)
+    assert cluster.load_state(tmp_path) is None
+    # A pid that now belongs to another process (another start time) is not ours.
+    assert not cluster.alive(cluster.ProcessEntry(id="x", pid=1, start=-1, log=""))
+
+
+def test_commands_without_a_cluster_fail_cleanly(tmp_path, capsys):
+    assert cli.main(["status", "--state-dir", str(tmp_path)]) == 1
+    assert "no cluster" in capsys.readouterr().err
+    assert cli.main(["down", "--state-dir", str(tmp_path)]) == 0
+
+
+def test_up_fails_with_the_log_tail_and_stops_what_it_started(tmp_path, capsys):
+    args = [
+        "up",
+        "--prefill",
+        "0",
+        "--decode",
+        "0",
+        "--model",
+        str(tmp_path / "no-such-model"),
+        "--port",
+        str(free_port()),
+        "--timeout",
+        "60",
+        "--state-dir",
+        str(tmp_path),
+    ]
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "router" in err and "no-such-model" in err  # the router's own error, from its log
+    assert cluster.load_state(tmp_path) is None
+
+
+def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
+    model = make_model_dir(tmp_path / "model")
+    state_dir = tmp_path / "state"
+    port = free_port()
+    up = [
+        "up",
+        "--prefill",
+        "0",
+        "--decode",
+        "0",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--heartbeat-timeout",
+        "120",
+        "--timeout",
+        "60",
+        "--state-dir",
+        str(state_dir),
+    ]
+    assert cli.main(up) == 0
+    state = cluster.load_state(state_dir)
+    try:
+        address = f"127.0.0.1:{port}"
+        assert capsys.readouterr().out.strip() == address and state.router_address == address
+        assert cli.main(up) == 1  # one cluster per state dir
+        assert "already running" in capsys.readouterr().err
+        with grpc.insecure_channel(address) as channel:
+            reg = worker_pb2_grpc.RegistryStub(channel)
+            for wid, role, used in (("d1", worker_pb2.ROLE_DECODE, 3), ("p1", worker_pb2.ROLE_PREFILL, 0)):
+                reg.Register(
+                    worker_pb2.WorkerInfo(
+                        worker_id=wid,
+                        role=role,
+                        address=f"127.0.0.1:{port + 1}",
+                        kv_blocks_total=10,
+                        block_size=16,
+                        max_running=4,
+                        metrics_url=f"http://127.0.0.1:9/{wid}",
+                        model="m",
+                        dtype="float32",
+                    ),
+                    timeout=5,
+                )
+                reg.Heartbeat(
+                    worker_pb2.WorkerLoad(
+                        worker_id=wid,
+                        state=worker_pb2.WORKER_STATE_READY,
+                        running=2,
+                        queued=1,
+                        kv_blocks_used=used,
+                        kv_blocks_total=10,
+                    ),
+                    timeout=5,
+                )
+        assert cli.main(["status", "--json", "--state-dir", str(state_dir)]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["router"]["address"] == address
+        keys = {
+            "id",
+            "role",
+            "address",
+            "state",
+            "running",
+            "queued",
+            "kv_blocks_used",
+            "kv_blocks_total",
+            "metrics_url",
+        }
+        assert all(keys <= set(w) for w in doc["workers"])
+        by_id = {w["id"]: w for w in doc["workers"]}
+        assert (by_id["d1"]["role"], by_id["d1"]["state"], by_id["d1"]["kv_blocks_used"]) == (
+            "decode",
+            "ready",
+            3,
+        )
+        assert by_id["p1"]["role"] == "prefill" and by_id["d1"]["metrics_url"] == "http://127.0.0.1:9/d1"
+        t = doc["totals"]
+        assert (t["workers"], t["running"], t["queued"], t["kv_blocks_used"], t["kv_blocks_total"]) == (
+            2,
+            4,
+            2,
+            3,
+            20,
+        )
+        assert cli.main(["status", "--state-dir", str(state_dir)]) == 0
+        table = capsys.readouterr().out
+        assert "d1" in table and "p1" in table and "3/10" in table
+    finally:
+        assert cli.main(["down", "--state-dir", str(state_dir)]) == 0
+    assert cluster.wait_exit([state.router], 10) == []
+    assert cluster.load_state(state_dir) is None
+    assert (state_dir / "logs" / "router.log").is_file()  # logs stay for a post-mortem
+
+
+def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_path, capsys):
+    model = make_model_dir(tmp_path / "model")
+    base = ["--state-dir", str(tmp_path / "state")]
+    up = [
+        "up",
+        "--prefill",
+        "0",
+        "--decode",
+        "1",
+        "--model",
+        str(model),
+        "--port",
+        str(free_port()),
+        "--heartbeat-interval",
+        "0.1",
+        "--worker-module",
+        "tests.fake_workers",
+        "--timeout",
+        "60",
+        *base,
+    ]
+    assert cli.main(up) == 0
+    address = capsys.readouterr().out.strip()
+
+    def workers() -> dict[str, str]:
+        assert cli.main(["status", "--json", *base]) == 0
+        return {w["id"]: w["state"] for w in json.loads(capsys.readouterr().out)["workers"]}
+
+    try:
+        assert cli.main(["scale", "--decode", "2", "--timeout", "60", *base]) == 0
+        assert workers() == {"decode-1": "ready", "decode-2": "ready"}
+        started = cluster.load_state(tmp_path / "state").workers
+        assert cli.main(["scale", "--decode", "1", "--timeout", "60", *base]) == 0
+        assert workers() == {"decode-1": "ready"}  # the newest went first
+        assert not cluster.alive(started[1])
+
+        # A request in flight on decode-1 that the fake holds until its worker drains.
+        got: list = []
+        first = threading.Event()
+
+        def client() -> None:
+            req = generation_pb2.GenerateRequest(request_id="hold-1", prompt="hello")
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    for m in generation_pb2_grpc.GenerationStub(channel).Generate(req, timeout=60):
+                        got.append(m)
+                        first.set()
+            except grpc.RpcError as e:
+                got.append(e)
+                first.set()
+
+        thread = threading.Thread(target=client)
+        thread.start()
+        try:
+            assert first.wait(30)
+            assert cli.main(["scale", "--decode", "0", "--timeout", "60", *base]) == 0
+        finally:
+            thread.join(60)
+        assert all(isinstance(m, generation_pb2.GenerateResponse) for m in got), got
+        assert [t for m in got for t in m.token_ids] == [4, 5, 6, 7] and got[-1].finish_reason == "length"
+        assert workers() == {}
+        assert not cluster.alive(started[0])
+        assert "draining (1 in flight)" in Path(started[0].log).read_text()
+        assert cluster.load_state(tmp_path / "state").workers == ()
+    finally:
+        assert cli.main(["down", *base]) == 0

@@ -1,0 +1,509 @@
+"""The router in-process against fake workers (tests/fake_workers.py): no engine, real gRPC.
+
+Every test ends with the router's leak check: no request left in the ledger and
+no worker with router-assigned load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine.params import SamplingParams
+from engine.tokenizer import Tokenizer
+from proto import generation_pb2 as g
+from proto import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.config import RouterConfig
+from router.detok import Detokenizer
+from router.registry import Role
+from router.server import RouterServer
+from router.validate import ModelLimits
+from tests.fake_workers import CONTEXT, EOS, ID, FakeWorker, Transfers, ids, make_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model_dir(tmp_path_factory.mktemp("router-model"))
+
+
+def run(coro, timeout: float = 60.0):
+    """Each test is one event loop, bounded."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll a router-side condition (bounded; a failure bound, not a latency check)."""
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def request(prompt: str = "hello world", **sampling) -> g.GenerateRequest:
+    return g.GenerateRequest(prompt=prompt, sampling=g.SamplingParams(**sampling))
+
+
+@contextlib.asynccontextmanager
+async def cluster(model_dir: Path, workers: list[FakeWorker], *, frontend: bool = True, **cfg):
+    cfg.setdefault("heartbeat_interval_s", 0.05)
+    cfg.setdefault("heartbeat_timeout_s", 5.0)
+    server = RouterServer(RouterConfig(port=0, **cfg))
+    await server.start()
+    if frontend:
+        await server.set_frontend(Tokenizer.from_dir(model_dir), ModelLimits.from_model_dir(model_dir))
+    channel = grpc.aio.insecure_channel(server.address)
+    started: list[FakeWorker] = []
+    try:
+        for w in workers:
+            await w.start(server.address)
+            started.append(w)
+        yield server, generation_pb2_grpc.GenerationStub(channel)
+        router = server.router
+        # The leak check: every exit path released its route.
+        await until(lambda: not router.ledger.jobs, what="requests to leave the ledger")
+        assert all(w.assigned == 0 and w.assigned_prefill_tokens == 0 for w in router.registry)
+        assert router.admission.waiting == 0
+    finally:
+        await channel.close()
+        for w in started:
+            await w.stop()
+        await server.stop(grace_s=0)
+
+
+async def collect(call) -> tuple[list[int], str, list[g.GenerateResponse]]:
+    msgs = []
+    while (m := await call.read()) is not grpc.aio.EOF:
+        msgs.append(m)
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs
+
+
+async def expect_error(call, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(call)
+    assert info.value.code() == code, info.value
+    return info.value.details()
+
+
+# ---- pure pieces --------------------------------------------------------------------------------------
+
+
+def test_detokenizer_holds_back_stop_strings_and_skips_stop_token_text(model_dir):
+    tok = Tokenizer.from_dir(model_dir)
+    d = Detokenizer(tok.decode_stream(), SamplingParams(stop=("sat on",)))
+    assert d.feed(ids("the cat")) == ("the cat", 2)
+    assert d.feed(ids("sat")) == (" ", 1)  # "sat" could start "sat on": held back
+    assert d.feed(ids("on the")) == ("", 1) and d.stopped and d.count == 4
+    d = Detokenizer(tok.decode_stream(), SamplingParams(stop=("sat on",)))
+    assert d.feed(ids("the sat")) == ("the ", 2)
+    assert d.feed(ids("mat"), ends_on_stop_token=True) == ("", 1)
+    assert d.flush() == "sat" and d.count == 3  # the stop token's text (" mat") is never emitted
+    # The engine's rule: a stop string counts once more than min_tokens outputs exist.
+    d = Detokenizer(tok.decode_stream(), SamplingParams(stop=("cat",), min_tokens=1, max_tokens=9))
+    assert d.feed(ids("cat cat")) == ("cat ", 2) and d.stopped  # the first "cat" is before min_tokens
+
+
+# ---- health, reflection, startup and shutdown ---------------------------------------------------------
+
+
+def test_health_reflection_and_graceful_shutdown(model_dir):
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the cat"))
+        w.hold_at = 1
+        async with cluster(model_dir, [w], frontend=False) as (server, stub):
+            channel = grpc.aio.insecure_channel(server.address)
+            health = health_pb2_grpc.HealthStub(channel)
+            NOT, OK = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+
+            async def status(service: str) -> int:
+                return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+            # Starting: workers can register, Generation is not served yet.
+            assert await status("") == NOT and await status("pdserve.v1.Generation") == NOT
+            assert await status("pdserve.internal.v1.Registry") == OK
+            assert "starting" in await expect_error(stub.Generate(request()), grpc.StatusCode.UNAVAILABLE)
+            await server.set_frontend(Tokenizer.from_dir(model_dir), ModelLimits.from_model_dir(model_dir))
+            assert await status("") == OK and await status("pdserve.v1.Generation") == OK
+
+            # Reflection as grpcurl uses it: list services, then describe one.
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+            await refl.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            listed = {s.name for s in (await refl.read()).list_services_response.service}
+            assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= listed
+            await refl.write(
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="pdserve.v1.Generation")
+            )
+            files = (await refl.read()).file_descriptor_response.file_descriptor_proto
+            protos = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in files]
+            methods = {
+                m.name: m for f in protos for s in f.service if s.name == "Generation" for m in s.method
+            }
+            assert methods["Generate"].server_streaming
+            await refl.done_writing()
+
+            # Shutdown: NOT_SERVING and new requests refused while the in-flight one finishes.
+            call = stub.Generate(request(max_tokens=4))
+            await w.wait_for(lambda: w.started)
+            stopping = asyncio.ensure_future(server.stop(grace_s=30))
+            await until(lambda: server.router.closing, what="shutdown to begin")
+            assert await status("") == NOT and await status("pdserve.v1.Generation") == NOT
+            assert "shutting down" in await expect_error(
+                stub.Generate(request()), grpc.StatusCode.UNAVAILABLE
+            )
+            w.release.set()
+            tokens, text, msgs = await collect(call)
+            assert text == "hello world the cat" and msgs[-1].finish_reason == "length"
+            await stopping
+            await channel.close()
+
+    run(main())
+
+
+# ---- validation -------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_invalid_argument_naming_the_field_and_router_keeps_serving(model_dir):
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world"))
+        async with cluster(model_dir, [w]) as (_, stub):
+            too_long = " ".join(["a"] * CONTEXT)
+            cases = [
+                (request(""), "prompt"),
+                (g.GenerateRequest(), "prompt"),
+                (request(max_tokens=0), "max_tokens"),
+                (request(too_long), "prompt"),
+                (g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[ID["a"]] * CONTEXT)), "prompt_token_ids"),
+                (g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[999])), "prompt_token_ids"),
+                (request(top_p=1.5), "top_p"),
+                (request(temperature=-0.5), "temperature"),
+                (request(top_k=0), "top_k"),
+                (
+                    g.GenerateRequest(
+                        messages=g.ChatMessages(messages=[g.ChatMessage(role="wizard", content="hi")])
+                    ),
+                    "role",
+                ),
+                (g.GenerateRequest(messages=g.ChatMessages()), "messages"),
+            ]
+            for req, field in cases:
+                details = await expect_error(stub.Generate(req), grpc.StatusCode.INVALID_ARGUMENT)
+                assert field in details, (field, details)
+            assert not w.requests  # nothing reached a worker
+            tokens, text, _ = await collect(stub.Generate(request()))
+            assert tokens == ids("hello world") and text == "hello world"
+
+    run(main())
+
+
+def test_no_decode_worker_is_unavailable(model_dir):
+    async def main():
+        p = FakeWorker("p1", Role.PREFILL, ids("hello"))
+        async with cluster(model_dir, [p]) as (_, stub):
+            details = await expect_error(stub.Generate(request()), grpc.StatusCode.UNAVAILABLE)
+            assert "decode" in details
+
+    run(main())
+
+
+# ---- the request path -------------------------------------------------------------------------------
+
+
+def test_local_route_streams_text_usage_chat_and_deadline(model_dir):
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the cat </s>"), finish="stop")
+        async with cluster(model_dir, [w]) as (_, stub):
+            before = time.time()
+            tokens, text, msgs = await collect(stub.Generate(request("the cat", max_tokens=9), timeout=20))
+            assert tokens == ids("hello world the cat </s>")
+            assert text == "hello world the cat"  # the eos token adds no text
+            last = msgs[-1]
+            assert last.finish_reason == "stop" and all(not m.finish_reason for m in msgs[:-1])
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 5)
+            assert msgs[0].request_id and all(m.request_id == msgs[0].request_id for m in msgs)
+            req = w.requests[0]
+            assert req.mode == worker_pb2.PREFILL_MODE_LOCAL and list(req.prompt_token_ids) == ids("the cat")
+            assert req.sampling.max_tokens == 9
+            # The client's deadline (20 s, not the router's 600 s default) reaches the worker as
+            # deadline_unix and as the call's own timeout (gRPC rounds the timeout header up a little).
+            assert before < req.deadline_unix < before + 60
+            assert w.timeouts[0] is not None and w.timeouts[0] < 60
+
+            chat = g.GenerateRequest(
+                request_id="chat-1",
+                messages=g.ChatMessages(messages=[g.ChatMessage(role="user", content="hello cat")]),
+            )
+            _, _, msgs = await collect(stub.Generate(chat))
+            assert msgs[-1].request_id == "chat-1"
+            assert list(w.requests[1].prompt_token_ids) == ids("user : hello cat assistant :")
+
+    run(main())
+
+
+def test_stop_string_never_leaks_and_cancels_the_worker(model_dir):
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("the cat sat on the mat a b c"))
+        w.hold_at = 6
+        async with cluster(model_dir, [w]) as (_, stub):
+            tokens, text, msgs = await collect(stub.Generate(request(stop=["sat on"], max_tokens=9)))
+            assert text == "the cat " and msgs[-1].finish_reason == "stop"
+            assert tokens == ids("the cat sat on") and msgs[-1].usage.completion_tokens == 4
+            assert not w.requests[0].sampling.stop  # the router owns stop strings
+            await w.wait_for(lambda: w.cancelled)
+
+    run(main())
+
+
+def test_remote_route_sends_prefill_first_token_before_decode_streams(model_dir):
+    async def main():
+        transfers = Transfers()
+        out = ids("hello world the cat")
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers)
+        d.decode_gate = asyncio.Event()  # D streams only once the test has seen the first token
+        async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (_, stub):
+            call = stub.Generate(request("the cat sat", max_tokens=4))
+            first = await call.read()
+            assert list(first.token_ids) == out[:1] and first.text == "hello"
+            assert not d.started  # decode had not begun: the token came from the prefill result
+            prefill = next(r for r in p.requests if isinstance(r, worker_pb2.PrefillRequest))
+            assert prefill.transfer_ticket == f"ticket:{first.request_id}".encode()
+            assert d.requests[0].mode == worker_pb2.PREFILL_MODE_REMOTE
+            d.decode_gate.set()
+            tokens, text, msgs = await collect(call)
+            # D re-sends output 0; the router skipped it.
+            assert out[:1] + tokens == out and "hello" + text == "hello world the cat"
+            assert msgs[-1].finish_reason == "length" and msgs[-1].usage.completion_tokens == 4
+
+            # Short prompts stay local on the decode worker.
+            await collect(stub.Generate(request("cat", max_tokens=4)))
+            assert d.requests[-1].mode == worker_pb2.PREFILL_MODE_LOCAL
+
+    run(main())
+
+
+def test_remote_route_ends_on_eos_from_prefill(model_dir):
+    async def main():
+        transfers = Transfers()
+        p = FakeWorker("p1", Role.PREFILL, [EOS], transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, ids("hello world"), transfers=transfers)
+        d.decode_gate = asyncio.Event()
+        async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (_, stub):
+            tokens, text, msgs = await collect(stub.Generate(request("the cat sat")))
+            assert tokens == [EOS] and text == "" and msgs[-1].finish_reason == "stop"
+            await d.wait_for(lambda: d.cancelled)  # the decode side freed its reservation
+
+    run(main())
+
+
+def test_queue_bound_rejects_excess_while_admitted_requests_complete(model_dir):
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the"), max_running=1)
+        w.hold_at = 1
+        async with cluster(model_dir, [w], max_waiting=1) as (server, stub):
+            a = stub.Generate(request(max_tokens=3))
+            await w.wait_for(lambda: len(w.started) == 1)
+            b = stub.Generate(request(max_tokens=3))
+            await until(lambda: server.router.admission.waiting == 1, what="b to wait")
+            details = await expect_error(stub.Generate(request()), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert "queue" in details
+            w.release.set()
+            for call in (a, b):
+                tokens, _, msgs = await collect(call)
+                assert tokens == ids("hello world the") and msgs[-1].finish_reason == "length"
+
+    run(main())
+
+
+def test_client_cancel_reaches_decode_stream_and_inflight_prefill(model_dir):
+    async def main():
+        transfers = Transfers()
+        p = FakeWorker("p1", Role.PREFILL, ids("hello world"), transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, ids("hello world the cat"), transfers=transfers)
+        p.prefill_gate = asyncio.Event()
+        d.hold_at = 2
+        async with cluster(model_dir, [p, d], local_prefill_threshold=3) as (server, stub):
+            local = stub.Generate(request("cat", max_tokens=4))
+            await local.read()
+            await local.read()
+            local.cancel()
+            await d.wait_for(lambda: len(d.cancelled) == 1)
+
+            remote = stub.Generate(request("the cat sat", max_tokens=4))
+            await p.wait_for(lambda: p.active)  # the prefill call is in flight
+            remote.cancel()
+            await p.wait_for(lambda: p.cancelled)
+            await d.wait_for(lambda: len(d.cancelled) == 2)
+            await until(lambda: not server.router.ledger.jobs, what="ledger to empty")
+            assert server.router.ledger.prefill_tokens("p1") == 0
+
+    run(main())
+
+
+# ---- worker failures, heartbeats, drain ---------------------------------------------------------------
+
+
+def test_worker_killed_mid_stream_fails_the_request_and_leaves_the_registry(model_dir):
+    async def main():
+        async with cluster(model_dir, []) as (server, stub):
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "router.cli",
+                    "worker",
+                    "--role",
+                    "both",
+                    "--router",
+                    server.address,
+                    "--worker-id",
+                    "k1",
+                    "--threads",
+                    "1",
+                    "--worker-module",
+                    "tests.fake_workers",
+                ],
+                cwd=Path(__file__).resolve().parent.parent,
+                start_new_session=True,
+            )
+            try:
+                reg = server.router.registry
+                await until(lambda: reg.get("k1") is not None and reg.ready(), 30, "the worker to register")
+                hold = request(max_tokens=4)
+                hold.request_id = "hold-1"  # the fake stops after output 0 until it drains
+                call = stub.Generate(hold)
+                assert (await call.read()).text == "hello"
+                os.kill(proc.pid, signal.SIGKILL)
+                details = await expect_error(call, grpc.StatusCode.UNAVAILABLE)
+                assert "k1" in details
+                assert reg.get("k1") is None  # marked dead at once, not at heartbeat expiry
+                await expect_error(stub.Generate(request()), grpc.StatusCode.UNAVAILABLE)
+            finally:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    run(main())
+
+
+def test_missed_heartbeats_expire_the_worker_and_fail_its_requests(model_dir):
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the"))
+        w.hold_at = 1
+        async with cluster(model_dir, [w], heartbeat_interval_s=0.05, heartbeat_timeout_s=0.3) as (
+            server,
+            stub,
+        ):
+            call = stub.Generate(request(max_tokens=3))
+            await w.wait_for(lambda: w.started)
+            await w.agent.close(deregister=False)  # the worker hangs: alive, but silent
+            details = await expect_error(call, grpc.StatusCode.UNAVAILABLE)
+            assert "heartbeat" in details
+            assert server.router.registry.get("b1") is None
+            await w.wait_for(lambda: w.cancelled)
+
+    run(main())
+
+
+def test_drain_worker_finishes_in_flight_then_the_worker_leaves(model_dir):
+    async def main():
+        w1 = FakeWorker("b1", Role.BOTH, ids("hello world"))
+        w2 = FakeWorker("b2", Role.BOTH, ids("the cat"))
+        w1.hold_at = 1
+        async with cluster(model_dir, [w1, w2]) as (server, stub):
+            a = stub.Generate(request(max_tokens=2))
+            await w1.wait_for(lambda: w1.started)  # ties go to the lower id
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                registry = worker_pb2_grpc.RegistryStub(channel)
+                assert (await registry.DrainWorker(worker_pb2.DrainWorkerRequest(worker_id="b1"))).found
+                assert not (await registry.DrainWorker(worker_pb2.DrainWorkerRequest(worker_id="nope"))).found
+                status = await registry.GetClusterStatus(worker_pb2.Empty())
+            states = {e.info.worker_id: e.load.state for e in status.workers}
+            assert states == {"b1": worker_pb2.WORKER_STATE_DRAINING, "b2": worker_pb2.WORKER_STATE_READY}
+            tokens, _, _ = await collect(stub.Generate(request(max_tokens=2)))
+            assert tokens == ids("the cat")  # new work goes elsewhere
+            await until(lambda: w1.shell.state.value == "draining", what="b1 to hear the drain")
+            w1.release.set()
+            tokens, _, msgs = await collect(a)
+            assert tokens == ids("hello world") and msgs[-1].finish_reason == "length"
+            await asyncio.wait_for(w1.shell.wait_stopped(), 10)
+            await w1.agent.close()
+            assert server.router.registry.get("b1") is None
+
+    run(main())
+
+
+def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_dir):
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        w = FakeWorker("b1", Role.BOTH, ids("hello"))
+        joining = asyncio.ensure_future(w.start(f"127.0.0.1:{port}", retry_interval_s=0.05))
+        await asyncio.sleep(0.2)  # let a few registration attempts fail
+        assert not joining.done()
+        server = RouterServer(RouterConfig(port=port, heartbeat_interval_s=0.05))
+        await server.start()
+        try:
+            await asyncio.wait_for(joining, 10)
+            reg = server.router.registry
+            assert reg.get("b1") is not None and w.agent.registrations == 1
+            reg.remove("b1")  # as after a router restart
+            await until(lambda: reg.get("b1") is not None, what="re-registration")
+            assert w.agent.registrations == 2
+        finally:
+            await w.stop()
+            await server.stop(grace_s=0)
+
+    run(main())
+
+
+class WriterWorker(FakeWorker):
+    """Generate in the context.write style (a coroutine, not an async generator)."""
+
+    async def Generate(self, request, context):
+        async for m in super().Generate(request, context):
+            await context.write(m)
+
+
+def test_shell_waits_for_writer_style_streams_and_rejects_new_calls_while_draining(model_dir):
+    async def main():
+        w = WriterWorker("b1", Role.BOTH, ids("hello world"))
+        w.hold_at = 1
+        async with cluster(model_dir, [w]) as (server, stub):
+            a = stub.Generate(request(max_tokens=2))
+            await w.wait_for(lambda: w.started)
+            await w.agent.close(deregister=False)  # the router keeps taking b1 for READY
+            w.shell.begin_drain()  # as on SIGTERM
+            assert w.shell.inflight == 1
+            async with grpc.aio.insecure_channel(w.shell.address) as channel:
+                call = worker_pb2_grpc.WorkerStub(channel).Generate(
+                    worker_pb2.WorkerGenerateRequest(request_id="x", mode=worker_pb2.PREFILL_MODE_LOCAL)
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call.read()
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert ("pdserve-rejected", "draining") in tuple(await call.trailing_metadata())
+            # Through the router: refused, but a draining worker is not a dead one.
+            await expect_error(stub.Generate(request()), grpc.StatusCode.UNAVAILABLE)
+            worker = server.router.registry.get("b1")
+            assert worker is not None and worker.state.value == "draining"
+            assert w.shell.state.value == "draining"  # still waiting for the in-flight stream
+            w.release.set()
+            tokens, _, msgs = await collect(a)
+            assert tokens == ids("hello world") and msgs[-1].finish_reason == "length"
+            await asyncio.wait_for(w.shell.wait_stopped(), 10)
+            assert w.shell.inflight == 0
+
+    run(main())
