@@ -11,7 +11,11 @@ Ownership contract (who frees, and when):
   are harmless.
 - ``fork`` shares a table between two ids by reference count; a block returns
   to the free list only when its last owner frees it.
-- Every operation either succeeds fully or raises and changes nothing.
+- Every operation either succeeds fully or raises and changes nothing, and
+  is atomic (one lock): a decode worker's KV receiver frees reservations from
+  its own thread while the engine thread schedules. Check-then-act sequences
+  (``can_allocate`` then ``allocate``) are only safe on one thread; a worker
+  runs reservations on the engine thread for that reason.
 
 Invariant (checked by ``check_invariants`` and the property tests): every
 block is either on the free list with refcount 0 or owned, with refcount equal
@@ -20,6 +24,7 @@ to the number of tables that hold it; free + distinct owned == num_blocks.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Hashable
 
@@ -39,6 +44,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._tables: dict[Hashable, list[int]] = {}
+        self._lock = threading.RLock()
 
     # -- queries -----------------------------------------------------------
     @property
@@ -62,7 +68,8 @@ class BlockManager:
         return len(self._tables)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        return list(self._tables[seq_id])
+        with self._lock:
+            return list(self._tables[seq_id])
 
     def capacity(self, seq_id: Hashable) -> int:
         """Token slots the sequence can hold without growing."""
@@ -85,45 +92,53 @@ class BlockManager:
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Give a new sequence enough blocks for ``num_tokens`` tokens."""
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} already holds blocks")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        blocks = self._take(self.blocks_needed(num_tokens))
-        self._tables[seq_id] = blocks
-        return list(blocks)
+        with self._lock:
+            if seq_id in self._tables:
+                raise ValueError(f"sequence {seq_id!r} already holds blocks")
+            blocks = self._take(self.blocks_needed(num_tokens))
+            self._tables[seq_id] = blocks
+            return list(blocks)
 
     def grow(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Extend a sequence's table to hold ``num_tokens`` tokens; returns the added blocks."""
-        table = self._tables[seq_id]
-        extra = self.blocks_needed(num_tokens) - len(table)
-        if extra <= 0:
-            return []
-        blocks = self._take(extra)
-        table.extend(blocks)
-        return blocks
+        with self._lock:
+            table = self._tables[seq_id]
+            extra = self.blocks_needed(num_tokens) - len(table)
+            if extra <= 0:
+                return []
+            blocks = self._take(extra)
+            table.extend(blocks)
+            return blocks
 
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """``dst`` shares every block of ``src`` (reference counted, read-only sharing)."""
-        if dst in self._tables:
-            raise ValueError(f"sequence {dst!r} already holds blocks")
-        table = self._tables[src]
-        for b in table:
-            self._ref[b] += 1
-        self._tables[dst] = list(table)
+        with self._lock:
+            if dst in self._tables:
+                raise ValueError(f"sequence {dst!r} already holds blocks")
+            table = self._tables[src]
+            for b in table:
+                self._ref[b] += 1
+            self._tables[dst] = list(table)
 
     def free(self, seq_id: Hashable) -> bool:
         """Release a sequence's blocks. Returns False when it held none (idempotent)."""
-        table = self._tables.pop(seq_id, None)
-        if table is None:
-            return False
-        for b in table:
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._free.append(b)
-        return True
+        with self._lock:
+            table = self._tables.pop(seq_id, None)
+            if table is None:
+                return False
+            for b in table:
+                self._ref[b] -= 1
+                if self._ref[b] == 0:
+                    self._free.append(b)
+            return True
 
     def check_invariants(self) -> None:
+        with self._lock:
+            self._check_invariants()
+
+    def _check_invariants(self) -> None:
         counts = [0] * self.num_blocks
         for table in self._tables.values():
             for b in table:

@@ -1,0 +1,192 @@
+"""The bridge between a worker's asyncio side (gRPC, KV receiver) and its engine thread.
+
+The engine (``LLMEngine``) is not thread-safe and its ``step()`` blocks for a
+whole forward, so one dedicated thread owns it. The asyncio side never touches
+the engine directly: it submits commands (add, add-prefilled, abort, call) that
+the thread runs between steps, and reads each request's deltas from an
+``asyncio.Queue`` the thread feeds with ``loop.call_soon_threadsafe``.
+
+Block ownership across the two sides: the KV receiver reserves blocks in the
+engine's ``BlockManager`` through ``call`` (so on the engine thread, between
+steps); an adopted request's blocks are the engine's from ``add_prefilled``
+on; ``abort`` frees whatever the engine holds for the id, reserved or running.
+
+Stages of a request here: submitted -> (engine) waiting -> running -> finished;
+or aborted at any stage (client cancel, deadline, drain timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine, RequestOutputDelta
+from engine.params import SamplingParams
+
+T = TypeVar("T")
+
+
+class _Op(enum.Enum):
+    ADD = "add"
+    ADD_PREFILLED = "add_prefilled"
+    ABORT = "abort"
+    CALL = "call"
+    STOP = "stop"
+
+
+@dataclass
+class _Cmd:
+    op: _Op
+    request_id: Hashable = None
+    args: tuple[Any, ...] = ()
+    future: asyncio.Future[Any] | None = None
+
+
+# What a request's queue carries: deltas, then None when the request is gone, or
+# an exception when the engine refused or failed it.
+QueueItem = RequestOutputDelta | BaseException | None
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._idle_wait_s = idle_wait_s
+        self._cmds: queue.SimpleQueue[_Cmd] = queue.SimpleQueue()
+        self._queues: dict[Hashable, asyncio.Queue[QueueItem]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.last_batch_size = 0
+        self._on_step: Callable[[float, int], None] | None = None
+
+    # -- asyncio side ----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self) -> None:
+        fut = self._loop.create_future()
+        self._cmds.put(_Cmd(_Op.STOP, future=fut))
+        await fut
+        self._thread.join(timeout=5)
+
+    def on_step(self, fn: Callable[[float, int], None]) -> None:
+        """``fn(seconds, batch_size)`` runs on the engine thread after every step."""
+        self._on_step = fn
+
+    def submit(
+        self, request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> asyncio.Queue[QueueItem]:
+        q: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._queues[request_id] = q
+        self._cmds.put(_Cmd(_Op.ADD, request_id, (list(prompt_token_ids), params)))
+        return q
+
+    def submit_prefilled(
+        self, request_id: Hashable, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams
+    ) -> asyncio.Queue[QueueItem]:
+        q: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._queues[request_id] = q
+        self._cmds.put(_Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), first_token_id, params)))
+        return q
+
+    def abort(self, request_id: Hashable) -> None:
+        """Free everything the engine holds for the id (idempotent); its queue gets None."""
+        self._cmds.put(_Cmd(_Op.ABORT, request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        fut: asyncio.Future[T] = self._loop.create_future()
+        self._cmds.put(_Cmd(_Op.CALL, args=(fn,), future=fut))
+        return await fut
+
+    # -- engine thread ------------------------------------------------------------
+    def _put(self, request_id: Hashable, item: QueueItem) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            self._loop.call_soon_threadsafe(q.put_nowait, item)
+            if item is None or isinstance(item, BaseException):
+                self._loop.call_soon_threadsafe(self._queues.pop, request_id, None)
+
+    def _resolve(self, fut: asyncio.Future[Any] | None, value: Any = None, exc: BaseException | None = None) -> None:
+        if fut is None:
+            return
+
+        def done() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+        self._loop.call_soon_threadsafe(done)
+
+    def _apply(self, cmd: _Cmd) -> bool:
+        """Run one command; False means stop the thread."""
+        eng = self.engine
+        if cmd.op is _Op.STOP:
+            for rid in list(self._queues):
+                eng.abort(rid)
+                self._put(rid, None)
+            self._resolve(cmd.future)
+            return False
+        if cmd.op is _Op.CALL:
+            (fn,) = cmd.args
+            try:
+                self._resolve(cmd.future, fn(eng))
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                self._resolve(cmd.future, exc=e)
+            return True
+        if cmd.op is _Op.ABORT:
+            eng.abort(cmd.request_id)
+            self._put(cmd.request_id, None)
+            return True
+        try:
+            if cmd.op is _Op.ADD:
+                eng.add_request(cmd.request_id, *cmd.args)
+            else:
+                delta = eng.add_prefilled_request(cmd.request_id, *cmd.args)
+                self._put(cmd.request_id, delta)
+                if delta.finish_reason is not None:
+                    self._put(cmd.request_id, None)
+        except BaseException as e:  # noqa: BLE001 - the request fails, the loop goes on
+            eng.abort(cmd.request_id)
+            self._put(cmd.request_id, e)
+        return True
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            # Commands first: aborts free blocks before the next step needs them.
+            block = not eng.has_unfinished()
+            while True:
+                try:
+                    cmd = self._cmds.get(block=block, timeout=self._idle_wait_s if block else None)
+                except queue.Empty:
+                    break
+                if not self._apply(cmd):
+                    return
+                block = False
+            if not eng.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            try:
+                deltas = eng.step()
+            except BaseException as e:  # noqa: BLE001 - fail every request, keep the worker alive
+                for rid in list(self._queues):
+                    eng.abort(rid)
+                    self._put(rid, RuntimeError(f"engine step failed: {e!r}"))
+                continue
+            dt = time.perf_counter() - t0
+            self.last_batch_size = len(deltas)
+            if self._on_step is not None:
+                self._on_step(dt, len(deltas))
+            for d in deltas:
+                self._put(d.request_id, d)
+                if d.finish_reason is not None:
+                    self._put(d.request_id, None)

@@ -1,0 +1,215 @@
+"""Decode worker (roles ``decode`` and ``both``): continuous batching over a paged KV cache.
+
+Stages of a request on this worker (``Worker.Generate``, one stream per request):
+
+LOCAL mode (short prompts, and every request on a colocated ``both`` worker)
+    submitted -> engine waiting -> prefill step(s) -> running (decode steps)
+    -> finished; tokens stream back as the engine produces them.
+REMOTE mode (a prefill worker computes the prompt's KV)
+    reserve blocks with the KV receiver -> first message: the transfer ticket
+    -> every layer + the completion (carrying token 0) arrive -> adopted into
+    the running batch (``add_prefilled_request``) -> decode steps -> finished.
+Every exit (finish, client cancel, deadline, transfer failure, drain timeout)
+frees the request's blocks: before adoption the receiver frees them, after it
+the engine does; ``EngineLoop.abort`` covers both and is idempotent.
+
+Stop strings are the router's job (it detokenizes); this worker stops on
+token ids, max_tokens and the context limit, so it runs without
+detokenizing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from decode_pool.engine_loop import EngineLoop, QueueItem
+from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
+from proto import worker_pb2, worker_pb2_grpc
+from router.agent import AgentConfig, RouterAgent, run_worker
+from router.registry import Role
+from router.validate import sampling_params_from_proto
+from router.worker_shell import WorkerArgs, WorkerShell
+
+if TYPE_CHECKING:
+    from decode_pool.remote import RemotePrefill
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DECODE_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in float32, ~46k in bfloat16
+
+
+def engine_config(args: WorkerArgs) -> EngineConfig:
+    kv_bytes = args.kv_cache_bytes or (None if args.kv_blocks else DEFAULT_DECODE_KV_BYTES)
+    return EngineConfig(
+        max_num_seqs=args.max_running,
+        max_num_batched_tokens=args.max_batched_tokens,
+        block_size=args.block_size,
+        num_blocks=args.kv_blocks or None,
+        kv_cache_bytes=kv_bytes,
+        dtype=args.dtype,
+        threads=args.threads,
+        detokenize=False,
+    )
+
+
+class DecodeServicer(worker_pb2_grpc.WorkerServicer):
+    """Registered before the model loads; ``attach`` wires the engine once it has.
+
+    Until then the shell's interceptor rejects Generate/Prefill (it is not SERVING)
+    and GetLoad reports the shell's state with no capacity.
+    """
+
+    def __init__(self, shell: WorkerShell) -> None:
+        self.shell = shell
+        self.loop: EngineLoop | None = None
+        self.remote: RemotePrefill | None = None
+
+    def attach(self, loop: EngineLoop, remote: RemotePrefill | None) -> None:
+        self.loop, self.remote = loop, remote
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        if self.loop is None:
+            return worker_pb2.WorkerLoad(state=self.shell.state.proto)
+        eng = self.loop.engine
+        bm = eng.block_manager
+        s = eng.scheduler
+        return worker_pb2.WorkerLoad(
+            state=self.shell.state.proto,
+            running=len(s.running),
+            queued=len(s.waiting) + (self.remote.pending if self.remote else 0),
+            queued_prefill_tokens=sum(len(q.prompt_token_ids) for q in list(s.waiting)),
+            kv_blocks_used=bm.num_used,
+            kv_blocks_total=bm.num_blocks,
+        )
+
+    async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
+        return self.load()
+
+    async def Drain(self, request, context):  # noqa: N802
+        self.shell.begin_drain()
+        return self.load()
+
+    async def Prefill(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a decode worker; Prefill goes to the prefill pool")
+
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):  # noqa: N802
+        assert self.loop is not None, "the shell admits requests only once the engine is attached"
+        rid = request.request_id
+        try:
+            params = sampling_params_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
+        prompt = list(request.prompt_token_ids)
+        timeout = None
+        if request.deadline_unix > 0:
+            timeout = request.deadline_unix - time.time()
+            if timeout <= 0:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before decode started")
+        try:
+            async with asyncio.timeout(timeout):
+                if request.mode == worker_pb2.PREFILL_MODE_REMOTE:
+                    if self.remote is None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill is not enabled")
+                    async for msg in self.remote.run(rid, prompt, params, context):
+                        yield msg
+                else:
+                    q = self.loop.submit(rid, prompt, params)
+                    async for msg in relay_deltas(q, time.time()):
+                        yield msg
+        except TimeoutError:
+            self.loop.abort(rid)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} passed its deadline")
+        except asyncio.CancelledError:
+            # The router cancelled (client gone, stop string seen): free now.
+            self.loop.abort(rid)
+            raise
+        except ValueError as e:
+            self.loop.abort(rid)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            # Idempotent: a finished request holds nothing; anything else is released.
+            self.loop.abort(rid)
+
+
+async def relay_deltas(q: asyncio.Queue[QueueItem], admitted_unix: float):
+    """Turn engine deltas into stream messages, coalescing whatever is already queued."""
+    while True:
+        item = await q.get()
+        batch: list[RequestOutputDelta] = []
+        done = False
+        while True:
+            if item is None:
+                done = True
+                break
+            if isinstance(item, BaseException):
+                raise item
+            batch.append(item)
+            if item.finish_reason is not None or q.empty():
+                break
+            item = q.get_nowait()
+        if batch:
+            ids = [t for d in batch for t in d.new_token_ids]
+            last = batch[-1]
+            yield worker_pb2.WorkerGenerateResponse(
+                first_index=last.num_output_tokens - len(ids),
+                token_ids=ids,
+                finish_reason=last.finish_reason or "",
+                admitted_unix=admitted_unix,
+            )
+            if last.finish_reason is not None:
+                return
+        if done:
+            return
+
+
+async def serve(args: WorkerArgs) -> None:
+    """Run a decode (or colocated) worker until it has drained."""
+    from engine.registry import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    shell = WorkerShell(args.shell_config())
+    servicer = DecodeServicer(shell)
+    address = await shell.start(lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server))
+    shell.install_signal_handlers()
+    model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
+    try:
+        tokenizer = Tokenizer.from_dir(model_dir)
+    except FileNotFoundError:
+        tokenizer = None
+    engine = await asyncio.to_thread(LLMEngine, model_dir, tokenizer, engine_config(args))
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    loop.start()
+    remote = None
+    if args.role is Role.DECODE:
+        from decode_pool.remote import RemotePrefill
+
+        remote = RemotePrefill(loop, args)
+        await remote.start()
+    servicer.attach(loop, remote)
+    await shell.set_serving()
+    agent = RouterAgent(
+        AgentConfig(router_address=args.router),
+        args.worker_info(
+            address,
+            kv_blocks_total=engine.block_manager.num_blocks,
+            context_length=engine.max_model_len,
+            pid=os.getpid(),
+        ),
+        load=servicer.load,
+        on_drain=shell.begin_drain,
+    )
+    try:
+        await run_worker(shell, agent)
+    finally:
+        if remote is not None:
+            await remote.close()
+        await loop.stop()
+        log.info("decode worker %s stopped", args.worker_id)
+
