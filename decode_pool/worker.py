@@ -24,13 +24,13 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
 from decode_pool.engine_loop import EngineLoop, QueueItem
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
+from kv_transfer import TransferConfig, compat_for
 from proto import worker_pb2, worker_pb2_grpc
 from router.agent import AgentConfig, RouterAgent, run_worker
 from router.registry import Role
@@ -66,8 +66,9 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
     and GetLoad reports the shell's state with no capacity.
     """
 
-    def __init__(self, shell: WorkerShell) -> None:
+    def __init__(self, shell: WorkerShell, transfer_config: TransferConfig) -> None:
         self.shell = shell
+        self.transfer_config = transfer_config
         self.loop: EngineLoop | None = None
         self.remote: RemotePrefill | None = None
 
@@ -112,36 +113,44 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             timeout = request.deadline_unix - time.time()
             if timeout <= 0:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before decode started")
+        remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
+        if remote and self.remote is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
         try:
             async with asyncio.timeout(timeout):
-                if request.mode == worker_pb2.PREFILL_MODE_REMOTE:
-                    if self.remote is None:
-                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill is not enabled")
-                    async for msg in self.remote.run(rid, prompt, params, context):
+                if remote:
+                    assert self.remote is not None
+                    # RemotePrefill frees on its own paths (the receiver before adoption, the engine after).
+                    async for msg in self.remote.run(rid, prompt, params, context, self.transfer_deadline(timeout)):
                         yield msg
                 else:
-                    q = self.loop.submit(rid, prompt, params)
-                    async for msg in relay_deltas(q, time.time()):
-                        yield msg
+                    try:
+                        async for msg in relay_deltas(self.loop.submit(rid, prompt, params)):
+                            yield msg
+                    finally:
+                        # Idempotent: a finished request holds nothing; a cancelled one is freed now.
+                        self.loop.abort(rid)
         except TimeoutError:
-            self.loop.abort(rid)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} passed its deadline")
-        except asyncio.CancelledError:
-            # The router cancelled (client gone, stop string seen): free now.
-            self.loop.abort(rid)
-            raise
         except ValueError as e:
-            self.loop.abort(rid)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        finally:
-            # Idempotent: a finished request holds nothing; anything else is released.
-            self.loop.abort(rid)
+
+    def transfer_deadline(self, timeout: float | None) -> float | None:
+        """A reservation lives as long as the request may, capped by the transfer config's default."""
+        return None if timeout is None else max(min(timeout, self.transfer_config.deadline_s), 0.001)
 
 
-async def relay_deltas(q: asyncio.Queue[QueueItem], admitted_unix: float):
-    """Turn engine deltas into stream messages, coalescing whatever is already queued."""
+async def relay_deltas(q: asyncio.Queue[QueueItem]):
+    """Turn engine deltas into stream messages, coalescing whatever is already queued.
+
+    ``admitted_unix`` is when the first delta reached this side: the engine had
+    taken the request into its batch by then.
+    """
+    admitted_unix = 0.0
     while True:
         item = await q.get()
+        if not admitted_unix:
+            admitted_unix = time.time()
         batch: list[RequestOutputDelta] = []
         done = False
         while True:
@@ -175,7 +184,8 @@ async def serve(args: WorkerArgs) -> None:
     from engine.tokenizer import Tokenizer
 
     shell = WorkerShell(args.shell_config())
-    servicer = DecodeServicer(shell)
+    tconf = args.transfer_config()
+    servicer = DecodeServicer(shell, tconf)
     address = await shell.start(lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server))
     shell.install_signal_handlers()
     model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
@@ -190,7 +200,7 @@ async def serve(args: WorkerArgs) -> None:
     if args.role is Role.DECODE:
         from decode_pool.remote import RemotePrefill
 
-        remote = RemotePrefill(loop, args)
+        remote = RemotePrefill(loop, compat_for(engine.runner.kv, model_dir.name), tconf)
         await remote.start()
     servicer.attach(loop, remote)
     await shell.set_serving()
