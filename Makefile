@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: run test install lint clean
+.PHONY: run test install lint clean prometheus dashboards bench-openai
 
 install: $(STAMP)
 
@@ -23,8 +23,31 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(PY) -m engine.chat
 
-test: $(STAMP)
+# Debian's prometheus package unpacked into the venv (tests and `pdserve up --prometheus` use it).
+# Best effort: without it the Prometheus tests install it themselves or skip, saying why.
+prometheus: $(VENV)/opt/prometheus/usr/bin/prometheus
+
+$(VENV)/opt/prometheus/usr/bin/prometheus:
+	-bash deploy/prometheus/install.sh $(VENV)/opt/prometheus
+
+# Regenerate the Grafana dashboards (tests fail while the committed JSON differs).
+dashboards: $(STAMP)
+	$(PY) -m deploy.grafana.dashboards
+
+test: $(STAMP) prometheus
 	$(PY) -m pytest
+
+# guidellm (a third-party OpenAI-API load tool, over HTTP) and `pdserve bench` (gRPC) on one workload
+# against one colocated cluster, alternating: TTFT and ITL of each, and whether they agree within the
+# noise (bench/tool_compare.py). The cluster is always stopped; the result is in $(BENCH_OPENAI_DIR).
+BENCH_OPENAI_DIR ?= .pdserve/bench-openai
+BENCH_OPENAI_UP ?= --prefill 0 --decode 0 --colocated 1 --port 50161 --http-port 50162
+BENCH_OPENAI_ARGS ?= --input-len 128 --output-len 32 --num-prompts 16 --concurrency 1 --rounds 2
+bench-openai: $(STAMP)
+	$(VENV)/bin/pdserve up $(BENCH_OPENAI_UP) --state-dir $(BENCH_OPENAI_DIR)
+	$(PY) -m bench.tool_compare --state-dir $(BENCH_OPENAI_DIR) $(BENCH_OPENAI_ARGS) \
+		--save-result $(BENCH_OPENAI_DIR)/compare.json; \
+		rc=$$?; $(VENV)/bin/pdserve down --state-dir $(BENCH_OPENAI_DIR); exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check engine kv_transfer router prefill_pool decode_pool bench tests

@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING
 import grpc
 
 from decode_pool.engine_loop import EngineLoop, QueueItem
+from decode_pool.metrics import DecodeMetrics
 from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
 from kv_transfer import TransferConfig, compat_for
 from proto import worker_pb2, worker_pb2_grpc
 from router.agent import AgentConfig, RouterAgent, run_worker
+from router.metrics_http import process_registry, serve_metrics
 from router.registry import Role
 from router.validate import sampling_params_from_proto
 from router.worker_shell import WorkerArgs, WorkerShell
@@ -66,8 +68,9 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
     and GetLoad reports the shell's state with no capacity.
     """
 
-    def __init__(self, shell: WorkerShell, transfer_config: TransferConfig) -> None:
+    def __init__(self, shell: WorkerShell, transfer_config: TransferConfig, metrics: DecodeMetrics) -> None:
         self.shell = shell
+        self.metrics = metrics
         self.transfer_config = transfer_config
         self.loop: EngineLoop | None = None
         self.remote: RemotePrefill | None = None
@@ -81,6 +84,7 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
         eng = self.loop.engine
         bm = eng.block_manager
         s = eng.scheduler
+        self.metrics.set_kv_usage(bm.num_used, bm.num_blocks)
         return worker_pb2.WorkerLoad(
             state=self.shell.state.proto,
             running=len(s.running),
@@ -183,9 +187,12 @@ async def serve(args: WorkerArgs) -> None:
     from engine.registry import resolve_model
     from engine.tokenizer import Tokenizer
 
+    registry = process_registry(args.role.value)
+    metrics = DecodeMetrics(registry, args.role.value)
+    metrics_endpoint = serve_metrics(registry, args.host, args.metrics_port)
     shell = WorkerShell(args.shell_config())
     tconf = args.transfer_config()
-    servicer = DecodeServicer(shell, tconf)
+    servicer = DecodeServicer(shell, tconf, metrics)
     address = await shell.start(lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server))
     shell.install_signal_handlers()
     model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
@@ -195,12 +202,13 @@ async def serve(args: WorkerArgs) -> None:
         tokenizer = None
     engine = await asyncio.to_thread(LLMEngine, model_dir, tokenizer, engine_config(args))
     loop = EngineLoop(engine, asyncio.get_running_loop())
+    loop.on_step(metrics.observe_step)
     loop.start()
     remote = None
     if args.role is Role.DECODE:
         from decode_pool.remote import RemotePrefill
 
-        remote = RemotePrefill(loop, compat_for(engine.runner.kv, model_dir.name), tconf)
+        remote = RemotePrefill(loop, compat_for(engine.runner.kv, model_dir.name), tconf, registry)
         await remote.start()
     servicer.attach(loop, remote)
     await shell.set_serving()
@@ -211,6 +219,7 @@ async def serve(args: WorkerArgs) -> None:
             kv_blocks_total=engine.block_manager.num_blocks,
             context_length=engine.max_model_len,
             pid=os.getpid(),
+            metrics_url=metrics_endpoint.url,
         ),
         load=servicer.load,
         on_drain=shell.begin_drain,
@@ -221,5 +230,6 @@ async def serve(args: WorkerArgs) -> None:
         if remote is not None:
             await remote.close()
         await loop.stop()
+        metrics_endpoint.close()
         log.info("decode worker %s stopped", args.worker_id)
 

@@ -37,9 +37,11 @@ from engine.model_runner import ModelRunner, PrefillItem
 from engine.params import SamplingParams, validate_prompt_token_ids
 from engine.sampler import Sampler, SampleRow
 from kv_transfer import IncompatibleError, KVSender, SenderHandle, TransferError, TransferTicket, compat_for
+from prefill_pool.metrics import PrefillMetrics
 from prefill_pool.scheduler import PrefillJob, PrefillScheduler, Stage
 from proto import worker_pb2, worker_pb2_grpc
 from router.agent import AgentConfig, RouterAgent, run_worker
+from router.metrics_http import process_registry, serve_metrics
 from router.validate import sampling_params_from_proto
 from router.worker_shell import WorkerArgs, WorkerShell
 
@@ -60,8 +62,9 @@ class _Req:
 class PrefillServicer(worker_pb2_grpc.WorkerServicer):
     """Registered before the model loads; ``attach`` wires the runner once it has."""
 
-    def __init__(self, shell: WorkerShell) -> None:
+    def __init__(self, shell: WorkerShell, metrics: PrefillMetrics) -> None:
         self.shell = shell
+        self.metrics = metrics
         self.runner: ModelRunner | None = None
         self.sched: PrefillScheduler | None = None
         self.sampler: Sampler | None = None
@@ -89,6 +92,7 @@ class PrefillServicer(worker_pb2_grpc.WorkerServicer):
         if self.sched is None:
             return worker_pb2.WorkerLoad(state=self.shell.state.proto)
         bm = self.sched.block_manager
+        self.metrics.set_queue_tokens(self.sched.queued_tokens + self._running_tokens)
         return worker_pb2.WorkerLoad(
             state=self.shell.state.proto,
             running=self._running,
@@ -240,6 +244,7 @@ class PrefillServicer(worker_pb2_grpc.WorkerServicer):
             finally:
                 self._running, self._running_tokens = 0, 0
             dt = time.perf_counter() - t0
+            self.metrics.observe_prefill(dt, sum(j.num_tokens for j in live))
             for j, tok in zip(live, tokens, strict=True):
                 req = j.payload
                 if req.cancelled or req.result.done():
@@ -256,8 +261,10 @@ async def serve(args: WorkerArgs) -> None:
     from engine.registry import resolve_model
     from engine.tokenizer import Tokenizer
 
+    registry = process_registry(args.role.value)
+    metrics_endpoint = serve_metrics(registry, args.host, args.metrics_port)
     shell = WorkerShell(args.shell_config())
-    servicer = PrefillServicer(shell)
+    servicer = PrefillServicer(shell, PrefillMetrics(registry))
     address = await shell.start(lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server))
     shell.install_signal_handlers()
     model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
@@ -276,7 +283,7 @@ async def serve(args: WorkerArgs) -> None:
     except FileNotFoundError:
         pass
     sampler = Sampler(tuple(eos), device=runner.kv.device)
-    sender = KVSender(runner.kv, compat_for(runner.kv, model_dir.name), args.transfer_config(), name=args.worker_id)
+    sender = KVSender(runner.kv, compat_for(runner.kv, model_dir.name), args.transfer_config(), registry, name=args.worker_id)
     servicer.attach(runner, sampler, sender, args.max_batched_tokens)
     await shell.set_serving()
     agent = RouterAgent(
@@ -286,6 +293,7 @@ async def serve(args: WorkerArgs) -> None:
             kv_blocks_total=runner.num_blocks,
             context_length=runner.config.max_position_embeddings,
             pid=os.getpid(),
+            metrics_url=metrics_endpoint.url,
         ),
         load=servicer.load,
         on_drain=shell.begin_drain,
@@ -295,4 +303,5 @@ async def serve(args: WorkerArgs) -> None:
     finally:
         await servicer.close()
         await sender.close()
+        metrics_endpoint.close()
         log.info("prefill worker %s stopped", args.worker_id)

@@ -174,16 +174,20 @@ class WorkerEntry(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("router_address", "workers", "requests_running", "requests_waiting")
+    __slots__ = ("router_address", "workers", "requests_running", "requests_waiting", "metrics_url", "http_url")
     ROUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     router_address: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerEntry]
     requests_running: int
     requests_waiting: int
-    def __init__(self, router_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerEntry, _Mapping]]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ...) -> None: ...
+    metrics_url: str
+    http_url: str
+    def __init__(self, router_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerEntry, _Mapping]]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., metrics_url: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)

@@ -75,6 +75,16 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
         default=d.request_timeout_s,
         help="deadline for requests that set none (0: none)",
     )
+    p.add_argument(
+        "--metrics-port", type=_nonneg, default=d.metrics_port, help="the router's /metrics port (0: any)"
+    )
+    p.add_argument(
+        "--http-port",
+        type=_nonneg,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port "
+        "(0: a free one; default: off)",
+    )
 
 
 def _worker_tuning(p: argparse.ArgumentParser) -> None:
@@ -113,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads per worker (default: cores / workers, at least 1)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for everything to be ready")
+    p.add_argument(
+        "--prometheus", action="store_true", help="also start a Prometheus server scraping the cluster"
+    )
+    p.add_argument("--prometheus-port", type=int, default=9090, help="its HTTP port (default %(default)s)")
+    p.add_argument("--scrape-interval", type=float, default=5.0, help="its scrape interval in seconds")
     _router_tuning(p)
     _worker_tuning(p)
     _state_dir(p)
@@ -163,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
     p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument("--metrics-port", type=_nonneg, default=0, help="the worker's /metrics port (0: any free)")
     _worker_tuning(p)
     _state_dir(p)
     return parser
@@ -183,6 +199,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         request_timeout_s=args.request_timeout,
+        metrics_port=args.metrics_port,
+        http_port=args.http_port,
     )
 
 
@@ -206,6 +224,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         max_batched_tokens=args.max_batched_tokens,
         cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,
         drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -62,6 +62,8 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
         "address": status.router_address,
         "requests_running": status.requests_running,
         "requests_waiting": status.requests_waiting,
+        "metrics_url": status.metrics_url,
+        "http_url": status.http_url,  # the OpenAI-compatible API's base URL; empty: off
     }
     return {"router": router, "workers": workers, "totals": totals}
 
@@ -69,6 +71,10 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
 def status_table(doc: dict[str, Any]) -> str:
     r, t = doc["router"], doc["totals"]
     lines = [f"router {r['address']}: {r['requests_running']} running, {r['requests_waiting']} waiting"]
+    if r.get("metrics_url"):
+        lines[0] += f"; metrics {r['metrics_url']}"
+    if r.get("http_url"):
+        lines[0] += f"; OpenAI API {r['http_url']}/v1"
     head = ("ID", "ROLE", "STATE", "ADDRESS", "RUNNING", "QUEUED", "KV USED/TOTAL", "METRICS")
     rows = [head] + [
         (

@@ -53,6 +53,8 @@ class ClusterState(msgspec.Struct, frozen=True):
     workers: tuple[ProcessEntry, ...] = ()
     next_index: int = 1  # worker ids are never reused within a cluster's life
     version: int = 1
+    prometheus: ProcessEntry | None = None  # `up --prometheus`: the Prometheus server scraping the cluster
+    prometheus_url: str = ""
 
 
 class ClusterError(RuntimeError):

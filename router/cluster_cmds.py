@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from router import cluster
+from router import cluster, prometheus
 from router.registry import Role
 
 
@@ -25,6 +25,7 @@ _ROUTER_FLAGS = (
     "heartbeat_interval",
     "heartbeat_timeout",
     "request_timeout",
+    "metrics_port",
 )
 _WORKER_FLAGS = ("block_size", "kv_blocks", "kv_cache_mib", "max_running", "max_batched_tokens")
 
@@ -52,9 +53,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     threads = args.threads or cluster.default_threads(sum(counts.values()))
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
+    http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
     state_dir.mkdir(parents=True, exist_ok=True)
     router = cluster.spawn_router(
-        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + cache
+        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + http + cache
     )
     state = cluster.ClusterState(
         router_address=f"{args.host}:{args.port}",
@@ -76,13 +78,48 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     try:
         cluster.wait_ready(state, {w.id for w in state.workers}, args.timeout, say)
+        write_targets(state_dir, state)
+        if args.prometheus:
+            listen = f"{args.host}:{args.prometheus_port}"
+            state = start_prometheus(state_dir, state, listen, args.scrape_interval)
+            cluster.save_state(state_dir, state)
     except (cluster.ClusterError, KeyboardInterrupt):
         say("start failed; stopping what was started")
         _stop_all(state, drain_timeout_s=0.0)
         cluster.remove_state(state_dir)
         raise
+    if args.http_port is not None:
+        say(f"OpenAI-compatible API: {cluster.cluster_status(state.router_address).http_url}/v1")
     print(state.router_address, flush=True)
     return 0
+
+
+def write_targets(state_dir: Path, state: cluster.ClusterState) -> None:
+    """List the router and every worker (their metrics URLs) in the Prometheus targets file."""
+    groups = prometheus.targets(cluster.cluster_status(state.router_address))
+    say(f"prometheus targets: {prometheus.write_targets(state_dir, groups)}")
+
+
+def start_prometheus(
+    state_dir: Path, state: cluster.ClusterState, listen: str, scrape_interval_s: float
+) -> cluster.ClusterState:
+    binary = prometheus.find_binary()
+    if binary is None:
+        raise cluster.ClusterError(
+            "prometheus is not installed: `make prometheus` unpacks Debian's package into the virtualenv "
+            "(or `apt-get install prometheus`)"
+        )
+    argv = prometheus.server_argv(binary, state_dir, listen, scrape_interval_s)
+    proc = cluster.spawn("prometheus", argv, state_dir / "logs" / "prometheus.log", cluster.child_env(1))
+    state = msgspec.structs.replace(state, prometheus=proc, prometheus_url=f"http://{listen}")
+    if not prometheus.wait_ready(state.prometheus_url, 60.0, lambda: cluster.alive(proc)):
+        cluster.stop_processes([proc], term_timeout_s=10.0)
+        raise cluster.ClusterError(
+            f"prometheus did not become ready at {state.prometheus_url}; last lines of {proc.log}:\n"
+            + cluster.log_tail(proc.log)
+        )
+    say(f"prometheus at {state.prometheus_url} (pid {proc.pid})")
+    return state
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -115,6 +152,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
             say(f"{wid} did not drain within {args.timeout:.0f}s and was stopped by signal")
         state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w not in removing))
         cluster.save_state(args.state_dir, state)
+    write_targets(args.state_dir, state)
     counts = {r.value: sum(w.role is r for w in state.workers) for r in Role}
     say("workers: " + ", ".join(f"{n} {role}" for role, n in counts.items()))
     return 0
@@ -127,6 +165,8 @@ def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
     else:
         cluster.stop_processes(workers, term_timeout_s=10.0)
     cluster.stop_processes([state.router], term_timeout_s=15.0)
+    if state.prometheus is not None:
+        cluster.stop_processes([state.prometheus], term_timeout_s=15.0)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -135,6 +175,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         say(f"no cluster in {args.state_dir}")
         return 0
     _stop_all(state, args.timeout)
+    prometheus.write_targets(args.state_dir, [])  # an outside Prometheus stops scraping the dead cluster
     cluster.remove_state(args.state_dir)
     say(f"stopped the cluster of {args.state_dir}")
     return 0

@@ -31,10 +31,18 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     # On SIGTERM: how long in-flight requests may run before the server cancels them.
     shutdown_grace_s: float = 10.0
+    # Prometheus /metrics on host:metrics_port (0: a free port, shown by `pdserve status`).
+    metrics_port: int = 0
+    # The OpenAI-compatible HTTP API on host:http_port (None: off; 0: a free port, shown by `pdserve status`).
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if not self.host:
             raise ValueError("host must not be empty")
         if not self.model:

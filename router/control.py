@@ -125,6 +125,8 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             workers=entries,
             requests_running=len(router.ledger.jobs),
             requests_waiting=router.admission.waiting,
+            metrics_url=router.metrics_url,
+            http_url=router.http_url,
         )
 
     async def DrainWorker(self, request: worker_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext):

@@ -14,6 +14,7 @@ Invariant: when no request is in flight every count is zero.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,11 +36,13 @@ class Failure:
 
 
 class Job:
-    __slots__ = ("request_id", "prompt_len", "route", "prefill_claimed", "calls", "failure")
+    __slots__ = ("request_id", "prompt_len", "arrival", "route", "prefill_claimed", "calls", "failure")
 
-    def __init__(self, request_id: str, prompt_len: int) -> None:
+    def __init__(self, request_id: str, prompt_len: int, arrival: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_len = prompt_len
+        # time.monotonic() when the request reached the router (TTFT counts from it); default: now.
+        self.arrival = time.monotonic() if arrival is None else arrival
         self.route: Route | None = None
         self.prefill_claimed = False
         self.calls: list[Cancellable] = []

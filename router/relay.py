@@ -30,6 +30,7 @@ import grpc
 from proto import generation_pb2, worker_pb2, worker_pb2_grpc
 from router.detok import Detokenizer
 from router.jobs import Failure, Job
+from router.metrics import RouterMetrics
 from router.registry import Worker
 from router.validate import Prepared, RouterTokenizer
 from router.worker_shell import REJECT_METADATA_KEY
@@ -102,16 +103,30 @@ class Relay:
         channels: WorkerChannels,
         release_prefill: Callable[[Job], None],
         on_worker_failed: OnWorkerFailed,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._tok = tokenizer
         self._channels = channels
         self._release_prefill = release_prefill
         self._on_worker_failed = on_worker_failed
+        self._metrics = metrics
 
     async def run(
         self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float
     ) -> None:
-        """Run ``job`` (already routed) to its end. Raises RelayError when it ends with an error status."""
+        """Run ``job`` (already routed) to its end. Raises RelayError when it ends with an error status.
+
+        With metrics, every message to the client is timed on its way (TTFT from ``job.arrival``,
+        ITL, e2e) and the request's outcome is counted once, whichever way it ends.
+        """
+        if self._metrics is None:
+            return await self._run(job, prep, write, timeout, deadline_unix)
+        with self._metrics.request(job.arrival, len(prep.prompt_token_ids)) as rec:
+            await self._run(job, prep, rec.wrap(write), timeout, deadline_unix)
+
+    async def _run(
+        self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float
+    ) -> None:
         route = job.route
         assert route is not None, "run() needs a routed job"
         d = route.decode

@@ -2,6 +2,8 @@
 
 Serves ``pdserve.v1.Generation`` (clients), ``pdserve.internal.v1.Registry``
 (workers and the CLI), ``grpc.health.v1.Health`` and server reflection.
+With ``http_port`` set, the OpenAI-compatible HTTP API (``openai_server``) runs
+on the same event loop and maps onto the same request path as ``Generate``.
 
 Life of the router:
 
@@ -28,6 +30,8 @@ from grpc_reflection.v1alpha import reflection
 from proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.config import RouterConfig
 from router.control import RegistryService
+from router.metrics_http import MetricsEndpoint, serve_metrics
+from router.openai_server import OpenAIFront
 from router.service import GenerationService, Router
 from router.validate import ModelLimits, RouterTokenizer
 from router.worker_shell import SERVER_OPTIONS
@@ -57,6 +61,8 @@ class RouterServer:
         self._server: grpc.aio.Server | None = None
         self._sweep: asyncio.Task | None = None
         self._stop = asyncio.Event()
+        self.metrics: MetricsEndpoint | None = None
+        self.http: OpenAIFront | None = None
 
     @property
     def address(self) -> str:
@@ -78,6 +84,11 @@ class RouterServer:
         await server.start()
         self._server = server
         self.router.address = f"{self.config.host}:{self.port}"
+        self.metrics = serve_metrics(self.router.metrics.registry, self.config.host, self.config.metrics_port)
+        self.router.metrics_url = self.metrics.url
+        if self.config.http_port is not None:
+            self.http = OpenAIFront(self.router, self.config.host, self.config.http_port, self.config.model)
+            self.router.http_url = await self.http.start()
         self._sweep = asyncio.get_running_loop().create_task(self.router.sweep_forever())
         log.info("router listening on %s", self.router.address)
         return self.router.address
@@ -104,6 +115,9 @@ class RouterServer:
         give_up = time.monotonic() + grace
         while self.router.ledger.jobs and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         if self._server is not None:
             await self._server.stop(1.0)
             self._server = None
@@ -115,6 +129,9 @@ class RouterServer:
                 pass
             self._sweep = None
         await self.router.channels.close()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     async def serve(self) -> None:
         """Run until SIGTERM/SIGINT."""

@@ -25,9 +25,10 @@ import grpc
 from proto import generation_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.jobs import Failure, Job, Ledger
+from router.metrics import RouterMetrics
 from router.policy import Admission, QueueFullError, Route, can_ever_serve, choose_route
 from router.registry import Registry, Role, State, Worker
-from router.relay import Relay, RelayError, WorkerChannels
+from router.relay import Relay, RelayError, WorkerChannels, Write
 from router.validate import InvalidRequest, ModelLimits, RouterTokenizer, prepare
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,20 @@ class Router:
         self.limits = ModelLimits()
         self.relay: Relay | None = None
         self.closing = False
+        self.metrics = RouterMetrics()
+        self.metrics_url = ""  # set once the router's /metrics endpoint serves
+        self.http_url = ""  # set once the OpenAI HTTP front serves (``openai_server``); empty: off
+        self.metrics.watch(
+            running=lambda: len(self.ledger.jobs),
+            waiting=lambda: self.admission.waiting,
+            workers=lambda: [(w.role.value, w.state.value) for w in self.registry],
+        )
 
     def set_frontend(self, tokenizer: RouterTokenizer, limits: ModelLimits) -> None:
         self.tokenizer, self.limits = tokenizer, limits
-        self.relay = Relay(tokenizer, self.channels, self.ledger.release_prefill, self.worker_failed)
+        self.relay = Relay(
+            tokenizer, self.channels, self.ledger.release_prefill, self.worker_failed, metrics=self.metrics
+        )
 
     def current_limits(self) -> ModelLimits:
         """The model's limits; the context length falls back to what the workers registered."""
@@ -62,6 +73,7 @@ class Router:
         return ModelLimits(context_length=min(known, default=0), vocab_size=self.limits.vocab_size)
 
     async def admit(self, job: Job, timeout_s: float | None) -> Route:
+        entered = time.monotonic()
         n = job.prompt_len
         live = [w for w in self.registry if w.state in (State.READY, State.LOADING)]
         if not can_ever_serve(live, n):
@@ -86,6 +98,7 @@ class Router:
             raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         if route is None:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no worker had room within {wait:.3g}s")
+        self.metrics.queue_time.observe(time.monotonic() - entered)
         return route
 
     async def finish(self, job: Job) -> None:
@@ -155,44 +168,58 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+async def generate(router: Router, request, write: Write, time_remaining: float | None) -> None:
+    """Run one ``GenerateRequest`` to its end: the request path every front shares.
+
+    gRPC ``Generate`` and the OpenAI HTTP front (``router.openai_server``) both
+    call this, so validation, admission, the ledger, metrics and cancellation
+    are the same whatever the client speaks. ``write`` gets every response
+    message; ``time_remaining`` is the client's deadline in seconds (None: the
+    router's default). Ends normally after the finishing message; raises
+    RelayError for every error status; a cancel of the calling task (client
+    gone) propagates after the worker calls are cancelled.
+    """
+    arrival = time.monotonic()  # TTFT and e2e latency count from here
+    tokenizer, relay = router.tokenizer, router.relay
+    if router.closing or tokenizer is None or relay is None:
+        state = "shutting down" if router.closing else "starting"
+        raise RelayError(grpc.StatusCode.UNAVAILABLE, f"the router is {state}")
+    limits = router.current_limits()
+    if limits.context_length <= 0:
+        raise RelayError(grpc.StatusCode.UNAVAILABLE, "the model's context length is not known yet")
+    try:
+        if _input_chars(request) > _INLINE_PREPARE_CHARS:
+            # Long texts tokenize off the event loop, which relays every other request's tokens.
+            prep = await asyncio.to_thread(prepare, request, tokenizer, limits)
+        else:
+            prep = prepare(request, tokenizer, limits)
+    except InvalidRequest as e:
+        raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    remaining = time_remaining
+    if remaining is None and router.config.request_timeout_s > 0:
+        remaining = router.config.request_timeout_s
+    deadline = None if remaining is None else time.monotonic() + remaining
+    job = Job(prep.request_id, len(prep.prompt_token_ids), arrival)
+    try:
+        await router.admit(job, remaining)
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        deadline_unix = 0.0 if timeout is None else time.time() + timeout
+        await relay.run(job, prep, write, timeout, deadline_unix)
+    except asyncio.CancelledError:
+        # The sweep failed the job by cancelling its worker calls: report why, not a cancel.
+        if job.failure is not None and not _cancelling():
+            raise RelayError.of(job.failure) from None
+        raise
+    finally:
+        await router.finish(job)
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self._router = router
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
-        router = self._router
-        tokenizer, relay = router.tokenizer, router.relay
-        if router.closing or tokenizer is None or relay is None:
-            state = "shutting down" if router.closing else "starting"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the router is {state}")
-            return  # abort raises; this tells type checkers so
-        limits = router.current_limits()
-        if limits.context_length <= 0:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model's context length is not known yet")
         try:
-            if _input_chars(request) > _INLINE_PREPARE_CHARS:
-                # Long texts tokenize off the event loop, which relays every other request's tokens.
-                prep = await asyncio.to_thread(prepare, request, tokenizer, limits)
-            else:
-                prep = prepare(request, tokenizer, limits)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        remaining = context.time_remaining()
-        if remaining is None and router.config.request_timeout_s > 0:
-            remaining = router.config.request_timeout_s
-        deadline = None if remaining is None else time.monotonic() + remaining
-        job = Job(prep.request_id, len(prep.prompt_token_ids))
-        try:
-            await router.admit(job, remaining)
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            deadline_unix = 0.0 if timeout is None else time.time() + timeout
-            await relay.run(job, prep, context.write, timeout, deadline_unix)
+            await generate(self._router, request, context.write, context.time_remaining())
         except RelayError as e:
             await context.abort(e.code, e.details)
-        except asyncio.CancelledError:
-            # The sweep failed the job by cancelling its worker calls: report why, not a cancel.
-            if job.failure is not None and not _cancelling():
-                await context.abort(grpc.StatusCode[job.failure.code], job.failure.details)
-            raise
-        finally:
-            await router.finish(job)

@@ -52,6 +52,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kv_transfer.config import TransferConfig
 from proto import worker_pb2
 from router.registry import Role
 
@@ -126,6 +127,8 @@ class WorkerArgs:
     max_batched_tokens: int = 2048  # prefill token budget per step (EngineConfig.max_num_batched_tokens)
     cache_dir: Path | None = None  # where model names resolve (None: the engine's default)
     drain_timeout_s: float = 300.0
+    # Prometheus /metrics on host:metrics_port (0: a free port; the URL is registered as metrics_url).
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -139,9 +142,17 @@ class WorkerArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
     def shell_config(self) -> ShellConfig:
         return ShellConfig(host=self.host, port=self.port, drain_timeout_s=self.drain_timeout_s)
+
+    def transfer_config(self) -> TransferConfig:
+        """KV transfer settings: UCX, advertised on this worker's host; shared-memory
+        transports where both workers can share memory (a loopback host)."""
+        local = self.host in ("127.0.0.1", "localhost", "::1")
+        return TransferConfig(host=self.host, ucx_shared_memory=local)
 
     def worker_info(
         self, address: str, *, kv_blocks_total: int, context_length: int, pid: int, metrics_url: str = ""

@@ -122,7 +122,9 @@ def stop_cluster(state_dir: Path) -> None:
     state = cluster.load_state(state_dir)
     if state is None:
         return
-    for p in (state.router, *state.workers):
+    # `up --prometheus` adds a Prometheus server to the cluster's processes.
+    extra = (state.prometheus,) if state.prometheus is not None else ()
+    for p in (state.router, *state.workers, *extra):
         if cluster.alive(p):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)

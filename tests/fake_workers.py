@@ -19,11 +19,17 @@ import asyncio
 import json
 import os
 import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from decode_pool.metrics import DecodeMetrics
+from kv_transfer.metrics import Role as TransferRole
+from kv_transfer.metrics import TransferMetrics
+from prefill_pool.metrics import PrefillMetrics
 from proto import worker_pb2, worker_pb2_grpc
 from router.agent import AgentConfig, RouterAgent, run_worker
+from router.metrics_http import process_registry, serve_metrics
 from router.registry import Role
 from router.worker_shell import ROLE_TO_PROTO, ShellConfig, WorkerArgs, WorkerShell
 
@@ -105,6 +111,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.active: set[str] = set()
         self.shell: WorkerShell | None = None
         self.agent: RouterAgent | None = None
+        # The pools' real metric objects, fed with the fake's own timings (``serve`` sets them).
+        self.decode_metrics: DecodeMetrics | None = None
+        self.prefill_metrics: PrefillMetrics | None = None
+        self.transfer_metrics: TransferMetrics | None = None
 
     def _note(self) -> None:
         self.changed.set()
@@ -136,6 +146,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self._note()
             last = len(self.tokens) - 1
             hold_at = 1 if rid.startswith("hold-") else self.hold_at
+            step_start = time.perf_counter()
             for i, t in enumerate(self.tokens):
                 if hold_at is not None and i >= hold_at:
                     self._note()
@@ -143,6 +154,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 finish = self.finish if i == last else ""
                 yield worker_pb2.WorkerGenerateResponse(first_index=i, token_ids=[t], finish_reason=finish)
                 await asyncio.sleep(0)
+                if self.decode_metrics is not None:
+                    now = time.perf_counter()
+                    self.decode_metrics.observe_step(now - step_start, len(self.active))
+                    step_start = now
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             self._note()
@@ -160,6 +175,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await self.prefill_gate.wait()
             if self.transfers is not None:
                 self.transfers.event(request.transfer_ticket).set()
+            if self.prefill_metrics is not None:
+                self.prefill_metrics.observe_prefill(1e-4, len(request.prompt_token_ids))
+            if self.transfer_metrics is not None:  # the fake "transfers" one byte per prompt token
+                self.transfer_metrics.add_bytes(len(request.prompt_token_ids))
+                self.transfer_metrics.layer_done(1e-5)
+                self.transfer_metrics.transfer_done(1e-4)
             return worker_pb2.PrefillResponse(
                 first_token_id=self.tokens[0], transfer_bytes=len(request.prompt_token_ids)
             )
@@ -180,6 +201,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     def load(self) -> worker_pb2.WorkerLoad:
         state = self.shell.state.proto if self.shell is not None else worker_pb2.WORKER_STATE_LOADING
+        if self.decode_metrics is not None:
+            self.decode_metrics.set_kv_usage(len(self.active), self.kv_blocks_total)
+        if self.prefill_metrics is not None:
+            self.prefill_metrics.set_queue_tokens(0)
         return worker_pb2.WorkerLoad(
             worker_id=self.worker_id,
             state=state,
@@ -232,6 +257,13 @@ async def serve(args: WorkerArgs) -> None:
     w = FakeWorker(args.worker_id, args.role, CLI_TOKENS, block_size=args.block_size,
                    max_running=args.max_running)
     w.transfers = None
+    registry = process_registry(args.role.value, gpu=False)
+    if args.role.decodes:
+        w.decode_metrics = DecodeMetrics(registry, args.role.value)
+    else:
+        w.prefill_metrics = PrefillMetrics(registry)
+        w.transfer_metrics = TransferMetrics(TransferRole.PREFILL, registry)
+    endpoint = serve_metrics(registry, args.host, args.metrics_port)
     w.shell = WorkerShell(args.shell_config())
     address = await w.shell.start(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(w, s))
     await w.shell.set_serving()
@@ -243,6 +275,12 @@ async def serve(args: WorkerArgs) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, drain)
-    info = args.worker_info(address, kv_blocks_total=w.kv_blocks_total, context_length=0, pid=os.getpid())
+    info = args.worker_info(
+        address, kv_blocks_total=w.kv_blocks_total, context_length=0, pid=os.getpid(),
+        metrics_url=endpoint.url,
+    )
     w.agent = RouterAgent(AgentConfig(args.router, register_timeout_s=30.0), info, w.load, drain)
-    await run_worker(w.shell, w.agent)
+    try:
+        await run_worker(w.shell, w.agent)
+    finally:
+        endpoint.close()

@@ -333,7 +333,7 @@ def test_cli_prints_summary_and_saves(fake, tmp_path, capsys):
     data = tmp_path / "w.jsonl"
     data.write_text('{"prompt": "a b"}\n{"prompt": "c d e", "output_len": 2}\n')
     state_dir = tmp_path / "cluster"
-    entry = ProcessEntry(id="router", pid=1, log="router.log")
+    entry = ProcessEntry(id="router", pid=1, start=0, log="router.log")
     save_state(
         state_dir, ClusterState(address, entry, model="tiny-model", dtype="float32", threads=1, host="h")
     )

@@ -1,0 +1,59 @@
+"""A decode (or colocated) worker's Prometheus metrics: KV cache pressure, batch size, step time.
+
+The worker creates one ``DecodeMetrics`` on its process registry
+(``router.metrics_http.process_registry``) and calls:
+
+- ``observe_step(seconds, batch_size)`` after every engine step (from the
+  engine thread: prometheus_client's objects are thread-safe);
+- ``set_kv_usage(used_blocks, total_blocks)`` whenever it reads its block
+  manager (every heartbeat's load report is often enough for a gauge scraped
+  every few seconds, and it also covers an idle worker whose blocks were freed
+  by an abort with no step after it).
+
+Series carry ``role`` = the worker's role (``decode``, or ``both`` colocated).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from router.slo import BATCH_SIZE_BUCKETS, STEP_BUCKETS
+
+KV_CACHE_USAGE = "pdserve_kv_cache_usage_ratio"
+DECODE_BATCH_SIZE = "pdserve_decode_batch_size"
+DECODE_STEP = "pdserve_decode_step_seconds"
+DECODE_ROLES = ("decode", "both")
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry, role: str = "decode") -> None:
+        if role not in DECODE_ROLES:
+            raise ValueError(f"role must be one of {DECODE_ROLES}, got {role!r}")
+        self.registry = registry
+        self.kv_usage = Gauge(
+            KV_CACHE_USAGE,
+            "Fraction of this worker's KV cache blocks in use (0-1).",
+            ["role"],
+            registry=registry,
+        ).labels(role)
+        self.batch_size = Histogram(
+            DECODE_BATCH_SIZE,
+            "Requests in one engine step.",
+            ["role"],
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        ).labels(role)
+        self.step_seconds = Histogram(
+            DECODE_STEP,
+            "Wall time of one engine step (one forward of the running batch).",
+            ["role"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        ).labels(role)
+
+    def observe_step(self, seconds: float, batch_size: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.batch_size.observe(batch_size)
+
+    def set_kv_usage(self, used_blocks: int, total_blocks: int) -> None:
+        self.kv_usage.set(used_blocks / total_blocks if total_blocks > 0 else 0.0)

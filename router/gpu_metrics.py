@@ -1,0 +1,95 @@
+"""GPU utilisation and memory through NVML (nvidia-ml-py), only where a GPU is present.
+
+``add_gpu_metrics`` registers a collector when NVML starts and sees at least
+one device; otherwise (no driver, no library, no device, a CPU-only machine)
+it registers nothing and says so at debug level only: no metric, no error.
+Values are read at scrape time, so an idle GPU costs nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+GPU_UTILIZATION = "pdserve_gpu_utilization_ratio"
+GPU_MEMORY_USED = "pdserve_gpu_memory_used_bytes"
+GPU_MEMORY_TOTAL = "pdserve_gpu_memory_total_bytes"
+GPU_METRICS = (GPU_UTILIZATION, GPU_MEMORY_USED, GPU_MEMORY_TOTAL)
+_LABELS = ["role", "gpu"]
+
+
+class GpuCollector(Collector):
+    def __init__(self, nvml: Any, handles: list[Any], role: str) -> None:
+        self._nvml = nvml
+        self._handles = handles
+        self._role = role
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                GPU_UTILIZATION, "GPU busy time over NVML's last sample period (0-1).", labels=_LABELS
+            ),
+            GaugeMetricFamily(GPU_MEMORY_USED, "GPU memory in use.", labels=_LABELS),
+            GaugeMetricFamily(GPU_MEMORY_TOTAL, "GPU memory installed.", labels=_LABELS),
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        util, used, total = self._families()
+        for i, h in enumerate(self._handles):
+            labels = [self._role, str(i)]
+            try:
+                rates = self._nvml.nvmlDeviceGetUtilizationRates(h)
+                mem = self._nvml.nvmlDeviceGetMemoryInfo(h)
+            except Exception as e:  # noqa: BLE001 - one device's error must not fail the whole scrape
+                log.debug("NVML read of GPU %d failed: %s", i, e)
+                continue
+            util.add_metric(labels, rates.gpu / 100.0)
+            used.add_metric(labels, float(mem.used))
+            total.add_metric(labels, float(mem.total))
+        return iter((util, used, total))
+
+
+def _import_nvml() -> ModuleType | None:
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    return pynvml
+
+
+def add_gpu_metrics(registry: CollectorRegistry, role: str = "", nvml: Any = None) -> bool:
+    """Register the GPU collector on ``registry`` when a GPU is present. True when it was registered.
+
+    ``nvml`` is the pynvml module (tests pass a stand-in); None imports nvidia-ml-py.
+    """
+    nvml = nvml if nvml is not None else _import_nvml()
+    if nvml is None:
+        log.debug("nvidia-ml-py is not installed: no GPU metrics")
+        return False
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # noqa: BLE001 - NVMLError subclasses, OSError: all mean "no usable GPU"
+        log.debug("NVML did not start (%s): no GPU metrics", e)
+        return False
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+    except Exception as e:  # noqa: BLE001
+        log.debug("NVML lists no usable GPU (%s): no GPU metrics", e)
+        handles = []
+    if not handles:
+        nvml.nvmlShutdown()
+        return False
+    registry.register(GpuCollector(nvml, handles, role))
+    log.info("exporting metrics of %d GPU(s)", len(handles))
+    return True

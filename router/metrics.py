@@ -1,0 +1,214 @@
+"""The router's Prometheus metrics: latency as the client sees it, request outcomes, cluster state.
+
+Every series carries ``role="router"`` (the ecosystem's convention, shared
+with the workers' ``prefill``/``decode``/``both``), except
+``pdserve_workers{role,state}`` whose ``role`` is the counted worker's role.
+
+Timing points (``time.monotonic``), all on the router:
+
+    arrival (the front door got the request; ``Job.arrival``)
+    -> admission found room                     request_queue_time = time spent in ``Router.admit``
+    -> first token handed to the client         time_to_first_token = that - arrival
+    -> every later message with tokens          inter_token_latency = gap since the previous one
+    -> the message carrying finish_reason       e2e_request_latency = that - arrival
+
+``RequestRecord.wrap`` observes the messages on their way to the client, so
+the figures are the client's view whatever path (local or remote prefill) the
+request took. Bucket boundaries include the SLO thresholds (``router.slo``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.metrics_http import process_registry
+from router.slo import DEFAULT_SLO, SloThresholds, e2e_buckets, itl_buckets, queue_buckets, ttft_buckets
+
+ROLE = "router"
+TTFT = "pdserve_time_to_first_token_seconds"
+ITL = "pdserve_inter_token_latency_seconds"
+E2E = "pdserve_e2e_request_latency_seconds"
+QUEUE_TIME = "pdserve_request_queue_time_seconds"
+REQUESTS = "pdserve_requests_total"
+PROMPT_TOKENS = "pdserve_prompt_tokens_total"
+GENERATION_TOKENS = "pdserve_generation_tokens_total"
+RUNNING = "pdserve_requests_running"
+WAITING = "pdserve_requests_waiting"
+WORKERS = "pdserve_workers"
+
+# The worker finish reasons ("stop", "length", "abort"), and "error" for a request that ended
+# with an error status. Client cancels and deadlines count as "abort".
+FINISH_REASONS = ("stop", "length", "abort", "error")
+WORKER_ROLES = ("prefill", "decode", "both")
+WORKER_STATES = ("loading", "ready", "draining", "stopped")
+_ABORT_CODES = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})
+
+
+class _Message(Protocol):
+    """What the recorder reads of a ``GenerateResponse``."""
+
+    @property
+    def token_ids(self) -> Iterable[int]: ...
+
+    @property
+    def finish_reason(self) -> str: ...
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The ``finish_reason`` label of a request that ended with ``exc`` before a finish was sent."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "abort"
+    code = getattr(exc, "code", None)  # RelayError and grpc errors carry a StatusCode
+    code = code() if callable(code) else code
+    return "abort" if getattr(code, "name", "") in _ABORT_CODES else "error"
+
+
+class _StateCollector(Collector):
+    """Gauges read from the router's own state at scrape time (no bookkeeping on the request path).
+
+    Runs on the scrape thread: the callables must only read, and copy containers in one C call
+    (``list(dict.values())``), which the GIL makes atomic.
+    """
+
+    def __init__(
+        self,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        workers: Callable[[], Iterable[tuple[str, str]]],
+    ) -> None:
+        self._running, self._waiting, self._workers = running, waiting, workers
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families())
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(RUNNING, "Requests admitted and not finished.", labels=["role"]),
+            GaugeMetricFamily(WAITING, "Requests waiting in the router's queue for room.", labels=["role"]),
+            GaugeMetricFamily(WORKERS, "Registered workers by role and state.", labels=["role", "state"]),
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running, waiting, workers = self._families()
+        running.add_metric([ROLE], self._running())
+        waiting.add_metric([ROLE], self._waiting())
+        # Every (role, state) pair, zeros included, so a pool scaled to nothing reads 0, not "no data".
+        counts = {(r, s): 0 for r in WORKER_ROLES for s in WORKER_STATES}
+        for key in self._workers():
+            counts[key] = counts.get(key, 0) + 1
+        for (role, state), n in counts.items():
+            workers.add_metric([role, state], n)
+        return iter((running, waiting, workers))
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, slo: SloThresholds = DEFAULT_SLO) -> None:
+        self.registry = registry if registry is not None else process_registry(ROLE)
+        reg = self.registry
+        self.ttft = Histogram(
+            TTFT,
+            "Time from arrival at the router to the first token sent.",
+            ["role"],
+            buckets=ttft_buckets(slo),
+            registry=reg,
+        ).labels(ROLE)
+        self.itl = Histogram(
+            ITL,
+            "Time between consecutive token messages of a request.",
+            ["role"],
+            buckets=itl_buckets(slo),
+            registry=reg,
+        ).labels(ROLE)
+        self.e2e = Histogram(
+            E2E, "Time from arrival to the finish message.", ["role"], buckets=e2e_buckets(slo), registry=reg
+        ).labels(ROLE)
+        self.queue_time = Histogram(
+            QUEUE_TIME,
+            "Time a request waited in admission for a worker with room.",
+            ["role"],
+            buckets=queue_buckets(slo),
+            registry=reg,
+        ).labels(ROLE)
+        self._requests = Counter(
+            REQUESTS, "Requests ended, by finish reason.", ["role", "finish_reason"], registry=reg
+        )
+        for reason in FINISH_REASONS:
+            self._requests.labels(ROLE, reason)  # exported at 0 before the first of each
+        self.prompt_tokens = Counter(
+            PROMPT_TOKENS, "Prompt tokens of admitted requests.", ["role"], registry=reg
+        ).labels(ROLE)
+        self.generation_tokens = Counter(
+            GENERATION_TOKENS, "Tokens streamed to clients.", ["role"], registry=reg
+        ).labels(ROLE)
+
+    def watch(
+        self,
+        running: Callable[[], int],
+        waiting: Callable[[], int],
+        workers: Callable[[], Iterable[tuple[str, str]]],
+    ) -> None:
+        """Export the running/waiting/workers gauges from these readers (called once, at startup)."""
+        self.registry.register(_StateCollector(running, waiting, workers))
+
+    def finished(self, reason: str) -> None:
+        self._requests.labels(ROLE, reason).inc()
+
+    @contextmanager
+    def request(self, arrival: float, prompt_tokens: int) -> Iterator[RequestRecord]:
+        """Record one admitted request from here to its end; exactly one ``requests_total`` count."""
+        rec = RequestRecord(self, arrival)
+        self.prompt_tokens.inc(prompt_tokens)
+        try:
+            yield rec
+        except BaseException as e:
+            if not rec.finish_reason:
+                rec.finish_reason = outcome_of(e)
+            raise
+        finally:
+            self.finished(rec.finish_reason or "error")
+
+
+Write = Callable[[_Message], Awaitable[None]]
+
+
+class RequestRecord:
+    """One request's timing state; ``wrap`` observes what is written to the client."""
+
+    __slots__ = ("_m", "arrival", "last_token", "finish_reason")
+
+    def __init__(self, metrics: RouterMetrics, arrival: float) -> None:
+        self._m = metrics
+        self.arrival = arrival
+        self.last_token: float | None = None
+        self.finish_reason = ""
+
+    def on_message(self, n_tokens: int, finish_reason: str, now: float) -> None:
+        m = self._m
+        if n_tokens:
+            if self.last_token is None:
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe(now - self.last_token)
+            self.last_token = now
+        if finish_reason:
+            self.finish_reason = finish_reason
+            m.e2e.observe(now - self.arrival)
+
+    def wrap(self, write: Write) -> Write:
+        async def observed(resp: _Message) -> None:
+            n = len(resp.token_ids)  # type: ignore[arg-type]
+            self.on_message(n, resp.finish_reason, time.monotonic())
+            await write(resp)
+            if n:
+                # Counted once written: the counter is what clients actually received.
+                self._m.generation_tokens.inc(n)
+
+        return observed

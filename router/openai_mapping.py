@@ -1,0 +1,283 @@
+"""OpenAI requests onto ``pdserve.v1`` ``GenerateRequest``, and ``GenerateResponse`` messages back
+onto OpenAI responses and server-sent-event chunks. Pure: protobuf messages, no grpc.
+
+A request's life here (the HTTP handler in ``openai_server`` drives it):
+
+1. ``completion_request`` / ``chat_request``: check what only the HTTP API
+   has (model name, ``n``, unsupported options), then build the
+   ``GenerateRequest`` the gRPC front would get. Values (empty prompt,
+   ``top_p`` 1.5, ...) are left to the router's own validation, so both fronts
+   reject exactly the same requests.
+2. streaming: ``EventStream.feed`` turns each response message into SSE
+   bytes; ``EventStream.end`` adds the usage chunk (``include_usage``) and
+   ``data: [DONE]``. Non-streaming: ``Collected`` gathers the messages and
+   ``Collected.response`` is the body.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from proto import generation_pb2 as g
+from router.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ErrorBody,
+    OpenAIError,
+    Usage,
+    encode,
+    invalid,
+)
+
+DONE = b"data: [DONE]\n\n"
+_UINT32 = (1 << 32) - 1
+_INT32 = (1 << 31) - 1
+_UINT64 = (1 << 64) - 1
+
+
+class Kind(enum.Enum):
+    COMPLETION = "text_completion"
+    CHAT = "chat.completion"
+
+    @property
+    def id_prefix(self) -> str:
+        return "cmpl-" if self is Kind.COMPLETION else "chatcmpl-"
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """A request may omit ``model``; naming another one is OpenAI's 404."""
+    if requested is not None and requested != served:
+        raise OpenAIError(
+            404,
+            f"The model `{requested}` does not exist. This server serves `{served}`.",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+
+def _present(raw: msgspec.Raw) -> bool:
+    return bytes(raw) not in (b"", b"null", b"[]", b"{}")
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Options the API has and pdserve does not implement: refused, never silently ignored."""
+    if req.n not in (None, 1):
+        raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value not in (None, 0.0):
+            raise invalid(f"{name} is not supported (only 0), got {value}", name)
+    if req.repetition_penalty not in (None, 1.0):
+        raise invalid(
+            f"repetition_penalty is not supported (only 1), got {req.repetition_penalty}",
+            "repetition_penalty",
+        )
+    if req.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+    if _present(req.tools):
+        raise invalid("tools are not supported", "tools")
+    if _present(req.response_format):
+        fmt = msgspec.json.decode(bytes(req.response_format))
+        if not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
+            raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options can only be set when stream is true", "stream_options")
+
+
+def _bounded(name: str, value: int, low: int, high: int) -> int:
+    """A value the proto field can hold (the router then checks what the engine accepts)."""
+    if not low <= value <= high:
+        raise invalid(f"{name} must be in [{low}, {high}], got {value}", name)
+    return value
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> g.SamplingParams:
+    """Only what the client sent is set: unset proto3 optionals keep the engine's defaults."""
+    s = g.SamplingParams()
+    if max_tokens is not None:
+        s.max_tokens = _bounded("max_tokens", max_tokens, 0, _UINT32)
+    if req.temperature is not None:
+        s.temperature = req.temperature
+    if req.top_p is not None:
+        s.top_p = req.top_p
+    if req.top_k is not None:
+        # vLLM clients send 0 as well as -1 for "off"; the engine spells it -1.
+        s.top_k = -1 if req.top_k == 0 else _bounded("top_k", req.top_k, -_INT32 - 1, _INT32)
+    if req.seed is not None:
+        s.seed = _bounded("seed", req.seed, 0, _UINT64)
+    if req.min_tokens is not None:
+        s.min_tokens = _bounded("min_tokens", req.min_tokens, 0, _UINT32)
+    if req.ignore_eos is not None:
+        s.ignore_eos = req.ignore_eos
+    if req.stop is not None:
+        s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
+    if req.stop_token_ids is not None:
+        s.stop_token_ids.extend(_bounded("stop_token_ids", t, 0, _UINT32) for t in req.stop_token_ids)
+    return s
+
+
+def completion_request(req: CompletionRequest, request_id: str) -> g.GenerateRequest:
+    """``POST /v1/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
+    _check_common(req)
+    if req.echo:
+        raise invalid("echo is not supported", "echo")
+    if req.suffix:
+        raise invalid("suffix is not supported", "suffix")
+    if req.logprobs is not None:
+        raise invalid("logprobs is not supported", "logprobs")
+    if req.best_of not in (None, 1):
+        raise invalid(f"best_of must be 1, got {req.best_of}", "best_of")
+    # The completions default (16) is also the engine's: an unset max_tokens stays unset.
+    out = g.GenerateRequest(request_id=request_id, sampling=_sampling(req, req.max_tokens))
+    prompt = req.prompt
+    if prompt is None:
+        raise invalid("prompt is required", "prompt")
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            out.prompt_token_ids.ids.extend(_bounded("prompt", t, 0, _UINT32) for t in prompt)  # type: ignore[arg-type]
+            return out
+        if len(prompt) > 1:
+            raise invalid(
+                f"prompt: one prompt per request is supported, got a batch of {len(prompt)}", "prompt"
+            )
+        if not prompt:
+            raise invalid("prompt is empty", "prompt")
+        one = prompt[0]
+        if isinstance(one, list):
+            out.prompt_token_ids.ids.extend(_bounded("prompt", t, 0, _UINT32) for t in one)
+            if not one:
+                out.prompt_token_ids.SetInParent()  # an empty id list: the router says "prompt is empty"
+            return out
+        if not isinstance(one, str):
+            raise invalid(
+                "prompt must be a string, a list of token ids, or a list of one of either", "prompt"
+            )
+        prompt = one
+    out.prompt = prompt
+    return out
+
+
+def _text_content(i: int, content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise invalid(
+                f"messages[{i}].content: only text parts are supported, got {part.type!r}", "messages"
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateRequest:
+    """``POST /v1/chat/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
+    _check_common(req)
+    if req.logprobs or req.top_logprobs:
+        raise invalid("logprobs is not supported", "logprobs")
+    if req.messages is None:
+        raise invalid("messages is required", "messages")
+    # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted, the new one wins.
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    out = g.GenerateRequest(request_id=request_id, sampling=_sampling(req, max_tokens))
+    out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
+    out.messages.messages.extend(
+        g.ChatMessage(role=m.role, content=_text_content(i, m.content)) for i, m in enumerate(req.messages)
+    )
+    return out
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+
+def sse(obj: msgspec.Struct) -> bytes:
+    return b"data: " + encode(obj) + b"\n\n"
+
+
+def sse_error(err: OpenAIError) -> bytes:
+    """An error after the stream began (the status line is already sent): an event, then [DONE]."""
+    return b"data: " + encode(ErrorBody(err.info)) + b"\n\n" + DONE
+
+
+def _usage(msg: g.GenerateResponse) -> Usage:
+    return Usage.of(msg.usage.prompt_tokens, msg.usage.completion_tokens)
+
+
+class EventStream:
+    """One streaming response: response messages in, SSE bytes out."""
+
+    def __init__(self, kind: Kind, response_id: str, created: int, model: str, include_usage: bool) -> None:
+        self.kind = kind
+        self.id, self.created, self.model = response_id, created, model
+        self.include_usage = include_usage
+        self.usage: Usage | None = None  # from the finishing message
+        self._role_sent = False
+
+    def feed(self, msg: g.GenerateResponse) -> bytes:
+        """The events for one message; empty when it adds nothing (text still held back, no finish)."""
+        finish = msg.finish_reason or None
+        if finish is not None:
+            self.usage = _usage(msg)
+        if not msg.text and finish is None:
+            return b""
+        if self.kind is Kind.COMPLETION:
+            choice = CompletionChoice(index=0, text=msg.text, logprobs=None, finish_reason=finish)
+            return sse(Completion(self.id, self.created, self.model, [choice], None))
+        out = b""
+        if not self._role_sent:
+            # The role comes in its own first chunk, as OpenAI sends it, right before the first text.
+            self._role_sent = True
+            out = self._chat_chunk(ChatDelta(role="assistant", content=""), None)
+        return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
+
+    def _chat_chunk(self, delta: ChatDelta, finish: str | None) -> bytes:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)
+        return sse(ChatCompletionChunk(self.id, self.created, self.model, [choice], None))
+
+    def end(self) -> bytes:
+        """After the finishing message: the usage chunk (when asked for, choices empty), then [DONE]."""
+        if not (self.include_usage and self.usage is not None):
+            return DONE
+        if self.kind is Kind.COMPLETION:
+            last: msgspec.Struct = Completion(self.id, self.created, self.model, [], self.usage)
+        else:
+            last = ChatCompletionChunk(self.id, self.created, self.model, [], self.usage)
+        return sse(last) + DONE
+
+
+class Collected:
+    """A non-streaming response: the messages gathered, then one body."""
+
+    def __init__(self, kind: Kind, response_id: str, created: int, model: str) -> None:
+        self.kind = kind
+        self.id, self.created, self.model = response_id, created, model
+        self._text: list[str] = []
+        self.finish: str | None = None
+        self.usage: Usage | None = None
+
+    def feed(self, msg: g.GenerateResponse) -> None:
+        self._text.append(msg.text)
+        if msg.finish_reason:
+            self.finish = msg.finish_reason
+            self.usage = _usage(msg)
+
+    def response(self) -> bytes:
+        text = "".join(self._text)
+        if self.kind is Kind.COMPLETION:
+            choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=self.finish)
+            return encode(Completion(self.id, self.created, self.model, [choice], self.usage))
+        chat = ChatChoice(
+            index=0, message=ChatMessageOut(content=text), logprobs=None, finish_reason=self.finish
+        )
+        return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))

@@ -1,0 +1,271 @@
+"""The OpenAI HTTP API's wire shapes, as typed ``msgspec`` Structs. Pure: no grpc.
+
+Requests (``CompletionRequest``, ``ChatCompletionRequest``) decode with
+``decode_request``: unknown fields are ignored (clients send many that change
+nothing here, e.g. ``user``), a wrong type is a 400 naming the field.
+Responses and stream chunks encode with ``encode``. Errors are ``OpenAIError``:
+an HTTP status and OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+
+The shapes follow OpenAI's API reference (completions, chat.completions, their
+stream chunks, the usage chunk of ``stream_options.include_usage``) and the
+extensions vLLM accepts (``top_k``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``), so tools written for vLLM work unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, TypeVar
+
+import msgspec
+
+# ---- requests -----------------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _GenerationFields(msgspec.Struct, frozen=True, kw_only=True):
+    """Fields both endpoints take. None: not sent (the server's default applies)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    min_tokens: int | None = None  # vLLM extension
+    ignore_eos: bool | None = None  # vLLM extension
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None
+    # Accepted only when absent or empty: kept raw, since they are never read.
+    response_format: msgspec.Raw = msgspec.Raw()
+    tools: msgspec.Raw = msgspec.Raw()
+
+
+# One prompt: text, token ids, or a batch of one of either (what the SDK sends for ``prompt=[...]``).
+PromptField = str | list[str | int | list[int]]
+
+
+class CompletionRequest(_GenerationFields, frozen=True, kw_only=True):
+    prompt: PromptField | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, frozen=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_GenerationFields, frozen=True, kw_only=True):
+    messages: list[ChatMessageIn] | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+class CompletionChoice(msgspec.Struct, frozen=True):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """A non-streaming completion and, with ``object`` the same, each stream chunk."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ChatMessageOut(msgspec.Struct, frozen=True):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(msgspec.Struct, frozen=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a chunk adds: the role once (first chunk), then content; the last one may be empty."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, frozen=True):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    max_model_len: int | None = None
+    owned_by: str = "pdserve"
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct, frozen=True):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    error: ErrorInfo
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """A request that ends with an HTTP error status and OpenAI's error body."""
+
+    def __init__(
+        self, status: int, message: str, type: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def body(self) -> bytes:
+        return encode(ErrorBody(self.info))
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+# gRPC status (by name: this module imports no grpc) -> HTTP status, OpenAI error type, error code.
+_STATUS: dict[str, tuple[int, str, str | None]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error", None),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "rate_limit_exceeded"),
+    "UNAVAILABLE": (503, "service_unavailable_error", "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error", "timeout"),
+}
+_SERVER_ERROR = (500, "server_error", None)
+
+# The fields the router's messages start with (``validate.prepare``), as the OpenAI request names them.
+_PARAM_NAMES = {
+    "prompt": "prompt",
+    "prompt_token_ids": "prompt",
+    "messages": "messages",
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "min_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+}
+_LEADING_FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
+
+
+def error_from_status(code_name: str, details: str) -> OpenAIError:
+    """The HTTP error for a request the router ended with gRPC status ``code_name``.
+
+    The router names the offending field first ("sampling.top_p must be ..."):
+    that becomes ``param``, and the proto's ``sampling.`` prefix is dropped,
+    since an HTTP client sent ``top_p`` at the top level.
+    """
+    status, kind, code = _STATUS.get(code_name, _SERVER_ERROR)
+    param = None
+    message = details
+    if status == 400:
+        m = _LEADING_FIELD.match(details)
+        if m is not None and m.group(1) in _PARAM_NAMES:
+            param = _PARAM_NAMES[m.group(1)]
+            message = details.removeprefix("sampling.")
+        if "the model's context" in details:
+            code = "context_length_exceeded"
+    return OpenAIError(status, message, kind, param, code)
+
+
+_JSON_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def decode_request(body: bytes, kind: type[T]) -> T:
+    """Decode a request body; a malformed body or a wrongly typed field is a 400 naming the field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        m = _JSON_PATH.search(str(e))
+        raise invalid(f"invalid request: {e}", m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None

@@ -1,0 +1,212 @@
+"""The router's OpenAI-compatible HTTP front (aiohttp, on the router's own event loop).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
+server-sent events, or one JSON body), ``GET /v1/models``, ``GET /health``.
+
+A generation request's stages here:
+
+1. decode the body and map it (``openai_mapping``): 400/404 before anything
+   reaches the router's request path;
+2. ``service.generate``: the request path gRPC ``Generate`` runs (validation,
+   admission, routing, relay, the ledger, metrics), with a ``write`` that
+   turns each response message into SSE bytes or collects it;
+3. the HTTP status is decided by the first thing that happens: the first
+   message sends 200 and starts the stream; an error before it is an error
+   status with OpenAI's body (400/429/503, from the gRPC status); an error
+   after it is an error event followed by ``data: [DONE]``.
+
+Client disconnect: the server runs with ``handler_cancellation``, so a closed
+connection cancels the handler's task, and with it the request's worker calls
+(the workers then free its KV blocks) exactly as a gRPC client cancel does. A
+write to a connection already gone raises, which ends the request the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from proto import generation_pb2 as g
+from router.openai_mapping import (
+    Collected,
+    EventStream,
+    Kind,
+    chat_request,
+    check_model,
+    completion_request,
+    sse_error,
+)
+from router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    decode_request,
+    encode,
+    error_from_status,
+)
+from router.relay import RelayError
+from router.service import Router, generate
+
+log = logging.getLogger(__name__)
+
+# Chat histories can be long; the default (1 MiB) is a web-form limit.
+_MAX_BODY_BYTES = 64 << 20
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error_response(err: OpenAIError) -> web.Response:
+    return web.Response(status=err.status, body=err.body(), content_type="application/json")
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error this server answers has OpenAI's body, unknown routes and crashes included."""
+    try:
+        return await handler(request)
+    except OpenAIError as e:
+        return _error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return _error_response(OpenAIError(e.status, f"{e.reason}: {request.method} {request.path}", kind))
+    except ConnectionResetError:
+        raise  # the client went away: there is no one to answer
+    except Exception:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        return _error_response(OpenAIError(500, "internal server error", "server_error"))
+
+
+class OpenAIFront:
+    """The HTTP server: ``start`` binds and serves, ``stop`` closes (after the router drained)."""
+
+    def __init__(self, router: Router, host: str, port: int, model_name: str) -> None:
+        self.router = router
+        self.host, self.port = host, port
+        self.model_name = model_name
+        self.created = int(time.time())
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_openai_errors], client_max_size=_MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def start(self) -> str:
+        """Bind (port 0 picks a free one) and serve. Returns the base URL."""
+        # handler_cancellation: a client that disconnects cancels its request (see the module doc).
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+        log.info("OpenAI HTTP API on %s/v1", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---- routes ---------------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 once the router serves generation (as gRPC health SERVING), 503 while loading or stopping."""
+        router = self.router
+        if router.closing or router.tokenizer is None:
+            state = "shutting down" if router.closing else "starting"
+            raise OpenAIError(503, f"the router is {state}", "service_unavailable_error")
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        context = self.router.current_limits().context_length or None
+        cards = ModelList([ModelCard(id=self.model_name, created=self.created, max_model_len=context)])
+        return web.Response(body=encode(cards), content_type="application/json")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), CompletionRequest)
+        check_model(req.model, self.model_name)
+        rid = Kind.COMPLETION.id_prefix + uuid.uuid4().hex
+        return await self._run(request, Kind.COMPLETION, rid, completion_request(req, rid), req)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode_request(await request.read(), ChatCompletionRequest)
+        check_model(req.model, self.model_name)
+        rid = Kind.CHAT.id_prefix + uuid.uuid4().hex
+        return await self._run(request, Kind.CHAT, rid, chat_request(req, rid), req)
+
+    # ---- the request path -----------------------------------------------------------------------------
+
+    async def _run(
+        self,
+        request: web.Request,
+        kind: Kind,
+        rid: str,
+        greq: g.GenerateRequest,
+        req: CompletionRequest | ChatCompletionRequest,
+    ) -> web.StreamResponse:
+        created = int(time.time())
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            return await self._stream(
+                request, greq, EventStream(kind, rid, created, self.model_name, include_usage)
+            )
+        collected = Collected(kind, rid, created, self.model_name)
+
+        async def collect(msg: g.GenerateResponse) -> None:
+            collected.feed(msg)
+
+        try:
+            await generate(self.router, greq, collect, None)
+        except RelayError as e:
+            raise error_from_status(e.code.name, e.details) from None
+        return web.Response(
+            body=collected.response(), content_type="application/json", headers={"X-Request-Id": rid}
+        )
+
+    async def _stream(
+        self, request: web.Request, greq: g.GenerateRequest, events: EventStream
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": events.id})
+
+        async def write(msg: g.GenerateResponse) -> None:
+            data = events.feed(msg)
+            if not data:
+                return
+            if not resp.prepared:
+                await resp.prepare(request)  # the status line goes out with the first token
+            await resp.write(data)
+
+        try:
+            await generate(self.router, greq, write, None)
+        except RelayError as e:
+            err = error_from_status(e.code.name, e.details)
+            if not resp.prepared:
+                raise err from None
+            await resp.write(sse_error(err))
+            await resp.write_eof()
+            return resp
+        if not resp.prepared:
+            await resp.prepare(request)
+        await resp.write(events.end())
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,250 @@
+"""The OpenAI front's pure logic: request decoding and mapping, SSE chunks, error bodies. No server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proto import generation_pb2 as g
+from router.openai_mapping import (
+    DONE,
+    Collected,
+    EventStream,
+    Kind,
+    chat_request,
+    check_model,
+    completion_request,
+    sse_error,
+)
+from router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    decode_request,
+    error_from_status,
+)
+
+
+def completion(**body) -> g.GenerateRequest:
+    return completion_request(decode_request(json.dumps(body).encode(), CompletionRequest), "cmpl-1")
+
+
+def chat(**body) -> g.GenerateRequest:
+    return chat_request(decode_request(json.dumps(body).encode(), ChatCompletionRequest), "chatcmpl-1")
+
+
+def error_of(fn, **body) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        fn(**body)
+    return info.value
+
+
+def events(data: bytes) -> list:
+    """The SSE stream's events: parsed JSON, or the literal "[DONE]"."""
+    out = []
+    for block in data.decode().split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block.removeprefix("data: ")
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def msg(text: str, ids: list[int], finish: str = "", usage: tuple[int, int] = (0, 0)) -> g.GenerateResponse:
+    m = g.GenerateResponse(request_id="r", token_ids=ids, text=text, finish_reason=finish)
+    if finish:
+        m.usage.prompt_tokens, m.usage.completion_tokens = usage
+    return m
+
+
+# ---- requests -----------------------------------------------------------------------------------------
+
+
+def test_completion_maps_prompt_forms_and_only_the_sampling_fields_sent():
+    r = completion(model="m", prompt="hi there", max_tokens=5, temperature=0, stop="\n", seed=3)
+    assert r.request_id == "cmpl-1" and r.WhichOneof("input") == "prompt" and r.prompt == "hi there"
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, list(s.stop), s.seed) == (5, 0.0, ["\n"], 3)
+    assert s.HasField("temperature") and not s.HasField("top_p") and not s.HasField("ignore_eos")
+    assert not completion(prompt="x").sampling.HasField("max_tokens")  # OpenAI's default 16 is the engine's
+    assert completion(prompt=["one"]).prompt == "one"
+    assert list(completion(prompt=[5, 6, 7]).prompt_token_ids.ids) == [5, 6, 7]
+    assert list(completion(prompt=[[5, 6]]).prompt_token_ids.ids) == [5, 6]
+    empty = completion(prompt=[[]])
+    assert empty.WhichOneof("input") == "prompt_token_ids" and not empty.prompt_token_ids.ids
+    # vLLM's extensions, and top_k 0 meaning "off" as vLLM clients send it.
+    s = completion(
+        prompt="x", top_k=0, min_tokens=2, ignore_eos=True, stop_token_ids=[9], stop=["a", "b"]
+    ).sampling
+    assert (s.top_k, s.min_tokens, s.ignore_eos, list(s.stop_token_ids), list(s.stop)) == (
+        -1,
+        2,
+        True,
+        [9],
+        ["a", "b"],
+    )
+
+
+def test_chat_maps_messages_text_parts_and_max_completion_tokens():
+    r = chat(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]},
+            {"role": "assistant", "content": None},
+        ],
+        max_tokens=7,
+        max_completion_tokens=9,
+        top_p=0.5,
+    )
+    assert [(m.role, m.content) for m in r.messages.messages] == [
+        ("system", "be brief"),
+        ("user", "hello"),
+        ("assistant", ""),
+    ]
+    assert r.sampling.max_tokens == 9 and r.sampling.top_p == 0.5  # the newer name wins
+    assert chat(messages=[{"role": "user", "content": "x"}], max_tokens=4).sampling.max_tokens == 4
+    empty = chat(messages=[])
+    assert empty.WhichOneof("input") == "messages"  # the router rejects it, naming "messages"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 1}, "logprobs"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+        ({"prompt": {"text": "x"}}, "prompt"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+    ],
+)
+def test_completion_refuses_what_it_does_not_implement_naming_the_param(body, param):
+    err = error_of(completion, **body)
+    assert err.status == 400 and err.info.param == param and err.info.type == "invalid_request_error"
+    doc = json.loads(err.body())
+    assert set(doc) == {"error"} and set(doc["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_refusals_and_malformed_bodies():
+    for body, param in (
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": "hello"}, "messages"),
+        ({}, "messages"),
+    ):
+        err = error_of(chat, **body)
+        assert (err.status, err.info.param) == (400, param), body
+    # Accepted as absent: what SDKs send by default.
+    chat(
+        messages=[{"role": "user", "content": "x"}], tools=[], response_format={"type": "text"}, n=1, user="u"
+    )
+    for raw in (b"{not json", b"[1, 2]"):
+        with pytest.raises(OpenAIError) as info:
+            decode_request(raw, ChatCompletionRequest)
+        assert info.value.status == 400
+
+
+def test_model_name_must_match_or_be_omitted():
+    check_model(None, "smol")
+    check_model("smol", "smol")
+    err = error_of(check_model, requested="gpt-4", served="smol")
+    assert (err.status, err.info.code, err.info.param) == (404, "model_not_found", "model")
+
+
+def test_grpc_status_maps_to_http_status_type_and_param():
+    cases = [
+        ("INVALID_ARGUMENT", "sampling.top_p must be in (0, 1], got 1.5", 400, "top_p", None),
+        ("INVALID_ARGUMENT", "prompt is empty", 400, "prompt", None),
+        (
+            "INVALID_ARGUMENT",
+            "prompt_token_ids has 30 tokens; the model's context is 24 tokens",
+            400,
+            "prompt",
+            "context_length_exceeded",
+        ),
+        ("INVALID_ARGUMENT", "messages: unknown role 'wizard'", 400, "messages", None),
+        ("RESOURCE_EXHAUSTED", "the router queue is full", 429, None, "rate_limit_exceeded"),
+        ("UNAVAILABLE", "no decode or colocated worker is available", 503, None, "service_unavailable"),
+        ("DEADLINE_EXCEEDED", "deadline", 504, None, "timeout"),
+        ("INTERNAL", "decode worker ended without a finish", 500, None, None),
+    ]
+    for code, details, status, param, err_code in cases:
+        e = error_from_status(code, details)
+        assert (e.status, e.info.param, e.info.code) == (status, param, err_code), code
+    assert error_from_status("INVALID_ARGUMENT", "sampling.top_p must be in (0, 1]").info.message.startswith(
+        "top_p"
+    )
+
+
+# ---- responses ----------------------------------------------------------------------------------------
+
+
+def test_completion_stream_chunks_then_usage_chunk_last_then_done():
+    s = EventStream(Kind.COMPLETION, "cmpl-1", 1700, "smol", include_usage=True)
+    out = (
+        s.feed(msg("hello", [4]))
+        + s.feed(msg("", [5]))
+        + s.feed(msg(" world", [6], "length", (3, 3)))
+        + s.end()
+    )
+    ev = events(out)
+    assert ev[-1] == "[DONE]"
+    chunks = ev[:-1]
+    assert all(
+        c["object"] == "text_completion" and c["id"] == "cmpl-1" and c["created"] == 1700 for c in chunks
+    )
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["hello", " world"]  # no empty-text chunk
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "length"]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_chat_stream_sends_the_role_first_and_no_usage_chunk_unless_asked():
+    s = EventStream(Kind.CHAT, "chatcmpl-1", 1700, "smol", include_usage=False)
+    out = s.feed(msg("", [1])) + s.feed(msg("hi", [4])) + s.feed(msg("", [2], "stop", (6, 2))) + s.end()
+    ev = events(out)
+    assert ev[-1] == "[DONE]" and all(c["object"] == "chat.completion.chunk" for c in ev[:-1])
+    deltas = [c["choices"][0]["delta"] for c in ev[:-1]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "hi"}, {}]
+    assert [c["choices"][0]["finish_reason"] for c in ev[:-1]] == [None, None, "stop"]
+    assert s.usage is not None and s.usage.total_tokens == 8  # known, but not sent
+
+
+def test_non_streaming_bodies_and_error_events():
+    c = Collected(Kind.CHAT, "chatcmpl-1", 1700, "smol")
+    for m in (msg("hel", [1]), msg("lo", [2], "stop", (4, 2))):
+        c.feed(m)
+    doc = json.loads(c.response())
+    assert doc["object"] == "chat.completion" and doc["model"] == "smol"
+    assert doc["choices"] == [
+        {
+            "index": 0,
+            "message": {"content": "hello", "role": "assistant"},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    c = Collected(Kind.COMPLETION, "cmpl-1", 1700, "smol")
+    c.feed(msg("abc", [1, 2], "length", (1, 2)))
+    doc = json.loads(c.response())
+    assert doc["object"] == "text_completion" and doc["choices"][0]["text"] == "abc"
+    ev = events(sse_error(error_from_status("UNAVAILABLE", "decode worker d1 failed")))
+    assert ev[0]["error"]["message"] == "decode worker d1 failed" and ev[0]["error"]["type"]
+    assert ev[1] == "[DONE]" and sse_error(error_from_status("UNAVAILABLE", "x")).endswith(DONE)
