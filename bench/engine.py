@@ -1,0 +1,419 @@
+"""Engine benchmark: pdserve's model runtime against transformers and against what the hardware allows.
+
+    python -m bench.engine [--out FILE] [--model smollm2-135m-instruct] [--engine runner|llm]
+
+One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch threads (default 2):
+
+- ``prefill``: one prompt of ``--prefill-len`` (1,024) random token ids. pdserve: ``ModelRunner.prefill``
+  plus the argmax of the last logits; transformers: ``generate(max_new_tokens=1)`` (its prefill forward and
+  first greedy pick). Best of ``--prefill-reps`` after a warm-up; tok/s = prompt tokens / time.
+- ``decode`` at batch 1, 8, 32: the same ``--prompt-len`` (128) random-token prompts for both, prefilled,
+  then ``--new-tokens`` (64) greedy tokens. Each decode step is timed on its own: pdserve's step is
+  ``ModelRunner.decode`` plus the argmax; transformers' is the interval between consecutive calls of a
+  logits processor inside ``generate`` (one forward plus its greedy pick), so prefill is excluded from both.
+  tok/s = batch * steps / sum of step times; ``*_median_tok_s`` uses the median step (robust to noise from
+  other processes). With ``--engine llm`` pdserve runs ``engine.LLM.generate`` instead, and its decode time
+  is ``t(generate N tokens) - t(generate 1 token)``.
+- ``floor``: the model's linear layers alone (fused qkv, o, fused gate_up, down per layer, plus the LM
+  head) as plain ``F.linear`` calls with random weights of the same shapes, batch and dtype; tok/s =
+  batch / time of one pass. ``ratio`` = pdserve decode / floor.
+- ``membw``: single-stream bound = read bandwidth (summing a 512 MiB tensor with 1 and with ``--threads``
+  threads, best of 5, the highest rate seen) / weight bytes one decode step reads (every layer and the
+  LM head). ``ratio`` = pdserve batch-1 decode / bound.
+
+Rows: ``phase``, ``batch``, ``dtype``, ``pdserve_tok_s``, ``transformers_tok_s``, ``ratio`` (pdserve /
+transformers for prefill and decode; pdserve / bound for floor and membw, whose bound is ``bound_tok_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    engine: str
+    threads: int
+    dtypes: tuple[str, ...]
+    batches: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+    prefill_len: int
+    prefill_reps: int
+    skip_transformers: bool
+    seed: int
+
+
+def _best(fn: Callable[[], Any], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Skip the lowest ids: special tokens in most vocabularies.
+    return torch.randint(10, vocab - 1, (n, length), generator=g).tolist()
+
+
+def _rate(batch: int, steps: Sequence[float]) -> tuple[float, float]:
+    """(tok/s over the total, tok/s at the median step)."""
+    return batch * len(steps) / sum(steps), batch / statistics.median(steps)
+
+
+# ---- pdserve ----------------------------------------------------------------------------------------
+
+
+def pdserve_prefill(runner: Any, prompt: list[int], reps: int) -> float:
+    from engine.model_runner import PrefillItem
+
+    table = list(range(-(-len(prompt) // runner.block_size)))
+
+    def run() -> None:
+        runner.prefill([PrefillItem(prompt, table)]).argmax(-1).tolist()
+
+    run()
+    return len(prompt) / _best(run, reps)
+
+
+def pdserve_decode_steps(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Prefill ``prompts`` together, then time each greedy decode step (decode + argmax)."""
+    from engine.block_manager import BlockManager
+    from engine.model_runner import DecodeItem, PrefillItem
+
+    bm = BlockManager(runner.num_blocks, runner.block_size)
+    items = [PrefillItem(p, bm.allocate(i, len(p) + new_tokens)) for i, p in enumerate(prompts)]
+    next_ids = runner.prefill(items).argmax(-1).tolist()
+    steps = []
+    for s in range(new_tokens - 1):
+        pos = len(prompts[0]) + s
+        dec = [DecodeItem(t, pos, it.block_table) for t, it in zip(next_ids, items, strict=True)]
+        t0 = time.perf_counter()
+        next_ids = runner.decode(dec).argmax(-1).tolist()
+        steps.append(time.perf_counter() - t0)
+    return steps
+
+
+def llm_decode_time(llm: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode seconds of ``engine.LLM``: t(generate N) - t(generate 1), greedy, eos ignored."""
+    from engine import SamplingParams
+
+    def gen(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t
+
+    gen(2)
+    return gen(new_tokens) - gen(1)
+
+
+# ---- transformers ------------------------------------------------------------------------------------
+
+
+class _StepClock:
+    """A logits processor that timestamps every generation step."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def hf_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Run greedy ``generate``; returns the decode step times (prefill excluded)."""
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor(prompts)
+    clock = _StepClock()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([clock]),
+            pad_token_id=0,
+        )
+    return [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)]
+
+
+def hf_prefill(model: Any, prompt: list[int], reps: int) -> float:
+    ids = torch.tensor([prompt])
+
+    def run() -> None:
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, pad_token_id=0
+            )
+
+    run()
+    return len(prompt) / _best(run, reps)
+
+
+# ---- hardware bounds -----------------------------------------------------------------------------------
+
+
+def linear_floor(config: Any, dtype: torch.dtype, batch: int, reps: int = 5) -> float:
+    """tok/s of the model's linear layers alone as plain matmuls (random weights, real shapes)."""
+    c = config
+    g = torch.Generator().manual_seed(0)
+    shapes = [
+        (c.q_size + 2 * c.kv_size, c.hidden_size),
+        (c.hidden_size, c.q_size),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
+    layers = [
+        [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes] for _ in range(c.num_layers)
+    ]
+    head = (torch.randn(c.vocab_size, c.hidden_size, generator=g) * 0.02).to(dtype)
+    xs = {n: torch.randn(batch, n, generator=g).to(dtype) for n in {i for _, i in shapes}}
+
+    def step() -> None:
+        for ws in layers:
+            for w in ws:
+                F.linear(xs[w.shape[1]], w)
+        F.linear(xs[c.hidden_size], head)
+
+    with torch.inference_mode():
+        step()
+        return batch / _best(step, reps)
+
+
+def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
+    """Bytes/s reading a ``mib`` MiB tensor with ``threads`` threads: the faster of a float32 sum and a
+    float64 sum of the same bytes (the float32 reduction can be compute-bound before memory is)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+        wide = x.view(torch.float64)
+        x.sum(), wide.sum()
+        return x.numel() * 4 / min(_best(x.sum, reps), _best(wide.sum, reps))
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- the run -------------------------------------------------------------------------------------------
+
+
+def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        cpu = next(
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    try:
+        import transformers
+
+        tf_version: str | None = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": cfg.threads,
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "read_gbps": bw,
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
+
+
+def run(cfg: BenchConfig) -> dict[str, Any]:
+    from engine.model_runner import ModelRunner
+    from engine.registry import resolve_model
+
+    torch.set_num_threads(cfg.threads)
+    model_dir = resolve_model(cfg.model)
+    bw = {"1_thread": read_bandwidth(1) / 1e9, f"{cfg.threads}_threads": read_bandwidth(cfg.threads) / 1e9}
+    read_bps = max(bw.values()) * 1e9  # the bound uses the best read rate measured
+    rows: list[dict[str, Any]] = []
+    info: dict[str, Any] = {}
+    max_batch = max(cfg.batches)
+    for dname in cfg.dtypes:
+        dtype = DTYPES[dname]
+        tokens = max(cfg.prefill_len, max_batch * (cfg.prompt_len + cfg.new_tokens))
+        runner = ModelRunner(model_dir, dtype=dtype, num_blocks=tokens // 16 + 2 * max_batch + 1)
+        c = runner.config
+        info[dname] = {
+            "backend": "cpu_kernels" if runner.kernels is not None else "torch",
+            "packed_linear": runner.weights.layers[0].qkv.packed,
+            "decode_weight_bytes": runner.weights.decode_bytes(),
+        }
+        llm = None
+        if cfg.engine == "llm":
+            from engine import LLM
+
+            llm = LLM(
+                str(model_dir),
+                dtype=dname,
+                threads=cfg.threads,
+                max_num_seqs=max_batch,
+                num_blocks=runner.num_blocks,
+            )
+        hf = None
+        if not cfg.skip_transformers:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            hf.generation_config.eos_token_id = None  # always generate the full length
+
+        prefill_prompt = _prompts(1, cfg.prefill_len, c.vocab_size, cfg.seed)[0]
+        p_tok = pdserve_prefill(runner, prefill_prompt, cfg.prefill_reps)
+        h_tok = hf_prefill(hf, prefill_prompt, cfg.prefill_reps) if hf is not None else None
+        rows.append(_row("prefill", 1, dname, p_tok, h_tok, tokens=cfg.prefill_len))
+        _log(rows[-1])
+
+        decode_rate: dict[int, float] = {}
+        for batch in cfg.batches:
+            prompts = _prompts(batch, cfg.prompt_len, c.vocab_size, cfg.seed + batch)
+            extra: dict[str, Any] = {"prompt_tokens": cfg.prompt_len, "new_tokens": cfg.new_tokens}
+            if llm is not None:
+                p_tok = batch * (cfg.new_tokens - 1) / llm_decode_time(llm, prompts, cfg.new_tokens)
+            else:
+                pdserve_decode_steps(runner, prompts, 4)  # warm-up at this batch
+                p_tok, extra["pdserve_median_tok_s"] = _rate(
+                    batch, pdserve_decode_steps(runner, prompts, cfg.new_tokens)
+                )
+            h_tok = None
+            if hf is not None:
+                hf_generate(hf, prompts, 4)  # warm-up at this batch
+                h_tok, extra["transformers_median_tok_s"] = _rate(
+                    batch, hf_generate(hf, prompts, cfg.new_tokens)
+                )
+            decode_rate[batch] = p_tok
+            rows.append(_row("decode", batch, dname, p_tok, h_tok, **extra))
+            _log(rows[-1])
+
+        for batch in cfg.batches:
+            floor = linear_floor(c, dtype, batch)
+            rows.append(_row("floor", batch, dname, decode_rate[batch], None, bound_tok_s=floor))
+            _log(rows[-1])
+        bound = read_bps / runner.weights.decode_bytes()
+        rows.append(
+            _row(
+                "membw",
+                1,
+                dname,
+                decode_rate.get(1),
+                None,
+                bound_tok_s=bound,
+                weight_bytes_per_step=runner.weights.decode_bytes(),
+            )
+        )
+        _log(rows[-1])
+        del runner, hf, llm
+        gc.collect()
+    return {"machine": {**machine_info(cfg, bw), "pdserve": info}, "config": cfg.__dict__, "rows": rows}
+
+
+def _row(
+    phase: str,
+    batch: int,
+    dtype: str,
+    pdserve: float | None,
+    transformers: float | None,
+    bound_tok_s: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    ref = bound_tok_s if bound_tok_s is not None else transformers
+    row: dict[str, Any] = {
+        "phase": phase,
+        "batch": batch,
+        "dtype": dtype,
+        "pdserve_tok_s": None if pdserve is None else round(pdserve, 2),
+        "transformers_tok_s": None if transformers is None else round(transformers, 2),
+        "ratio": None if pdserve is None or not ref else round(pdserve / ref, 3),
+    }
+    if bound_tok_s is not None:
+        row["bound_tok_s"] = round(bound_tok_s, 2)
+    row.update({k: round(v, 2) if isinstance(v, float) else v for k, v in extra.items()})
+    return row
+
+
+def _log(row: dict[str, Any]) -> None:
+    print(json.dumps(row), file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, Path | None]:
+    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF directory")
+    p.add_argument(
+        "--engine",
+        choices=("runner", "llm"),
+        default="runner",
+        help="pdserve decode through ModelRunner + a greedy loop, or engine.LLM.generate",
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch threads for everything measured")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of each decode sequence")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per sequence")
+    p.add_argument("--prefill-len", type=int, default=1024, help="tokens of the prefill prompt")
+    p.add_argument("--prefill-reps", type=int, default=3, help="prefill runs (best kept)")
+    p.add_argument("--skip-transformers", action="store_true", help="pdserve and the bounds only")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    dtypes = tuple(a.dtypes.split(","))
+    if not set(dtypes) <= set(DTYPES):
+        p.error(f"--dtypes must be among {sorted(DTYPES)}")
+    if a.new_tokens < 3 or a.prompt_len < 1 or a.threads < 1:
+        p.error("--new-tokens must be >= 3, --prompt-len and --threads >= 1")
+    cfg = BenchConfig(
+        model=a.model,
+        engine=a.engine,
+        threads=a.threads,
+        dtypes=dtypes,
+        batches=tuple(int(b) for b in a.batches.split(",")),
+        prompt_len=a.prompt_len,
+        new_tokens=a.new_tokens,
+        prefill_len=a.prefill_len,
+        prefill_reps=a.prefill_reps,
+        skip_transformers=a.skip_transformers,
+        seed=a.seed,
+    )
+    return cfg, a.out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg, out = parse_args(argv)
+    result = run(cfg)
+    text = json.dumps(result, indent=2)
+    if out is None:
+        print(text)
+    else:
+        out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

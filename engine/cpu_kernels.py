@@ -1,0 +1,286 @@
+"""C kernels for the CPU decode path, built on first use with the system C compiler.
+
+Why: a batch-32 decode step of SmolLM2 runs 30 layers of small ops, so what
+is not a matmul decides the step time:
+- attention: torch has no paged kernel, so the portable path
+  (``engine.attention``) first copies every sequence's blocks into a dense
+  tensor, then runs SDPA, whose CPU kernel is tuned for long queries.
+  ``paged_decode_attention`` reads K/V in place from the paged cache, once,
+  in float32 registers: about 3x faster per layer on SmolLM2 shapes.
+- the elementwise ops around the matmuls (residual add + RMSNorm, RoPE + the
+  K/V store, SiLU * up) are 2-7 torch ops each, ~10 us apiece; each is one
+  call here.
+
+Everything is optional. ``load_cpu_kernels`` returns None (and the engine
+uses the torch path) when there is no C compiler or the build fails (GCC is
+needed: vector extensions, ``_Float16``); ``supports`` says which model shapes
+the kernels handle (head_dim a multiple of 16). The shared object is cached
+under ``<cache>/kernels``, keyed by a hash of the source, flags, compiler
+version and CPU flags (``-march=native``), and written by atomic rename so
+concurrent processes never see a partial file.
+
+Numerics: float32 arithmetic for every dtype, rounded once on store, so
+results differ from torch's by rounding only (the tests bound it). OpenMP
+comes from the same ``libgomp`` torch loads; the thread count is passed per
+call (``torch.get_num_threads()``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+
+from engine.cpu_kernels_src import SOURCE
+from engine.env import EngineEnv
+
+log = logging.getLogger(__name__)
+
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+# 512-bit vectors where AVX-512 exists (GCC otherwise prefers 256-bit ones on x86); other CPUs ignore it.
+X86_CFLAGS = ("-mprefer-vector-width=512",)
+COMPILE_TIMEOUT_S = 120
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _cflags() -> tuple[str, ...]:
+    return CFLAGS + (X86_CFLAGS if platform.machine() in ("x86_64", "AMD64") else ())
+
+
+def _build(cc: str, out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as tmp:
+        src = Path(tmp) / "paged_attention.c"
+        src.write_text(SOURCE)
+        so = Path(tmp) / "paged_attention.so"
+        subprocess.run(
+            [cc, *_cflags(), "-o", str(so), str(src), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staged = out.parent / f".{out.name}.{os.getpid()}.tmp"
+        shutil.copyfile(so, staged)
+        os.replace(staged, out)  # atomic: a concurrent loader sees the old file or the whole new one
+
+
+def _check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"CPU kernel {name} failed (code {rc})")
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """ctypes entry points. Tensors must be contiguous CPU tensors of one dtype unless noted."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+    def decode_attention(
+        self,
+        kv_layer: torch.Tensor,
+        q: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        max_blocks: int,
+        max_len: int,
+    ) -> torch.Tensor:
+        """``kv_layer [N, 2, B, Hkv, D]``, ``q [Bsz, H, D]`` (rows may be strided), ``tables [Bsz * M]``,
+        ``lens [Bsz]`` int64 -> ``[Bsz, H * D]`` in the cache dtype."""
+        bsz, n_h, d = q.shape
+        _, _, b, n_kv, _ = kv_layer.shape
+        if not (
+            kv_layer.is_contiguous()
+            and q.stride(2) == 1
+            and q.stride(1) == d
+            and q.dtype == kv_layer.dtype
+            and tables.is_contiguous()
+            and lens.is_contiguous()
+        ):
+            raise ValueError("decode kernel needs a contiguous cache layer and row-major q heads")
+        out = torch.empty(bsz, n_h * d, dtype=q.dtype, device=q.device)  # [Bsz, H * D]
+        _check(
+            self.lib.paged_decode_attention(
+                kv_layer.data_ptr(),
+                q.data_ptr(),
+                out.data_ptr(),
+                tables.data_ptr(),
+                lens.data_ptr(),
+                bsz,
+                max_blocks,
+                b,
+                n_h,
+                n_kv,
+                d,
+                q.stride(0),
+                max_len,
+                d**-0.5,
+                _DTYPE_CODES[q.dtype],
+                torch.get_num_threads(),
+            ),
+            "paged_decode_attention",
+        )
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += res`` in place (when given), then return ``rmsnorm(x) * weight``; ``x, res [T, n]``."""
+        if not (x.is_contiguous() and (res is None or res.is_contiguous()) and weight.is_contiguous()):
+            raise ValueError("add_rms_norm needs contiguous rows")
+        t, n = x.shape
+        h = torch.empty_like(x)  # [T, n]
+        _check(
+            self.lib.add_rms_norm(
+                x.data_ptr(),
+                None if res is None else res.data_ptr(),
+                h.data_ptr(),
+                weight.data_ptr(),
+                t,
+                n,
+                eps,
+                _DTYPE_CODES[x.dtype],
+                torch.get_num_threads(),
+            ),
+            "add_rms_norm",
+        )
+        return h
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        positions: torch.Tensor,
+        kv_layer: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+    ) -> None:
+        """RoPE on the q and k heads of ``qkv [T, (H + 2Hkv) * D]`` in place (tables ``[P, D]``, rows
+        picked by ``positions [T]``), then store K and V at ``k_rows``/``v_rows`` of ``kv_layer`` viewed as
+        ``[N * 2B, Hkv, D]``."""
+        if not (
+            qkv.stride(1) == 1
+            and kv_layer.is_contiguous()
+            and cos.is_contiguous()
+            and sin_signed.is_contiguous()
+            and all(t.is_contiguous() and t.dtype == torch.int64 for t in (positions, k_rows, v_rows))
+        ):
+            raise ValueError("rope_store needs row-major qkv, a contiguous cache layer and int64 indices")
+        _check(
+            self.lib.rope_store(
+                qkv.data_ptr(),
+                qkv.shape[0],
+                qkv.stride(0),
+                n_heads + n_kv_heads,
+                n_kv_heads,
+                head_dim,
+                cos.data_ptr(),
+                sin_signed.data_ptr(),
+                positions.data_ptr(),
+                kv_layer.data_ptr(),
+                k_rows.data_ptr(),
+                v_rows.data_ptr(),
+                _DTYPE_CODES[qkv.dtype],
+                torch.get_num_threads(),
+            ),
+            "rope_store",
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up [T, 2I]`` -> ``[T, I]``."""
+        if not gate_up.is_contiguous():
+            raise ValueError("silu_mul needs contiguous rows")
+        t, two_i = gate_up.shape
+        out = torch.empty(t, two_i // 2, dtype=gate_up.dtype, device=gate_up.device)  # [T, I]
+        _check(
+            self.lib.silu_mul(
+                gate_up.data_ptr(),
+                out.data_ptr(),
+                t,
+                two_i // 2,
+                _DTYPE_CODES[gate_up.dtype],
+                torch.get_num_threads(),
+            ),
+            "silu_mul",
+        )
+        return out
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Shapes the kernels handle (whole 16-float vectors per head, RoPE rows on the stack); others use the
+    torch path."""
+    return head_dim % 16 == 0 and head_dim <= 512 and num_heads % num_kv_heads == 0 and dtype in _DTYPE_CODES
+
+
+def kernel_cache_dir(env: EngineEnv | None = None) -> Path:
+    """``$PDSERVE_CACHE_DIR/kernels``, else ``kernels`` in the user cache dir."""
+    env = env or EngineEnv.from_environ()
+    base = env.cache_dir if env.cache_dir is not None else Path(platformdirs.user_cache_dir("pdserve"))
+    return base / "kernels"
+
+
+def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
+    """Build (once per cache) and load the kernel library; None when that is not possible here."""
+    cc = _compiler()
+    if cc is None:
+        log.info("no C compiler found: decode attention uses the torch path")
+        return None
+    try:
+        version = subprocess.run(
+            [cc, "--version"], check=True, capture_output=True, text=True, timeout=30
+        ).stdout
+        key = hashlib.sha256(
+            "\0".join([SOURCE, *_cflags(), version, _cpu_flags(), platform.machine()]).encode()
+        )
+        path = cache_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
+        if not path.is_file():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning(
+            "building the CPU decode kernel failed (%s %s): using the torch path",
+            exc,
+            detail.decode(errors="replace")[-2000:] if isinstance(detail, bytes) else detail,
+        )
+        return None
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_decode_attention": [ptr] * 5 + [i64] * 8 + [f32, i32, i32],
+        "add_rms_norm": [ptr] * 4 + [i64, i64, f32, i32, i32],
+        "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
+        "silu_mul": [ptr, ptr, i64, i64, i32, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return CpuKernels(lib=lib, path=path)

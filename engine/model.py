@@ -1,0 +1,234 @@
+"""Llama-family decoder math as plain functions (Llama, Llama 3, SmolLM2, Mistral, Qwen2).
+
+Tokens of every sequence in a step are flattened into one ``[T, hidden]``
+matrix, so the linear layers run once per layer for the whole batch whatever
+the sequence lengths; only attention knows where sequences begin and end, and
+it is passed in as a callable (``engine.attention`` implements it over the
+paged KV cache).
+
+A layer is: ``x += res; h = rmsnorm(x)`` -> qkv matmul -> RoPE on q and k,
+K/V into the cache -> attention -> o matmul -> ``x += o; h = rmsnorm(x)`` ->
+gate_up matmul -> ``silu(gate) * up`` -> down matmul (its output ``res`` is
+added by the next layer's norm). The non-matmul parts are a ``StepOps``:
+``TorchStepOps`` follows transformers' Llama modules op for op (RMSNorm in
+float32, RoPE as ``x * cos + rotate_half(x) * sin`` in the model dtype) and
+runs on any device; ``KernelStepOps`` does each part in one C call
+(``engine.cpu_kernels``), in float32, rounding once. Both agree with
+transformers to rounding noise in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import write_kv
+from engine.config import ModelConfig, RopeScaling
+from engine.cpu_kernels import CpuKernels
+from engine.weights import ModelWeights
+
+# attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H * D]; k/v are already in the cache.
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# hook(layer, k [T, Hkv, D], v [T, Hkv, D]) once the layer's K/V are in the cache; k, v may be views of a
+# buffer reused after the call returns (copy to keep them).
+LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies ``[D / 2]`` in float32, Llama-3 scaled when configured."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """cos/sin for every position, so a step only gathers rows (no per-step trig)."""
+
+    cos: torch.Tensor  # [P, D] model dtype
+    sin_signed: torch.Tensor  # [P, D] model dtype: sin with the first half negated (folds rotate_half's sign)
+
+    @classmethod
+    def build(cls, config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> RopeTables:
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [D/2]
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()  # [P]
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2], float32 as in transformers
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        half = config.head_dim // 2
+        sin = emb.sin()
+        sin[:, :half] = -sin[:, :half]
+        return cls(
+            cos=emb.cos().to(device=device, dtype=dtype), sin_signed=sin.to(device=device, dtype=dtype)
+        )
+
+    def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions [T]`` shaped ``[T, 1, D]`` to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # torch's fused kernel normalises in float32 and is bitwise equal to the unfused float32 formula.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x [T, heads, D]``; returns a new contiguous tensor."""
+    t, h, d = x.shape
+    # flip of the two halves gives [x2, x1]; the sign of rotate_half's -x2 lives in sin_signed.
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)  # [T, heads, D]
+    return x * cos + swapped * sin_signed
+
+
+class StepOps(Protocol):
+    """The non-matmul work of a layer for one step (positions and cache rows bound at construction)."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += res`` in place (when given); returns ``rmsnorm(x) * weight``."""
+        ...
+
+    def rope_store(
+        self, kv_layer: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE on q and k of ``qkv [T, (H + 2Hkv) * D]``; K/V into ``kv_layer``; returns q, k, v
+        ``[T, H, D], [T, Hkv, D], [T, Hkv, D]``."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``[T, 2I]`` -> ``[T, I]``."""
+        ...
+
+
+class TorchStepOps:
+    """Plain torch ops: any device."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rope: RopeTables,
+        positions: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+    ) -> None:
+        self.n_h, self.n_kv, self.d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.cos, self.sin = rope.gather(positions)  # [T, 1, D], shared by every layer
+        self.k_rows, self.v_rows = k_rows, v_rows
+
+    def add_rms_norm(
+        self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if res is not None:
+            x.add_(res)
+        return rms_norm(x, weight, eps)
+
+    def rope_store(
+        self, kv_layer: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, n_h, n_kv, d = qkv.shape[0], self.n_h, self.n_kv, self.d
+        # q and k rotate together: one set of elementwise ops instead of two.
+        qk = apply_rope(
+            qkv[:, : (n_h + n_kv) * d].view(t, n_h + n_kv, d), self.cos, self.sin
+        )  # [T, H + Hkv, D]
+        k = qk[:, n_h:]  # [T, Hkv, D]
+        v = qkv[:, (n_h + n_kv) * d :].view(t, n_kv, d)  # [T, Hkv, D]
+        write_kv(kv_layer, self.k_rows, self.v_rows, k, v)
+        return qk[:, :n_h], k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+class KernelStepOps:
+    """The fused C kernels of ``engine.cpu_kernels`` (CPU)."""
+
+    def __init__(
+        self,
+        kernels: CpuKernels,
+        config: ModelConfig,
+        rope: RopeTables,
+        positions: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+    ) -> None:
+        self.kernels, self.rope = kernels, rope
+        self.n_h, self.n_kv, self.d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.positions, self.k_rows, self.v_rows = positions, k_rows, v_rows
+
+    def add_rms_norm(
+        self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.kernels.add_rms_norm(x, res, weight, eps)
+
+    def rope_store(
+        self, kv_layer: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, n_h, n_kv, d = qkv.shape[0], self.n_h, self.n_kv, self.d
+        self.kernels.rope_store(
+            qkv,
+            n_h,
+            n_kv,
+            d,
+            self.rope.cos,
+            self.rope.sin_signed,
+            self.positions,
+            kv_layer,
+            self.k_rows,
+            self.v_rows,
+        )
+        q = qkv[:, : n_h * d].view(t, n_h, d)  # [T, H, D], rotated in place
+        k = qkv[:, n_h * d : (n_h + n_kv) * d].view(t, n_kv, d)  # [T, Hkv, D]
+        v = qkv[:, (n_h + n_kv) * d :].view(t, n_kv, d)  # [T, Hkv, D]
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
+def forward_hidden(
+    weights: ModelWeights,
+    config: ModelConfig,
+    token_ids: torch.Tensor,
+    ops: StepOps,
+    kv: torch.Tensor,
+    attend: AttendFn,
+    layer_hook: LayerHook | None = None,
+) -> torch.Tensor:
+    """Run every decoder layer over flattened tokens ``[T]``; returns the final hidden states ``[T, hidden]``
+    before the last norm. Each layer's K/V go into ``kv[layer]`` before it attends."""
+    eps = config.rms_norm_eps
+    x = F.embedding(token_ids, weights.embed)  # [T, hidden]; a fresh tensor, so the residual adds go in place
+    res: torch.Tensor | None = None  # the last sub-block's output, added into x by the next norm
+    for i, lw in enumerate(weights.layers):
+        qkv = lw.qkv(ops.add_rms_norm(x, res, lw.input_norm, eps))  # [T, (H + 2Hkv) * D]
+        q, k, v = ops.rope_store(kv[i], qkv)
+        o = attend(i, q, k, v)  # [T, H * D]
+        if layer_hook is not None:
+            layer_hook(i, k, v)
+        h = ops.add_rms_norm(x, lw.o_proj(o), lw.post_norm, eps)
+        res = lw.down(ops.silu_mul(lw.gate_up(h)))  # [T, hidden]
+    if res is not None:
+        x.add_(res)
+    return x
+
+
+def logits(weights: ModelWeights, config: ModelConfig, hidden: torch.Tensor, ops: StepOps) -> torch.Tensor:
+    """float32 logits ``[T, V]`` from final hidden states ``[T, hidden]``."""
+    return weights.lm_head(ops.add_rms_norm(hidden, None, weights.final_norm, config.rms_norm_eps)).float()

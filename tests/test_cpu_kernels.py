@@ -1,0 +1,101 @@
+"""The C kernels of ``engine.cpu_kernels`` against the torch path they replace, op by op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import DecodeMeta, decode_attention, write_kv
+from engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels, supports
+from engine.model import apply_rope, rms_norm
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels(kernel_cache_dir())
+    if k is None:
+        pytest.skip("no C compiler here: the engine runs its torch path")
+    return k
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("n_h", "n_kv", "d", "block"),
+    [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 5), (6, 1, 16, 4), (5, 1, 80, 16), (64, 2, 16, 16)],
+)
+@pytest.mark.parametrize("n_seq", [1, 6])  # few sequences: items are (sequence, KV head); many: sequences
+def test_decode_attention_matches_torch(kernels, dtype, n_h, n_kv, d, block, n_seq):
+    g = torch.Generator().manual_seed(n_h * d + block)
+    n_blocks = 96
+    kv = torch.randn(n_blocks, 2, block, n_kv, d, generator=g).to(dtype)  # [N, 2, B, Hkv, D]
+    lens = [57, 1, block - 1, block, block + 1, 3 * block + 2][:n_seq]
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    items = []
+    for n in lens:  # scattered, non-contiguous tables
+        nb = -(-n // block)
+        items.append((n - 1, perm[:nb]))
+        perm = perm[nb:]
+    meta = DecodeMeta.build(items, block, n_blocks, torch.device("cpu"))
+    qkv = torch.randn(len(lens), (n_h + 2 * n_kv) * d, generator=g).to(dtype)
+    q = qkv[:, : n_h * d].view(len(lens), n_h, d)  # strided rows, as in the model
+    _close(decode_attention(kv, meta, q, kernels), decode_attention(kv, meta, q, None), dtype)
+
+
+def test_unsupported_shapes_are_reported():
+    assert supports(9, 3, 64, torch.bfloat16)
+    assert not supports(9, 3, 72, torch.float32)  # head_dim not a multiple of 16
+    assert supports(64, 2, 64, torch.float32)  # 32 query heads per KV head
+    assert not supports(8, 2, 64, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_fused_elementwise_match_torch(kernels, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    n, inter = 72, 200  # not multiples of 16: exercises the scalar tails
+    x = torch.randn(rows, n, generator=g).to(dtype)
+    res = torch.randn(rows, n, generator=g).to(dtype)
+    w = torch.randn(n, generator=g).to(dtype)
+    xk = x.clone()
+    h = kernels.add_rms_norm(xk, res, w, 1e-5)
+    assert torch.equal(xk, x + res)  # the residual add rounds exactly like torch's add
+    _close(h, rms_norm(x + res, w, 1e-5), dtype)
+    _close(kernels.add_rms_norm(x.clone(), None, w, 1e-5), rms_norm(x, w, 1e-5), dtype)
+
+    gu = torch.randn(rows, 2 * inter, generator=g).to(dtype)
+    _close(kernels.silu_mul(gu), F.silu(gu[:, :inter]) * gu[:, inter:], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_matches_torch(kernels, dtype):
+    g = torch.Generator().manual_seed(3)
+    t, n_h, n_kv, d, block, n_blocks, max_pos = 11, 6, 2, 32, 4, 16, 64
+    qkv = torch.randn(t, (n_h + 2 * n_kv) * d, generator=g).to(dtype)
+    angles = torch.rand(max_pos, d // 2, generator=g) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)  # [P, D]
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    positions = torch.randint(0, max_pos, (t,), generator=g)
+    k_rows = torch.randperm(n_blocks * 2 * block, generator=g)[:t]
+    k_rows = k_rows - k_rows % (2 * block) + k_rows % block  # K half of some block
+    v_rows = k_rows + block
+
+    want_qk = apply_rope(
+        qkv[:, : (n_h + n_kv) * d].view(t, n_h + n_kv, d), cos[positions, None], sin[positions, None]
+    )
+    want_kv = torch.zeros(n_blocks, 2, block, n_kv, d, dtype=dtype)
+    write_kv(want_kv, k_rows, v_rows, want_qk[:, n_h:], qkv[:, (n_h + n_kv) * d :].view(t, n_kv, d))
+
+    got_kv = torch.zeros_like(want_kv)
+    got = qkv.clone()
+    kernels.rope_store(got, n_h, n_kv, d, cos, sin, positions, got_kv, k_rows, v_rows)
+    _close(got[:, : (n_h + n_kv) * d].view(t, n_h + n_kv, d), want_qk, dtype)
+    assert torch.equal(got[:, (n_h + n_kv) * d :], qkv[:, (n_h + n_kv) * d :])  # v untouched
+    _close(got_kv, want_kv, dtype)
