@@ -19,6 +19,7 @@ the engine frees on finish or abort.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -62,23 +63,42 @@ class RemotePrefill:
         except OutOfBlocksError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker has no room: {e}")
         self.pending += 1
-        adopted = False
+        adoption = asyncio.ensure_future(self._adopt(rid, prompt, params))
         try:
             yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket.encode())
-            try:
-                result = await self.receiver.wait(rid)
-            except TransferError as e:
-                # ABORTED, not UNAVAILABLE: this worker is alive; the transfer failed.
-                await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
-            q = self.loop.submit_prefilled(rid, prompt, result.first_token_id, params)
-            adopted = True
+            # Shielded: whichever way the transfer ends, exactly one side frees the blocks.
+            q = await asyncio.shield(adoption)
+        except TransferError as e:
+            # ABORTED, not UNAVAILABLE: this worker is alive; the transfer failed (the receiver freed).
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
+        except BaseException:
+            self._give_up(rid, adoption)
+            raise
         finally:
             self.pending -= 1
-            if not adopted:
-                # Only the receiver may free a reservation: a posted receive may still write into it.
-                self.receiver.abort(rid, "decode side gave up")
         try:
             async for msg in relay_deltas(q):
                 yield msg
         finally:
             self.loop.abort(rid)
+
+    async def _adopt(self, rid: str, prompt: list[int], params: SamplingParams):
+        result = await self.receiver.wait(rid)
+        # From here the blocks are the engine's: it frees them on finish or abort.
+        return self.loop.submit_prefilled(rid, prompt, result.first_token_id, params)
+
+    def _give_up(self, rid: str, adoption: asyncio.Future) -> None:
+        """The stream ended before adoption (cancel, deadline). Free through whoever owns the blocks.
+
+        While the transfer is live, only the receiver may free (a posted receive may still write);
+        if it already completed, the blocks were handed over and the engine frees them (``abort``
+        frees an id it never adopted).
+        """
+        if not adoption.done():
+            self.receiver.abort(rid, "decode side gave up")
+
+        def settle(fut: asyncio.Future) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self.loop.abort(rid)
+
+        adoption.add_done_callback(settle)

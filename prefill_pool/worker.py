@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFILL_KV_BYTES = 512 << 20  # holds the prompts of the batches in flight, not whole conversations
 
 
+class _BatchCancelled(Exception):
+    """Raised from the layer hook to stop a forward whose every request was cancelled."""
+
+
 @dataclass(eq=False)
 class _Req:
     params: SamplingParams
@@ -224,8 +228,12 @@ class PrefillServicer(worker_pb2_grpc.WorkerServicer):
             handles = [j.payload.handle for j in live]
             items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
 
-            def hook(layer: int, k: torch.Tensor, v: torch.Tensor, handles=handles) -> None:
+            def hook(layer: int, k: torch.Tensor, v: torch.Tensor, handles=handles, live=live) -> None:
                 # Forward thread, right after ``layer`` wrote its K/V into the cache: queue the send.
+                # A batch nobody waits for any more stops at the next layer, so its blocks come back
+                # within one layer's time instead of a whole forward's.
+                if all(j.payload.cancelled for j in live):
+                    raise _BatchCancelled
                 for h in handles:
                     h.push_layer(layer)
 
@@ -234,6 +242,10 @@ class PrefillServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 logits = await asyncio.to_thread(self.runner.prefill, items, hook)  # [n, V]
                 tokens = self.sampler(logits, [SampleRow(j.payload.params, 0) for j in live])
+            except _BatchCancelled:
+                for j in live:
+                    self._spawn(self._finish(j, None))
+                continue
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("prefill forward failed")
                 for j in live:
