@@ -72,6 +72,28 @@ class Cluster:
                 return w.pid
         raise KeyError(worker_id)
 
+    def assert_workers_idle_direct(self, timeout_s: float) -> float:
+        """Ask every worker itself (Worker.GetLoad: no heartbeat lag) until all report 0 KV blocks used.
+
+        Returns the seconds it took; fails after ``timeout_s``.
+        """
+        from proto import worker_pb2, worker_pb2_grpc
+
+        addresses = {w["id"]: w["address"] for w in self.workers()}
+        t0 = time.monotonic()
+        while True:
+            used = {}
+            for wid, addr in addresses.items():
+                with grpc.insecure_channel(addr) as ch:
+                    load = worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.Empty(), timeout=5)
+                used[wid] = load.kv_blocks_used
+            elapsed = time.monotonic() - t0
+            if all(v == 0 for v in used.values()):
+                return elapsed
+            if elapsed > timeout_s:
+                raise AssertionError(f"KV blocks still used after {timeout_s}s: {used}")
+            time.sleep(0.05)
+
     def assert_no_leaks(self, timeout_s: float = 5.0) -> None:
         """Every worker reports 0 KV blocks used (heartbeats lag, so poll, bounded)."""
         deadline = time.monotonic() + timeout_s

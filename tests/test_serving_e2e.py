@@ -158,9 +158,9 @@ def test_cancel_50_streams_frees_every_block(tmp_path):
             next(calls[1])
             for call in calls:
                 call.cancel()
-            t0 = time.monotonic()
-        c.assert_no_leaks(timeout_s=2.0 + 1.0)  # 2 s, plus one heartbeat interval of reporting lag
-        assert time.monotonic() - t0 < 30
+        # Within 2 s of the cancels, every worker itself reports zero KV blocks used.
+        c.assert_workers_idle_direct(timeout_s=2.0)
+        c.assert_no_leaks()
 
 
 def test_kill_decode_worker_mid_stream(tmp_path):
