@@ -1,0 +1,203 @@
+"""KV transfer benchmark: pdserve's layer-by-layer push against raw ucxx, same bytes, same run.
+
+    python -m bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm]
+
+For each transport a decode process and a prefill process are spawned (UCX
+settings apply per process, so each transport gets its own pair) and stopped
+at the end. Rows:
+- SmolLM2-135M bfloat16 KV (30 layers, 3 KV heads, head dim 64, block 16) for
+  requests of 16, 256, 1,024 and 4,096 tokens: reserve on D, then on P open,
+  push all 30 layers back to back, complete (timed from ``open`` to the
+  acknowledged completion, so the Open and Complete round trips are included);
+- a 64 MiB payload: one layer of 512 blocks of 128 KiB (one message).
+Raw: one ucxx tagged send of the same number of bytes answered by a one-byte
+ack, over the same kind of endpoint, alternating with the pdserve runs.
+Per-layer message latency: a paced run where the fake forward pushes one layer
+every ``layer_interval_ms`` (longer than a layer's transfer, so the link is idle):
+push_layer call to the layer's messages completed on P.
+
+Transports: ``tcp`` is ``UCX_TLS=tcp``; ``shm`` is ``UCX_TLS=tcp,sm,self`` with
+the data on a shared-memory endpoint (``TransferConfig.ucx_shared_memory``)
+and TCP for connection set-up and the control endpoint.
+
+Both processes back their KV tensor with transparent huge pages
+(``kvbuf.advise_huge_pages``), as the raw baseline's numpy buffers are; the
+fake forward pushes layers back to back, so the fixed per-transfer costs
+(Open round trip, completion ack) are fully exposed here, where a real prefill
+hides them behind its first layer's compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.testing import PeerProcess, PeerSpec
+
+TOKENS = (16, 256, 1024, 4096)
+SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
+PAYLOAD = dict(num_layers=1, num_kv_heads=32, head_dim=64, block_size=16, dtype="bfloat16")  # 128 KiB blocks
+PAYLOAD_BYTES = 64 << 20
+TRANSPORTS: dict[str, tuple[str, bool]] = {"tcp": ("tcp", False), "shm": ("tcp,sm,self", True)}
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+    import ucxx
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ucx": ucxx.get_ucx_version(),
+        "ucxx": ucxx.__version__,
+        "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # other work on the machine skews figures
+    }
+
+
+class _Pair:
+    """A decode process (receiver + raw server) and a prefill process (sender + raw client)."""
+
+    def __init__(self, layout: dict[str, Any], num_blocks: int, tls: str, shm: bool) -> None:
+        spec = PeerSpec(
+            num_blocks=num_blocks,
+            config=TransferConfig(ucx_shared_memory=shm, deadline_s=60.0),
+            env=(("UCX_TLS", tls),),
+            **layout,
+        )
+        self.decode = PeerProcess(spec, "bench-decode")
+        self.prefill = PeerProcess(spec, "bench-prefill")
+        self.num_layers: int = layout["num_layers"]
+        self._n = 0
+
+    def __enter__(self) -> _Pair:
+        self.decode.call("start_receiver", timeout=120)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    def transfer(self, tokens: int, layer_interval_s: float = 0.0) -> dict[str, Any]:
+        self._n += 1
+        rid = f"bench-{self._n}"
+        ticket = self.decode.call("reserve", request_id=rid, num_tokens=tokens)
+        stats = self.prefill.call("transfer", ticket=ticket, seed=self._n, layer_interval_s=layer_interval_s)
+        self.decode.call("wait", request_id=rid)
+        self.decode.call("release", request_id=rid)
+        return stats
+
+    def raw(self, nbytes: int, reps: int) -> list[float]:
+        address = self.decode.call("raw_serve", nbytes=nbytes)
+        return self.prefill.call("raw_run", address=address, nbytes=nbytes, reps=reps, timeout=300)
+
+
+def _row(pair: _Pair, transport: str, tokens: int | None, block_tokens: int, reps: int) -> dict[str, Any]:
+    request_tokens = tokens if tokens is not None else block_tokens
+    for _ in range(2):  # warm-up: connection, page faults, UCX registration caches
+        first = pair.transfer(request_tokens)
+    nbytes = first["bytes"]
+    pair.raw(nbytes, 2)  # warm-up, same as pdserve's
+    pd_times, raw_times = [], []
+    for _ in range(reps):  # alternate, so both see the same machine noise
+        pd_times.append(pair.transfer(request_tokens)["wall_seconds"])
+        raw_times.extend(pair.raw(nbytes, 1))
+    pd, raw = statistics.median(pd_times), statistics.median(raw_times)
+    # Paced run: layers slower than their transfer, so latency is the message's own.
+    interval = max(0.002, 3 * pd / pair.num_layers)
+    layer_s: list[float] = []
+    for _ in range(2):
+        layer_s.extend(pair.transfer(request_tokens, layer_interval_s=interval)["layer_seconds"])
+    raw_layer = pair.raw(nbytes // pair.num_layers, 17)[2:]
+    return {
+        "transport": transport,
+        "tokens": tokens,
+        "bytes": nbytes,
+        "pdserve_gbps": round(nbytes / pd / 1e9, 3),
+        "raw_gbps": round(nbytes / raw / 1e9, 3),
+        "ratio": round(raw / pd, 3),
+        "pdserve_ms": round(pd * 1e3, 3),
+        "raw_ms": round(raw * 1e3, 3),
+        # Noise on a shared machine only ever adds time: the fastest runs are the other view.
+        "best": {
+            "pdserve_gbps": round(nbytes / min(pd_times) / 1e9, 3),
+            "raw_gbps": round(nbytes / min(raw_times) / 1e9, 3),
+            "ratio": round(min(raw_times) / min(pd_times), 3),
+        },
+        "per_layer_latency_us": {
+            "p50": round(_percentile(layer_s, 50) * 1e6, 1),
+            "p99": round(_percentile(layer_s, 99) * 1e6, 1),
+            "raw_p50": round(_percentile(raw_layer, 50) * 1e6, 1),
+            "layer_bytes": nbytes // pair.num_layers,
+            "layer_interval_ms": round(interval * 1e3, 2),
+        },
+        "reps": reps,
+    }
+
+
+def run(transports: list[str], reps: int) -> dict[str, Any]:
+    rows = []
+    for name in transports:
+        tls, shm = TRANSPORTS[name]
+        blocks = max(TOKENS) // SMOLLM2["block_size"] + 8
+        with _Pair(SMOLLM2, blocks, tls, shm) as pair:
+            for tokens in TOKENS:
+                rows.append(_row(pair, name, tokens, tokens, reps))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        block_bytes = 2 * PAYLOAD["block_size"] * PAYLOAD["num_kv_heads"] * PAYLOAD["head_dim"] * 2
+        payload_blocks = PAYLOAD_BYTES // block_bytes
+        with _Pair(PAYLOAD, payload_blocks, tls, shm) as pair:
+            rows.append(_row(pair, name, None, payload_blocks * PAYLOAD["block_size"], reps))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {
+        "machine": _machine(),
+        "transports": {
+            name: {"UCX_TLS": TRANSPORTS[name][0], "shared_memory_data_endpoint": TRANSPORTS[name][1]}
+            for name in transports
+        },  # fmt: skip
+        "rows": rows,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", help="write the JSON report here too")
+    parser.add_argument("--reps", type=int, default=9, help="timed transfers per row (median reported)")
+    parser.add_argument("--transports", default="tcp,shm", help="comma list of: " + ",".join(TRANSPORTS))
+    args = parser.parse_args(argv)
+    names = [t for t in args.transports.split(",") if t]
+    unknown = set(names) - set(TRANSPORTS)
+    if unknown:
+        parser.error(f"unknown transports: {sorted(unknown)}")
+    report = run(names, args.reps)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Why a transfer failed, as exception types. Pure: no torch, no ucxx.
+
+Every failure a caller can see is a :class:`TransferError` subclass whose
+``reason`` is a :class:`FailureReason`; the same value labels the
+``pdserve_kv_transfer_failures_total`` counter and travels in ``Abort`` and
+``OpenReply`` messages, so both sides report the same cause.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class FailureReason(StrEnum):
+    ABORTED = "aborted"  # a side gave up on purpose (client cancel, prefill error)
+    DEADLINE = "deadline"  # the per-transfer deadline passed
+    PEER_DIED = "peer_died"  # the connection broke (process killed, network gone)
+    INCOMPATIBLE = "incompatible"  # protocol version or KV layout differ
+    REJECTED = "rejected"  # the receiver does not know the transfer (expired, unknown id)
+    TRANSPORT = "transport"  # any other transport error
+
+
+class TransferError(RuntimeError):
+    reason: FailureReason = FailureReason.TRANSPORT
+
+
+class AbortedError(TransferError):
+    reason = FailureReason.ABORTED
+
+
+class DeadlineError(TransferError):
+    reason = FailureReason.DEADLINE
+
+
+class PeerDiedError(TransferError):
+    reason = FailureReason.PEER_DIED
+
+
+class IncompatibleError(TransferError):
+    reason = FailureReason.INCOMPATIBLE
+
+
+class RejectedError(TransferError):
+    reason = FailureReason.REJECTED
+
+
+_BY_REASON: dict[FailureReason, type[TransferError]] = {
+    FailureReason.ABORTED: AbortedError,
+    FailureReason.DEADLINE: DeadlineError,
+    FailureReason.PEER_DIED: PeerDiedError,
+    FailureReason.INCOMPATIBLE: IncompatibleError,
+    FailureReason.REJECTED: RejectedError,
+    FailureReason.TRANSPORT: TransferError,
+}
+
+
+def error_for(reason: FailureReason | str, message: str) -> TransferError:
+    """The exception a peer's reason code stands for (unknown codes become plain TransferError)."""
+    try:
+        cls = _BY_REASON[FailureReason(reason)]
+    except ValueError:
+        cls = TransferError
+    return cls(message)

@@ -1,0 +1,337 @@
+"""Prefill side, one transfer: push layers as the forward produces them, then complete.
+
+Stages (:class:`HandleState`):
+    OPENING    ``KVSender.open`` sent ``Open``; layers pushed now wait on P until
+               the receiver answers that its receives are posted (one round
+               trip, which overlaps the first layer's compute)
+    STREAMING  each pushed layer is sent on the event loop while the forward
+               computes the next layers; ``push_layer`` may be called from any thread
+    COMPLETING ``complete`` sends ``Complete`` with the first token once every
+               layer is issued, then waits for the sends and the receiver's ack
+    DONE       acknowledged: the receiver owns the data
+    FAILED     aborted, deadline, peer died, refused: every wait raises the error
+
+Who frees: P's source blocks belong to the prefill worker, which must keep
+them until ``complete`` or ``abort`` has returned or raised: both return only
+after every send has settled (or been cancelled after ``settle_timeout_s``),
+so nothing reads the blocks afterwards. D's blocks are D's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from enum import Enum
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kv_transfer import wire
+from kv_transfer.errors import (
+    AbortedError,
+    DeadlineError,
+    FailureReason,
+    PeerDiedError,
+    TransferError,
+    error_for,
+)
+from kv_transfer.kvbuf import block_bytes, ready_marker, span
+from kv_transfer.plan import Segment, data_tag
+from kv_transfer.transport import DataOp
+
+if TYPE_CHECKING:
+    from kv_transfer.sender import KVSender, _Peer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_READY_POLL_S = 20e-6  # CUDA only: how often to re-check that a layer's writes finished
+
+
+class HandleState(Enum):
+    OPENING = "opening"
+    STREAMING = "streaming"
+    COMPLETING = "completing"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class NotifyPeer(Enum):
+    """What a failed handle tells the receiver once its sends have settled."""
+
+    ABORT = "abort"  # our own failure: Abort with the layers we sent
+    ACK = "ack"  # the receiver aborted: AbortAck with the layers we sent
+    NOTHING = "nothing"  # the connection is gone or the receiver already knows
+
+
+@dataclass(frozen=True)
+class SendStats:
+    request_id: str
+    bytes: int
+    seconds: float  # open() to the receiver's acknowledgement
+    layer_seconds: tuple[float, ...]  # per layer: push_layer call to every message of it completed
+
+
+class SenderHandle:
+    def __init__(
+        self,
+        sender: KVSender,
+        peer: _Peer,
+        ticket: wire.TransferTicket,
+        segments: list[Segment],
+        deadline: float,
+    ) -> None:
+        self._sender = sender
+        self._peer = peer
+        self._loop = asyncio.get_running_loop()
+        self._kv = sender.kv
+        self.request_id = ticket.request_id
+        self.transfer_id = ticket.transfer_id
+        self.num_layers = sender.compat.num_layers
+        self.state = HandleState.OPENING
+        self._segments = segments
+        self._deadline = deadline  # loop time
+        self._t_open = self._loop.time()
+        self._lock = threading.Lock()
+        self._pushed: set[int] = set()
+        self._incoming: list[tuple[int, float, Any]] = []  # pushed, not yet seen by the loop
+        self._wake_pending = False
+        self._issued = 0  # layers sent or dropped (fault injection)
+        self._sent_layers: list[int] = []
+        self._layer_pending: dict[int, int] = {}
+        self._layer_seconds: dict[int, float] = {}
+        self._ops: set[DataOp] = set()
+        self._held: list[tuple[int, float]] = []  # layers pushed before the Open reply
+        self._bytes = 0
+        self._error: TransferError | None = None
+        self._failed: asyncio.Future[None] = self._loop.create_future()
+        self._all_issued = asyncio.Event()
+        self._settled = asyncio.Event()
+        self._settled.set()
+        self.open_reply: asyncio.Future[wire.OpenReply] = self._loop.create_future()
+        self.complete_ack: asyncio.Future[None] = self._loop.create_future()
+        self._cleanup: asyncio.Task[None] | None = None
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    # -- forward thread ----------------------------------------------------
+    def push_layer(self, layer: int) -> None:
+        """Send ``layer``'s K/V of this request; call right after the forward wrote them.
+
+        Thread-safe and non-blocking: it only schedules the send on the event
+        loop. After a failure it is a no-op (the forward need not know).
+        """
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        marker = ready_marker(self._kv.device)
+        with self._lock:
+            if layer in self._pushed:
+                raise ValueError(f"layer {layer} pushed twice")
+            self._pushed.add(layer)
+            if self._error is not None:
+                return
+            self._incoming.append((layer, time.perf_counter(), marker))
+            # One wake-up per burst: layers pushed before the loop gets the GIL go together.
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            self._loop.call_soon_threadsafe(self._drain_incoming)
+
+    # -- event loop: sending -----------------------------------------------
+    def _drain_incoming(self) -> None:
+        with self._lock:
+            incoming, self._incoming = self._incoming, []
+            self._wake_pending = False
+        for layer, pushed_at, marker in incoming:
+            self._issue(layer, pushed_at, marker)
+
+    def _issue(self, layer: int, pushed_at: float, marker: Any) -> None:
+        if self._error is not None:
+            return
+        if marker is not None and not marker():
+            self._loop.call_later(_READY_POLL_S, self._issue, layer, pushed_at, marker)
+            return
+        if self.state is HandleState.OPENING:
+            self._held.append((layer, pushed_at))
+            return
+        faults = self._sender.config.faults
+        if layer in faults.drop_layers:
+            log.warning("fault injection: dropping layer %d of %s", layer, self.request_id)
+            self._count_issued()
+            return
+        delay = faults.delay_for(layer)
+        if delay:
+            self._loop.call_later(delay, self._send_layer, layer, pushed_at)
+        else:
+            self._send_layer(layer, pushed_at)
+
+    def _send_layer(self, layer: int, pushed_at: float) -> None:
+        if self._error is not None:
+            return
+        conn = self._peer.conn
+        assert conn is not None
+        unit = block_bytes(self._kv)
+        self._layer_pending[layer] = len(self._segments)
+        self._sent_layers.append(layer)
+        self._settled.clear()
+        for seg in self._segments:
+            src = span(self._kv, layer, seg.src_start, seg.num_blocks)  # [n, 2, B, Hkv, D]
+            op = conn.send_data(src, data_tag(self.transfer_id, layer, seg.index))
+            self._ops.add(op)
+            op.future.add_done_callback(partial(self._sent, op, layer, pushed_at, seg.num_blocks * unit))
+        self._count_issued()
+
+    def _count_issued(self) -> None:
+        self._issued += 1
+        if self._issued == self.num_layers:
+            self._all_issued.set()
+
+    def _sent(self, op: DataOp, layer: int, pushed_at: float, nbytes: int, fut: asyncio.Future[None]) -> None:
+        self._ops.discard(op)
+        exc = fut.exception()
+        if exc is None:
+            self._bytes += nbytes
+            self._sender.metrics.add_bytes(nbytes)
+            self._layer_pending[layer] -= 1
+            if self._layer_pending[layer] == 0:
+                seconds = time.perf_counter() - pushed_at
+                self._layer_seconds[layer] = seconds
+                self._sender.metrics.layer_done(seconds)
+        elif self._error is None:
+            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+            alive = self._peer.conn is not None and self._peer.conn.alive
+            self.fail(err, NotifyPeer.ABORT if alive else NotifyPeer.NOTHING)
+        if not self._ops:
+            self._settled.set()
+
+    def on_open_reply(self, msg: wire.OpenReply) -> None:
+        if self.open_reply.done():
+            return
+        self.open_reply.set_result(msg)
+        if not msg.ok:
+            self.fail(error_for(msg.code, f"decode refused: {msg.reason}"), NotifyPeer.NOTHING)
+            return
+        if self.state is HandleState.OPENING:
+            self.state = HandleState.STREAMING
+        held, self._held = self._held, []
+        for layer, pushed_at in held:
+            self._issue(layer, pushed_at, None)
+
+    # -- event loop: completion --------------------------------------------
+    async def until(self, aw: Awaitable[T], what: str) -> T:
+        """Wait for ``aw`` unless the transfer fails or its deadline passes first."""
+        if self._error is not None:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise self._error
+        if isinstance(aw, asyncio.Future) and aw.done():  # common on the fast path: skip the wait
+            return aw.result()
+        target: asyncio.Future[Any] = asyncio.ensure_future(aw)
+        timeout = max(self._deadline - self._loop.time(), 0.0)
+        done, _ = await asyncio.wait(
+            {target, self._failed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        if target not in done:
+            target.cancel()
+            if self._error is None:
+                self.fail(
+                    DeadlineError(f"transfer of {self.request_id!r}: deadline passed waiting for {what}")
+                )
+            assert self._error is not None
+            raise self._error
+        return target.result()
+
+    async def complete(self, first_token_id: int) -> SendStats:
+        """Send the completion with the first sampled token; return once the receiver acknowledged.
+
+        Call after ``push_layer`` returned for every layer. Raises the
+        transfer's TransferError after the sends have settled.
+        """
+        if self._error is None and self.state not in (HandleState.OPENING, HandleState.STREAMING):
+            raise RuntimeError(f"complete() in state {self.state.value}")
+        missing = sorted(set(range(self.num_layers)) - self._pushed)
+        if missing and self._error is None:
+            raise ValueError(f"complete() before every layer was pushed; missing {missing[:8]}")
+        try:
+            if self._error is not None:
+                raise self._error
+            await self.until(self.open_reply, "the Open reply")
+            self.state = HandleState.COMPLETING
+            if not self._all_issued.is_set():
+                await self.until(self._all_issued.wait(), "every layer to be issued")
+            # Sent before the data has landed: D acks once both are in, saving a round trip.
+            self._sender.send(self._peer, wire.Complete(self.transfer_id, first_token_id))
+            if not self._settled.is_set():
+                await self.until(self._settled.wait(), "every layer to be sent")
+            await self.until(self.complete_ack, "the completion ack")
+        except TransferError as err:
+            if self._error is None:
+                self.fail(err)
+            await self.settled()
+            assert self._error is not None
+            raise self._error from None
+        self.state = HandleState.DONE
+        seconds = self._loop.time() - self._t_open
+        self._sender.metrics.transfer_done(seconds)
+        self._sender.metrics.closed()
+        self._sender.forget(self)
+        layers = tuple(self._layer_seconds.get(layer, 0.0) for layer in range(self.num_layers))
+        return SendStats(self.request_id, self._bytes, seconds, layers)
+
+    async def abort(self, reason: str = "prefill gave up") -> None:
+        """Stop sending and tell the receiver; returns once no send touches P's blocks any more."""
+        if self.state is HandleState.DONE:
+            return
+        if self._error is None:
+            self.fail(AbortedError(f"aborted by prefill: {reason}"))
+        await self.settled()
+
+    # -- failure -----------------------------------------------------------
+    def fail(self, err: TransferError, notify: NotifyPeer = NotifyPeer.ABORT) -> None:
+        if self._error is not None or self.state is HandleState.DONE:
+            return
+        self._error = err
+        self.state = HandleState.FAILED
+        self._failed.set_result(None)
+        self._sender.metrics.transfer_failed(err.reason)
+        self._sender.metrics.closed()
+        log.info("transfer %s failed: %s", self.request_id, err)
+        self._cleanup = self._loop.create_task(self._settle_and_notify(notify))
+
+    def on_peer_abort(self, msg: wire.Abort) -> None:
+        if self._error is None:
+            self.fail(error_for(msg.code, f"aborted by decode: {msg.reason}"), NotifyPeer.ACK)
+
+    def on_peer_died(self, exc: Exception | None) -> None:
+        self.fail(PeerDiedError(f"decode peer {self._peer.address} died: {exc}"), NotifyPeer.NOTHING)
+
+    async def settled(self) -> None:
+        if self._cleanup is not None:
+            await asyncio.shield(self._cleanup)
+
+    async def _settle_and_notify(self, notify: NotifyPeer) -> None:
+        timeout = self._sender.config.settle_timeout_s
+        try:
+            await asyncio.wait_for(self._settled.wait(), timeout)
+        except TimeoutError:
+            log.warning("transfer %s: %d sends unsettled; cancelling", self.request_id, len(self._ops))
+            for op in list(self._ops):
+                op.cancel()
+            try:
+                await asyncio.wait_for(self._settled.wait(), timeout)
+            except TimeoutError:
+                log.warning("transfer %s: closing the connection to stop stuck sends", self.request_id)
+                if self._peer.conn is not None:
+                    self._peer.conn.close()
+        sent = tuple(self._sent_layers)
+        assert self._error is not None
+        if notify is NotifyPeer.ABORT:
+            code: FailureReason = self._error.reason
+            self._sender.send(self._peer, wire.Abort(self.transfer_id, code.value, str(self._error), sent))
+        elif notify is NotifyPeer.ACK:
+            self._sender.send(self._peer, wire.AbortAck(self.transfer_id, sent))
+        self._sender.forget(self)

@@ -1,0 +1,97 @@
+"""Views into the project's KV tensor, for the transport. Uses torch, never model code.
+
+Layout (fixed project-wide): ``kv [L, N, 2, B, Hkv, D]``, one allocation.
+``kv[layer, b0:b0 + n]`` is one contiguous span of ``n`` blocks, K then V of
+every block; that is the unit one data message moves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Callable
+
+import torch
+
+from kv_transfer.wire import PROTOCOL_VERSION, KVCompat
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def compat_for(kv: torch.Tensor, model_id: str, protocol_version: int = PROTOCOL_VERSION) -> KVCompat:
+    """The compatibility record of a KV tensor in the project layout."""
+    if kv.dim() != 6 or kv.shape[2] != 2:
+        raise ValueError(f"KV tensor must be [L, N, 2, B, Hkv, D], got shape {tuple(kv.shape)}")
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv.shape
+    return KVCompat(
+        model_id=model_id,
+        dtype=dtype_name(kv.dtype),
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        protocol_version=protocol_version,
+    )
+
+
+def check_kv(kv: torch.Tensor, compat: KVCompat) -> None:
+    """The tensor must be one contiguous allocation matching ``compat``."""
+    expected = compat_for(kv, compat.model_id, compat.protocol_version)
+    if expected != compat:
+        raise ValueError(f"KV tensor {expected} does not match compatibility record {compat}")
+    if not kv.is_contiguous():
+        raise ValueError("KV tensor must be contiguous (one registration for the transport)")
+
+
+def span(kv: torch.Tensor, layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
+    """``kv[layer, first_block : first_block + num_blocks]``, contiguous."""
+    return kv[layer, first_block : first_block + num_blocks]  # [n, 2, B, Hkv, D]
+
+
+def block_bytes(kv: torch.Tensor) -> int:
+    """Bytes of one block of one layer (K and V)."""
+    return kv[0, 0].numel() * kv.element_size()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (shares memory)."""
+    return t.reshape(-1).view(torch.uint8)  # [nbytes]
+
+
+def ready_marker(device: torch.device) -> Callable[[], bool] | None:
+    """Something to poll until the KV just written on ``device`` is visible to the transport.
+
+    CPU writes are done when the forward's call returns, so there is nothing to
+    wait for. On CUDA the forward only enqueued the writes: record an event on
+    the current stream (cheap, never blocks the forward thread).
+    """
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back a CPU tensor with transparent huge pages; call before first touch.
+
+    torch's CPU allocator does not (numpy's does), and UCX moves KV from 4 KiB
+    pages measurably slower: ~14 ms vs ~11 ms for 64 MiB over shared memory on
+    the reference machine. Returns False where it does not apply (not Linux, not
+    CPU, tensor smaller than a huge page, or the kernel refused).
+    """
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    first, last = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1), end & ~(_HUGE_PAGE - 1)
+    if last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0

@@ -1,0 +1,125 @@
+"""Prometheus metrics of the KV transfer. Pure: prometheus_client only.
+
+Every object takes the registry it lives on; the default is a private one.
+Senders and receivers given the same registry (a colocated worker, the
+observability layer's registry) share one set of families, told apart by the
+``role`` label.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from enum import StrEnum
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kv_transfer.errors import FailureReason
+
+_TRANSFER_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+_LAYER_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
+)  # fmt: skip
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class _Families:
+    """The metric families of one registry, shared by every sender and receiver on it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.bytes = Counter(
+            "pdserve_kv_transfer_bytes_total",
+            "KV bytes moved by completed and partial transfers.",
+            ["role"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Duration of successful transfers (prefill: open to acknowledged completion; "
+            "decode: Open message to last byte and completion message).",
+            ["role"],
+            buckets=_TRANSFER_BUCKETS,
+            registry=registry,
+        )
+        self.failures = Counter(
+            "pdserve_kv_transfer_failures_total",
+            "Failed transfers by reason.",
+            ["role", "reason"],
+            registry=registry,
+        )
+        self.layer = Histogram(
+            "pdserve_kv_transfer_layer_seconds",
+            "Per layer message latency on the prefill side: push_layer call to every message of "
+            "that layer completed (for rendezvous-sized messages: landed in the decode worker).",
+            ["role"],
+            buckets=_LAYER_BUCKETS,
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "pdserve_kv_transfer_inflight",
+            "Transfers currently reserved or open.",
+            ["role"],
+            registry=registry,
+        )
+
+
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_families_lock = threading.Lock()
+
+
+class TransferMetrics:
+    """One role's view. Receivers count bytes landed; senders count bytes sent."""
+
+    def __init__(self, role: Role, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.role = role
+        with _families_lock:
+            fam = _families.get(self.registry)
+            if fam is None:
+                fam = _families[self.registry] = _Families(self.registry)
+        self._bytes = fam.bytes.labels(role=role.value)
+        self._seconds = fam.seconds.labels(role=role.value)
+        self._failures = fam.failures
+        self._layer = fam.layer.labels(role=role.value)
+        self._inflight = fam.inflight.labels(role=role.value)
+        # Create every reason's series up front so dashboards see zeros, not gaps.
+        for reason in FailureReason:
+            self._failures.labels(role=role.value, reason=reason.value)
+
+    def add_bytes(self, n: int) -> None:
+        self._bytes.inc(n)
+
+    def transfer_done(self, seconds: float) -> None:
+        self._seconds.observe(seconds)
+
+    def transfer_failed(self, reason: FailureReason) -> None:
+        self._failures.labels(role=self.role.value, reason=reason.value).inc()
+
+    def layer_done(self, seconds: float) -> None:
+        self._layer.observe(seconds)
+
+    def opened(self) -> None:
+        self._inflight.inc()
+
+    def closed(self) -> None:
+        self._inflight.dec()

@@ -1,0 +1,207 @@
+"""What a :class:`~kv_transfer.testing.PeerProcess` can be asked to do (runs in the child)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import torch
+from prometheus_client import generate_latest
+
+from engine.block_manager import BlockManager
+from kv_transfer.config import FaultConfig
+from kv_transfer.kvbuf import advise_huge_pages, block_bytes, compat_for
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+from kv_transfer.testing import PeerSpec, expected_bytes, fingerprint, scatter_allocate
+from kv_transfer.wire import KVCompat, TransferTicket
+
+
+class PeerState:
+    def __init__(self, spec: PeerSpec) -> None:
+        self.spec = spec
+        dtype = getattr(torch, spec.dtype)
+        shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv = torch.empty(shape, dtype=dtype)  # [L, N, 2, B, Hkv, D]
+        if spec.huge_pages:
+            advise_huge_pages(self.kv)
+        self.kv.zero_()
+        self.block_bytes = block_bytes(self.kv)
+        self.kv_bytes = self.kv.view(spec.num_layers, spec.num_blocks, -1).view(torch.uint8)  # [L, N, bytes]
+        self.blocks = BlockManager(spec.num_blocks, spec.block_size)
+        self.compat: KVCompat = compat_for(self.kv, spec.model_id)
+        self.receiver: KVReceiver | None = None
+        self.senders: dict[tuple[int | None, FaultConfig | None], KVSender] = {}
+        self.raw: Any = None
+        self._snapshots: dict[str, tuple[list[int], str]] = {}
+        # Stand-ins for the model's forward thread, started once like the engine's.
+        self._forward_threads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-forward")
+
+    async def dispatch(self, command: str, kwargs: dict[str, Any]) -> Any:
+        fn = getattr(self, f"cmd_{command}", None)
+        if fn is None:
+            raise ValueError(f"unknown command {command!r}")
+        result = fn(**kwargs)
+        return await result if asyncio.iscoroutine(result) else result
+
+    async def close(self) -> None:
+        for obj in (*self.senders.values(), self.receiver, self.raw):
+            if obj is not None:
+                await obj.close()
+        self.senders.clear()
+        self.receiver = self.raw = None
+        self._forward_threads.shutdown(wait=False, cancel_futures=True)
+
+    # -- decode side -------------------------------------------------------
+    async def cmd_start_receiver(self) -> str:
+        self.receiver = KVReceiver(self.kv, self.blocks, self.compat, self.spec.config)
+        await self.receiver.start()
+        return self.receiver.address
+
+    def cmd_reserve(
+        self, request_id: str, num_tokens: int, deadline_s: float | None = None, keep_every: int = 0
+    ) -> bytes:
+        assert self.receiver is not None
+        if keep_every:  # fragment the free list so the reservation gets scattered block ids
+            fillers = [f"__filler_{request_id}_{i}" for i in range(self.blocks.num_free)]
+            for f in fillers:
+                self.blocks.allocate(f, 1)
+            for i, f in enumerate(fillers):
+                if i % keep_every != 0:
+                    self.blocks.free(f)
+            try:
+                ticket = self.receiver.reserve(request_id, num_tokens, deadline_s)
+            finally:
+                for f in fillers:
+                    self.blocks.free(f)
+        else:
+            ticket = self.receiver.reserve(request_id, num_tokens, deadline_s)
+        blocks = list(ticket.block_ids)
+        self._snapshots[request_id] = (blocks, fingerprint(self.kv_bytes[:, blocks]))
+        return ticket.encode()
+
+    async def cmd_wait(self, request_id: str, timeout: float = 30.0) -> dict[str, Any]:
+        assert self.receiver is not None
+        res = await asyncio.wait_for(self.receiver.wait(request_id), timeout)
+        return {"first_token_id": res.first_token_id, "block_ids": list(res.block_ids), "bytes": res.bytes}
+
+    def cmd_verify(self, request_id: str, seed: int) -> bool:
+        blocks, _ = self._snapshots[request_id]
+        expected = expected_bytes(seed, self.spec.num_layers, len(blocks), self.block_bytes)
+        return bool(torch.equal(self.kv_bytes[:, blocks], expected))
+
+    def cmd_untouched(self, request_id: str) -> bool:
+        blocks, digest = self._snapshots[request_id]
+        return fingerprint(self.kv_bytes[:, blocks]) == digest
+
+    def cmd_release(self, request_id: str) -> bool:
+        """The decode engine's part after a successful hand-over: free the request's blocks."""
+        return self.blocks.free(request_id)
+
+    def cmd_abort(self, request_id: str, reason: str = "test") -> bool:
+        assert self.receiver is not None
+        return self.receiver.abort(request_id, reason)
+
+    def cmd_progress(self, request_id: str) -> int:
+        assert self.receiver is not None
+        return self.receiver.layers_received(request_id)
+
+    def cmd_blocks(self) -> dict[str, int]:
+        self.blocks.check_invariants()
+        return {"free": self.blocks.num_free, "total": self.blocks.num_blocks}
+
+    def cmd_metrics(self) -> str:
+        parts = [
+            generate_latest(x.metrics.registry).decode() for x in (self.receiver, *self.senders.values()) if x
+        ]
+        return "".join(parts)
+
+    # -- prefill side ------------------------------------------------------
+    async def cmd_transfer(
+        self,
+        ticket: bytes,
+        seed: int,
+        keep_every: int = 0,
+        layer_interval_s: float = 0.0,
+        first_token_id: int = 7,
+        abort_after_layers: int | None = None,
+        protocol_version: int | None = None,
+        faults: FaultConfig | None = None,
+    ) -> dict[str, Any]:
+        """Fill source blocks with seeded bytes, open, push every layer from a fake forward, complete.
+
+        ``protocol_version`` and ``faults`` select a separate sender that claims
+        another protocol version or injects faults.
+        """
+        key = (protocol_version, faults)
+        sender = self.senders.get(key)
+        if sender is None:
+            compat = self.compat
+            if protocol_version is not None:
+                compat = msgspec.structs.replace(compat, protocol_version=protocol_version)
+            config = self.spec.config if faults is None else replace(self.spec.config, faults=faults)
+            sender = self.senders[key] = KVSender(self.kv, compat, config)
+        t = TransferTicket.decode(ticket)
+        seq = f"src-{t.request_id}"
+        if keep_every:
+            src = scatter_allocate(self.blocks, seq, t.num_tokens, keep_every)
+        else:
+            src = self.blocks.allocate(seq, t.num_tokens)
+        try:
+            self.kv_bytes[:, src] = expected_bytes(seed, self.spec.num_layers, len(src), self.block_bytes)
+            loop = asyncio.get_running_loop()
+            t0 = time.perf_counter()
+            handle = await sender.open(t, src)
+            t1 = time.perf_counter()
+            last = self.spec.num_layers if abort_after_layers is None else abort_after_layers
+            pushed: asyncio.Future[None] = loop.create_future()
+
+            def forward() -> None:  # stands in for the model's forward thread
+                try:
+                    for layer in range(last):
+                        if layer_interval_s:  # the layer's compute
+                            time.sleep(layer_interval_s)
+                        if handle.error is not None:  # a prefill loop may stop early; push is a no-op anyway
+                            return
+                        handle.push_layer(layer)
+                finally:
+                    loop.call_soon_threadsafe(pushed.set_result, None)
+
+            self._forward_threads.submit(forward)
+            await pushed
+            t2 = time.perf_counter()
+            if abort_after_layers is not None:
+                await handle.abort("test abort")
+                return {"aborted": True}
+            stats = await handle.complete(first_token_id)
+            t3 = time.perf_counter()
+            return {
+                "wall_seconds": t3 - t0,
+                "open_seconds": t1 - t0,
+                "push_seconds": t2 - t1,
+                "complete_seconds": t3 - t2,
+                "seconds": stats.seconds,
+                "bytes": stats.bytes,
+                "layer_seconds": list(stats.layer_seconds),
+            }
+        finally:
+            self.blocks.free(seq)
+
+    # -- raw ucxx baseline -------------------------------------------------
+    async def cmd_raw_serve(self, nbytes: int) -> str:
+        from kv_transfer.ucx_baseline import RawBaseline
+
+        if self.raw is None:
+            self.raw = RawBaseline(self.spec.config)
+        return await self.raw.serve(nbytes)
+
+    async def cmd_raw_run(self, address: str, nbytes: int, reps: int) -> list[float]:
+        from kv_transfer.ucx_baseline import RawBaseline
+
+        if self.raw is None:
+            self.raw = RawBaseline(self.spec.config)
+        return await self.raw.run(address, nbytes, reps)

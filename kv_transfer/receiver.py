@@ -1,0 +1,396 @@
+"""Decode side: reserve KV blocks, hand out a ticket, receive layers into the blocks.
+
+Stages of a transfer here (one ``Reservation`` per request):
+    RESERVED  blocks allocated under the request id; ticket handed out; deadline armed
+    OPEN      the sender's ``Open`` arrived; one receive per layer and segment
+              is posted straight into the reserved blocks
+    DONE      every layer landed and ``Complete`` (first token id) arrived:
+              ``wait()`` returns, the blocks now belong to the decode engine
+    FAILING   aborted, deadline, peer died, incompatible: ``wait()`` raises at
+              once; the blocks are held until every posted receive has settled
+    FREED     failed and blocks returned to the BlockManager
+
+Who frees: on success the decode engine frees ``request_id`` when the request
+ends (``BlockManager.free``). On every failure the receiver frees, and only
+after the last in-flight write into those blocks has finished, so a freed block
+is never written by a late message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from functools import partial
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from engine.block_manager import BlockManager
+from kv_transfer import wire
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import (
+    AbortedError,
+    DeadlineError,
+    FailureReason,
+    PeerDiedError,
+    RejectedError,
+    TransferError,
+    error_for,
+)
+from kv_transfer.kvbuf import block_bytes, check_kv, span
+from kv_transfer.metrics import Role, TransferMetrics
+from kv_transfer.plan import build_segments, data_tag
+from kv_transfer.reservation import PrefillConn, Reservation, RxState, TransferResult
+from kv_transfer.transport import Connection, Transport, make_transport
+
+log = logging.getLogger(__name__)
+
+_TOMBSTONES = 4096  # recently ended transfers remembered, to answer late messages precisely
+
+
+class KVReceiver:
+    """Owns nothing but reservations; the KV tensor and BlockManager belong to the decode worker.
+
+    All methods run on the event loop thread that called :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        blocks: BlockManager,
+        compat: wire.KVCompat,
+        config: TransferConfig | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        check_kv(kv, compat)
+        if blocks.block_size != compat.block_size or blocks.num_blocks > kv.shape[1]:
+            raise ValueError("BlockManager does not match the KV tensor (block size or block count)")
+        self._kv = kv
+        self._blocks = blocks
+        self._compat = compat
+        self._hash = compat.hash()
+        self._config = config or TransferConfig()
+        self.metrics = TransferMetrics(Role.DECODE, registry)
+        self._transport: Transport | None = None
+        self._by_request: dict[str, Reservation] = {}
+        self._by_transfer: dict[int, Reservation] = {}
+        # Ended transfers, oldest first: answers late messages, and bounds the results
+        # kept for a wait() that may never come (a decode worker that aborted and moved on).
+        self._ended: OrderedDict[int, tuple[str, TransferError | None]] = OrderedDict()
+        self._failing: dict[int, Reservation] = {}  # failed, blocks waiting for in-flight receives
+        self._results: dict[str, asyncio.Future[TransferResult]] = {}
+
+    # -- lifecycle ---------------------------------------------------------
+    async def start(self) -> None:
+        self._transport = make_transport(self._config)
+        await self._transport.listen(self._on_connect)
+
+    @property
+    def address(self) -> str:
+        assert self._transport is not None, "start() first"
+        return self._transport.address
+
+    async def close(self) -> None:
+        """Fail every live reservation, wait (bounded) for their blocks to free, stop listening."""
+        for rx in list(self._by_request.values()):
+            self._fail(rx, AbortedError("decode receiver shutting down"), notify=True)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 3 * self._config.settle_timeout_s
+        while self._failing and loop.time() < end:  # blocks wait for their in-flight writes
+            await asyncio.sleep(0.01)
+        if self._failing:
+            log.warning(
+                "closing with %d transfers still settling; their blocks stay allocated", len(self._failing)
+            )
+        if self._transport is not None:
+            await self._transport.close()
+
+    # -- decode engine API -------------------------------------------------
+    def reserve(
+        self, request_id: str, num_tokens: int, deadline_s: float | None = None
+    ) -> wire.TransferTicket:
+        """Allocate blocks under ``request_id`` and describe them in a ticket.
+
+        ``OutOfBlocksError`` from the BlockManager passes through with nothing reserved.
+        """
+        assert self._transport is not None, "start() first"
+        if request_id in self._by_request:
+            raise ValueError(f"request {request_id!r} already has a reservation")
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        deadline_s = self._config.deadline_s if deadline_s is None else deadline_s
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        blocks = self._blocks.allocate(request_id, num_tokens)
+        loop = asyncio.get_running_loop()
+        xid = self._transport.next_transfer_id()
+        rx = Reservation(request_id, xid, blocks, num_tokens, loop.create_future())
+        rx.result.add_done_callback(_retrieve)
+        rx.timer = loop.call_later(deadline_s, self._expire, rx, deadline_s)
+        self._by_request[request_id] = rx
+        self._by_transfer[rx.transfer_id] = rx
+        self._results[request_id] = rx.result
+        self.metrics.opened()
+        return wire.TransferTicket(
+            address=self._transport.address,
+            request_id=request_id,
+            transfer_id=rx.transfer_id,
+            block_ids=tuple(blocks),
+            num_tokens=num_tokens,
+            protocol_version=self._compat.protocol_version,
+            compat_hash=self._hash,
+            deadline_unix=time.time() + deadline_s,
+        )
+
+    async def wait(self, request_id: str) -> TransferResult:
+        """Resolve when every layer and the completion arrived; raise a TransferError otherwise."""
+        fut = self._results.get(request_id)
+        if fut is None:
+            raise KeyError(f"no reservation for request {request_id!r} (or already waited for)")
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            if fut.done() and self._results.get(request_id) is fut:
+                del self._results[request_id]
+
+    def abort(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Give up a reservation at any stage before DONE; the sender is told. False if none is live."""
+        rx = self._by_request.get(request_id)
+        if rx is None:
+            return False
+        self._fail(rx, AbortedError(f"aborted by decode: {reason}"), notify=True)
+        return True
+
+    def layers_received(self, request_id: str) -> int:
+        rx = self._by_request.get(request_id)
+        return rx.layers_done if rx is not None else 0
+
+    def state(self, request_id: str) -> RxState | None:
+        rx = self._by_request.get(request_id)
+        return rx.state if rx is not None else None
+
+    # -- connection and messages -------------------------------------------
+    def _on_connect(self, conn: Connection) -> None:
+        peer = PrefillConn(conn)
+        conn.set_handlers(partial(self._on_message, peer), partial(self._on_close, peer))
+
+    def _send(self, conn: Connection | None, msg: wire.Message) -> None:
+        if conn is None or not conn.alive:
+            return
+        conn.post_message(wire.encode_message(msg))
+
+    def _on_message(self, peer: PrefillConn, payload: bytes) -> None:
+        try:
+            msg = wire.decode_message(payload)
+        except Exception as exc:
+            log.warning("closing connection from %s: undecodable message: %s", peer.conn.peer, exc)
+            peer.conn.close()
+            return
+        if isinstance(msg, wire.Hello):
+            self._on_hello(peer, msg)
+        elif isinstance(msg, wire.Open):
+            self._on_open(peer, msg)
+        elif isinstance(msg, wire.Complete):
+            rx = self._by_transfer.get(msg.transfer_id)
+            if rx is not None and rx.conn is peer.conn and rx.state is RxState.OPEN:
+                rx.first_token_id = msg.first_token_id
+                self._maybe_finish(rx)
+        elif isinstance(msg, wire.Abort):
+            # Accepted even on a rejected connection: that is how an incompatible sender says so.
+            # Also for a transfer already failing here: when both sides abort at once, the sender's
+            # Abort (with the layers it sent) is the answer to ours, not an AbortAck.
+            rx = self._by_transfer.get(msg.transfer_id) or self._failing.get(msg.transfer_id)
+            if rx is not None and rx.conn in (None, peer.conn):
+                err = error_for(msg.code, f"prefill gave up: {msg.reason}")
+                self._fail(rx, err, notify=False, sent_layers=msg.sent_layers or ())
+        elif isinstance(msg, wire.AbortAck):
+            rx = self._failing.get(msg.transfer_id)
+            if rx is not None:
+                self._drain(rx, msg.sent_layers)
+        else:
+            log.warning("unexpected %s from %s", type(msg).__name__, peer.conn.peer)
+
+    def _on_hello(self, peer: PrefillConn, msg: wire.Hello) -> None:
+        ours = self._compat.protocol_version
+        if msg.protocol_version != ours:
+            reason = f"protocol version {msg.protocol_version} (prefill) != {ours} (decode)"
+        elif msg.compat_hash != self._hash:
+            reason = f"KV layout hash {msg.compat_hash} (prefill) != {self._hash} (decode: {self._compat})"
+        else:
+            reason = ""
+        peer.accepted = not reason
+        self._send(peer.conn, wire.HelloReply(ok=peer.accepted, reason=reason))
+
+    def _reject(self, peer: PrefillConn, msg: wire.Open, code: FailureReason, reason: str) -> None:
+        self._send(peer.conn, wire.OpenReply(msg.transfer_id, ok=False, code=code.value, reason=reason))
+
+    def _on_open(self, peer: PrefillConn, msg: wire.Open) -> None:
+        if not peer.accepted:
+            return self._reject(peer, msg, FailureReason.INCOMPATIBLE, "connection failed its handshake")
+        rx = self._by_transfer.get(msg.transfer_id)
+        if rx is None or rx.request_id != msg.request_id:
+            ended = self._ended.get(msg.transfer_id, ("", None))[1]
+            code = ended.reason if ended is not None else FailureReason.REJECTED
+            why = str(ended) if ended is not None else "unknown or expired transfer"
+            return self._reject(peer, msg, code, why)
+        if rx.state is not RxState.RESERVED:
+            return self._reject(peer, msg, FailureReason.REJECTED, f"transfer already {rx.state.value}")
+        try:
+            segments = build_segments(msg.segments, None, rx.blocks)
+        except ValueError as exc:
+            self._reject(peer, msg, FailureReason.REJECTED, str(exc))
+            self._fail(rx, RejectedError(f"malformed Open: {exc}"), notify=False)
+            return
+        # Answer first: the receives are posted below in this same callback, before any
+        # data can be matched, and data that comes early waits in UCX (rendezvous: no copy).
+        self._send(peer.conn, wire.OpenReply(msg.transfer_id, ok=True))
+        loop = asyncio.get_running_loop()
+        rx.conn, rx.peer = peer.conn, peer
+        peer.transfers.add(rx)
+        rx.state = RxState.OPEN
+        rx.opened_at = loop.time()
+        num_layers = self._compat.num_layers
+        rx.pending = [len(segments)] * num_layers
+        for layer in range(num_layers):
+            ops = rx.ops[layer] = []
+            for seg in segments:
+                dst = span(self._kv, layer, seg.dst_start, seg.num_blocks)  # [n, 2, B, Hkv, D]
+                op = peer.conn.recv_data(dst, data_tag(rx.transfer_id, layer, seg.index))
+                rx.unsettled += 1
+                op.future.add_done_callback(partial(self._landed, rx, layer, seg.num_blocks))
+                ops.append(op)
+
+    def _on_close(self, peer: PrefillConn, exc: Exception | None) -> None:
+        for rx in list(peer.transfers):
+            self._fail(rx, PeerDiedError(f"prefill peer died: {exc}"), notify=False)
+        peer.transfers.clear()
+
+    # -- data --------------------------------------------------------------
+    def _landed(self, rx: Reservation, layer: int, num_blocks: int, fut: asyncio.Future[None]) -> None:
+        rx.unsettled -= 1
+        exc = fut.exception()
+        if exc is None:
+            n = num_blocks * block_bytes(self._kv)
+            rx.bytes += n
+            self.metrics.add_bytes(n)
+            if rx.state is RxState.OPEN:
+                rx.pending[layer] -= 1
+                if rx.pending[layer] == 0:
+                    rx.layers_done += 1
+                    self._maybe_finish(rx)
+        elif rx.state is RxState.OPEN:
+            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
+            self._fail(rx, err, notify=True)
+        self._maybe_free(rx)
+
+    def _maybe_finish(self, rx: Reservation) -> None:
+        if rx.layers_done < self._compat.num_layers or rx.first_token_id is None:
+            return
+        rx.state = RxState.DONE
+        self._end(rx, None)
+        seconds = asyncio.get_running_loop().time() - rx.opened_at
+        self.metrics.transfer_done(seconds)
+        self.metrics.closed()
+        rx.result.set_result(
+            TransferResult(
+                rx.request_id, rx.first_token_id, tuple(rx.blocks), rx.num_tokens, rx.bytes, seconds
+            )
+        )
+        self._send(rx.conn, wire.CompleteAck(rx.transfer_id))
+
+    # -- failure and cleanup -----------------------------------------------
+    def _end(self, rx: Reservation, err: TransferError | None) -> None:
+        if rx.timer is not None:
+            rx.timer.cancel()
+        if rx.peer is not None:
+            rx.peer.transfers.discard(rx)
+        self._by_request.pop(rx.request_id, None)
+        self._by_transfer.pop(rx.transfer_id, None)
+        self._ended[rx.transfer_id] = (rx.request_id, err)
+        while len(self._ended) > _TOMBSTONES:
+            _, (request_id, _) = self._ended.popitem(last=False)
+            fut = self._results.get(request_id)
+            if fut is not None and fut.done():
+                del self._results[request_id]
+
+    def _expire(self, rx: Reservation, deadline_s: float) -> None:
+        self._fail(rx, DeadlineError(f"transfer of {rx.request_id!r} not complete after {deadline_s}s"), True)
+
+    def _fail(
+        self, rx: Reservation, err: TransferError, notify: bool, sent_layers: tuple[int, ...] | None = None
+    ) -> None:
+        """Fail a live transfer now; free its blocks once nothing can write them any more.
+
+        ``sent_layers``: the sender's own account (its Abort) of what it sent.
+        Otherwise, with the sender reachable, ask it (Abort -> AbortAck).
+        """
+        if rx.state in (RxState.DONE, RxState.FAILING, RxState.FREED):
+            if rx.state is RxState.FAILING and sent_layers is not None:
+                self._drain(rx, sent_layers)
+            return
+        was_open = rx.state is RxState.OPEN
+        rx.state = RxState.FAILING
+        self._end(rx, err)
+        self.metrics.transfer_failed(err.reason)
+        self.metrics.closed()
+        rx.result.set_exception(err)
+        log.info("transfer %s failed: %s", rx.request_id, err)
+        if not was_open:
+            self._maybe_free(rx)
+            return
+        self._failing[rx.transfer_id] = rx
+        if sent_layers is not None:
+            self._drain(rx, sent_layers)
+        elif notify and rx.conn is not None and rx.conn.alive:
+            self._send(rx.conn, wire.Abort(rx.transfer_id, err.reason.value, str(err)))
+            rx.grace = asyncio.get_running_loop().call_later(self._config.settle_timeout_s, self._force, rx)
+        else:
+            self._drain(rx, ())
+        self._maybe_free(rx)
+
+    def _drain(self, rx: Reservation, sent_layers: tuple[int, ...]) -> None:
+        """Cancel receives for layers never sent; the sent ones land (or fail) by themselves."""
+        if rx.drained:
+            return
+        rx.drained = True
+        sent = set(sent_layers)
+        for layer, ops in rx.ops.items():
+            if layer not in sent:
+                for op in ops:
+                    op.cancel()
+        if rx.grace is not None:
+            rx.grace.cancel()
+        if rx.unsettled:
+            rx.grace = asyncio.get_running_loop().call_later(self._config.settle_timeout_s, self._force, rx)
+
+    def _force(self, rx: Reservation) -> None:
+        """Settling took too long: cancel everything, and if even that stalls, drop the connection."""
+        if rx.state is not RxState.FAILING or not rx.unsettled:
+            return
+        if not rx.drained:
+            self._drain(rx, ())
+            return
+        log.warning(
+            "transfer %s: %d receives still in flight; closing the connection", rx.request_id, rx.unsettled
+        )
+        if rx.conn is not None:
+            rx.conn.close()
+
+    def _maybe_free(self, rx: Reservation) -> None:
+        if rx.state is not RxState.FAILING or rx.unsettled:
+            return
+        rx.state = RxState.FREED
+        if rx.grace is not None:
+            rx.grace.cancel()
+        self._failing.pop(rx.transfer_id, None)
+        rx.ops.clear()
+        self._blocks.free(rx.request_id)
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen (callers may never await a failed transfer)."""
+    if not fut.cancelled():
+        fut.exception()

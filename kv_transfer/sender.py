@@ -1,0 +1,230 @@
+"""Prefill side: connections to decode workers and the opening of transfers.
+
+Per peer (decode worker address), once: connect, ``Hello`` with the protocol
+version and the KV compatibility hash, ``HelloReply``. The connection is cached
+until it breaks; a refused handshake is cached too (it would be refused again).
+
+Per transfer: check the ticket (version, hash, deadline, block count) before
+any data moves, send ``Open`` with the contiguous-run plan, and return a
+:class:`~kv_transfer.handle.SenderHandle` once the receiver has posted its
+receives. An incompatible ticket or peer raises IncompatibleError and tells
+the receiver, which frees its reservation at once rather than at its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from kv_transfer import wire
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import DeadlineError, IncompatibleError, PeerDiedError, TransferError
+from kv_transfer.handle import HandleState, SenderHandle
+from kv_transfer.kvbuf import check_kv
+from kv_transfer.metrics import Role, TransferMetrics
+from kv_transfer.plan import build_segments, segment_lengths
+from kv_transfer.transport import Connection, Transport, make_transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Peer:
+    address: str
+    ready: asyncio.Future[None]
+    conn: Connection | None = None
+    accepted: bool = False
+    reason: str = ""
+    hello_reply: asyncio.Future[wire.HelloReply] | None = None
+    handshake: asyncio.Task[None] | None = None
+    handles: dict[int, SenderHandle] = field(default_factory=dict)
+
+
+class KVSender:
+    """All methods except ``SenderHandle.push_layer`` run on one event loop thread."""
+
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        compat: wire.KVCompat,
+        config: TransferConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        name: str = "prefill",
+    ) -> None:
+        check_kv(kv, compat)
+        self.kv = kv
+        self.compat = compat
+        self.config = config or TransferConfig()
+        self.metrics = TransferMetrics(Role.PREFILL, registry)
+        self._hash = compat.hash()
+        self._name = name
+        self._transport: Transport | None = None
+        self._peers: dict[str, _Peer] = {}
+
+    async def open(self, ticket: wire.TransferTicket | bytes, src_block_ids: Sequence[int]) -> SenderHandle:
+        """Start a transfer of P's blocks ``src_block_ids`` (token order) into the ticket's blocks.
+
+        Returns once ``Open`` is sent; a refusal by the receiver (expired or
+        aborted reservation) surfaces as the handle's error, raised by ``complete``.
+        Incompatibility, a past deadline or an unreachable peer raise here.
+        """
+        if not isinstance(ticket, wire.TransferTicket):
+            ticket = wire.TransferTicket.decode(bytes(ticket))
+        loop = asyncio.get_running_loop()
+        remaining = ticket.deadline_unix - time.time()
+        if not ticket.block_ids:
+            raise ValueError("ticket reserves no blocks")
+        if len(src_block_ids) != len(ticket.block_ids):
+            raise ValueError(
+                f"{len(src_block_ids)} source blocks for {len(ticket.block_ids)} reserved blocks"
+            )
+        if any(not 0 <= b < self.kv.shape[1] for b in src_block_ids):
+            raise ValueError("source block id outside the KV tensor")
+        segments = build_segments(
+            segment_lengths(src_block_ids, ticket.block_ids), src_block_ids, ticket.block_ids
+        )
+        if remaining <= 0:
+            self.metrics.transfer_failed(DeadlineError.reason)
+            raise DeadlineError(f"ticket of {ticket.request_id!r} expired {-remaining:.3f}s ago")
+        incompatible = ""
+        if ticket.protocol_version != self.compat.protocol_version:
+            incompatible = (
+                f"protocol version {ticket.protocol_version} (decode) != {self.compat.protocol_version}"
+            )
+        elif ticket.compat_hash != self._hash:
+            incompatible = f"KV layout hash {ticket.compat_hash} (decode) != {self._hash} ({self.compat})"
+        try:
+            peer = await asyncio.wait_for(self._connect(ticket.address), remaining)
+        except TimeoutError:
+            self.metrics.transfer_failed(DeadlineError.reason)
+            raise DeadlineError(f"deadline passed connecting to {ticket.address}") from None
+        except TransferError as err:
+            self.metrics.transfer_failed(err.reason)
+            if incompatible:
+                raise IncompatibleError(incompatible) from err
+            raise
+        if not incompatible and not peer.accepted:
+            incompatible = peer.reason
+        if incompatible:
+            refused = IncompatibleError(incompatible)
+            # Nothing was sent; the receiver can free now instead of at its deadline.
+            self.send(peer, wire.Abort(ticket.transfer_id, refused.reason.value, str(refused), ()))
+            self.metrics.transfer_failed(refused.reason)
+            raise refused
+        handle = SenderHandle(self, peer, ticket, segments, deadline=loop.time() + remaining)
+        peer.handles[ticket.transfer_id] = handle
+        self.metrics.opened()
+        lengths = tuple(seg.num_blocks for seg in segments)
+        # A failed send shows as the connection breaking, which fails the handle.
+        self.send(peer, wire.Open(ticket.transfer_id, ticket.request_id, lengths))
+        return handle
+
+    async def connect(self, address: str) -> None:
+        """Connect and handshake ahead of the first transfer (UCX wire-up takes a while).
+
+        Raises IncompatibleError when the receiver refuses the handshake.
+        """
+        peer = await self._connect(address)
+        if not peer.accepted:
+            raise IncompatibleError(peer.reason)
+
+    async def close(self) -> None:
+        """Abort every open transfer (bounded by the settle timeout) and drop connections."""
+        handles = [h for peer in self._peers.values() for h in peer.handles.values()]
+        await asyncio.gather(*(h.abort("prefill sender closing") for h in handles), return_exceptions=True)
+        if self._transport is not None:
+            await self._transport.close()
+        self._peers.clear()
+
+    # -- connections -------------------------------------------------------
+    async def _connect(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None or (peer.ready.done() and (peer.conn is None or not peer.conn.alive)):
+            loop = asyncio.get_running_loop()
+            peer = _Peer(address, loop.create_future())
+            self._peers[address] = peer
+            peer.handshake = loop.create_task(self._handshake(peer))  # held: the loop keeps only weak refs
+        await asyncio.shield(peer.ready)
+        return peer
+
+    async def _handshake(self, peer: _Peer) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = self.config.connect_timeout_s
+        try:
+            if self._transport is None:
+                self._transport = make_transport(self.config)
+            conn = await self._transport.connect(peer.address)
+            peer.conn = conn
+            peer.hello_reply = loop.create_future()
+            conn.set_handlers(partial(self._on_message, peer), partial(self._on_close, peer))
+            conn.post_message(
+                wire.encode_message(wire.Hello(self.compat.protocol_version, self._hash, self._name))
+            )
+            reply = await asyncio.wait_for(asyncio.shield(peer.hello_reply), timeout)
+        except Exception as exc:
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+            if peer.conn is not None:
+                peer.conn.close()
+            err = (
+                exc
+                if isinstance(exc, TransferError)
+                else PeerDiedError(f"handshake with {peer.address}: {exc!r}")
+            )
+            peer.ready.set_exception(err)
+            peer.ready.exception()  # retrieved here; waiters get it through shield
+            return
+        peer.accepted, peer.reason = reply.ok, reply.reason
+        peer.ready.set_result(None)
+
+    def send(self, peer: _Peer, msg: wire.Message) -> None:
+        """Fire-and-forget control message (failures surface as the connection breaking)."""
+        if peer.conn is None or not peer.conn.alive:
+            return
+        peer.conn.post_message(wire.encode_message(msg))
+
+    def forget(self, handle: SenderHandle) -> None:
+        if handle.error is not None or handle.state is HandleState.DONE:
+            peer = handle._peer
+            if peer.handles.get(handle.transfer_id) is handle:
+                del peer.handles[handle.transfer_id]
+
+    def _on_message(self, peer: _Peer, payload: bytes) -> None:
+        try:
+            msg = wire.decode_message(payload)
+        except Exception as exc:
+            log.warning("closing connection to %s: undecodable message: %s", peer.address, exc)
+            if peer.conn is not None:
+                peer.conn.close()
+            return
+        if isinstance(msg, wire.HelloReply):
+            if peer.hello_reply is not None and not peer.hello_reply.done():
+                peer.hello_reply.set_result(msg)
+            return
+        handle = peer.handles.get(getattr(msg, "transfer_id", -1))
+        if isinstance(msg, wire.OpenReply):
+            if handle is not None:
+                handle.on_open_reply(msg)
+        elif isinstance(msg, wire.CompleteAck):
+            if handle is not None and not handle.complete_ack.done():
+                handle.complete_ack.set_result(None)
+        elif isinstance(msg, wire.Abort):
+            if handle is not None:
+                handle.on_peer_abort(msg)
+            else:  # nothing of this transfer is in flight from here
+                self.send(peer, wire.AbortAck(msg.transfer_id, ()))
+        else:
+            log.warning("unexpected %s from %s", type(msg).__name__, peer.address)
+
+    def _on_close(self, peer: _Peer, exc: Exception | None) -> None:
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        for handle in list(peer.handles.values()):
+            handle.on_peer_died(exc)

@@ -1,0 +1,93 @@
+"""The one small interface both backends implement.
+
+A transport moves two things over a connection between a prefill worker
+(connects) and a decode worker (listens):
+- control messages: small byte strings, delivered in order to a handler;
+- data: tagged buffers. ``recv_data`` posts a receive straight into a KV
+  span; ``send_data`` sends a KV span; the receive whose tag matches gets it.
+  Tag matching is per receiving process, not per connection, as in UCX.
+
+Every data operation returns a :class:`DataOp` whose future resolves when the
+buffer may be reused (send) or holds the data (receive), or fails with a
+:class:`~kv_transfer.errors.TransferError`. ``cancel`` asks to stop; the future
+still resolves, and only then is the buffer free of the transport (a receive
+that already matched finishes writing first). Receivers rely on this to free
+KV blocks only after the last write into them.
+
+Handlers run on the event loop thread. A broken connection calls ``on_close``
+with the error exactly once and fails every pending operation on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from kv_transfer.config import Backend, TransferConfig
+
+if TYPE_CHECKING:
+    import torch
+
+MessageHandler = Callable[[bytes], None]
+CloseHandler = Callable[[Exception | None], None]
+
+
+class DataOp(Protocol):
+    @property
+    def future(self) -> asyncio.Future[None]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Connection(Protocol):
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def set_handlers(self, on_message: MessageHandler, on_close: CloseHandler) -> None:
+        """Install handlers; messages that arrived earlier are delivered after this call."""
+
+    def post_message(self, payload: bytes) -> None:
+        """Submit a control message now (not when a task gets to run), in order.
+
+        Fire and forget: a failed send breaks the connection, which is how the
+        caller learns. Raises PeerDiedError if the connection is already closed.
+        """
+
+    def send_data(self, buf: torch.Tensor, tag: int) -> DataOp:
+        """Send a contiguous tensor (any dtype) as raw bytes."""
+
+    def recv_data(self, buf: torch.Tensor, tag: int) -> DataOp:
+        """Receive raw bytes into a contiguous tensor of exactly the sent size."""
+
+    def close(self) -> None:
+        """Close abruptly: pending operations fail, the peer sees the connection break."""
+
+
+class Transport(Protocol):
+    @property
+    def address(self) -> str:
+        """Where peers connect (valid after ``listen``)."""
+
+    async def listen(self, on_connect: Callable[[Connection], None]) -> None: ...
+
+    async def connect(self, address: str) -> Connection: ...
+
+    def next_transfer_id(self) -> int:
+        """A transfer id unique among the receives this process may have posted."""
+
+    async def close(self) -> None: ...
+
+
+def make_transport(config: TransferConfig) -> Transport:
+    """The configured backend; call inside the running event loop. ucxx is imported only for UCX."""
+    if config.backend is Backend.INPROC:
+        from kv_transfer.inproc import InprocTransport
+
+        return InprocTransport()
+    from kv_transfer.ucx import UcxTransport
+
+    return UcxTransport(config)

@@ -1,0 +1,108 @@
+"""Raw ucxx baseline for the benchmark: what plain ucxx does with the same bytes.
+
+It uses ucxx through :mod:`kv_transfer.ucx`'s runtime (which owns the only
+``import ucxx``) and the same connection set-up (control endpoint with error
+handling, optional shared-memory data endpoint), so a comparison isolates the
+cost of pdserve's protocol. One message of N bytes is answered by a one-byte
+ack; connections and buffers are made once and reused, like pdserve's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from kv_transfer.config import TransferConfig
+from kv_transfer.ucx import _CLOSE_PERIOD_NS, UcxTransport, parse_address
+
+
+def _tags(nbytes: int) -> tuple[int, int]:
+    # Tag matching is per worker: every message size gets its own pair, or a receive
+    # still posted for another size would take the message.
+    return (0x5EED << 44) | nbytes, (0xACC << 44) | nbytes
+
+
+class RawBaseline:
+    def __init__(self, config: TransferConfig) -> None:
+        self._transport = UcxTransport(config)  # holds the ucxx runtime
+        self._ucxx = self._transport.ucxx
+        self._config = config
+        self._listeners: dict[int, Any] = {}  # nbytes -> listener
+        self._clients: dict[str, tuple[Any, Any]] = {}  # address -> (control ep, data ep)
+        self._server_eps: list[Any] = []
+        self._buffers: dict[tuple[str, int], np.ndarray] = {}
+
+    def _buffer(self, side: str, nbytes: int) -> np.ndarray:
+        buf = self._buffers.get((side, nbytes))
+        if buf is None:
+            buf = self._buffers[(side, nbytes)] = np.ones(
+                nbytes, dtype=np.uint8
+            )  # touched: no page faults later
+        return buf
+
+    async def serve(self, nbytes: int) -> str:
+        """Listen for one client sending messages of ``nbytes``; returns its address."""
+        listener = self._listeners.get(nbytes)
+        if listener is None:
+            buf = self._buffer("recv", nbytes)
+            worker_address = bytes(self._ucxx.get_worker_address())
+
+            data_tag, ack_tag = _tags(nbytes)
+
+            async def handler(ep: Any) -> None:
+                self._server_eps.append(ep)
+                await ep.am_send(np.frombuffer(worker_address, dtype=np.uint8))
+                ack = np.zeros(1, dtype=np.uint8)
+                try:
+                    while True:
+                        await ep.recv(buf, tag=data_tag, force_tag=True)
+                        await ep.send(ack, tag=ack_tag, force_tag=True)
+                except Exception:  # the client went away: this baseline is over
+                    return
+
+            listener = self._listeners[nbytes] = self._ucxx.create_listener(handler, port=0)
+        return f"ucx://{self._config.host}:{listener.port}"
+
+    async def _client(self, address: str) -> tuple[Any, Any]:
+        eps = self._clients.get(address)
+        if eps is None:
+            host, port = parse_address(address)
+            ep = await self._ucxx.create_endpoint(host, port, endpoint_error_handling=True)
+            preamble = bytes(await ep.am_recv())
+            data_ep = ep
+            if self._config.ucx_shared_memory:
+                worker = self._ucxx.get_ucx_address_from_buffer(preamble)
+                data_ep = await self._ucxx.create_endpoint_from_worker_address(
+                    worker, endpoint_error_handling=False
+                )
+            eps = self._clients[address] = (ep, data_ep)
+        return eps
+
+    async def run(self, address: str, nbytes: int, reps: int) -> list[float]:
+        """Seconds per message (send to ack) for ``reps`` messages of ``nbytes``."""
+        ep, data_ep = await self._client(address)
+        src = self._buffer("send", nbytes)
+        ack = np.zeros(1, dtype=np.uint8)
+        data_tag, ack_tag = _tags(nbytes)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await data_ep.send(src, tag=data_tag, force_tag=True)
+            await ep.recv(ack, tag=ack_tag, force_tag=True)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    async def close(self) -> None:
+        for ep, data_ep in self._clients.values():
+            for e in {id(ep): ep, id(data_ep): data_ep}.values():
+                e.abort(period=_CLOSE_PERIOD_NS)
+        for ep in self._server_eps:
+            ep.abort(period=_CLOSE_PERIOD_NS)
+        for listener in self._listeners.values():
+            listener.close()
+        self._clients.clear()
+        self._server_eps.clear()
+        self._listeners.clear()
+        await self._transport.close()

@@ -1,0 +1,138 @@
+"""Typed messages of the KV transfer. Pure: msgspec only, no torch, no ucxx.
+
+Two kinds of bytes cross a process boundary:
+- the :class:`TransferTicket`, which the decode worker hands out and the
+  serving path carries through gRPC as opaque bytes to the prefill worker;
+- control messages on the transfer connection (a tagged union, msgpack).
+  KV data itself moves as raw tagged buffers, never through msgspec.
+
+Control conversation on one connection (prefill P -> decode D):
+    P: Hello          D: HelloReply        once per connection (version + hash)
+    P: Open           D: OpenReply         per transfer; D posts every receive as it answers
+    (data: one tagged message per layer and contiguous segment)
+    P: Complete       D: CompleteAck       first token id, sent once every layer is issued;
+                                           D acks once every layer has also landed
+    P: Abort(sent layers)                  P gives up; D keeps the receives of sent layers
+    D: Abort          P: AbortAck(sent)    D gives up; P stops and says what it had sent,
+                                           so D knows which receives may still be written
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from kv_transfer.errors import IncompatibleError
+
+# Bump on any change to these messages or to the tag layout (plan.py).
+PROTOCOL_VERSION = 1
+
+
+class KVCompat(msgspec.Struct, frozen=True):
+    """What must match between sender and receiver for raw KV bytes to mean the same thing."""
+
+    model_id: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    protocol_version: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def hash(self) -> str:
+        """Stable hex digest of every field (msgpack of the struct, fields in declaration order)."""
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+
+class TransferTicket(msgspec.Struct, frozen=True):
+    """A decode worker's reservation, as the prefill worker needs it.
+
+    ``block_ids``: D's blocks, in token order (token p -> block_ids[p // block_size]).
+    ``deadline_unix``: wall-clock time after which D frees the blocks.
+    """
+
+    address: str
+    request_id: str
+    transfer_id: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    protocol_version: int
+    compat_hash: str
+    deadline_unix: float
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> TransferTicket:
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except msgspec.DecodeError as exc:
+            raise IncompatibleError(f"cannot decode transfer ticket: {exc}") from exc
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    protocol_version: int
+    compat_hash: str
+    sender: str  # for logs on the receiving side
+
+
+class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
+    ok: bool
+    reason: str = ""
+
+
+class Open(msgspec.Struct, frozen=True, tag="open"):
+    transfer_id: int
+    request_id: str
+    segments: tuple[int, ...]  # run lengths in blocks, contiguous on both sides (plan.py)
+
+
+class OpenReply(msgspec.Struct, frozen=True, tag="open_reply"):
+    transfer_id: int
+    ok: bool
+    code: str = ""  # FailureReason value when not ok
+    reason: str = ""
+
+
+class Complete(msgspec.Struct, frozen=True, tag="complete"):
+    transfer_id: int
+    first_token_id: int
+
+
+class CompleteAck(msgspec.Struct, frozen=True, tag="complete_ack"):
+    transfer_id: int
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    """Either side gives up. From P, ``sent_layers`` lists layers whose data was sent."""
+
+    transfer_id: int
+    code: str  # FailureReason value
+    reason: str
+    sent_layers: tuple[int, ...] | None = None
+
+
+class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):
+    transfer_id: int
+    sent_layers: tuple[int, ...]
+
+
+Message = Hello | HelloReply | Open | OpenReply | Complete | CompleteAck | Abort | AbortAck
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode_message(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_message(data: bytes | bytearray | memoryview) -> Message:
+    return _decoder.decode(data)

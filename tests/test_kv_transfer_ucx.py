@@ -1,0 +1,260 @@
+"""KV transfer over real UCX between processes on loopback (issue 3, acceptance 1-3).
+
+Peers are spawned processes (kv_transfer.testing.PeerProcess) running uvloop,
+with SmolLM2-135M's KV layout (30 layers, 3 KV heads, head dim 64, block 16).
+Every fault test ends with a leak check on both sides; every process is
+stopped (or killed) by its fixture even when a test fails.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+
+from kv_transfer.config import FaultConfig, TransferConfig
+from kv_transfer.testing import PeerCallError, PeerProcess, PeerSpec
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+CONFIG = TransferConfig(deadline_s=30.0, settle_timeout_s=1.0)
+CALL_S = 60.0  # bound on any single command
+
+
+TRANSPORTS = {"tcp": ("tcp", False), "shm": ("tcp,sm,self", True)}
+
+
+def spec(dtype: str = "bfloat16", num_blocks: int = 192, transport: str = "tcp") -> PeerSpec:
+    tls, shm = TRANSPORTS[transport]
+    config = replace(CONFIG, ucx_shared_memory=shm)
+    return PeerSpec(dtype=dtype, num_blocks=num_blocks, config=config, env=(("UCX_TLS", tls),))
+
+
+def assert_no_leak(*peers: PeerProcess) -> None:
+    for peer in peers:
+        blocks = peer.call("blocks", timeout=CALL_S)
+        assert blocks["free"] == blocks["total"], (
+            f"{peer.name}: {blocks['total'] - blocks['free']} blocks leaked"
+        )
+
+
+def wait_free(peer: PeerProcess, within_s: float) -> None:
+    """Poll until every block of ``peer`` is free, for at most ``within_s`` seconds."""
+    end = time.monotonic() + within_s
+    while True:
+        blocks = peer.call("blocks", timeout=CALL_S)
+        if blocks["free"] == blocks["total"]:
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"{peer.name}: {blocks['total'] - blocks['free']} blocks still held")
+        time.sleep(0.05)
+
+
+def wait_progress(decode: PeerProcess, request_id: str, layers: int) -> None:
+    end = time.monotonic() + 30
+    while decode.call("progress", request_id=request_id) < layers:
+        assert time.monotonic() < end, "the transfer never got going"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def bf16() -> Iterator[tuple[PeerProcess, PeerProcess, PeerProcess]]:
+    """Two decode receivers and one prefill sender, bfloat16."""
+    sizes = {"decode-a": 256, "decode-b": 256, "prefill": 512}  # 32 transfers in flight at once
+    peers = [PeerProcess(spec(num_blocks=n), name) for name, n in sizes.items()]
+    try:
+        for p in peers[:2]:
+            p.call("start_receiver", timeout=120)
+        peers[2].call("blocks", timeout=120)
+        yield peers[0], peers[1], peers[2]
+    finally:
+        for p in peers:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def fp32() -> Iterator[tuple[PeerProcess, PeerProcess]]:
+    peers = [PeerProcess(spec("float32", 160), name) for name in ("decode-f32", "prefill-f32")]
+    try:
+        peers[0].call("start_receiver", timeout=120)
+        peers[1].call("blocks", timeout=120)
+        yield peers[0], peers[1]
+    finally:
+        for p in peers:
+            p.stop()
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def fresh(request: pytest.FixtureRequest) -> Iterator[tuple[PeerProcess, PeerProcess]]:
+    """A decode and a prefill process of their own, for tests that kill one; TCP or shared memory."""
+    peers = [PeerProcess(spec(num_blocks=96, transport=request.param), n) for n in ("decode-x", "prefill-x")]
+    try:
+        peers[0].call("start_receiver", timeout=120)
+        peers[1].call("blocks", timeout=120)
+        # The data path of this transport works before we break it.
+        transfer(peers[0], peers[1], "warm", 1000, seed=21)
+        yield peers[0], peers[1]
+    finally:
+        for p in peers:
+            p.stop()
+
+
+def transfer(
+    decode: PeerProcess, prefill: PeerProcess, rid: str, tokens: int, seed: int, **kw: object
+) -> None:
+    ticket = decode.call("reserve", request_id=rid, num_tokens=tokens, keep_every=kw.pop("decode_keep", 0))
+    out = prefill.call("transfer", ticket=ticket, seed=seed, first_token_id=seed + 1, timeout=CALL_S, **kw)
+    assert out["bytes"] == 30 * -(-tokens // 16) * decode_block_bytes(decode)
+    assert decode.call("wait", request_id=rid)["first_token_id"] == seed + 1
+    assert decode.call("verify", request_id=rid, seed=seed), "received KV differs from the source"
+    assert decode.call("release", request_id=rid)
+
+
+_BLOCK_BYTES = {"bfloat16": 2 * 16 * 3 * 64 * 2, "float32": 2 * 16 * 3 * 64 * 4}
+
+
+def decode_block_bytes(decode: PeerProcess) -> int:
+    return _BLOCK_BYTES["float32" if decode.name.endswith("f32") else "bfloat16"]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "scattered-decode", "scattered-both"])
+def test_1000_tokens_bit_exact_bf16(bf16: tuple[PeerProcess, ...], layout: str) -> None:
+    decode, _, prefill = bf16
+    kw = {
+        "contiguous": {},
+        "scattered-decode": {"decode_keep": 3},
+        "scattered-both": {"decode_keep": 3, "keep_every": 2},
+    }
+    transfer(decode, prefill, f"bit-{layout}", 1000, seed=11, **kw[layout])
+    assert_no_leak(decode, prefill)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "scattered-both"])
+def test_1000_tokens_bit_exact_fp32(fp32: tuple[PeerProcess, PeerProcess], layout: str) -> None:
+    decode, prefill = fp32
+    kw = {"contiguous": {}, "scattered-both": {"decode_keep": 2, "keep_every": 3}}
+    transfer(decode, prefill, f"f32-{layout}", 1000, seed=12, **kw[layout])
+    assert_no_leak(decode, prefill)
+
+
+def test_32_concurrent_transfers_to_two_receivers(bf16: tuple[PeerProcess, ...]) -> None:
+    decode_a, decode_b, prefill = bf16
+    calls = []
+    for i in range(32):
+        decode = (decode_a, decode_b)[i % 2]
+        tokens = 40 + 37 * (i % 5)
+        ticket = decode.call(
+            "reserve", request_id=f"c{i}", num_tokens=tokens, keep_every=3 if i % 4 == 0 else 0
+        )
+        kw = {"keep_every": 2} if i % 3 == 0 else {}
+        calls.append(
+            (decode, i, prefill.submit("transfer", ticket=ticket, seed=100 + i, first_token_id=i, **kw))
+        )
+    for decode, i, call in calls:
+        prefill.result(call, timeout=CALL_S)
+        assert decode.call("wait", request_id=f"c{i}")["first_token_id"] == i
+        assert decode.call("verify", request_id=f"c{i}", seed=100 + i), f"transfer {i} differs"
+        decode.call("release", request_id=f"c{i}")
+    assert_no_leak(decode_a, decode_b, prefill)
+
+
+def test_kill_sender_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+    decode, prefill = fresh
+    ticket = decode.call("reserve", request_id="k", num_tokens=500)
+    prefill.submit("transfer", ticket=ticket, seed=1, layer_interval_s=0.1)
+    wait_progress(decode, "k", 3)
+    prefill.kill()
+    with pytest.raises(PeerCallError) as err:
+        decode.call("wait", request_id="k", timeout=5)  # from UCX's endpoint error: the deadline is 30 s away
+    assert err.value.kind == "PeerDiedError"
+    wait_free(decode, within_s=5.0)
+    assert_no_leak(decode)
+
+
+def test_kill_receiver_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+    decode, prefill = fresh
+    ticket = decode.call("reserve", request_id="k", num_tokens=500)
+    call = prefill.submit("transfer", ticket=ticket, seed=1, layer_interval_s=0.1)
+    wait_progress(decode, "k", 3)
+    decode.kill()
+    with pytest.raises(PeerCallError) as err:
+        prefill.result(call, timeout=5)
+    assert err.value.kind == "PeerDiedError"
+    assert_no_leak(prefill)
+
+
+@pytest.mark.parametrize("mismatch", ["hash", "version"])
+def test_mismatch_is_a_clear_error_and_writes_nothing(
+    bf16: tuple[PeerProcess, ...], fp32: tuple[PeerProcess, PeerProcess], mismatch: str
+) -> None:
+    decode, _, prefill_bf16 = bf16
+    _, prefill_fp32 = fp32
+    ticket = decode.call("reserve", request_id=f"mm-{mismatch}", num_tokens=300)
+    if mismatch == "hash":  # a float32 sender against a bfloat16 receiver
+        call = prefill_fp32.submit("transfer", ticket=ticket, seed=3)
+        prefill = prefill_fp32
+    else:
+        call = prefill_bf16.submit("transfer", ticket=ticket, seed=3, protocol_version=99)
+        prefill = prefill_bf16
+    with pytest.raises(PeerCallError) as err:
+        prefill.result(call, timeout=CALL_S)
+    assert err.value.kind == "IncompatibleError"
+    assert ("hash" if mismatch == "hash" else "protocol version") in str(err.value)
+    with pytest.raises(PeerCallError) as err:
+        decode.call("wait", request_id=f"mm-{mismatch}", timeout=10)
+    assert err.value.kind == "IncompatibleError"
+    assert decode.call("untouched", request_id=f"mm-{mismatch}")
+    assert_no_leak(decode, prefill)
+
+
+def test_deadline_expiry_frees_the_reservation(bf16: tuple[PeerProcess, ...]) -> None:
+    decode, _, prefill = bf16
+    # No sender ever comes.
+    decode.call("reserve", request_id="dl-idle", num_tokens=200, deadline_s=0.5)
+    with pytest.raises(PeerCallError) as err:
+        decode.call("wait", request_id="dl-idle", timeout=10)
+    assert err.value.kind == "DeadlineError"
+    # A sender that loses a layer on the way.
+    ticket = decode.call("reserve", request_id="dl-drop", num_tokens=200, deadline_s=1.0)
+    faults = FaultConfig(drop_layers=frozenset({7}))
+    with pytest.raises(PeerCallError) as err:
+        prefill.call("transfer", ticket=ticket, seed=4, faults=faults, timeout=CALL_S)
+    assert err.value.kind == "DeadlineError"
+    with pytest.raises(PeerCallError) as err:
+        decode.call("wait", request_id="dl-drop", timeout=10)
+    assert err.value.kind == "DeadlineError"
+    wait_free(decode, within_s=5.0)
+    assert_no_leak(decode, prefill)
+
+
+def test_abort_from_decode(bf16: tuple[PeerProcess, ...]) -> None:
+    decode, _, prefill = bf16
+    ticket = decode.call("reserve", request_id="ab-d", num_tokens=400)
+    call = prefill.submit("transfer", ticket=ticket, seed=5, layer_interval_s=0.05)
+    wait_progress(decode, "ab-d", 2)
+    assert decode.call("abort", request_id="ab-d", reason="client cancelled")
+    with pytest.raises(PeerCallError) as err:
+        prefill.result(call, timeout=CALL_S)
+    assert err.value.kind == "AbortedError" and "client cancelled" in str(err.value)
+    with pytest.raises(PeerCallError) as err:
+        decode.call("wait", request_id="ab-d", timeout=10)
+    assert err.value.kind == "AbortedError"
+    wait_free(decode, within_s=5.0)
+    assert_no_leak(decode, prefill)
+
+
+def test_abort_from_prefill(bf16: tuple[PeerProcess, ...]) -> None:
+    decode, _, prefill = bf16
+    ticket = decode.call("reserve", request_id="ab-p", num_tokens=400)
+    assert prefill.call("transfer", ticket=ticket, seed=6, abort_after_layers=5, timeout=CALL_S) == {
+        "aborted": True
+    }
+    with pytest.raises(PeerCallError) as err:
+        decode.call("wait", request_id="ab-p", timeout=10)
+    assert err.value.kind == "AbortedError"
+    wait_free(decode, within_s=5.0)
+    assert_no_leak(decode, prefill)
+    metrics = decode.call("metrics")
+    assert 'pdserve_kv_transfer_failures_total{reason="aborted",role="decode"}' in metrics
