@@ -37,7 +37,7 @@ from router.agent import AgentConfig, RouterAgent, run_worker
 from router.metrics_http import process_registry, serve_metrics
 from router.registry import Role
 from router.validate import sampling_params_from_proto
-from router.worker_shell import WorkerArgs, WorkerShell
+from router.worker_shell import PoolServicer, WorkerArgs, WorkerShell
 
 if TYPE_CHECKING:
     from decode_pool.remote import RemotePrefill
@@ -61,7 +61,7 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
     )
 
 
-class DecodeServicer(worker_pb2_grpc.WorkerServicer):
+class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
     """Registered before the model loads; ``attach`` wires the engine once it has.
 
     Until then the shell's interceptor rejects Generate/Prefill (it is not SERVING)
@@ -93,13 +93,6 @@ class DecodeServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_blocks,
         )
-
-    async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
-        return self.load()
-
-    async def Drain(self, request, context):  # noqa: N802
-        self.shell.begin_drain()
-        return self.load()
 
     async def Prefill(self, request, context):  # noqa: N802
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a decode worker; Prefill goes to the prefill pool")

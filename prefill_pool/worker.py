@@ -43,7 +43,7 @@ from proto import worker_pb2, worker_pb2_grpc
 from router.agent import AgentConfig, RouterAgent, run_worker
 from router.metrics_http import process_registry, serve_metrics
 from router.validate import sampling_params_from_proto
-from router.worker_shell import WorkerArgs, WorkerShell
+from router.worker_shell import PoolServicer, WorkerArgs, WorkerShell
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class _Req:
     cancelled: bool = False
 
 
-class PrefillServicer(worker_pb2_grpc.WorkerServicer):
+class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
     """Registered before the model loads; ``attach`` wires the runner once it has."""
 
     def __init__(self, shell: WorkerShell, metrics: PrefillMetrics) -> None:
@@ -105,13 +105,6 @@ class PrefillServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_blocks,
         )
-
-    async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
-        return self.load()
-
-    async def Drain(self, request, context):  # noqa: N802
-        self.shell.begin_drain()
-        return self.load()
 
     async def Generate(self, request, context):  # noqa: N802
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a prefill worker; Generate goes to decode")

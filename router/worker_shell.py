@@ -333,3 +333,22 @@ class WorkerShell:
             f"worker is {state}",
             trailing_metadata=((REJECT_METADATA_KEY, state),),
         )
+
+
+class PoolServicer:
+    """``Worker.GetLoad`` and ``Worker.Drain``, the same on every pool; the pool provides ``load()``.
+
+    Put it before ``worker_pb2_grpc.WorkerServicer`` in the bases so these win over the defaults.
+    """
+
+    shell: WorkerShell
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        raise NotImplementedError
+
+    async def GetLoad(self, request, context) -> worker_pb2.WorkerLoad:  # noqa: N802 - gRPC method name
+        return self.load()
+
+    async def Drain(self, request, context) -> worker_pb2.WorkerLoad:  # noqa: N802
+        self.shell.begin_drain()
+        return self.load()
