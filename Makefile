@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 RUN_QUESTION ?= What is the capital of France? Answer in one sentence.
 run: $(STAMP)
 	$(VENV)/bin/pdserve status >/dev/null 2>&1 || $(VENV)/bin/pdserve up
-	$(VENV)/bin/pdserve generate "$(RUN_QUESTION)" --chat --max-tokens 64
+	$(VENV)/bin/pdserve generate "$(RUN_QUESTION)" --chat --max-tokens 64 --temperature 0
 	@echo "The cluster is still up: .venv/bin/pdserve status | .venv/bin/pdserve down"
 
 # Debian's prometheus package unpacked into the venv (tests and `pdserve up --prometheus` use it).
