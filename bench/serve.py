@@ -274,7 +274,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"tokenizer for random prompts (default: the cluster's model, else {DEFAULT_MODEL})",
     )
+    add_workload_arguments(parser)
+    add_load_arguments(parser, request_rate=True)
+    out = add_result_arguments(parser)
+    out.add_argument("--save-result", type=Path, default=None, metavar="FILE", help="write the result JSON")
 
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """What is sent: the dataset, prompt and output lengths, temperature."""
     data = parser.add_argument_group("workload")
     data.add_argument(
         "--dataset-name",
@@ -297,11 +304,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--ignore-eos", action="store_true", help="jsonl: generate max_tokens whatever the EOS")
     data.add_argument("--temperature", type=float, default=None, help="default: the server's")
 
+
+def add_load_arguments(parser: argparse.ArgumentParser, *, request_rate: bool) -> None:
+    """How it is sent: arrivals, concurrency, warmup, seed, timeouts."""
     load = parser.add_argument_group("load")
     load.add_argument("--num-prompts", type=_positive_int, default=100, help="measured requests")
-    load.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)"
-    )
+    if request_rate:
+        load.add_argument(
+            "--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)"
+        )
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     load.add_argument(
         "--max-concurrency", type=_positive_int, default=None, help="requests in flight at most"
@@ -313,12 +324,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument("--connect-timeout", type=float, default=30.0, help="seconds to reach the router")
 
+
+def add_result_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     out = parser.add_argument_group("results")
     out.add_argument(
         "--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 (also e2el)"
     )
-    out.add_argument("--save-result", type=Path, default=None, metavar="FILE", help="write the result JSON")
     out.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a TTY)")
+    return out
 
 
 def resolve_target(router: str | None, state_dir: Path) -> tuple[str, str | None]:
@@ -333,12 +346,11 @@ def resolve_target(router: str | None, state_dir: Path) -> tuple[str, str | None
     return state.router_address, state.model
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    address, cluster_model = resolve_target(args.router, args.state_dir)
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
     dataset = DatasetName(args.dataset_name) if args.dataset_name else None
     if dataset is None:
         dataset = DatasetName.JSONL if args.dataset_path is not None else DatasetName.RANDOM
-    workload = WorkloadConfig(
+    return WorkloadConfig(
         dataset=dataset,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -348,10 +360,21 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         dataset_path=args.dataset_path,
         ignore_eos=args.ignore_eos,
     )
+
+
+def config_from_args(
+    args: argparse.Namespace, *, router: str | None = None, model: str | None = None
+) -> BenchConfig:
+    """The run ``args`` describe; ``router``/``model`` given: a cluster the caller started (sweeps)."""
+    if router is None:
+        router, cluster_model = resolve_target(args.router, args.state_dir)
+        model = args.model or cluster_model
     return BenchConfig(
-        router=address,
-        workload=workload,
-        arrivals=ArrivalConfig(request_rate=args.request_rate, burstiness=args.burstiness),
+        router=router,
+        workload=workload_from_args(args),
+        arrivals=ArrivalConfig(
+            request_rate=getattr(args, "request_rate", math.inf), burstiness=args.burstiness
+        ),
         num_prompts=args.num_prompts,
         warmup=args.warmup,
         seed=args.seed,
@@ -360,7 +383,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         connect_timeout_s=args.connect_timeout,
         slo=parse_slo(args.goodput),
         temperature=args.temperature,
-        model=args.model or cluster_model or DEFAULT_MODEL,
+        model=model or DEFAULT_MODEL,
         progress=not args.no_progress,
     )
 

@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch threads per worker (default: cores / workers, at least 1)",
     )
+    p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="pin every worker to its own cores (its --threads of them, least used first), so that "
+        "cluster shapes with the same worker count run on the same cores",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for everything to be ready")
     p.add_argument(
         "--prometheus", action="store_true", help="also start a Prometheus server scraping the cluster"
@@ -176,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--cpus",
+        type=cluster.parse_cpu_list,
+        default=None,
+        help="pin the worker to these cores, e.g. 0 or 0,2-3 (default: not pinned)",
+    )
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
     p.add_argument("--drain-timeout", type=float, default=300.0)
     p.add_argument("--metrics-port", type=_nonneg, default=0, help="the worker's /metrics port (0: any free)")
@@ -187,10 +199,31 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.serve import add_arguments as bench_arguments
 
     bench_arguments(p)
+    from bench import sweep
+
+    modes = p.add_subparsers(dest="bench_mode", metavar="{sweep,compare}", required=False)
+    q = modes.add_parser(
+        "sweep",
+        help="bring up one cluster shape, sweep request rates, find its goodput",
+        description="Bring up a cluster shape (e.g. 1P+1D or 2C), sweep request rates and find its goodput: "
+        "the highest rate at which --attainment of the requests meet both the TTFT and TPOT SLOs.",
+    )
+    sweep.add_arguments(q, compare=False)
+    q = modes.add_parser(
+        "compare",
+        help="goodput of two shapes with the same worker count, on the same request stream, in one run",
+        description="Bring up every shape, sweep the same request stream over all of them (alternating), "
+        "and write the goodput ratio (first / second shape), SLO-attainment curves and TTFT/ITL CDF plots.",
+    )
+    sweep.add_arguments(q, compare=True)
     return parser
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_mode in ("sweep", "compare"):
+        from bench.sweep import run_from_args as run_sweep
+
+        return run_sweep(args, compare=args.bench_mode == "compare")
     from bench.serve import run_from_args
 
     return run_from_args(args)
@@ -260,7 +293,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import os
     import socket
 
-    wargs = worker_args(args, socket.gethostname(), os.getpid(), os.cpu_count() or 1)
+    if args.cpus is not None:
+        try:
+            os.sched_setaffinity(0, args.cpus)
+        except (AttributeError, OSError) as e:
+            print(f"pdserve worker: cannot pin to cpus {args.cpus}: {e}", file=sys.stderr)
+            return 2
+    cpus = len(args.cpus) if args.cpus is not None else os.cpu_count() or 1
+    wargs = worker_args(args, socket.gethostname(), os.getpid(), cpus)
     module_name = args.worker_module or POOL_MODULES[wargs.role]
     try:
         module = importlib.import_module(module_name)

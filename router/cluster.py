@@ -40,6 +40,7 @@ class ProcessEntry(msgspec.Struct, frozen=True):
     start: int  # start time (clock ticks since boot): with the pid, identifies the process
     log: str
     role: Role | None = None  # None: the router
+    cpus: tuple[int, ...] = ()  # the cores it is pinned to (sched_setaffinity); empty: not pinned
 
 
 class ClusterState(msgspec.Struct, frozen=True):
@@ -55,6 +56,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     version: int = 1
     prometheus: ProcessEntry | None = None  # `up --prometheus`: the Prometheus server scraping the cluster
     prometheus_url: str = ""
+    pin_cpus: bool = False  # `up --pin-cpus`: every worker gets its own cores (see ``choose_cpus``)
 
 
 class ClusterError(RuntimeError):
@@ -96,6 +98,55 @@ def default_threads(n_workers: int, cpus: int | None = None) -> int:
     return max(1, cpus // max(n_workers, 1))
 
 
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """``"0,2-3"`` -> ``(0, 2, 3)``: the Linux cpu-list syntax (taskset -c, /sys cpulist files)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a cpu list: {text!r} (expected e.g. 0,2-3)")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"not a cpu list: {text!r} ({part} runs backwards)")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError(f"not a cpu list: {text!r}")
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def choose_cpus(taken: Iterable[Iterable[int]], threads: int, available: Sequence[int]) -> tuple[int, ...]:
+    """The ``threads`` cores (of ``available``) least used by the workers already pinned (``taken``).
+
+    Ties go to the lowest core id, so a cluster's placement is the same every
+    time: on 2 cores with 1 thread each, the first worker gets core 0 and the
+    second core 1 whatever their roles, so ``1P+1D`` and ``2x colocated`` run on
+    the same cores. More threads than cores: all of them.
+    """
+    if threads >= len(available):
+        return tuple(sorted(available))
+    use = dict.fromkeys(sorted(available), 0)
+    for cpus in taken:
+        for c in cpus:
+            if c in use:
+                use[c] += 1
+    return tuple(sorted(sorted(use, key=lambda c: (use[c], c))[:threads]))
+
+
+def available_cpus() -> tuple[int, ...]:
+    """The cores this process may run on (its affinity mask), else all of them."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return tuple(range(os.cpu_count() or 1))
+
+
 # ---- processes ----------------------------------------------------------------------------------------
 
 
@@ -109,7 +160,12 @@ def _stat(pid: int) -> tuple[str, int] | None:
 
 
 def spawn(
-    entry_id: str, argv: Sequence[str], log_path: Path, env: dict[str, str], role: Role | None = None
+    entry_id: str,
+    argv: Sequence[str],
+    log_path: Path,
+    env: dict[str, str],
+    role: Role | None = None,
+    cpus: tuple[int, ...] = (),
 ) -> ProcessEntry:
     """Start a background process in its own session, output to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +179,9 @@ def spawn(
             start_new_session=True,
         )
     stat = _stat(proc.pid)
-    return ProcessEntry(id=entry_id, pid=proc.pid, start=stat[1] if stat else 0, log=str(log_path), role=role)
+    return ProcessEntry(
+        id=entry_id, pid=proc.pid, start=stat[1] if stat else 0, log=str(log_path), role=role, cpus=cpus
+    )
 
 
 def alive(p: ProcessEntry) -> bool:
@@ -274,12 +332,16 @@ def spawn_router(
 
 def spawn_workers(state_dir: Path, state: ClusterState, role: Role, count: int) -> ClusterState:
     """Start ``count`` workers of ``role``; returns the state listing them."""
-    new = []
+    new: list[ProcessEntry] = []
     index = state.next_index
     for _ in range(count):
         wid = f"{role.value}-{index}"
         index += 1
         log = state_dir / "logs" / f"{wid}.log"
+        cpus: tuple[int, ...] = ()
+        if state.pin_cpus:
+            live = [w.cpus for w in (*state.workers, *new) if alive(w)]
+            cpus = choose_cpus(live, state.threads, available_cpus())
         argv = _cli(
             "worker",
             "--role",
@@ -298,9 +360,10 @@ def spawn_workers(state_dir: Path, state: ClusterState, role: Role, count: int) 
             str(state.threads),
             "--worker-id",
             wid,
+            *(("--cpus", format_cpu_list(cpus)) if cpus else ()),
             *state.worker_flags,
         )
-        new.append(spawn(wid, argv, log, child_env(state.threads), role))
+        new.append(spawn(wid, argv, log, child_env(state.threads), role, cpus))
     return msgspec.structs.replace(state, workers=(*state.workers, *new), next_index=index)
 
 

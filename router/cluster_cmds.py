@@ -66,15 +66,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         threads=threads,
         host=args.host,
         worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module),
+        pin_cpus=args.pin_cpus,
     )
     # Written before any wait, so `down` finds whatever was started even if `up` dies.
     cluster.save_state(state_dir, state)
     for role, n in counts.items():
         state = cluster.spawn_workers(state_dir, state, role, n)
     cluster.save_state(state_dir, state)
+    pinned = "".join(f"; {w.id} on cpu {cluster.format_cpu_list(w.cpus)}" for w in state.workers if w.cpus)
     say(
-        f"started router (pid {router.pid}) and {len(state.workers)} workers, {threads} thread(s) each; "
-        f"logs in {state_dir / 'logs'}"
+        f"started router (pid {router.pid}) and {len(state.workers)} workers, {threads} thread(s) each"
+        f"{pinned}; logs in {state_dir / 'logs'}"
     )
     try:
         cluster.wait_ready(state, {w.id for w in state.workers}, args.timeout, say)

@@ -1,0 +1,368 @@
+"""``pdserve bench sweep`` / ``compare``: shapes, goodput, core pinning, outputs.
+
+Two layers: the sweep logic against in-process fake routers (fast, every
+branch: ABBA order, skipping past --stop-below, documents and plots), then one
+live ``pdserve bench compare`` of 1P+1D against 2 colocated workers with real
+processes, which also serves as the live 1P+1D check of ``pdserve bench``'s
+result JSON (figures recomputed from the requests' own timestamps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bench.arrivals import ArrivalConfig
+from bench.datasets import TokenSpace, WorkloadConfig
+from bench.metrics import RequestRecord, Slo
+from bench.serve import BenchConfig
+from bench.sweep import (
+    ClusterSpec,
+    Shape,
+    SweepConfig,
+    attainment_split,
+    find_goodput,
+    format_summary,
+    run_sweep,
+)
+from router.cluster import choose_cpus, format_cpu_list, parse_cpu_list
+from tests.bench_fakes import RECORD_KEYS, VLLM_KEYS, FakeGeneration, fake_router, recompute_figures
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Token ids the fakes never fail or abort on (they do for a first id % 5 in {0, 1}).
+ALL_OK = TokenSpace(vocab_size=500, excluded_ids=frozenset(i for i in range(500) if i % 5 in (0, 1)))
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "shape", "label"),
+    [
+        ("1P+1D", Shape(1, 1, 0), "1P+1D"),
+        ("2C", Shape(0, 0, 2), "2C"),
+        ("2x colocated", Shape(0, 0, 2), "2C"),
+        ("1prefill + 2decode", Shape(1, 2, 0), "1P+2D"),
+        ("1p+1d+1both", Shape(1, 1, 1), "1P+1D+1C"),
+        ("1D+1D", Shape(0, 2, 0), "2D"),
+    ],
+)
+def test_shape_parse(text, shape, label):
+    assert Shape.parse(text) == shape
+    assert shape.label == label
+    assert Shape.parse(label) == shape
+
+
+@pytest.mark.parametrize("text", ["", "1X", "P+D", "1P", "1P+-1D", "1.5C"])
+def test_bad_shapes_are_refused_with_the_reason(text):
+    with pytest.raises(ValueError, match="shape"):
+        Shape.parse(text)
+
+
+def test_goodput_is_the_last_rate_before_the_first_miss():
+    pts = [(0.5, 1.0), (1.0, 0.95), (1.5, 0.7), (2.0, 0.95)]  # a late recovery does not count
+    g = find_goodput(pts, 0.9)
+    assert g["goodput_rps"] == 1.0 and g["saturated"] and g["first_miss_rps"] == 1.5
+    assert g["goodput_interpolated_rps"] == pytest.approx(1.0 + (0.95 - 0.9) / (0.95 - 0.7) * 0.5)
+    # Order of the points does not matter; exactly the goal passes.
+    assert find_goodput(list(reversed(pts)), 0.9) == g
+    assert find_goodput([(1.0, 0.9), (2.0, 0.5)], 0.9)["goodput_rps"] == 1.0
+
+
+def test_goodput_edge_cases():
+    never = find_goodput([(1.0, 1.0), (2.0, 0.92)])
+    assert never == {
+        "goodput_rps": 2.0,
+        "goodput_interpolated_rps": 2.0,
+        "saturated": False,
+        "first_miss_rps": None,
+    }
+    first = find_goodput([(1.0, 0.5), (2.0, None)])
+    assert first["goodput_rps"] == 0.0 and first["first_miss_rps"] == 1.0
+    assert first["goodput_interpolated_rps"] == 0.0  # no evidence below the lowest rate
+    skipped = find_goodput([(1.0, 1.0), (2.0, None), (3.0, None)])
+    assert skipped["goodput_rps"] == 1.0
+    assert skipped["goodput_interpolated_rps"] == pytest.approx(1.0 + 0.1 * 1.0)
+    with pytest.raises(ValueError):
+        find_goodput([])
+
+
+def _rec(ttft: float, tpot: float, error: str | None = None) -> RequestRecord:
+    times = (ttft, ttft + tpot, ttft + 2 * tpot)
+    return RequestRecord(0, 0.0, 0.0, times[-1], times, (1, 1, 1), error=error)
+
+
+def test_attainment_split_counts_each_slo_and_both():
+    slo = Slo(ttft_ms=100, tpot_ms=10)
+    recs = [_rec(0.05, 0.005), _rec(0.2, 0.005), _rec(0.05, 0.02), _rec(0.05, 0.005, error="UNAVAILABLE")]
+    assert attainment_split(recs, slo) == {
+        "slo_attainment": 0.25,
+        "ttft_attainment": 0.5,
+        "tpot_attainment": 0.5,
+    }
+    assert attainment_split([], slo)["slo_attainment"] is None
+
+
+def test_cpu_lists_and_placement():
+    assert parse_cpu_list("0") == (0,)
+    assert parse_cpu_list("3,0-1") == (0, 1, 3)
+    assert format_cpu_list((3, 0, 1)) == "0,1,3"
+    for bad in ("", "a", "2-1", "1-", "-1"):
+        with pytest.raises(ValueError, match="cpu list"):
+            parse_cpu_list(bad)
+    cores = (0, 1)
+    # 2 workers x 1 thread on 2 cores: one core each, in spawn order, whatever the roles.
+    first = choose_cpus([], 1, cores)
+    assert (first, choose_cpus([first], 1, cores)) == ((0,), (1,))
+    # A third worker shares the least used core; a freed core is reused first.
+    assert choose_cpus([(0,), (1,)], 1, cores) == (0,)
+    assert choose_cpus([(1,)], 1, cores) == (0,)
+    assert choose_cpus([(0, 1)], 2, cores) == (0, 1)
+    assert choose_cpus([(0,), (1,), (2,)], 2, (0, 1, 2, 3)) == (0, 3)
+
+
+def _bench(address: str = "unset", **kw) -> BenchConfig:
+    base = dict(
+        router=address,
+        workload=WorkloadConfig(input_len=16, output_len=6, range_ratio=0.5),
+        arrivals=ArrivalConfig(request_rate=1.0),
+        num_prompts=10,
+        warmup=2,
+        seed=5,
+        connect_timeout_s=10.0,
+        request_timeout_s=30.0,
+        slo=Slo(ttft_ms=10_000, tpot_ms=10_000),
+    )
+    base.update(kw)
+    return BenchConfig(**base)
+
+
+def test_sweep_config_validation(tmp_path):
+    ok = dict(shapes=(Shape(1, 1),), rates=(1.0,), bench=_bench(), cluster=ClusterSpec(), out_dir=tmp_path)
+    SweepConfig(**ok)
+    for bad, match in (
+        ({"rates": ()}, "rates"),
+        ({"rates": (1.0, math.inf)}, "rates"),
+        ({"rates": (0.0,)}, "rates"),
+        ({"rates": (1.0, 1.0)}, "differ"),
+        ({"shapes": ()}, "shapes"),
+        ({"shapes": (Shape(1, 1), Shape(1, 1))}, "differ"),
+        ({"bench": _bench(slo=Slo(ttft_ms=100))}, "both SLOs"),
+        ({"goal": 1.5}, "goal"),
+        ({"stop_below": 0.95}, "stop_below"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SweepConfig(**(ok | bad))
+
+
+def test_compare_refuses_unequal_worker_counts(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "bench", "compare", "--shapes", "1P+1D", "1C", "--rates", "1"]
+        + ["--goodput", "ttft:100", "tpot:10", "--out-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 1
+    assert "different worker counts" in out.stderr and "1P+1D: 2" in out.stderr
+    assert not (tmp_path / "compare.json").exists()
+
+
+# ---- the sweep against fake routers --------------------------------------------------------------------
+
+
+class SlowFake(FakeGeneration):
+    """A fake whose every token takes ``step_s``: a shape that cannot meet a tight TPOT SLO."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+
+    async def Generate(self, request, context):  # noqa: N802
+        import asyncio
+
+        async for msg in super().Generate(request, context):
+            await asyncio.sleep(self.step_s)
+            yield msg
+
+
+def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
+    """ABBA order, the same request stream for every shape, skipping after --stop-below, outputs."""
+    fast, slow = FakeGeneration(), SlowFake(step_s=0.1)
+    started, stopped = [], []
+    monkeypatch.setattr("bench.sweep.model_token_space", lambda model: ALL_OK)
+
+    with contextlib.ExitStack() as stack:
+        addresses = {
+            "1P+1D": stack.enter_context(fake_router(fast)),
+            "2C": stack.enter_context(fake_router(slow)),
+        }
+
+        @contextlib.contextmanager
+        def fake_cluster(shape: Shape, spec: ClusterSpec, state_dir: Path) -> Iterator[dict]:
+            started.append(shape.label)
+            try:
+                yield {"shape": shape.label, "router": addresses[shape.label], "workers": []}
+            finally:
+                stopped.append(shape.label)
+
+        cfg = SweepConfig(
+            shapes=(Shape(1, 1), Shape(colocated=2)),
+            rates=(200.0, 100.0, 300.0),  # swept in increasing order
+            bench=_bench(slo=Slo(ttft_ms=10_000, tpot_ms=20)),
+            cluster=ClusterSpec(threads=1),
+            out_dir=tmp_path / "out",
+            stop_below=0.5,
+        )
+        doc = run_sweep(cfg, "pdserve bench compare ...", start_cluster=fake_cluster)
+
+    assert started == ["1P+1D", "2C"] and stopped == ["2C", "1P+1D"]
+    assert doc["kind"] == "compare" and doc["rates"] == [100.0, 200.0, 300.0]
+    assert doc["machine"]["cpu_count"] == os.cpu_count() and doc["machine"]["threads_per_worker"] == 1
+    fast_doc, slow_doc = doc["shapes"]["1P+1D"], doc["shapes"]["2C"]
+    assert [p["rate"] for p in fast_doc["points"]] == [100.0, 200.0, 300.0]
+    assert [p["slo_attainment"] for p in fast_doc["points"]] == [1.0, 1.0, 1.0]
+    assert slow_doc["points"][0]["slo_attainment"] == 0.0  # every token takes >= 33 ms > 20 ms
+    assert slow_doc["points"][0]["tpot_attainment"] == 0.0
+    assert slow_doc["points"][0]["ttft_attainment"] == 1.0
+    assert all(p.get("skipped") for p in slow_doc["points"][1:])  # below --stop-below at the first rate
+    assert slow_doc["goodput_rps"] == 0.0
+
+    # ABBA: at the second rate the second shape would go first; it was skipped, so only 1P+1D ran.
+    # Every run that did run saved its full result, with the same request stream.
+    streams = {}
+    for label, shape_doc in doc["shapes"].items():
+        for p in shape_doc["points"]:
+            if p.get("skipped"):
+                continue
+            run = json.loads((cfg.out_dir / p["result_file"]).read_text())
+            assert len(run["requests"]) == 10 and run["warmup_requests"] == 2
+            assert run["config"]["request_rate"] == p["rate"]
+            assert run["slo_attainment"] == p["slo_attainment"]
+            streams[(label, p["rate"])] = [(r["prompt_tokens"], r["scheduled_time"]) for r in run["requests"]]
+    assert streams[("1P+1D", 100.0)] == streams[("2C", 100.0)]
+
+    assert fast_doc["goodput_rps"] == 300.0 and fast_doc["saturated"] is False
+    assert doc["ratio"] == {
+        "shapes": ["1P+1D", "2C"],
+        "goodput": math.inf,
+        "goodput_interpolated": math.inf,
+        "lower_bound": True,
+    }
+
+    saved = json.loads((cfg.out_dir / "compare.json").read_text())
+    assert saved["shapes"]["2C"]["points"][1]["skipped"] is True
+    for name in ("slo_attainment", "ttft_cdf", "itl_cdf"):
+        assert Path(doc["plots"][name]).read_bytes()[:8] == PNG_MAGIC
+    assert doc["plots"]["cdf_rate"] == 100.0  # the highest rate both shapes ran
+    summary = format_summary(saved)
+    assert "goodput ratio 1P+1D / 2C: inf" in summary and "(lower bound)" in summary
+    assert "skipped" in summary and f"{os.cpu_count()} cores" in summary
+
+
+# ---- live: 1P+1D against 2 colocated workers ------------------------------------------------------------
+
+
+def _router_gone(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        try:
+            grpc.channel_ready_future(ch).result(timeout=1.0)
+        except grpc.FutureTimeoutError:
+            return True
+    return False
+
+
+def test_live_compare_1p1d_vs_2c(tmp_path):
+    """``pdserve bench compare`` with real clusters: pinned cores, results, plots, everything stopped.
+
+    Every prompt prefills remotely in 1P+1D (--local-prefill-threshold 1), so
+    its runs are ``pdserve bench`` against a live 1P+1D cluster: each saved
+    result holds every vLLM key and a record per request, and its figures equal
+    those recomputed from the requests' own timestamps.
+    """
+    out_dir = tmp_path / "cmp"
+    argv = [
+        "bench", "compare",
+        "--shapes", "1P+1D", "2C",
+        "--rates", "2,4",
+        "--num-prompts", "5",
+        "--warmup", "1",
+        "--input-len", "48",
+        "--range-ratio", "0.5",
+        "--output-len", "5",
+        "--seed", "3",
+        "--dtype", "float32",
+        "--threads", "1",
+        "--goodput", "ttft:60000", "tpot:60000",
+        "--up-arg=--local-prefill-threshold=1",
+        "--up-arg=--kv-cache-mib=64",
+        "--no-progress",
+        "--out-dir", str(out_dir),
+    ]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "goodput ratio 1P+1D / 2C" in out.stdout
+
+    doc = json.loads((out_dir / "compare.json").read_text())
+    assert doc["machine"]["cpu_count"] == os.cpu_count() and doc["cluster"]["pin_cpus"] is True
+    assert doc["cluster"]["dtype"] == "float32" and doc["cluster"]["threads"] == 1
+    assert doc["command"].startswith("pdserve bench compare --shapes 1P+1D 2C")
+    ncpu = len(os.sched_getaffinity(0))
+    placements = {}
+    for label, shape_doc in doc["shapes"].items():
+        workers = shape_doc["cluster"]["workers"]
+        assert len(workers) == 2 and all(len(w["cpus"]) == 1 for w in workers)
+        placements[label] = sorted(w["cpus"][0] for w in workers)
+        # Generous SLOs: everything meets them, so the goodput is the highest rate, a lower bound.
+        assert [p["slo_attainment"] for p in shape_doc["points"]] == [1.0, 1.0]
+        assert shape_doc["goodput_rps"] == 4.0 and shape_doc["saturated"] is False
+    assert {w["role"] for w in doc["shapes"]["1P+1D"]["cluster"]["workers"]} == {"prefill", "decode"}
+    # Same worker count, same cores (on a machine with at least 2 cores each worker has its own).
+    assert placements["1P+1D"] == placements["2C"]
+    if ncpu >= 2:
+        assert len(set(placements["1P+1D"])) == 2
+    assert doc["ratio"]["goodput"] == 1.0 and doc["ratio"]["lower_bound"] is True
+
+    streams = {}
+    for label in ("1P+1D", "2C"):
+        for p in doc["shapes"][label]["points"]:
+            run = json.loads((out_dir / p["result_file"]).read_text())
+            for key in VLLM_KEYS:
+                assert key in run, key
+            records = run["requests"]
+            assert len(records) == 5 and all(RECORD_KEYS <= set(r) for r in records)
+            assert all(r["error"] is None and r["finish_reason"] == "length" for r in records)
+            expected = recompute_figures(records, run["goodput_slo"])
+            for key, value in expected.items():
+                assert run[key] == pytest.approx(value, rel=1e-9, abs=1e-9), key
+            streams[(label, p["rate"])] = [
+                (r["prompt_tokens"], r["output_tokens"], r["scheduled_time"]) for r in records
+            ]
+    for rate in (2.0, 4.0):
+        assert streams[("1P+1D", rate)] == streams[("2C", rate)]
+
+    for name in ("slo_attainment", "ttft_cdf", "itl_cdf"):
+        assert Path(doc["plots"][name]).read_bytes()[:8] == PNG_MAGIC
+    # Every cluster was stopped: state files gone, routers no longer answer.
+    for label, shape_doc in doc["shapes"].items():
+        assert not (out_dir / "clusters" / label.replace("+", "_") / "cluster.json").exists()
+        assert _router_gone(shape_doc["cluster"]["router"])
