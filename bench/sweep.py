@@ -52,6 +52,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -742,7 +743,15 @@ def sweep_config_from_args(args: argparse.Namespace, *, compare: bool) -> SweepC
     )
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_sweep, which stops every cluster it started
+
+
 def run_from_args(args: argparse.Namespace, *, compare: bool, argv: Sequence[str] | None = None) -> int:
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         cfg = sweep_config_from_args(args, compare=compare)
         command = shlex.join(["pdserve", *(argv if argv is not None else sys.argv[1:])])

@@ -44,9 +44,10 @@ RUNNING = "pdserve_requests_running"
 WAITING = "pdserve_requests_waiting"
 WORKERS = "pdserve_workers"
 
-# The worker finish reasons ("stop", "length", "abort"), and "error" for a request that ended
-# with an error status. Client cancels and deadlines count as "abort".
-FINISH_REASONS = ("stop", "length", "abort", "error")
+# The worker finish reasons ("stop", "length", "abort"), "error" for a request that ended
+# with an error status, and "rejected" for one refused before admission (invalid input, queue
+# full, no worker, router starting or stopping). Client cancels and deadlines count as "abort".
+FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 WORKER_ROLES = ("prefill", "decode", "both")
 WORKER_STATES = ("loading", "ready", "draining", "stopped")
 _ABORT_CODES = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})

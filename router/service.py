@@ -29,7 +29,7 @@ from router.metrics import RouterMetrics
 from router.policy import Admission, QueueFullError, Route, can_ever_serve, choose_route
 from router.registry import Registry, Role, State, Worker
 from router.relay import Relay, RelayError, WorkerChannels, Write
-from router.validate import InvalidRequest, ModelLimits, RouterTokenizer, prepare
+from router.validate import InvalidRequest, ModelLimits, Prepared, RouterTokenizer, prepare
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,37 @@ async def generate(router: Router, request, write: Write, time_remaining: float 
     gone) propagates after the worker calls are cancelled.
     """
     arrival = time.monotonic()  # TTFT and e2e latency count from here
+    try:
+        job, prep, deadline = await _admit(router, request, time_remaining, arrival)
+    except RelayError:
+        router.metrics.finished("rejected")
+        raise
+    except asyncio.CancelledError:
+        router.metrics.finished("abort")  # the client left while its request queued
+        raise
+    relay = router.relay
+    assert relay is not None
+    try:
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        deadline_unix = 0.0 if timeout is None else time.time() + timeout
+        await relay.run(job, prep, write, timeout, deadline_unix)
+    except asyncio.CancelledError:
+        # The sweep failed the job by cancelling its worker calls: report why, not a cancel.
+        if job.failure is not None and not _cancelling():
+            raise RelayError.of(job.failure) from None
+        raise
+    finally:
+        await router.finish(job)
+
+
+async def _admit(
+    router: Router, request, time_remaining: float | None, arrival: float
+) -> tuple[Job, Prepared, float | None]:
+    """Validate, tokenize and admit: (the admitted job, its prepared request, its monotonic deadline).
+
+    Raises RelayError for a request refused before it could run (counted as
+    "rejected" by the caller); the job is finished here if admission fails.
+    """
     tokenizer, relay = router.tokenizer, router.relay
     if router.closing or tokenizer is None or relay is None:
         state = "shutting down" if router.closing else "starting"
@@ -202,16 +233,10 @@ async def generate(router: Router, request, write: Write, time_remaining: float 
     job = Job(prep.request_id, len(prep.prompt_token_ids), arrival)
     try:
         await router.admit(job, remaining)
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        deadline_unix = 0.0 if timeout is None else time.time() + timeout
-        await relay.run(job, prep, write, timeout, deadline_unix)
-    except asyncio.CancelledError:
-        # The sweep failed the job by cancelling its worker calls: report why, not a cancel.
-        if job.failure is not None and not _cancelling():
-            raise RelayError.of(job.failure) from None
-        raise
-    finally:
+    except BaseException:
         await router.finish(job)
+        raise
+    return job, prep, deadline
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):

@@ -309,6 +309,10 @@ def test_router_counts_match_what_clients_received(model_dir):
             await d.wait_for(lambda: d.cancelled)
             d.hold_at = None
             d.release.set()
+            # Refused before admission: counted as "rejected", no TTFT, no prompt tokens.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Generate(g.GenerateRequest(prompt=""), timeout=30).read()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             router = server.router
             while router.ledger.jobs:
                 await asyncio.sleep(0.01)
@@ -322,6 +326,7 @@ def test_router_counts_match_what_clients_received(model_dir):
     assert value(s, rm.REQUESTS, finish_reason="length") == n
     assert value(s, rm.REQUESTS, finish_reason="abort") == 1
     assert value(s, rm.REQUESTS, finish_reason="error") == 0
+    assert value(s, rm.REQUESTS, finish_reason="rejected") == 1
     assert value(s, rm.QUEUE_TIME + "_count") == n + 1
     # ITL is observed per token message after the first: 4 per finished request (5 tokens, one per message).
     assert value(s, rm.ITL + "_count") == 4 * n
