@@ -438,6 +438,7 @@ def run_sweep(
         swept = uvloop.run(_sweep_async(cfg, token_space, clusters))
         wall_s = time.monotonic() - t0
     doc = build_document(cfg, swept["runs"], clusters, wall_s, command)
+    doc["slo_scan"] = scan_slos(cfg, swept["records"])
     doc["plots"] = write_plots(cfg, doc, swept["records"])
     write_json(cfg.out_dir / ("compare.json" if len(cfg.shapes) > 1 else "sweep.json"), doc)
     return doc
@@ -481,6 +482,50 @@ def build_document(
             "lower_bound": not a["saturated"],  # the first shape never missed: its goodput is at least this
         }
     return doc
+
+
+SCAN_TTFT = (0.5, 1.0, 2.0)  # multiples of the sweep's TTFT SLO
+SCAN_TPOT = (0.75, 1.0, 1.5, 2.0)  # and of its TPOT SLO
+
+
+def scan_slos(
+    cfg: SweepConfig, records: Mapping[tuple[str, float], Sequence[RequestRecord]]
+) -> list[dict[str, Any]]:
+    """Goodput of every shape (and the ratio) under other SLO pairs, rescored from the same requests.
+
+    Shows how much a comparison's verdict depends on the SLOs chosen. A rate
+    skipped in the sweep counts as a miss, so SLOs looser than the sweep's may
+    understate the goodput of a shape that was cut short.
+    """
+    ttft, tpot = cfg.bench.slo.ttft_ms, cfg.bench.slo.tpot_ms
+    assert ttft is not None and tpot is not None
+    rows = []
+    for ft in SCAN_TTFT:
+        for fp in SCAN_TPOT:
+            slo = Slo(ttft_ms=ttft * ft, tpot_ms=tpot * fp)
+            goodput = {}
+            for shape in cfg.shapes:
+                pts = []
+                for rate in cfg.rates:
+                    recs = records.get((shape.label, rate))
+                    pts.append(
+                        (rate, None if recs is None else attainment_split(recs, slo)["slo_attainment"])
+                    )
+                goodput[shape.label] = find_goodput(pts, cfg.goal)
+            row: dict[str, Any] = {
+                "ttft_ms": slo.ttft_ms,
+                "tpot_ms": slo.tpot_ms,
+                "goodput_rps": {k: v["goodput_rps"] for k, v in goodput.items()},
+                "goodput_interpolated_rps": {k: v["goodput_interpolated_rps"] for k, v in goodput.items()},
+            }
+            if len(cfg.shapes) >= 2:
+                a, b = (goodput[s.label] for s in cfg.shapes[:2])
+                row["ratio"] = _ratio(a["goodput_rps"], b["goodput_rps"])
+                row["ratio_interpolated"] = _ratio(
+                    a["goodput_interpolated_rps"], b["goodput_interpolated_rps"]
+                )
+            rows.append(row)
+    return rows
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -622,11 +667,24 @@ def format_summary(doc: Mapping[str, Any]) -> str:
             f"(interpolated {_num(r['goodput_interpolated'], 1, 2)})"
             + (" (lower bound)" if r["lower_bound"] else "")
         )
+    scan = doc.get("slo_scan") or []
+    if scan and "ratio" in doc:
+        lines.append("goodput ratio under other SLOs (same requests, rescored; interpolated in brackets):")
+        tpots = sorted({r["tpot_ms"] for r in scan})
+        lines.append(f"{'TTFT / TPOT ms':>14}" + "".join(f"{t:>14g}" for t in tpots))
+        for ttft in sorted({r["ttft_ms"] for r in scan}):
+            cells = {r["tpot_ms"]: r for r in scan if r["ttft_ms"] == ttft}
+            row = "".join(f"{_ratio_cell(cells[t]):>14}" for t in tpots)
+            lines.append(f"{ttft:>14g}{row}")
     for name, path in doc.get("plots", {}).items():
         if name != "cdf_rate" and path:
             lines.append(f"plot {name}: {path}")
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def _ratio_cell(row: Mapping[str, Any]) -> str:
+    return f"{_num(row['ratio'], 1, 2)} [{_num(row['ratio_interpolated'], 1, 2)}]"
 
 
 def _num(x: float | str | None, scale: float = 1.0, digits: int = 0) -> str:

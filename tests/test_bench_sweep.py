@@ -267,6 +267,11 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     for name in ("slo_attainment", "ttft_cdf", "itl_cdf"):
         assert Path(doc["plots"][name]).read_bytes()[:8] == PNG_MAGIC
     assert doc["plots"]["cdf_rate"] == 100.0  # the highest rate both shapes ran
+    # The same requests rescored under other SLO pairs: TPOT 0.75x..2x, TTFT 0.5x..2x of the sweep's.
+    scan = {(r["ttft_ms"], r["tpot_ms"]): r for r in doc["slo_scan"]}
+    assert len(scan) == 12 and scan[(10_000, 20)]["goodput_rps"] == {"1P+1D": 300.0, "2C": 0.0}
+    assert scan[(20_000, 40)]["ratio"] == math.inf  # the slow fake's tokens take 33-100 ms each
+    assert scan[(5_000, 15)]["goodput_rps"]["1P+1D"] == 300.0
     summary = format_summary(saved)
     assert "goodput ratio 1P+1D / 2C: inf" in summary and "(lower bound)" in summary
     assert "skipped" in summary and f"{os.cpu_count()} cores" in summary
