@@ -34,7 +34,10 @@ from proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_gr
 
 def _pdserve(*args: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "router.cli", *args], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "router.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
         stdin=subprocess.DEVNULL,
     )
     if out.returncode != 0:
@@ -76,7 +79,7 @@ def itl_via_router(address: str, prompt: list[int], n: int) -> list[float]:
         req = generation_pb2.GenerateRequest(prompt_token_ids=generation_pb2.TokenIds(ids=prompt))
         req.sampling.max_tokens, req.sampling.temperature, req.sampling.ignore_eos = n, 0.0, True
         times, _ = _stream_times(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=300))
-    return [(b - a) * 1000 for a, b in zip(times[1:], times[2:])]
+    return [(b - a) * 1000 for a, b in zip(times[1:], times[2:], strict=False)]
 
 
 def itl_direct(worker_address: str, prompt: list[int], n: int, rid: str) -> list[float]:
@@ -86,7 +89,7 @@ def itl_direct(worker_address: str, prompt: list[int], n: int, rid: str) -> list
             request_id=rid, prompt_token_ids=prompt, sampling=s, mode=worker_pb2.PREFILL_MODE_LOCAL
         )
         times, _ = _stream_times(worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=300))
-    return [(b - a) * 1000 for a, b in zip(times[1:], times[2:])]
+    return [(b - a) * 1000 for a, b in zip(times[1:], times[2:], strict=False)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +104,18 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-serving-"))
     shapes = {
-        "disaggregated": ["--prefill", "1", "--decode", "1", "--colocated", "0", "--port", "50171",
-                          "--local-prefill-threshold", "1"],
+        "disaggregated": [
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--colocated",
+            "0",
+            "--port",
+            "50171",
+            "--local-prefill-threshold",
+            "1",
+        ],
         "colocated": ["--prefill", "0", "--decode", "0", "--colocated", "1", "--port", "50172"],
     }
     addr = {"disaggregated": "127.0.0.1:50171", "colocated": "127.0.0.1:50172"}
@@ -111,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in shapes.items():
             sd = tmp / name
             started.append(sd)
-            _pdserve("up", *extra, "--dtype", args.dtype, "--threads", str(args.threads), "--state-dir", str(sd))
+            _pdserve(
+                "up", *extra, "--dtype", args.dtype, "--threads", str(args.threads), "--state-dir", str(sd)
+            )
         status = json.loads(_pdserve("status", "--json", "--state-dir", str(tmp / "colocated")))
         worker_addr = status["workers"][0]["address"]
         # Warm both paths (first forward, UCX endpoint, handshake).
@@ -129,11 +144,19 @@ def main(argv: list[str] | None = None) -> int:
             direct += itl_direct(worker_addr, short, args.itl_tokens, f"bench-direct-{r}")
     finally:
         for sd in started:
-            subprocess.run([sys.executable, "-m", "router.cli", "down", "--state-dir", str(sd)],
-                           capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "router.cli", "down", "--state-dir", str(sd)],
+                capture_output=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+            )
     med = {n: statistics.median(v) for n, v in ttft.items()}
     result = {
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads_per_worker": args.threads},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads_per_worker": args.threads,
+        },
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "ttft_ms": {n: {"median": med[n], "all": v} for n, v in ttft.items()},

@@ -121,12 +121,18 @@ def running_cluster(
     port = free_port()
     args = [
         "up",
-        "--prefill", str(prefill),
-        "--decode", str(decode),
-        "--colocated", str(colocated),
-        "--dtype", dtype,
-        "--port", str(port),
-        "--state-dir", str(state_dir),
+        "--prefill",
+        str(prefill),
+        "--decode",
+        str(decode),
+        "--colocated",
+        str(colocated),
+        "--dtype",
+        dtype,
+        "--port",
+        str(port),
+        "--state-dir",
+        str(state_dir),
         *extra,
     ]
     try:
@@ -152,7 +158,9 @@ def stop_cluster(state_dir: Path) -> None:
                 os.kill(p.pid, signal.SIGKILL)
 
 
-def generate(stub, request: generation_pb2.GenerateRequest, timeout: float = 300) -> tuple[list[int], str, str, list]:
+def generate(
+    stub, request: generation_pb2.GenerateRequest, timeout: float = 300
+) -> tuple[list[int], str, str, list]:
     """Run one Generate stream; returns (token ids, text, finish_reason, messages)."""
     ids: list[int] = []
     text = []

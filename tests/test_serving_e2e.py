@@ -72,8 +72,11 @@ def _offline(reqs) -> dict[str, tuple[list[int], str]]:
     for r in reqs:
         kind = r.WhichOneof("input")
         if kind == "messages":
-            res = llm.chat([[{"role": m.role, "content": m.content} for m in r.messages.messages]], params,
-                           use_tqdm=False)[0]
+            res = llm.chat(
+                [[{"role": m.role, "content": m.content} for m in r.messages.messages]],
+                params,
+                use_tqdm=False,
+            )[0]
         elif kind == "prompt":
             res = llm.generate([r.prompt], params, use_tqdm=False)[0]
         else:
@@ -112,13 +115,19 @@ def _first_token_before_admission(c) -> None:
     """Drive the internal API as the router does and compare the two workers' own timestamps."""
     ws = {w["role"]: w for w in c.workers()}
     prompt = list(range(200, 900))
-    with grpc.insecure_channel(ws["decode"]["address"]) as dch, grpc.insecure_channel(ws["prefill"]["address"]) as pch:
+    with (
+        grpc.insecure_channel(ws["decode"]["address"]) as dch,
+        grpc.insecure_channel(ws["prefill"]["address"]) as pch,
+    ):
         d = worker_pb2_grpc.WorkerStub(dch)
         p = worker_pb2_grpc.WorkerStub(pch)
         sampling = generation_pb2.SamplingParams(max_tokens=4, temperature=0.0)
         stream = d.Generate(
             worker_pb2.WorkerGenerateRequest(
-                request_id="trace", prompt_token_ids=prompt, sampling=sampling, mode=worker_pb2.PREFILL_MODE_REMOTE
+                request_id="trace",
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                mode=worker_pb2.PREFILL_MODE_REMOTE,
             ),
             timeout=120,
         )
@@ -126,7 +135,10 @@ def _first_token_before_admission(c) -> None:
         assert first.transfer_ticket, "remote mode answers with a transfer ticket first"
         resp = p.Prefill(
             worker_pb2.PrefillRequest(
-                request_id="trace", prompt_token_ids=prompt, sampling=sampling, transfer_ticket=first.transfer_ticket
+                request_id="trace",
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                transfer_ticket=first.transfer_ticket,
             ),
             timeout=120,
         )
@@ -148,7 +160,8 @@ def test_cancel_50_streams_frees_every_block(tmp_path):
             for i in range(50):
                 n = 20 if i % 2 else 150  # half local prefill, half remote
                 r = generation_pb2.GenerateRequest(
-                    request_id=f"c{i}", prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 300 + n)))
+                    request_id=f"c{i}",
+                    prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 300 + n))),
                 )
                 r.sampling.max_tokens = 2000
                 r.sampling.ignore_eos = True
@@ -170,7 +183,9 @@ def test_kill_decode_worker_mid_stream(tmp_path):
         decode = next(w for w in c.workers() if w["role"] == "decode")
         with grpc.insecure_channel(c.address) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
-            r = generation_pb2.GenerateRequest(prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 700))))
+            r = generation_pb2.GenerateRequest(
+                prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 700)))
+            )
             r.sampling.max_tokens = 5000
             r.sampling.ignore_eos = True
             call = stub.Generate(r, timeout=120)
@@ -190,7 +205,8 @@ def test_kill_decode_worker_mid_stream(tmp_path):
 
 
 def test_scale_decode_up_and_down_under_traffic(tmp_path):
-    """`pdserve scale --decode 2` then `--decode 1` with requests flowing: none fails, the removed worker drains."""
+    """`pdserve scale --decode 2` then `--decode 1` with requests flowing: none fails; the removed worker
+    drains."""
     import threading
 
     from proto import generation_pb2_grpc
@@ -209,7 +225,8 @@ def test_scale_decode_up_and_down_under_traffic(tmp_path):
                 while not stop.is_set() and i < 400:
                     n = 16 if i % 2 else 80
                     r = generation_pb2.GenerateRequest(
-                        request_id=f"s{worker}-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=list(range(500, 500 + n)))
+                        request_id=f"s{worker}-{i}",
+                        prompt_token_ids=generation_pb2.TokenIds(ids=list(range(500, 500 + n))),
                     )
                     r.sampling.max_tokens = 24
                     r.sampling.ignore_eos = True

@@ -45,7 +45,9 @@ def hf_config(kind: str):
             },
         )
     if kind == "qwen2":
-        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False)
+        return Qwen2Config(
+            **common, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False
+        )
     raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
 
 
