@@ -6,12 +6,31 @@ For each transport a decode process and a prefill process are spawned (UCX
 settings apply per process, so each transport gets its own pair) and stopped
 at the end. Rows:
 - SmolLM2-135M bfloat16 KV (30 layers, 3 KV heads, head dim 64, block 16) for
-  requests of 16, 256, 1,024 and 4,096 tokens: reserve on D, then on P open,
-  push all 30 layers back to back, complete (timed from ``open`` to the
-  acknowledged completion, so the Open and Complete round trips are included);
+  requests of 16, 256, 1,024 and 4,096 tokens;
 - a 64 MiB payload: one layer of 512 blocks of 128 KiB (one message).
-Raw: one ucxx tagged send of the same number of bytes answered by a one-byte
-ack, over the same kind of endpoint, alternating with the pdserve runs.
+
+What is timed, on the prefill process: pdserve from the call of ``open`` to
+the return of ``complete``, i.e. ``open`` (sends Open), a fake forward thread
+pushing all layers back to back (each ``push_layer`` sends that layer's data
+at once: the sender does not wait for an answer to Open), ``complete`` sending
+the first token and waiting for the decode side's CompleteAck. The decode side
+sends that ack only once every receive of every layer has completed (all bytes
+landed in its KV blocks) and Complete arrived; ``wait`` on the decode side
+returns at the same moment. The reservation (``reserve``) happens before, as
+it does when a decode worker hands out its ticket. Raw: one ucxx tagged send of
+the same number of bytes answered by a one-byte ack, over the same kind of
+endpoint, timed from the send to the ack, alternating with the pdserve runs.
+
+Every number is a median over ``--reps`` runs (``best``: the fastest runs, as
+noise on a shared machine only adds time); ``ratio`` is raw time / pdserve
+time, so 1.0 means pdserve moves the bytes as fast as plain ucxx.
+
+Also per row, for reading the ratio: ``messages``, the data messages pdserve
+sent per transfer (layers x contiguous runs of blocks; a request whose blocks
+wrap around the end of the free list has two runs per layer), and
+``raw_same_messages_ms``: plain ucxx moving the same bytes in that many
+messages (all posted at once, one ack), i.e. what the message count alone
+costs before any protocol.
 Per-layer message latency: a paced run where the fake forward pushes one layer
 every ``layer_interval_ms`` (longer than a layer's transfer, so the link is idle):
 push_layer call to the layer's messages completed on P.
@@ -21,10 +40,16 @@ the data on a shared-memory endpoint (``TransferConfig.ucx_shared_memory``)
 and TCP for connection set-up and the control endpoint.
 
 Both processes back their KV tensor with transparent huge pages
-(``kvbuf.advise_huge_pages``), as the raw baseline's numpy buffers are; the
-fake forward pushes layers back to back, so the fixed per-transfer costs
-(Open round trip, completion ack) are fully exposed here, where a real prefill
-hides them behind its first layer's compute.
+(``kvbuf.advise_huge_pages``), as the raw baseline's numpy buffers are. Like
+the raw baseline's buffers, the KV blocks are written once at start-up, not
+before every transfer: the tests check bit-exactness, and a fresh fill of
+every byte right before the timed part (plus the decode side's digest of its
+blocks) slowed pdserve's timed part by ~2 ms per transfer on the reference
+machine, a cost the raw side never paid. The fake forward pushes layers back
+to back, so the fixed per-transfer costs (Open's trip to the decode side
+before its receives are posted, the completion ack, one message per layer)
+are fully exposed here, where a real prefill hides the first behind its first
+layer's compute.
 """
 
 from __future__ import annotations
@@ -100,15 +125,19 @@ class _Pair:
     def transfer(self, tokens: int, layer_interval_s: float = 0.0) -> dict[str, Any]:
         self._n += 1
         rid = f"bench-{self._n}"
-        ticket = self.decode.call("reserve", request_id=rid, num_tokens=tokens)
-        stats = self.prefill.call("transfer", ticket=ticket, seed=self._n, layer_interval_s=layer_interval_s)
+        ticket = self.decode.call("reserve", request_id=rid, num_tokens=tokens, snapshot=False)
+        stats = self.prefill.call(
+            "transfer", ticket=ticket, seed=self._n, layer_interval_s=layer_interval_s, fill=False
+        )
         self.decode.call("wait", request_id=rid)
         self.decode.call("release", request_id=rid)
         return stats
 
-    def raw(self, nbytes: int, reps: int) -> list[float]:
-        address = self.decode.call("raw_serve", nbytes=nbytes)
-        return self.prefill.call("raw_run", address=address, nbytes=nbytes, reps=reps, timeout=300)
+    def raw(self, nbytes: int, reps: int, count: int = 1) -> list[float]:
+        address = self.decode.call("raw_serve", nbytes=nbytes, count=count)
+        return self.prefill.call(
+            "raw_run", address=address, nbytes=nbytes, reps=reps, count=count, timeout=300
+        )
 
 
 def _row(pair: _Pair, transport: str, tokens: int | None, block_tokens: int, reps: int) -> dict[str, Any]:
@@ -117,11 +146,15 @@ def _row(pair: _Pair, transport: str, tokens: int | None, block_tokens: int, rep
         first = pair.transfer(request_tokens)
     nbytes = first["bytes"]
     pair.raw(nbytes, 2)  # warm-up, same as pdserve's
-    pd_times, raw_times = [], []
+    pd_times, raw_times, messages = [], [], []
     for _ in range(reps):  # alternate, so both see the same machine noise
-        pd_times.append(pair.transfer(request_tokens)["wall_seconds"])
+        stats = pair.transfer(request_tokens)
+        pd_times.append(stats["wall_seconds"])
+        messages.append(stats["messages"])
         raw_times.extend(pair.raw(nbytes, 1))
     pd, raw = statistics.median(pd_times), statistics.median(raw_times)
+    count = round(statistics.median(messages))
+    split = statistics.median(pair.raw(nbytes, reps + 1, count)[1:]) if count > 1 else raw
     # Paced run: layers slower than their transfer, so latency is the message's own.
     interval = max(0.002, 3 * pd / pair.num_layers)
     layer_s: list[float] = []
@@ -137,6 +170,8 @@ def _row(pair: _Pair, transport: str, tokens: int | None, block_tokens: int, rep
         "ratio": round(raw / pd, 3),
         "pdserve_ms": round(pd * 1e3, 3),
         "raw_ms": round(raw * 1e3, 3),
+        "messages": count,
+        "raw_same_messages_ms": round(split * 1e3, 3),
         # Noise on a shared machine only ever adds time: the fastest runs are the other view.
         "best": {
             "pdserve_gbps": round(nbytes / min(pd_times) / 1e9, 3),

@@ -12,9 +12,12 @@ Lifecycle on the decode side (D):
     1. ``ticket = receiver.reserve(request_id, num_tokens)``: blocks allocated in
        D's BlockManager under ``request_id`` (OutOfBlocksError: nothing
        reserved); deadline armed. ``ticket.encode()`` travels to P as bytes.
-    2. P's ``Open`` arrives: D answers and, in the same step, posts one
-       receive per layer and contiguous run straight into the reserved blocks.
-       P sends no data before that answer, so nothing lands anywhere else.
+    2. P's ``Open`` arrives: D posts one receive per layer and contiguous run
+       straight into the reserved blocks. P does not wait for this: data that
+       arrives first waits in UCX until its receive is posted. A refused Open
+       (expired, aborted, unknown) gets ``Abort``, and whatever P pushed lands
+       in scratch memory, never in KV blocks; tags name the sending connection,
+       so only the accepted sender of a ticket can match the posted receives.
     3. Every layer landed and ``Complete`` (first sampled token) arrived:
        ``await receiver.wait(request_id)`` returns a TransferResult and D
        acknowledges. The blocks stay allocated under ``request_id``.
@@ -25,11 +28,12 @@ Lifecycle on the decode side (D):
 Lifecycle on the prefill side (P):
     1. ``handle = await sender.open(ticket, src_block_ids)``: connect once per
        peer (handshake checks protocol version and compatibility hash: a
-       mismatch raises IncompatibleError before any data moves), send ``Open``.
+       mismatch raises IncompatibleError before any data moves), send ``Open``
+       and return at once.
     2. The forward calls ``handle.push_layer(layer)`` after writing each layer;
-       the send overlaps the next layers' compute.
-    3. ``await handle.complete(first_token_id)`` waits until every layer is
-       sent and D acknowledged the completion.
+       the send starts at once and overlaps the next layers' compute.
+    3. ``await handle.complete(first_token_id)`` waits until D acknowledged the
+       completion, which it does once every byte of every layer landed.
     4. Or ``await handle.abort(reason)``; D's abort, D's death or the deadline
        make ``complete`` raise.
 

@@ -2,8 +2,8 @@
 
 Every failure a caller can see is a :class:`TransferError` subclass whose
 ``reason`` is a :class:`FailureReason`; the same value labels the
-``pdserve_kv_transfer_failures_total`` counter and travels in ``Abort`` and
-``OpenReply`` messages, so both sides report the same cause.
+``pdserve_kv_transfer_failures_total`` counter and travels in ``Abort``
+messages, so both sides report the same cause.
 """
 
 from __future__ import annotations

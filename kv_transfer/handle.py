@@ -1,15 +1,17 @@
 """Prefill side, one transfer: push layers as the forward produces them, then complete.
 
 Stages (:class:`HandleState`):
-    OPENING    ``KVSender.open`` sent ``Open``; layers pushed now wait on P until
-               the receiver answers that its receives are posted (one round
-               trip, which overlaps the first layer's compute)
-    STREAMING  each pushed layer is sent on the event loop while the forward
-               computes the next layers; ``push_layer`` may be called from any thread
+    STREAMING  ``KVSender.open`` sent ``Open``; each pushed layer is sent on the
+               event loop at once (no wait for an answer to Open: the receiver
+               posts its receives when Open arrives, and UCX holds data that
+               comes first), while the forward computes the next layers;
+               ``push_layer`` may be called from any thread
     COMPLETING ``complete`` sends ``Complete`` with the first token once every
-               layer is issued, then waits for the sends and the receiver's ack
+               layer is issued, then waits for the receiver's ack, which says
+               every byte landed (and so no send reads P's blocks any more)
     DONE       acknowledged: the receiver owns the data
-    FAILED     aborted, deadline, peer died, refused: every wait raises the error
+    FAILED     aborted, deadline, peer died, refused (the receiver's ``Abort``):
+               every wait raises the error
 
 Who frees: P's source blocks belong to the prefill worker, which must keep
 them until ``complete`` or ``abort`` has returned or raised: both return only
@@ -38,8 +40,8 @@ from kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from kv_transfer.kvbuf import block_bytes, ready_marker, span
-from kv_transfer.plan import Segment, data_tag
+from kv_transfer.kvbuf import ready_marker
+from kv_transfer.plan import Segment, layer_tag, tag_base
 from kv_transfer.transport import DataOp
 
 if TYPE_CHECKING:
@@ -52,7 +54,6 @@ _READY_POLL_S = 20e-6  # CUDA only: how often to re-check that a layer's writes 
 
 
 class HandleState(Enum):
-    OPENING = "opening"
     STREAMING = "streaming"
     COMPLETING = "completing"
     DONE = "done"
@@ -73,6 +74,7 @@ class SendStats:
     bytes: int
     seconds: float  # open() to the receiver's acknowledgement
     layer_seconds: tuple[float, ...]  # per layer: push_layer call to every message of it completed
+    messages: int = 0  # data messages sent (layers x contiguous segments)
 
 
 class SenderHandle:
@@ -88,11 +90,13 @@ class SenderHandle:
         self._peer = peer
         self._loop = asyncio.get_running_loop()
         self._kv = sender.kv
+        self._spans = sender.spans
         self.request_id = ticket.request_id
         self.transfer_id = ticket.transfer_id
         self.num_layers = sender.compat.num_layers
-        self.state = HandleState.OPENING
+        self.state = HandleState.STREAMING
         self._segments = segments
+        self._tag_base = tag_base(ticket.transfer_id, peer.conn_id)
         self._deadline = deadline  # loop time
         self._t_open = self._loop.time()
         self._lock = threading.Lock()
@@ -103,15 +107,14 @@ class SenderHandle:
         self._sent_layers: list[int] = []
         self._layer_pending: dict[int, int] = {}
         self._layer_seconds: dict[int, float] = {}
-        self._ops: set[DataOp] = set()
-        self._held: list[tuple[int, float]] = []  # layers pushed before the Open reply
+        self._ops: dict[int, DataOp] = {}  # sends in flight, by a per-handle number
+        self._op_ids = 0
         self._bytes = 0
         self._error: TransferError | None = None
         self._failed: asyncio.Future[None] = self._loop.create_future()
         self._all_issued = asyncio.Event()
         self._settled = asyncio.Event()
         self._settled.set()
-        self.open_reply: asyncio.Future[wire.OpenReply] = self._loop.create_future()
         self.complete_ack: asyncio.Future[None] = self._loop.create_future()
         self._cleanup: asyncio.Task[None] | None = None
 
@@ -155,9 +158,6 @@ class SenderHandle:
         if marker is not None and not marker():
             self._loop.call_later(_READY_POLL_S, self._issue, layer, pushed_at, marker)
             return
-        if self.state is HandleState.OPENING:
-            self._held.append((layer, pushed_at))
-            return
         faults = self._sender.config.faults
         if layer in faults.drop_layers:
             log.warning("fault injection: dropping layer %d of %s", layer, self.request_id)
@@ -174,15 +174,15 @@ class SenderHandle:
             return
         conn = self._peer.conn
         assert conn is not None
-        unit = block_bytes(self._kv)
+        spans, unit, send = self._spans, self._spans.block_bytes, conn.send_data
         self._layer_pending[layer] = len(self._segments)
         self._sent_layers.append(layer)
         self._settled.clear()
         for seg in self._segments:
-            src = span(self._kv, layer, seg.src_start, seg.num_blocks)  # [n, 2, B, Hkv, D]
-            op = conn.send_data(src, data_tag(self.transfer_id, layer, seg.index))
-            self._ops.add(op)
-            op.future.add_done_callback(partial(self._sent, op, layer, pushed_at, seg.num_blocks * unit))
+            src = spans.span(layer, seg.src_start, seg.num_blocks)
+            self._op_ids += 1
+            done = partial(self._sent, self._op_ids, layer, pushed_at, seg.num_blocks * unit)
+            self._ops[self._op_ids] = send(src, self._tag_base | layer_tag(layer, seg.index), done)
         self._count_issued()
 
     def _count_issued(self) -> None:
@@ -190,9 +190,8 @@ class SenderHandle:
         if self._issued == self.num_layers:
             self._all_issued.set()
 
-    def _sent(self, op: DataOp, layer: int, pushed_at: float, nbytes: int, fut: asyncio.Future[None]) -> None:
-        self._ops.discard(op)
-        exc = fut.exception()
+    def _sent(self, op_id: int, layer: int, pushed_at: float, nbytes: int, exc: TransferError | None) -> None:
+        del self._ops[op_id]
         if exc is None:
             self._bytes += nbytes
             self._sender.metrics.add_bytes(nbytes)
@@ -202,24 +201,10 @@ class SenderHandle:
                 self._layer_seconds[layer] = seconds
                 self._sender.metrics.layer_done(seconds)
         elif self._error is None:
-            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
             alive = self._peer.conn is not None and self._peer.conn.alive
-            self.fail(err, NotifyPeer.ABORT if alive else NotifyPeer.NOTHING)
+            self.fail(exc, NotifyPeer.ABORT if alive else NotifyPeer.NOTHING)
         if not self._ops:
             self._settled.set()
-
-    def on_open_reply(self, msg: wire.OpenReply) -> None:
-        if self.open_reply.done():
-            return
-        self.open_reply.set_result(msg)
-        if not msg.ok:
-            self.fail(error_for(msg.code, f"decode refused: {msg.reason}"), NotifyPeer.NOTHING)
-            return
-        if self.state is HandleState.OPENING:
-            self.state = HandleState.STREAMING
-        held, self._held = self._held, []
-        for layer, pushed_at in held:
-            self._issue(layer, pushed_at, None)
 
     # -- event loop: completion --------------------------------------------
     async def until(self, aw: Awaitable[T], what: str) -> T:
@@ -251,7 +236,7 @@ class SenderHandle:
         Call after ``push_layer`` returned for every layer. Raises the
         transfer's TransferError after the sends have settled.
         """
-        if self._error is None and self.state not in (HandleState.OPENING, HandleState.STREAMING):
+        if self._error is None and self.state is not HandleState.STREAMING:
             raise RuntimeError(f"complete() in state {self.state.value}")
         missing = sorted(set(range(self.num_layers)) - self._pushed)
         if missing and self._error is None:
@@ -259,15 +244,16 @@ class SenderHandle:
         try:
             if self._error is not None:
                 raise self._error
-            await self.until(self.open_reply, "the Open reply")
             self.state = HandleState.COMPLETING
             if not self._all_issued.is_set():
                 await self.until(self._all_issued.wait(), "every layer to be issued")
             # Sent before the data has landed: D acks once both are in, saving a round trip.
             self._sender.send(self._peer, wire.Complete(self.transfer_id, first_token_id))
-            if not self._settled.is_set():
-                await self.until(self._settled.wait(), "every layer to be sent")
             await self.until(self.complete_ack, "the completion ack")
+            # The ack says every byte landed, so no send reads P's blocks any more; the sends'
+            # own completions (for the byte count and per-layer times) are normally in already.
+            if not self._settled.is_set():
+                await self.until(self._settled.wait(), "every send to complete")
         except TransferError as err:
             if self._error is None:
                 self.fail(err)
@@ -280,7 +266,7 @@ class SenderHandle:
         self._sender.metrics.closed()
         self._sender.forget(self)
         layers = tuple(self._layer_seconds.get(layer, 0.0) for layer in range(self.num_layers))
-        return SendStats(self.request_id, self._bytes, seconds, layers)
+        return SendStats(self.request_id, self._bytes, seconds, layers, self._op_ids)
 
     async def abort(self, reason: str = "prefill gave up") -> None:
         """Stop sending and tell the receiver; returns once no send touches P's blocks any more."""
@@ -319,7 +305,7 @@ class SenderHandle:
             await asyncio.wait_for(self._settled.wait(), timeout)
         except TimeoutError:
             log.warning("transfer %s: %d sends unsettled; cancelling", self.request_id, len(self._ops))
-            for op in list(self._ops):
+            for op in list(self._ops.values()):
                 op.cancel()
             try:
                 await asyncio.wait_for(self._settled.wait(), timeout)

@@ -17,24 +17,35 @@ import asyncio
 import itertools
 import weakref
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from kv_transfer.errors import PeerDiedError, TransferError
 from kv_transfer.kvbuf import as_bytes
-from kv_transfer.transport import CloseHandler, Connection, MessageHandler
+from kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler
+
+
+def _bytes(buf: Any) -> torch.Tensor:
+    return torch.from_numpy(buf) if isinstance(buf, np.ndarray) else as_bytes(buf)  # shares memory
+
 
 _listeners: weakref.WeakValueDictionary[str, InprocTransport] = weakref.WeakValueDictionary()
 _addresses = itertools.count(1)
 
 
 class _Op:
-    def __init__(self, conn: InprocConnection, buf: torch.Tensor, tag: int) -> None:
+    def __init__(self, conn: InprocConnection, buf: Any, tag: int, on_done: DoneCallback) -> None:
         self.conn = conn
         self.buf = buf
         self.tag = tag
         self.table: dict[int, _Op] | None = None  # the matching table holding this op, if any
-        self.future: asyncio.Future[None] = conn.loop.create_future()
+        self.on_done: DoneCallback | None = on_done
+
+    @property
+    def done(self) -> bool:
+        return self.on_done is None
 
     def cancel(self) -> None:
         self.unpost()
@@ -45,14 +56,11 @@ class _Op:
             del self.table[self.tag]
         self.table = None
 
-    def _settle(self, exc: Exception | None) -> None:
+    def _settle(self, exc: TransferError | None) -> None:
         self.conn.ops.discard(self)
-        if self.future.done():
-            return
-        if exc is None:
-            self.future.set_result(None)
-        else:
-            self.future.set_exception(exc)
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            self.conn.loop.call_soon(on_done, exc)  # never inside the caller's own call, as with UCX
 
 
 class InprocConnection:
@@ -94,8 +102,8 @@ class InprocConnection:
             raise PeerDiedError(f"connection to {self.peer} is closed")
         self.loop.call_soon(self.remote._deliver, bytes(payload))
 
-    def send_data(self, buf: torch.Tensor, tag: int) -> _Op:
-        op = _Op(self, buf, tag)
+    def send_data(self, buf: Any, tag: int, on_done: DoneCallback) -> _Op:
+        op = _Op(self, buf, tag, on_done)
         if not self._alive or self.remote is None:
             op._settle(PeerDiedError(f"connection to {self.peer} is closed"))
             return op
@@ -104,8 +112,8 @@ class InprocConnection:
         self.loop.call_soon(target.match_send, op)
         return op
 
-    def recv_data(self, buf: torch.Tensor, tag: int) -> _Op:
-        op = _Op(self, buf, tag)
+    def recv_data(self, buf: Any, tag: int, on_done: DoneCallback) -> _Op:
+        op = _Op(self, buf, tag, on_done)
         if not self._alive:
             op._settle(PeerDiedError(f"connection to {self.peer} is closed"))
             return op
@@ -118,7 +126,7 @@ class InprocConnection:
         if self.remote is not None:
             self.remote._break(PeerDiedError(f"peer {self.remote.peer} closed the connection"))
 
-    def _break(self, exc: Exception) -> None:
+    def _break(self, exc: TransferError) -> None:
         if not self._alive:
             return
         self._alive = False
@@ -175,7 +183,7 @@ class InprocTransport:
             self._copy(send, op)
 
     def match_send(self, send: _Op) -> None:
-        if send.future.done():  # cancelled or its connection broke meanwhile
+        if send.done:  # cancelled or its connection broke meanwhile
             return
         recv = self._posted.pop(send.tag, None)
         if recv is None:
@@ -187,7 +195,7 @@ class InprocTransport:
 
     @staticmethod
     def _copy(send: _Op, recv: _Op) -> None:
-        src, dst = as_bytes(send.buf), as_bytes(recv.buf)
+        src, dst = _bytes(send.buf), _bytes(recv.buf)
         if src.numel() != dst.numel():
             exc = TransferError(f"message of {src.numel()} bytes for a {dst.numel()}-byte receive")
             send._settle(exc)

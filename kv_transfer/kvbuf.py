@@ -2,7 +2,8 @@
 
 Layout (fixed project-wide): ``kv [L, N, 2, B, Hkv, D]``, one allocation.
 ``kv[layer, b0:b0 + n]`` is one contiguous span of ``n`` blocks, K then V of
-every block; that is the unit one data message moves.
+every block; that is the unit one data message moves (:class:`KVSpans` gives
+it as bytes).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,6 +50,35 @@ def check_kv(kv: torch.Tensor, compat: KVCompat) -> None:
 def span(kv: torch.Tensor, layer: int, first_block: int, num_blocks: int) -> torch.Tensor:
     """``kv[layer, first_block : first_block + num_blocks]``, contiguous."""
     return kv[layer, first_block : first_block + num_blocks]  # [n, 2, B, Hkv, D]
+
+
+class KVSpans:
+    """Byte spans of one KV tensor, for the transport's hot path.
+
+    A span is a slice of one flat uint8 view made once: a numpy view for host
+    memory (slicing it costs ~1 us, where a torch view plus ``.numpy()`` costs
+    ~25 us, which adds up over hundreds of messages per transfer), a torch view
+    for device memory.
+    """
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        if not kv.is_contiguous():
+            raise ValueError("KV tensor must be contiguous")
+        self.num_blocks = kv.shape[1]
+        self.block_bytes = block_bytes(kv)
+        flat = as_bytes(kv)  # [L * N * block_bytes]
+        self.flat: Any = flat.numpy() if kv.device.type == "cpu" else flat
+
+    def span(self, layer: int, first_block: int, num_blocks: int) -> Any:
+        """The bytes of ``kv[layer, first_block : first_block + num_blocks]``."""
+        start = (layer * self.num_blocks + first_block) * self.block_bytes
+        return self.flat[start : start + num_blocks * self.block_bytes]
+
+
+def scratch(kv: torch.Tensor, nbytes: int) -> Any:
+    """A uint8 buffer of ``nbytes`` on the KV tensor's device, in the form :class:`KVSpans` gives."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=kv.device)
+    return buf.numpy() if kv.device.type == "cpu" else buf
 
 
 def block_bytes(kv: torch.Tensor) -> int:
@@ -95,3 +126,14 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0
+
+
+def zeros_huge_pages(*size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.zeros(*size, dtype=dtype, device=device)``, backed by huge pages on CPU.
+
+    The KV tensor's allocation: advised before the zeroing touches any page
+    (``torch.zeros`` touches them first, after which the advice comes too late).
+    """
+    t = torch.empty(*size, dtype=dtype, device=device)
+    advise_huge_pages(t)
+    return t.zero_()

@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 from engine.block_manager import BlockManager
 from kv_transfer.config import FaultConfig
-from kv_transfer.kvbuf import advise_huge_pages, block_bytes, compat_for
+from kv_transfer.kvbuf import block_bytes, compat_for, zeros_huge_pages
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from kv_transfer.testing import PeerSpec, expected_bytes, fingerprint, scatter_allocate
@@ -26,16 +26,16 @@ class PeerState:
         self.spec = spec
         dtype = getattr(torch, spec.dtype)
         shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.empty(shape, dtype=dtype)  # [L, N, 2, B, Hkv, D]
         if spec.huge_pages:
-            advise_huge_pages(self.kv)
-        self.kv.zero_()
+            self.kv = zeros_huge_pages(*shape, dtype=dtype)  # [L, N, 2, B, Hkv, D]
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype)
         self.block_bytes = block_bytes(self.kv)
         self.kv_bytes = self.kv.view(spec.num_layers, spec.num_blocks, -1).view(torch.uint8)  # [L, N, bytes]
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         self.compat: KVCompat = compat_for(self.kv, spec.model_id)
         self.receiver: KVReceiver | None = None
-        self.senders: dict[tuple[int | None, FaultConfig | None], KVSender] = {}
+        self.senders: dict[tuple[int | None, FaultConfig | None, str], KVSender] = {}
         self.raw: Any = None
         self._snapshots: dict[str, tuple[list[int], str]] = {}
         # Stand-ins for the model's forward thread, started once like the engine's.
@@ -63,8 +63,14 @@ class PeerState:
         return self.receiver.address
 
     def cmd_reserve(
-        self, request_id: str, num_tokens: int, deadline_s: float | None = None, keep_every: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        deadline_s: float | None = None,
+        keep_every: int = 0,
+        snapshot: bool = True,
     ) -> bytes:
+        """Reserve; ``snapshot`` records the blocks' digest for ``untouched`` (reads every byte)."""
         assert self.receiver is not None
         if keep_every:  # fragment the free list so the reservation gets scattered block ids
             fillers = [f"__filler_{request_id}_{i}" for i in range(self.blocks.num_free)]
@@ -81,7 +87,8 @@ class PeerState:
         else:
             ticket = self.receiver.reserve(request_id, num_tokens, deadline_s)
         blocks = list(ticket.block_ids)
-        self._snapshots[request_id] = (blocks, fingerprint(self.kv_bytes[:, blocks]))
+        digest = fingerprint(self.kv_bytes[:, blocks]) if snapshot else ""
+        self._snapshots[request_id] = (blocks, digest)
         return ticket.encode()
 
     async def cmd_wait(self, request_id: str, timeout: float = 30.0) -> dict[str, Any]:
@@ -112,7 +119,8 @@ class PeerState:
 
     def cmd_blocks(self) -> dict[str, int]:
         self.blocks.check_invariants()
-        return {"free": self.blocks.num_free, "total": self.blocks.num_blocks}
+        draining = self.receiver.draining if self.receiver is not None else 0
+        return {"free": self.blocks.num_free, "total": self.blocks.num_blocks, "draining": draining}
 
     def cmd_metrics(self) -> str:
         parts = [
@@ -131,13 +139,18 @@ class PeerState:
         abort_after_layers: int | None = None,
         protocol_version: int | None = None,
         faults: FaultConfig | None = None,
+        sender_name: str = "",
+        fill: bool = True,
     ) -> dict[str, Any]:
         """Fill source blocks with seeded bytes, open, push every layer from a fake forward, complete.
 
-        ``protocol_version`` and ``faults`` select a separate sender that claims
-        another protocol version or injects faults.
+        ``protocol_version``, ``faults`` and ``sender_name`` select a separate
+        sender (its own connection) that claims another protocol version,
+        injects faults, or is just another sender. ``fill=False`` sends the
+        blocks as they are (the benchmark: the fill writes every byte right
+        before the timed part, which the raw baseline's buffers never get).
         """
-        key = (protocol_version, faults)
+        key = (protocol_version, faults, sender_name)
         sender = self.senders.get(key)
         if sender is None:
             compat = self.compat
@@ -146,13 +159,14 @@ class PeerState:
             config = self.spec.config if faults is None else replace(self.spec.config, faults=faults)
             sender = self.senders[key] = KVSender(self.kv, compat, config)
         t = TransferTicket.decode(ticket)
-        seq = f"src-{t.request_id}"
+        seq = f"src-{sender_name}-{t.request_id}"  # two senders may hold the same ticket
         if keep_every:
             src = scatter_allocate(self.blocks, seq, t.num_tokens, keep_every)
         else:
             src = self.blocks.allocate(seq, t.num_tokens)
         try:
-            self.kv_bytes[:, src] = expected_bytes(seed, self.spec.num_layers, len(src), self.block_bytes)
+            if fill:
+                self.kv_bytes[:, src] = expected_bytes(seed, self.spec.num_layers, len(src), self.block_bytes)
             loop = asyncio.get_running_loop()
             t0 = time.perf_counter()
             handle = await sender.open(t, src)
@@ -186,22 +200,23 @@ class PeerState:
                 "complete_seconds": t3 - t2,
                 "seconds": stats.seconds,
                 "bytes": stats.bytes,
+                "messages": stats.messages,
                 "layer_seconds": list(stats.layer_seconds),
             }
         finally:
             self.blocks.free(seq)
 
     # -- raw ucxx baseline -------------------------------------------------
-    async def cmd_raw_serve(self, nbytes: int) -> str:
+    async def cmd_raw_serve(self, nbytes: int, count: int = 1) -> str:
         from kv_transfer.ucx_baseline import RawBaseline
 
         if self.raw is None:
             self.raw = RawBaseline(self.spec.config)
-        return await self.raw.serve(nbytes)
+        return await self.raw.serve(nbytes, count)
 
-    async def cmd_raw_run(self, address: str, nbytes: int, reps: int) -> list[float]:
+    async def cmd_raw_run(self, address: str, nbytes: int, reps: int, count: int = 1) -> list[float]:
         from kv_transfer.ucx_baseline import RawBaseline
 
         if self.raw is None:
             self.raw = RawBaseline(self.spec.config)
-        return await self.raw.run(address, nbytes, reps)
+        return await self.raw.run(address, nbytes, reps, count)

@@ -9,8 +9,15 @@ the receiver checks that its side of every run is contiguous.
 Data message tags (64 bits, matched exactly by the receiving UCX worker):
     bit 63      1 (data; ucxx's own connection tags are random 64-bit hashes)
     bits 32-62  transfer id (31 bits, unique per receiving process)
-    bits 20-31  layer (12 bits)
-    bits  0-19  segment index (20 bits)
+    bits 24-31  layer (8 bits)
+    bits 16-23  connection id (8 bits: the receiver's id for the sending connection)
+    bits  0-15  segment index (16 bits)
+
+The sender pushes data without waiting for the receiver to see ``Open`` (UCX
+holds messages that arrive before their receive), so a tag must say who sent
+it: the connection id, which the receiver hands out in ``HelloReply`` and keeps
+unique among its live connections, keeps a second sender of the same ticket
+from ever matching the receives posted for the accepted one.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAX_TRANSFER_ID = (1 << 31) - 1
-MAX_LAYERS = 1 << 12
-MAX_SEGMENTS = 1 << 20
+MAX_LAYERS = 1 << 8
+MAX_CONN_IDS = 1 << 8
+MAX_SEGMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -84,16 +92,32 @@ def build_segments(
     return segments
 
 
-def data_tag(transfer_id: int, layer: int, segment: int) -> int:
+def data_tag(transfer_id: int, layer: int, segment: int, conn_id: int) -> int:
+    return tag_base(transfer_id, conn_id) | layer_tag(layer, segment)
+
+
+def tag_base(transfer_id: int, conn_id: int) -> int:
+    """The bits one transfer's tags share; OR with :func:`layer_tag` (the hot path checks once)."""
     if not 0 <= transfer_id <= MAX_TRANSFER_ID:
         raise ValueError(f"transfer id {transfer_id} out of range")
+    if not 0 <= conn_id < MAX_CONN_IDS:
+        raise ValueError(f"connection id {conn_id} out of range")
+    return (1 << 63) | (transfer_id << 32) | (conn_id << 16)
+
+
+def layer_tag(layer: int, segment: int) -> int:
     if not 0 <= layer < MAX_LAYERS:
         raise ValueError(f"layer {layer} out of range")
     if not 0 <= segment < MAX_SEGMENTS:
         raise ValueError(f"segment {segment} out of range")
-    return (1 << 63) | (transfer_id << 32) | (layer << 20) | segment
+    return (layer << 24) | segment
 
 
-def split_tag(tag: int) -> tuple[int, int, int]:
-    """Inverse of :func:`data_tag`: (transfer id, layer, segment)."""
-    return (tag >> 32) & MAX_TRANSFER_ID, (tag >> 20) & (MAX_LAYERS - 1), tag & (MAX_SEGMENTS - 1)
+def split_tag(tag: int) -> tuple[int, int, int, int]:
+    """Inverse of :func:`data_tag`: (transfer id, layer, segment, connection id)."""
+    return (
+        (tag >> 32) & MAX_TRANSFER_ID,
+        (tag >> 24) & (MAX_LAYERS - 1),
+        tag & (MAX_SEGMENTS - 1),
+        (tag >> 16) & (MAX_CONN_IDS - 1),
+    )

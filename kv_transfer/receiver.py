@@ -3,12 +3,19 @@
 Stages of a transfer here (one ``Reservation`` per request):
     RESERVED  blocks allocated under the request id; ticket handed out; deadline armed
     OPEN      the sender's ``Open`` arrived; one receive per layer and segment
-              is posted straight into the reserved blocks
+              is posted straight into the reserved blocks (the sender does not
+              wait for this: data that came first waits in UCX and lands now)
     DONE      every layer landed and ``Complete`` (first token id) arrived:
               ``wait()`` returns, the blocks now belong to the decode engine
     FAILING   aborted, deadline, peer died, incompatible: ``wait()`` raises at
               once; the blocks are held until every posted receive has settled
     FREED     failed and blocks returned to the BlockManager
+
+An ``Open`` that cannot be accepted (reservation expired, aborted, unknown;
+malformed plan) is refused with ``Abort``, and whatever its sender pushed is
+received into scratch memory (drain.py): no KV block is written, no send waits
+forever. Data tags carry this receiver's id for the sending connection, so a
+second sender of the same ticket never matches the accepted sender's receives.
 
 Who frees: on success the decode engine frees ``request_id`` when the request
 ends (``BlockManager.free``). On every failure the receiver frees, and only
@@ -31,6 +38,7 @@ from prometheus_client import CollectorRegistry
 from engine.block_manager import BlockManager
 from kv_transfer import wire
 from kv_transfer.config import TransferConfig
+from kv_transfer.drain import Drains
 from kv_transfer.errors import (
     AbortedError,
     DeadlineError,
@@ -40,10 +48,10 @@ from kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from kv_transfer.kvbuf import block_bytes, check_kv, span
+from kv_transfer.kvbuf import KVSpans, check_kv
 from kv_transfer.metrics import Role, TransferMetrics
-from kv_transfer.plan import build_segments, data_tag
-from kv_transfer.reservation import PrefillConn, Reservation, RxState, TransferResult
+from kv_transfer.plan import MAX_CONN_IDS, MAX_LAYERS, build_segments, layer_tag, tag_base
+from kv_transfer.reservation import ConnIds, PrefillConn, Reservation, RxState, TransferResult
 from kv_transfer.transport import Connection, Transport, make_transport
 
 log = logging.getLogger(__name__)
@@ -68,11 +76,16 @@ class KVReceiver:
         check_kv(kv, compat)
         if blocks.block_size != compat.block_size or blocks.num_blocks > kv.shape[1]:
             raise ValueError("BlockManager does not match the KV tensor (block size or block count)")
+        if compat.num_layers > MAX_LAYERS:
+            raise ValueError(f"{compat.num_layers} layers exceed the tag layout's {MAX_LAYERS}")
         self._kv = kv
+        self._spans = KVSpans(kv)
         self._blocks = blocks
         self._compat = compat
         self._hash = compat.hash()
         self._config = config or TransferConfig()
+        self._drains = Drains(kv, self._spans.block_bytes, self._config.settle_timeout_s)
+        self._conn_ids = ConnIds(MAX_CONN_IDS)
         self.metrics = TransferMetrics(Role.DECODE, registry)
         self._transport: Transport | None = None
         self._by_request: dict[str, Reservation] = {}
@@ -172,6 +185,11 @@ class KVReceiver:
         rx = self._by_request.get(request_id)
         return rx.state if rx is not None else None
 
+    @property
+    def draining(self) -> int:
+        """Refused Opens whose sender's data may still land in scratch memory (0 when idle)."""
+        return self._drains.live
+
     # -- connection and messages -------------------------------------------
     def _on_connect(self, conn: Connection) -> None:
         peer = PrefillConn(conn)
@@ -202,13 +220,17 @@ class KVReceiver:
             # Accepted even on a rejected connection: that is how an incompatible sender says so.
             # Also for a transfer already failing here: when both sides abort at once, the sender's
             # Abort (with the layers it sent) is the answer to ours, not an AbortAck.
+            if self._drains.on_sent(peer, msg.transfer_id, msg.sent_layers or ()):
+                return
             rx = self._by_transfer.get(msg.transfer_id) or self._failing.get(msg.transfer_id)
             if rx is not None and rx.conn in (None, peer.conn):
                 err = error_for(msg.code, f"prefill gave up: {msg.reason}")
                 self._fail(rx, err, notify=False, sent_layers=msg.sent_layers or ())
         elif isinstance(msg, wire.AbortAck):
+            if self._drains.on_sent(peer, msg.transfer_id, msg.sent_layers):
+                return
             rx = self._failing.get(msg.transfer_id)
-            if rx is not None:
+            if rx is not None and rx.conn is peer.conn:
                 self._drain(rx, msg.sent_layers)
         else:
             log.warning("unexpected %s from %s", type(msg).__name__, peer.conn.peer)
@@ -221,32 +243,41 @@ class KVReceiver:
             reason = f"KV layout hash {msg.compat_hash} (prefill) != {self._hash} (decode: {self._compat})"
         else:
             reason = ""
+        if not reason and peer.conn_id < 0:
+            conn_id = self._conn_ids.take()
+            if conn_id is None:
+                reason = f"more than {MAX_CONN_IDS} prefill connections at once"
+            else:
+                peer.conn_id = conn_id
         peer.accepted = not reason
-        self._send(peer.conn, wire.HelloReply(ok=peer.accepted, reason=reason))
-
-    def _reject(self, peer: PrefillConn, msg: wire.Open, code: FailureReason, reason: str) -> None:
-        self._send(peer.conn, wire.OpenReply(msg.transfer_id, ok=False, code=code.value, reason=reason))
+        self._send(peer.conn, wire.HelloReply(ok=peer.accepted, reason=reason, conn_id=max(peer.conn_id, 0)))
 
     def _on_open(self, peer: PrefillConn, msg: wire.Open) -> None:
-        if not peer.accepted:
-            return self._reject(peer, msg, FailureReason.INCOMPATIBLE, "connection failed its handshake")
+        earlier = peer.drains.get(msg.transfer_id)
+        if not peer.accepted or (earlier and not earlier.drained) or not self._drains.plausible(msg.segments):
+            # A well-behaved sender opens only after an accepted handshake, with a plan that fits
+            # the ticket, and opens a refused transfer again only after its AbortAck. Its data
+            # cannot be drained safely: drop it all.
+            log.warning("closing connection from %s: protocol violation in Open", peer.conn.peer)
+            peer.conn.close()
+            return
         rx = self._by_transfer.get(msg.transfer_id)
+        if rx is not None and rx.conn is peer.conn:
+            log.warning("closing connection from %s: Open twice for one transfer", peer.conn.peer)
+            peer.conn.close()
+            return
         if rx is None or rx.request_id != msg.request_id:
             ended = self._ended.get(msg.transfer_id, ("", None))[1]
             code = ended.reason if ended is not None else FailureReason.REJECTED
             why = str(ended) if ended is not None else "unknown or expired transfer"
-            return self._reject(peer, msg, code, why)
+            return self._refuse(peer, msg, code, why)
         if rx.state is not RxState.RESERVED:
-            return self._reject(peer, msg, FailureReason.REJECTED, f"transfer already {rx.state.value}")
+            return self._refuse(peer, msg, FailureReason.REJECTED, f"transfer already {rx.state.value}")
         try:
             segments = build_segments(msg.segments, None, rx.blocks)
         except ValueError as exc:
-            self._reject(peer, msg, FailureReason.REJECTED, str(exc))
             self._fail(rx, RejectedError(f"malformed Open: {exc}"), notify=False)
-            return
-        # Answer first: the receives are posted below in this same callback, before any
-        # data can be matched, and data that comes early waits in UCX (rendezvous: no copy).
-        self._send(peer.conn, wire.OpenReply(msg.transfer_id, ok=True))
+            return self._refuse(peer, msg, FailureReason.REJECTED, str(exc))
         loop = asyncio.get_running_loop()
         rx.conn, rx.peer = peer.conn, peer
         peer.transfers.add(rx)
@@ -254,26 +285,32 @@ class KVReceiver:
         rx.opened_at = loop.time()
         num_layers = self._compat.num_layers
         rx.pending = [len(segments)] * num_layers
+        base = tag_base(rx.transfer_id, peer.conn_id)
+        spans, unit, recv = self._spans, self._spans.block_bytes, peer.conn.recv_data
         for layer in range(num_layers):
             ops = rx.ops[layer] = []
             for seg in segments:
-                dst = span(self._kv, layer, seg.dst_start, seg.num_blocks)  # [n, 2, B, Hkv, D]
-                op = peer.conn.recv_data(dst, data_tag(rx.transfer_id, layer, seg.index))
+                dst = spans.span(layer, seg.dst_start, seg.num_blocks)
+                done = partial(self._landed, rx, layer, seg.num_blocks * unit)
                 rx.unsettled += 1
-                op.future.add_done_callback(partial(self._landed, rx, layer, seg.num_blocks))
-                ops.append(op)
+                ops.append(recv(dst, base | layer_tag(layer, seg.index), done))
+
+    def _refuse(self, peer: PrefillConn, msg: wire.Open, code: FailureReason, reason: str) -> None:
+        """Receive whatever the sender already pushed into scratch memory, then tell it to stop."""
+        self._drains.start(peer, msg.transfer_id, msg.segments)
+        self._send(peer.conn, wire.Abort(msg.transfer_id, code.value, f"decode refused: {reason}"))
 
     def _on_close(self, peer: PrefillConn, exc: Exception | None) -> None:
         for rx in list(peer.transfers):
             self._fail(rx, PeerDiedError(f"prefill peer died: {exc}"), notify=False)
         peer.transfers.clear()
+        self._drains.close(peer)
+        self._conn_ids.release(peer.conn_id)
 
     # -- data --------------------------------------------------------------
-    def _landed(self, rx: Reservation, layer: int, num_blocks: int, fut: asyncio.Future[None]) -> None:
+    def _landed(self, rx: Reservation, layer: int, n: int, exc: TransferError | None) -> None:
         rx.unsettled -= 1
-        exc = fut.exception()
         if exc is None:
-            n = num_blocks * block_bytes(self._kv)
             rx.bytes += n
             self.metrics.add_bytes(n)
             if rx.state is RxState.OPEN:
@@ -282,13 +319,13 @@ class KVReceiver:
                     rx.layers_done += 1
                     self._maybe_finish(rx)
         elif rx.state is RxState.OPEN:
-            err = exc if isinstance(exc, TransferError) else TransferError(str(exc))
-            self._fail(rx, err, notify=True)
+            self._fail(rx, exc, notify=True)
         self._maybe_free(rx)
 
     def _maybe_finish(self, rx: Reservation) -> None:
         if rx.layers_done < self._compat.num_layers or rx.first_token_id is None:
             return
+        self._send(rx.conn, wire.CompleteAck(rx.transfer_id))  # first: P waits for it
         rx.state = RxState.DONE
         self._end(rx, None)
         seconds = asyncio.get_running_loop().time() - rx.opened_at
@@ -299,7 +336,6 @@ class KVReceiver:
                 rx.request_id, rx.first_token_id, tuple(rx.blocks), rx.num_tokens, rx.bytes, seconds
             )
         )
-        self._send(rx.conn, wire.CompleteAck(rx.transfer_id))
 
     # -- failure and cleanup -----------------------------------------------
     def _end(self, rx: Reservation, err: TransferError | None) -> None:

@@ -1,10 +1,12 @@
-"""The decode side's record of one reservation (state only; receiver.py acts on it)."""
+"""The decode side's records: reservations, refused Opens being drained, connections (state only;
+receiver.py and drain.py act on them)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from kv_transfer.transport import Connection, DataOp
 
@@ -52,9 +54,48 @@ class Reservation:
 
 
 @dataclass(eq=False)
+class Drain:
+    """A refused Open: what its sender pushes lands in scratch memory, never in KV blocks.
+
+    Lives until every posted receive settled: the sender's ``AbortAck`` (or its
+    own ``Abort``) says which layers it sent, the rest are cancelled.
+    """
+
+    transfer_id: int
+    scratch: Any  # the receives' buffer, alive while they may write it
+    ops: dict[int, list[DataOp]] = field(default_factory=dict)  # layer -> receives
+    unsettled: int = 0
+    drained: bool = False
+    grace: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False)
 class PrefillConn:
     """One prefill connection and the transfers opened on it."""
 
     conn: Connection
     accepted: bool = False
+    conn_id: int = -1  # the id in this connection's data tags, once the handshake is done
     transfers: set[Reservation] = field(default_factory=set)
+    drains: dict[int, Drain] = field(default_factory=dict)  # transfer id -> refused Open
+
+
+class ConnIds:
+    """Ids for live prefill connections, unique among them: they go in every data tag (plan.py)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used: set[int] = set()
+        self._next = 0
+
+    def take(self) -> int | None:
+        """A free id, or None when ``limit`` connections hold one."""
+        if len(self._used) >= self._limit:
+            return None
+        while self._next in self._used:
+            self._next = (self._next + 1) % self._limit
+        self._used.add(self._next)
+        return self._next
+
+    def release(self, conn_id: int) -> None:
+        self._used.discard(conn_id)

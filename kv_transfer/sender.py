@@ -6,9 +6,11 @@ until it breaks; a refused handshake is cached too (it would be refused again).
 
 Per transfer: check the ticket (version, hash, deadline, block count) before
 any data moves, send ``Open`` with the contiguous-run plan, and return a
-:class:`~kv_transfer.handle.SenderHandle` once the receiver has posted its
-receives. An incompatible ticket or peer raises IncompatibleError and tells
-the receiver, which frees its reservation at once rather than at its deadline.
+:class:`~kv_transfer.handle.SenderHandle` at once: layers go out as soon as
+they are pushed, without waiting for the receiver to answer ``Open`` (it
+answers only a refusal, with ``Abort``), so no round trip sits before the first
+layer. An incompatible ticket or peer raises IncompatibleError and tells the
+receiver, which frees its reservation at once rather than at its deadline.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from kv_transfer import wire
 from kv_transfer.config import TransferConfig
 from kv_transfer.errors import DeadlineError, IncompatibleError, PeerDiedError, TransferError
 from kv_transfer.handle import HandleState, SenderHandle
-from kv_transfer.kvbuf import check_kv
+from kv_transfer.kvbuf import KVSpans, check_kv
 from kv_transfer.metrics import Role, TransferMetrics
-from kv_transfer.plan import build_segments, segment_lengths
+from kv_transfer.plan import MAX_LAYERS, build_segments, segment_lengths
 from kv_transfer.transport import Connection, Transport, make_transport
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class _Peer:
     conn: Connection | None = None
     accepted: bool = False
     reason: str = ""
+    conn_id: int = 0  # the receiver's id for this connection, part of every data tag
     hello_reply: asyncio.Future[wire.HelloReply] | None = None
     handshake: asyncio.Task[None] | None = None
     handles: dict[int, SenderHandle] = field(default_factory=dict)
@@ -59,7 +62,10 @@ class KVSender:
         name: str = "prefill",
     ) -> None:
         check_kv(kv, compat)
+        if compat.num_layers > MAX_LAYERS:
+            raise ValueError(f"{compat.num_layers} layers exceed the tag layout's {MAX_LAYERS}")
         self.kv = kv
+        self.spans = KVSpans(kv)
         self.compat = compat
         self.config = config or TransferConfig()
         self.metrics = TransferMetrics(Role.PREFILL, registry)
@@ -73,7 +79,8 @@ class KVSender:
 
         Returns once ``Open`` is sent; a refusal by the receiver (expired or
         aborted reservation) surfaces as the handle's error, raised by ``complete``.
-        Incompatibility, a past deadline or an unreachable peer raise here.
+        Incompatibility, a past deadline or an unreachable peer raise here, and
+        so does a ticket that already has a live transfer from this sender.
         """
         if not isinstance(ticket, wire.TransferTicket):
             ticket = wire.TransferTicket.decode(bytes(ticket))
@@ -100,8 +107,10 @@ class KVSender:
             )
         elif ticket.compat_hash != self._hash:
             incompatible = f"KV layout hash {ticket.compat_hash} (decode) != {self._hash} ({self.compat})"
+        peer = self._ready_peer(ticket.address)
         try:
-            peer = await asyncio.wait_for(self._connect(ticket.address), remaining)
+            if peer is None:
+                peer = await asyncio.wait_for(self._connect(ticket.address), remaining)
         except TimeoutError:
             self.metrics.transfer_failed(DeadlineError.reason)
             raise DeadlineError(f"deadline passed connecting to {ticket.address}") from None
@@ -112,6 +121,8 @@ class KVSender:
             raise
         if not incompatible and not peer.accepted:
             incompatible = peer.reason
+        if ticket.transfer_id in peer.handles:  # its tags would collide with the live transfer's
+            raise ValueError(f"ticket of {ticket.request_id!r} is already being transferred")
         if incompatible:
             refused = IncompatibleError(incompatible)
             # Nothing was sent; the receiver can free now instead of at its deadline.
@@ -144,6 +155,13 @@ class KVSender:
         self._peers.clear()
 
     # -- connections -------------------------------------------------------
+    def _ready_peer(self, address: str) -> _Peer | None:
+        """The handshaken, live connection to ``address``, without a trip through the loop."""
+        peer = self._peers.get(address)
+        if peer is None or not peer.ready.done() or peer.ready.exception() is not None:
+            return None
+        return peer if peer.conn is not None and peer.conn.alive else None
+
     async def _connect(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is None or (peer.ready.done() and (peer.conn is None or not peer.conn.alive)):
@@ -181,7 +199,7 @@ class KVSender:
             peer.ready.set_exception(err)
             peer.ready.exception()  # retrieved here; waiters get it through shield
             return
-        peer.accepted, peer.reason = reply.ok, reply.reason
+        peer.accepted, peer.reason, peer.conn_id = reply.ok, reply.reason, reply.conn_id
         peer.ready.set_result(None)
 
     def send(self, peer: _Peer, msg: wire.Message) -> None:
@@ -209,10 +227,7 @@ class KVSender:
                 peer.hello_reply.set_result(msg)
             return
         handle = peer.handles.get(getattr(msg, "transfer_id", -1))
-        if isinstance(msg, wire.OpenReply):
-            if handle is not None:
-                handle.on_open_reply(msg)
-        elif isinstance(msg, wire.CompleteAck):
+        if isinstance(msg, wire.CompleteAck):
             if handle is not None and not handle.complete_ack.done():
                 handle.complete_ack.set_result(None)
         elif isinstance(msg, wire.Abort):

@@ -5,14 +5,22 @@ A transport moves two things over a connection between a prefill worker
 - control messages: small byte strings, delivered in order to a handler;
 - data: tagged buffers. ``recv_data`` posts a receive straight into a KV
   span; ``send_data`` sends a KV span; the receive whose tag matches gets it.
-  Tag matching is per receiving process, not per connection, as in UCX.
+  Tag matching is per receiving process, not per connection, as in UCX, and a
+  message may arrive before its receive is posted: it waits for it.
 
-Every data operation returns a :class:`DataOp` whose future resolves when the
-buffer may be reused (send) or holds the data (receive), or fails with a
-:class:`~kv_transfer.errors.TransferError`. ``cancel`` asks to stop; the future
-still resolves, and only then is the buffer free of the transport (a receive
-that already matched finishes writing first). Receivers rely on this to free
-KV blocks only after the last write into them.
+Every data operation takes an ``on_done`` callback, called exactly once on the
+event loop thread (never from inside ``send_data``/``recv_data``) when the
+buffer may be reused (send) or holds the data (receive), with None, or with the
+:class:`~kv_transfer.errors.TransferError` that ended it. A callback instead of
+a future: a transfer runs hundreds of these, and each future costs an extra
+loop iteration. ``DataOp.cancel`` asks to stop; ``on_done`` still comes, and
+only then is the buffer free of the transport (a receive that already matched
+finishes writing first). Receivers rely on this to free KV blocks only after
+the last write into them.
+
+Buffers are contiguous 1-D uint8 views: numpy arrays for host memory (slicing
+them costs a fraction of a torch view, see ``kvbuf.KVSpans``), torch tensors
+for device memory.
 
 Handlers run on the event loop thread. A broken connection calls ``on_close``
 with the error exactly once and fails every pending operation on it.
@@ -20,23 +28,25 @@ with the error exactly once and fails every pending operation on it.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from kv_transfer.config import Backend, TransferConfig
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+    from kv_transfer.errors import TransferError
+
+    Buffer = np.ndarray | torch.Tensor
 
 MessageHandler = Callable[[bytes], None]
 CloseHandler = Callable[[Exception | None], None]
+DoneCallback = Callable[["TransferError | None"], None]
 
 
 class DataOp(Protocol):
-    @property
-    def future(self) -> asyncio.Future[None]: ...
-
     def cancel(self) -> None: ...
 
 
@@ -57,11 +67,11 @@ class Connection(Protocol):
         caller learns. Raises PeerDiedError if the connection is already closed.
         """
 
-    def send_data(self, buf: torch.Tensor, tag: int) -> DataOp:
-        """Send a contiguous tensor (any dtype) as raw bytes."""
+    def send_data(self, buf: Buffer, tag: int, on_done: DoneCallback) -> DataOp:
+        """Send a contiguous uint8 buffer."""
 
-    def recv_data(self, buf: torch.Tensor, tag: int) -> DataOp:
-        """Receive raw bytes into a contiguous tensor of exactly the sent size."""
+    def recv_data(self, buf: Buffer, tag: int, on_done: DoneCallback) -> DataOp:
+        """Receive into a contiguous uint8 buffer of exactly the sent size."""
 
     def close(self) -> None:
         """Close abruptly: pending operations fail, the peer sees the connection break."""

@@ -31,13 +31,12 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import torch
 
 from kv_transfer.config import TransferConfig, apply_ucx_env_defaults
 from kv_transfer.errors import PeerDiedError, TransferError
 from kv_transfer.kvbuf import as_bytes
 from kv_transfer.plan import MAX_TRANSFER_ID
-from kv_transfer.transport import CloseHandler, Connection, MessageHandler
+from kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +99,10 @@ class _Runtime:
 _runtime = _Runtime()
 
 
-def _ucx_buffer(ucxx: Any, t: torch.Tensor) -> Any:
-    raw = as_bytes(t)  # [nbytes]
+def _ucx_buffer(ucxx: Any, buf: Any) -> Any:
+    if isinstance(buf, np.ndarray):  # host memory, from kvbuf.KVSpans: the hot path
+        return ucxx._lib.arr.Array(buf)
+    raw = as_bytes(buf)  # [nbytes]
     # Host memory goes through numpy's buffer protocol; device memory through __cuda_array_interface__.
     return ucxx._lib.arr.Array(raw.numpy() if raw.device.type == "cpu" else raw)
 
@@ -109,34 +110,36 @@ def _ucx_buffer(ucxx: Any, t: torch.Tensor) -> Any:
 class _UcxOp:
     """One tagged send or receive. Holds the ucxx request, and so the operation, alive."""
 
-    def __init__(self, conn: UcxConnection, request: Any, keep: torch.Tensor) -> None:
-        self.future: asyncio.Future[None] = conn.loop.create_future()
+    __slots__ = ("_conn", "_request", "_keep", "_on_done")
+
+    def __init__(self, conn: UcxConnection, request: Any, keep: Any, on_done: DoneCallback) -> None:
         self._conn = conn
         self._request = request
-        self._ucx_future = request.future
-        self._keep: torch.Tensor | None = keep
-        self._ucx_future.add_done_callback(self._done)
+        self._keep = keep  # the buffer, until UCX is done with it
+        self._on_done: DoneCallback | None = on_done
+        # ucxx's notifier sets this future on the loop; the callback then runs one iteration later.
+        request.future.add_done_callback(self._done)
 
     def _done(self, fut: asyncio.Future[Any]) -> None:
         self._request = self._keep = None
-        if self.future.done():
+        on_done, self._on_done = self._on_done, None
+        if on_done is None:
             return
-        exc = TransferError("cancelled") if fut.cancelled() else fut.exception()
-        if exc is None:
-            self.future.set_result(None)
-        else:
-            self.future.set_exception(self._conn.translate(exc))
+        if fut.cancelled():
+            on_done(TransferError("cancelled"))
+            return
+        exc = fut.exception()
+        on_done(None if exc is None else self._conn.translate(exc))
 
     def cancel(self) -> None:
-        # ucxx cancels a request when its last Python reference goes; the future
-        # still resolves: cancelled, or completed if the data was already moving.
+        # ucxx cancels a request when its last Python reference goes; on_done still
+        # comes: cancelled, or completed if the data was already moving.
         self._request = None
 
 
 class _FailedOp:
-    def __init__(self, loop: asyncio.AbstractEventLoop, exc: Exception) -> None:
-        self.future: asyncio.Future[None] = loop.create_future()
-        self.future.set_exception(exc)
+    def __init__(self, loop: asyncio.AbstractEventLoop, exc: TransferError, on_done: DoneCallback) -> None:
+        loop.call_soon(on_done, exc)
 
     def cancel(self) -> None:
         pass
@@ -154,7 +157,7 @@ class UcxConnection:
         self._on_message: MessageHandler | None = None
         self._on_close: CloseHandler | None = None
         self._backlog: list[bytes] = []
-        self._reader: asyncio.Task[None] | None = None
+        self._am_request: Any = None  # the posted receive of the next control message
         self._outbox: dict[int, tuple[Any, np.ndarray]] = {}
         ep.set_close_callback(self._close_callback)
 
@@ -167,7 +170,7 @@ class UcxConnection:
         return self._alive
 
     def start(self) -> None:
-        self._reader = self.loop.create_task(self._read_loop())
+        self._post_am_recv()
 
     def set_handlers(self, on_message: MessageHandler, on_close: CloseHandler) -> None:
         self._on_message, self._on_close = on_message, on_close
@@ -175,19 +178,30 @@ class UcxConnection:
         for payload in backlog:
             on_message(payload)
 
-    async def _read_loop(self) -> None:
+    # Control messages are read with a callback, not a reader task: a task costs one more
+    # loop iteration per message, and Open and CompleteAck sit on a transfer's critical path.
+    def _post_am_recv(self) -> None:
         try:
-            while self._alive:
-                buf = await self._ep.am_recv()
-                payload = bytes(buf)
-                if self._on_message is None:
-                    self._backlog.append(payload)
-                else:
-                    self._on_message(payload)
-        except asyncio.CancelledError:
-            raise
+            self._am_request = self._ep._ep.am_recv()
         except Exception as exc:
             self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"))
+            return
+        self._am_request.future.add_done_callback(self._am_received)
+
+    def _am_received(self, fut: asyncio.Future[Any]) -> None:
+        request, self._am_request = self._am_request, None
+        if not self._alive:
+            return
+        exc = TransferError("cancelled") if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"))
+            return
+        payload = bytes(request.recv_buffer)
+        self._post_am_recv()
+        if self._on_message is None:
+            self._backlog.append(payload)
+        else:
+            self._on_message(payload)
 
     def _close_callback(self) -> None:
         # Runs on the UCX progress thread.
@@ -211,8 +225,8 @@ class UcxConnection:
         buf = np.frombuffer(payload, dtype=np.uint8)
         _runtime.refill_futures()
         try:
-            # Submitted here, not in a task: the reply to a control message is often
-            # the critical path (Open -> OpenReply), and a task costs a loop iteration.
+            # Submitted here, not in a task: a control message is often on the
+            # critical path (Complete -> CompleteAck), and a task costs a loop iteration.
             request = self._ep._ep.am_send(self._ucxx._lib.arr.Array(buf))
         except Exception as exc:
             self._broken(self.translate(exc))
@@ -227,28 +241,31 @@ class UcxConnection:
         if exc is not None:
             self._broken(PeerDiedError(f"control message to {self._peer} failed: {exc}"))
 
-    def send_data(self, buf: torch.Tensor, tag: int) -> _UcxOp | _FailedOp:
+    def send_data(self, buf: Any, tag: int, on_done: DoneCallback) -> _UcxOp | _FailedOp:
         if not self._alive:
-            return _FailedOp(self.loop, PeerDiedError(f"connection to {self._peer} is closed"))
-        tags = self._ucxx.types
+            return _FailedOp(self.loop, PeerDiedError(f"connection to {self._peer} is closed"), on_done)
+        ucxx = self._ucxx
         _runtime.refill_futures()
         try:
-            request = self._data_ep._ep.tag_send(_ucx_buffer(self._ucxx, buf), tags.Tag(tag))
+            request = self._data_ep._ep.tag_send(_ucx_buffer(ucxx, buf), ucxx.types.Tag(tag))
         except Exception as exc:  # the endpoint failed under us: same as a failed send
-            return _FailedOp(self.loop, self.translate(exc))
-        return _UcxOp(self, request, buf)
+            return _FailedOp(self.loop, self.translate(exc), on_done)
+        return _UcxOp(self, request, buf, on_done)
 
-    def recv_data(self, buf: torch.Tensor, tag: int) -> _UcxOp | _FailedOp:
+    def recv_data(self, buf: Any, tag: int, on_done: DoneCallback) -> _UcxOp | _FailedOp:
         if not self._alive:
-            return _FailedOp(self.loop, PeerDiedError(f"connection to {self._peer} is closed"))
-        tags = self._ucxx.types
+            return _FailedOp(self.loop, PeerDiedError(f"connection to {self._peer} is closed"), on_done)
+        ucxx = self._ucxx
         _runtime.refill_futures()
-        # Matching is per worker: this also receives what the peer sends on its data endpoint.
+        # Matching is per worker: this also receives what the peer sends on its data endpoint,
+        # and messages that arrived before this receive was posted.
         try:
-            request = self._ep._ep.tag_recv(_ucx_buffer(self._ucxx, buf), tags.Tag(tag), tags.TagMaskFull)
+            request = self._ep._ep.tag_recv(
+                _ucx_buffer(ucxx, buf), ucxx.types.Tag(tag), ucxx.types.TagMaskFull
+            )
         except Exception as exc:
-            return _FailedOp(self.loop, self.translate(exc))
-        return _UcxOp(self, request, buf)
+            return _FailedOp(self.loop, self.translate(exc), on_done)
+        return _UcxOp(self, request, buf, on_done)
 
     def close(self) -> None:
         self._broken(PeerDiedError(f"connection to {self._peer} closed locally"))
@@ -257,8 +274,7 @@ class UcxConnection:
         if not self._alive:
             return
         self._alive = False
-        if self._reader is not None and self._reader is not asyncio.current_task():
-            self._reader.cancel()
+        self._am_request = None  # dropping it cancels the receive
         # Aborting cancels every request still in flight on the endpoints.
         for ep in {id(self._data_ep): self._data_ep, id(self._ep): self._ep}.values():
             try:

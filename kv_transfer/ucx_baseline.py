@@ -5,10 +5,15 @@ It uses ucxx through :mod:`kv_transfer.ucx`'s runtime (which owns the only
 handling, optional shared-memory data endpoint), so a comparison isolates the
 cost of pdserve's protocol. One message of N bytes is answered by a one-byte
 ack; connections and buffers are made once and reused, like pdserve's.
+
+``count > 1`` splits the same bytes into that many messages, all posted at
+once and answered by one ack: what plain ucxx pays for as many messages as
+pdserve sends (one per layer and contiguous run), a reference, not the baseline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -18,10 +23,21 @@ from kv_transfer.config import TransferConfig
 from kv_transfer.ucx import _CLOSE_PERIOD_NS, UcxTransport, parse_address
 
 
-def _tags(nbytes: int) -> tuple[int, int]:
-    # Tag matching is per worker: every message size gets its own pair, or a receive
+def _tags(nbytes: int, count: int = 1) -> tuple[list[int], int]:
+    # Tag matching is per worker: every message size gets its own tags, or a receive
     # still posted for another size would take the message.
-    return (0x5EED << 44) | nbytes, (0xACC << 44) | nbytes
+    if count == 1:
+        return [(0x5EED << 44) | nbytes], (0xACC << 44) | nbytes
+    if not 1 < count <= 256 or nbytes >= 1 << 44:
+        raise ValueError(f"cannot split {nbytes} bytes into {count} messages")
+    data = [(0x5 << 60) | ((count - 1) << 52) | (i << 44) | nbytes for i in range(count)]
+    return data, (0xACD << 44) | nbytes
+
+
+def _split(buf: np.ndarray, count: int) -> list[np.ndarray]:
+    """``count`` consecutive slices covering ``buf`` (the last one takes the remainder)."""
+    step = len(buf) // count
+    return [buf[i * step : (i + 1) * step if i < count - 1 else len(buf)] for i in range(count)]
 
 
 class RawBaseline:
@@ -29,7 +45,7 @@ class RawBaseline:
         self._transport = UcxTransport(config)  # holds the ucxx runtime
         self._ucxx = self._transport.ucxx
         self._config = config
-        self._listeners: dict[int, Any] = {}  # nbytes -> listener
+        self._listeners: dict[tuple[int, int], Any] = {}  # (nbytes, count) -> listener
         self._clients: dict[str, tuple[Any, Any]] = {}  # address -> (control ep, data ep)
         self._server_eps: list[Any] = []
         self._buffers: dict[tuple[str, int], np.ndarray] = {}
@@ -42,14 +58,14 @@ class RawBaseline:
             )  # touched: no page faults later
         return buf
 
-    async def serve(self, nbytes: int) -> str:
-        """Listen for one client sending messages of ``nbytes``; returns its address."""
-        listener = self._listeners.get(nbytes)
+    async def serve(self, nbytes: int, count: int = 1) -> str:
+        """Listen for one client sending ``nbytes`` in ``count`` messages; returns its address."""
+        listener = self._listeners.get((nbytes, count))
         if listener is None:
             buf = self._buffer("recv", nbytes)
             worker_address = bytes(self._ucxx.get_worker_address())
-
-            data_tag, ack_tag = _tags(nbytes)
+            data_tags, ack_tag = _tags(nbytes, count)
+            parts = _split(buf, count)
 
             async def handler(ep: Any) -> None:
                 self._server_eps.append(ep)
@@ -57,12 +73,16 @@ class RawBaseline:
                 ack = np.zeros(1, dtype=np.uint8)
                 try:
                     while True:
-                        await ep.recv(buf, tag=data_tag, force_tag=True)
+                        if count == 1:
+                            await ep.recv(buf, tag=data_tags[0], force_tag=True)
+                        else:
+                            pairs = zip(parts, data_tags, strict=True)
+                            await asyncio.gather(*(ep.recv(b, tag=t, force_tag=True) for b, t in pairs))
                         await ep.send(ack, tag=ack_tag, force_tag=True)
                 except Exception:  # the client went away: this baseline is over
                     return
 
-            listener = self._listeners[nbytes] = self._ucxx.create_listener(handler, port=0)
+            listener = self._listeners[(nbytes, count)] = self._ucxx.create_listener(handler, port=0)
         return f"ucx://{self._config.host}:{listener.port}"
 
     async def _client(self, address: str) -> tuple[Any, Any]:
@@ -80,16 +100,22 @@ class RawBaseline:
             eps = self._clients[address] = (ep, data_ep)
         return eps
 
-    async def run(self, address: str, nbytes: int, reps: int) -> list[float]:
-        """Seconds per message (send to ack) for ``reps`` messages of ``nbytes``."""
+    async def run(self, address: str, nbytes: int, reps: int, count: int = 1) -> list[float]:
+        """Seconds per round (send to ack) for ``reps`` rounds of ``nbytes`` in ``count`` messages."""
         ep, data_ep = await self._client(address)
         src = self._buffer("send", nbytes)
+        parts = _split(src, count)
         ack = np.zeros(1, dtype=np.uint8)
-        data_tag, ack_tag = _tags(nbytes)
+        data_tags, ack_tag = _tags(nbytes, count)
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            await data_ep.send(src, tag=data_tag, force_tag=True)
+            if count == 1:
+                await data_ep.send(src, tag=data_tags[0], force_tag=True)
+            else:
+                await asyncio.gather(
+                    *(data_ep.send(b, tag=t, force_tag=True) for b, t in zip(parts, data_tags, strict=True))
+                )
             await ep.recv(ack, tag=ack_tag, force_tag=True)
             times.append(time.perf_counter() - t0)
         return times

@@ -7,14 +7,20 @@ Two kinds of bytes cross a process boundary:
   KV data itself moves as raw tagged buffers, never through msgspec.
 
 Control conversation on one connection (prefill P -> decode D):
-    P: Hello          D: HelloReply        once per connection (version + hash)
-    P: Open           D: OpenReply         per transfer; D posts every receive as it answers
+    P: Hello          D: HelloReply        once per connection (version + hash); D names the
+                                           connection (``conn_id``, part of every data tag)
+    P: Open                                per transfer; P pushes data right after it without
+                                           waiting: D posts the receives when Open arrives, and
+                                           UCX holds any data that came first
     (data: one tagged message per layer and contiguous segment)
     P: Complete       D: CompleteAck       first token id, sent once every layer is issued;
                                            D acks once every layer has also landed
     P: Abort(sent layers)                  P gives up; D keeps the receives of sent layers
-    D: Abort          P: AbortAck(sent)    D gives up; P stops and says what it had sent,
-                                           so D knows which receives may still be written
+    D: Abort          P: AbortAck(sent)    D gives up, or refuses an Open (expired, aborted,
+                                           unknown, malformed): then D receives whatever P
+                                           pushed into scratch memory, never into KV blocks.
+                                           P stops and says what it had sent, so D knows
+                                           which receives may still be written
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import msgspec
 from kv_transfer.errors import IncompatibleError
 
 # Bump on any change to these messages or to the tag layout (plan.py).
-PROTOCOL_VERSION = 1
+# 2: data follows Open without waiting for a reply (no OpenReply); connection id in tags.
+PROTOCOL_VERSION = 2
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -86,19 +93,13 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     ok: bool
     reason: str = ""
+    conn_id: int = 0  # the receiver's id for this connection, in every data tag (plan.py)
 
 
 class Open(msgspec.Struct, frozen=True, tag="open"):
     transfer_id: int
     request_id: str
     segments: tuple[int, ...]  # run lengths in blocks, contiguous on both sides (plan.py)
-
-
-class OpenReply(msgspec.Struct, frozen=True, tag="open_reply"):
-    transfer_id: int
-    ok: bool
-    code: str = ""  # FailureReason value when not ok
-    reason: str = ""
 
 
 class Complete(msgspec.Struct, frozen=True, tag="complete"):
@@ -111,7 +112,10 @@ class CompleteAck(msgspec.Struct, frozen=True, tag="complete_ack"):
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
-    """Either side gives up. From P, ``sent_layers`` lists layers whose data was sent."""
+    """Either side gives up (D also refuses an Open this way).
+
+    From P, ``sent_layers`` lists layers whose data was sent.
+    """
 
     transfer_id: int
     code: str  # FailureReason value
@@ -124,7 +128,7 @@ class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):
     sent_layers: tuple[int, ...]
 
 
-Message = Hello | HelloReply | Open | OpenReply | Complete | CompleteAck | Abort | AbortAck
+Message = Hello | HelloReply | Open | Complete | CompleteAck | Abort | AbortAck
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

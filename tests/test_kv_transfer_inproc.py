@@ -25,6 +25,7 @@ from kv_transfer import (
     KVReceiver,
     KVSender,
     PeerDiedError,
+    RejectedError,
     TransferConfig,
     compat_for,
 )
@@ -435,6 +436,112 @@ def test_push_layer_misuse_is_reported() -> None:
         with pytest.raises(AbortedError):
             await rx.wait("r")
         await settle(dec)
+        await tx.close()
+        await rx.close()
+
+    run(main)
+    dec.leak_check()
+    pre.leak_check()
+
+
+def test_data_pushed_into_a_refused_open_never_touches_blocks() -> None:
+    """The sender pushes right after Open; a refused Open's data lands in scratch memory,
+    and both sides finish at once (no settle timeout), freeing everything."""
+    dec, pre = make_side(), make_side(seed=14)
+
+    async def main() -> None:
+        registry = CollectorRegistry()
+        rx = await start_receiver(dec)
+        tx = KVSender(pre.kv, compat_for(pre.kv, "tiny"), CONFIG, registry=registry)
+        ticket = rx.reserve("old", 4 * B)
+        dec.blocks.allocate("filler", (N - 4) * B)
+        assert rx.abort("old", "client cancelled")  # before Open: the blocks are free at once
+        new = rx.reserve("new", 4 * B)
+        assert sorted(new.block_ids) == sorted(ticket.block_ids)
+        dec.kv[:, list(new.block_ids)] = 7.0
+        src = pre.blocks.allocate("old", 4 * B)
+        handle = await tx.open(ticket, src)
+        for layer in range(L):  # all sent before the receiver even sees Open
+            handle.push_layer(layer)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(AbortedError, match="client cancelled"):
+            await handle.complete(1)
+        assert loop.time() - t0 < CONFIG.settle_timeout_s, "the refused sends waited for a timeout"
+        sent = registry.get_sample_value("pdserve_kv_transfer_bytes_total", {"role": "prefill"})
+        assert sent and sent > 0, "no data left P: the refusal path was not exercised"
+        assert bool((dec.kv[:, list(new.block_ids)] == 7.0).all())
+        for _ in range(100):  # the drain goes once the sender said what it sent
+            if not rx.draining:
+                break
+            await asyncio.sleep(0.01)
+        assert rx.draining == 0
+        rx.abort("new")
+        dec.blocks.free("filler")
+        pre.blocks.free("old")
+        await settle(dec)
+        await tx.close()
+        await rx.close()
+
+    run(main)
+    dec.leak_check()
+    pre.leak_check()
+
+
+def test_one_ticket_two_senders_only_the_first_writes() -> None:
+    """Data carries the sending connection's id: a second sender of the same ticket is
+    refused and none of its bytes reach the blocks, even though it pushes at once."""
+    dec, pre_a, pre_b = make_side(), make_side(seed=15), make_side(seed=16)
+
+    async def main() -> None:
+        rx = await start_receiver(dec)
+        tx_a = KVSender(pre_a.kv, compat_for(pre_a.kv, "tiny"), CONFIG)
+        tx_b = KVSender(pre_b.kv, compat_for(pre_b.kv, "tiny"), CONFIG)
+        ticket = rx.reserve("r", 30)
+        src_a, src_b = pre_a.blocks.allocate("r", 30), pre_b.blocks.allocate("r", 30)
+        handle_a = await tx_a.open(ticket, src_a)
+        push_from_thread(handle_a, range(2))
+        for _ in range(100):
+            if rx.layers_received("r") == 2:
+                break
+            await asyncio.sleep(0.01)
+        handle_b = await tx_b.open(ticket, src_b)
+        push_from_thread(handle_b, range(L))
+        with pytest.raises(RejectedError, match="already open"):
+            await handle_b.complete(2)
+        push_from_thread(handle_a, range(2, L))
+        await handle_a.complete(1)
+        result = await rx.wait("r")
+        assert same_bytes(dec.kv[:, list(result.block_ids)], pre_a.kv[:, src_a])
+        dec.blocks.free("r")
+        pre_a.blocks.free("r")
+        pre_b.blocks.free("r")
+        await tx_a.close()
+        await tx_b.close()
+        await rx.close()
+
+    run(main)
+    dec.leak_check()
+    pre_a.leak_check()
+    pre_b.leak_check()
+
+
+def test_same_ticket_twice_on_one_sender_is_refused_locally() -> None:
+    dec, pre = make_side(), make_side(seed=17)
+
+    async def main() -> None:
+        rx = await start_receiver(dec)
+        tx = KVSender(pre.kv, compat_for(pre.kv, "tiny"), CONFIG)
+        ticket = rx.reserve("r", 8)
+        src = pre.blocks.allocate("r", 8)
+        handle = await tx.open(ticket, src)
+        with pytest.raises(ValueError, match="already being transferred"):
+            await tx.open(ticket, src)
+        push_from_thread(handle, range(L))
+        await handle.complete(3)
+        assert (await rx.wait("r")).first_token_id == 3
+        dec.blocks.free("r")
+        pre.blocks.free("r")
         await tx.close()
         await rx.close()
 

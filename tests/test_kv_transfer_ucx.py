@@ -258,3 +258,45 @@ def test_abort_from_prefill(bf16: tuple[PeerProcess, ...]) -> None:
     assert_no_leak(decode, prefill)
     metrics = decode.call("metrics")
     assert 'pdserve_kv_transfer_failures_total{reason="aborted",role="decode"}' in metrics
+
+
+def test_refused_open_with_data_already_pushed(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+    """The sender pushes right after Open (no round trip): when the reservation is already
+    gone, its messages wait in UCX until the receiver refuses and drains them into scratch
+    memory. The sender learns at once (no settle timeout), and no KV block is written."""
+    decode, prefill = fresh
+    ticket = decode.call("reserve", request_id="refused", num_tokens=600)
+    assert decode.call("abort", request_id="refused", reason="client cancelled")
+    t0 = time.monotonic()
+    with pytest.raises(PeerCallError) as err:
+        prefill.call("transfer", ticket=ticket, seed=8, timeout=CALL_S)
+    assert err.value.kind == "AbortedError" and "client cancelled" in str(err.value)
+    assert time.monotonic() - t0 < CONFIG.settle_timeout_s, "the refused sends waited for a timeout"
+    assert decode.call("untouched", request_id="refused")
+    end = time.monotonic() + 5
+    while decode.call("blocks")["draining"]:
+        assert time.monotonic() < end, "the drain of the refused transfer never ended"
+        time.sleep(0.02)
+    assert_no_leak(decode, prefill)
+    transfer(decode, prefill, "after-refused", 600, seed=9)  # the connection is still good
+
+
+def test_second_sender_of_a_ticket_never_writes(bf16: tuple[PeerProcess, ...]) -> None:
+    """Data tags carry the receiver's id for the sending connection: a second sender holding
+    the same ticket is refused, and its bytes (pushed at once) never reach the blocks."""
+    decode, _, prefill = bf16
+    ticket = decode.call("reserve", request_id="twice", num_tokens=400)
+    first = prefill.submit("transfer", ticket=ticket, seed=10, first_token_id=11, layer_interval_s=0.05)
+    wait_progress(decode, "twice", 2)
+    with pytest.raises(PeerCallError) as err:
+        prefill.call("transfer", ticket=ticket, seed=99, sender_name="second", timeout=CALL_S)
+    assert err.value.kind == "RejectedError"
+    prefill.result(first, timeout=CALL_S)
+    assert decode.call("wait", request_id="twice")["first_token_id"] == 11
+    assert decode.call("verify", request_id="twice", seed=10), "the second sender's bytes landed"
+    assert decode.call("release", request_id="twice")
+    end = time.monotonic() + 5
+    while decode.call("blocks")["draining"]:
+        assert time.monotonic() < end, "the drain of the refused transfer never ended"
+        time.sleep(0.02)
+    assert_no_leak(decode, prefill)

@@ -18,7 +18,7 @@ from kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from kv_transfer.plan import build_segments, data_tag, segment_lengths, split_tag
+from kv_transfer.plan import build_segments, data_tag, layer_tag, segment_lengths, split_tag, tag_base
 
 COMPAT = wire.KVCompat("smollm2-135m", "bfloat16", 30, 3, 64, 16)
 
@@ -63,8 +63,8 @@ def test_control_messages_roundtrip() -> None:
     msgs: list[wire.Message] = [
         wire.Hello(1, "abc", "p0"),
         wire.HelloReply(False, "hash differs"),
+        wire.HelloReply(True, "", 200),
         wire.Open(7, "r", (3, 1, 2)),
-        wire.OpenReply(7, False, "deadline", "expired"),
         wire.Complete(7, 42),
         wire.CompleteAck(7),
         wire.Abort(7, "aborted", "client went away", (0, 1, 2)),
@@ -114,12 +114,15 @@ def test_build_segments_rejects_bad_plans() -> None:
 
 
 def test_tags_roundtrip_and_ranges() -> None:
-    for xid, layer, seg in [(1, 0, 0), ((1 << 31) - 1, 4095, (1 << 20) - 1), (77, 29, 3)]:
-        tag = data_tag(xid, layer, seg)
+    for xid, layer, seg, conn in [(1, 0, 0, 0), ((1 << 31) - 1, 255, (1 << 16) - 1, 255), (77, 29, 3, 5)]:
+        tag = data_tag(xid, layer, seg, conn)
         assert tag >> 63 == 1
-        assert split_tag(tag) == (xid, layer, seg)
-    assert len({data_tag(1, 0, 1), data_tag(1, 1, 0), data_tag(2, 0, 0)}) == 3
-    for bad in [(1 << 31, 0, 0), (1, 4096, 0), (1, 0, 1 << 20), (-1, 0, 0)]:
+        assert split_tag(tag) == (xid, layer, seg, conn)
+        assert tag_base(xid, conn) | layer_tag(layer, seg) == tag
+    # Every field tells messages apart, the sending connection included.
+    tags = {data_tag(1, 0, 1, 0), data_tag(1, 1, 0, 0), data_tag(2, 0, 0, 0), data_tag(1, 0, 1, 1)}
+    assert len(tags) == 4
+    for bad in [(1 << 31, 0, 0, 0), (1, 256, 0, 0), (1, 0, 1 << 16, 0), (-1, 0, 0, 0), (1, 0, 0, 256)]:
         with pytest.raises(ValueError):
             data_tag(*bad)
 
