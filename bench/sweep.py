@@ -579,7 +579,8 @@ def write_plots(
         strict=True,
     ):
         for label, s in doc["shapes"].items():
-            pts = [(p["rate"], 100 * (p.get(key) or 0.0)) for p in s["points"]]
+            # Skipped rates are not drawn: they were not measured.
+            pts = [(p["rate"], 100 * (p.get(key) or 0.0)) for p in s["points"] if not p.get("skipped")]
             ax.plot([r for r, _ in pts], [a for _, a in pts], marker="o", label=label)
         ax.axhline(100 * cfg.goal, color="grey", linestyle="--", linewidth=1)
         ax.set_xlabel("request rate (req/s)")
