@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -820,3 +821,54 @@ def run_from_args(args: argparse.Namespace, *, compare: bool, argv: Sequence[str
         return 1
     print(format_summary(doc), flush=True)
     return 0
+
+
+# ---- redrawing a finished run -------------------------------------------------------------------------
+
+
+def _record_from_dict(d: Mapping[str, Any]) -> RequestRecord:
+    return RequestRecord(
+        index=d["index"],
+        scheduled_time=d["scheduled_time"],
+        start_time=d["start_time"],
+        end_time=d["end_time"],
+        token_times=tuple(d["token_times"]),
+        token_counts=tuple(d["token_counts"]),
+        prompt_tokens=d["prompt_tokens"],
+        error=d["error"],
+        finish_reason=d.get("finish_reason", ""),
+        request_id=d.get("request_id", ""),
+    )
+
+
+def redraw(out_dir: Path) -> dict[str, Any]:
+    """Rescore and redraw a finished sweep/compare from its saved runs (no cluster, no requests)."""
+    name = "compare.json" if (out_dir / "compare.json").is_file() else "sweep.json"
+    doc = json.loads((out_dir / name).read_text())
+    records: dict[tuple[str, float], tuple[RequestRecord, ...]] = {}
+    for label, shape_doc in doc["shapes"].items():
+        for p in shape_doc["points"]:
+            if not p.get("skipped"):
+                run = json.loads((out_dir / p["result_file"]).read_text())
+                records[(label, p["rate"])] = tuple(_record_from_dict(r) for r in run["requests"])
+    c = doc["cluster"]
+    cfg = SweepConfig(
+        shapes=tuple(Shape.parse(label) for label in doc["shapes"]),
+        rates=tuple(doc["rates"]),
+        bench=BenchConfig(router="unset", slo=Slo(ttft_ms=doc["slo"]["ttft"], tpot_ms=doc["slo"]["tpot"])),
+        cluster=ClusterSpec(model=c["model"], dtype=c["dtype"], threads=c["threads"], pin_cpus=c["pin_cpus"]),
+        out_dir=out_dir,
+        goal=doc["goal_attainment"],
+        stop_below=doc["stop_below"],
+    )
+    doc["slo_scan"] = scan_slos(cfg, records)
+    doc["plots"] = write_plots(cfg, doc, records)
+    write_json(out_dir / name, doc)
+    return doc
+
+
+if __name__ == "__main__":
+    # python -m bench.sweep redraw DIR: the plots and SLO scan of a finished run, from its saved runs.
+    if len(sys.argv) != 3 or sys.argv[1] != "redraw":
+        sys.exit("usage: python -m bench.sweep redraw OUT_DIR")
+    print(format_summary(redraw(Path(sys.argv[2]))))

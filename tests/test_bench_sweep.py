@@ -24,6 +24,7 @@ import pytest
 from bench.arrivals import ArrivalConfig
 from bench.datasets import TokenSpace, WorkloadConfig
 from bench.metrics import RequestRecord, Slo
+from bench.report import json_safe
 from bench.serve import BenchConfig
 from bench.sweep import (
     ClusterSpec,
@@ -32,6 +33,7 @@ from bench.sweep import (
     attainment_split,
     find_goodput,
     format_summary,
+    redraw,
     run_sweep,
 )
 from router.cluster import choose_cpus, format_cpu_list, parse_cpu_list
@@ -272,6 +274,12 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     assert len(scan) == 12 and scan[(10_000, 20)]["goodput_rps"] == {"1P+1D": 300.0, "2C": 0.0}
     assert scan[(20_000, 40)]["ratio"] == math.inf  # the slow fake's tokens take 33-100 ms each
     assert scan[(5_000, 15)]["goodput_rps"]["1P+1D"] == 300.0
+    # Redrawn from the saved runs alone: the same scan, the plots written again.
+    for name in ("slo_attainment", "ttft_cdf", "itl_cdf"):
+        Path(doc["plots"][name]).unlink()
+    again = redraw(cfg.out_dir)
+    assert json_safe(again["slo_scan"]) == saved["slo_scan"]
+    assert all(Path(again["plots"][n]).read_bytes()[:8] == PNG_MAGIC for n in ("slo_attainment", "itl_cdf"))
     summary = format_summary(saved)
     assert "goodput ratio 1P+1D / 2C: inf" in summary and "(lower bound)" in summary
     assert "skipped" in summary and f"{os.cpu_count()} cores" in summary
