@@ -202,12 +202,19 @@ def prefill_attention(
 
 
 def decode_attention(
-    kv_layer: torch.Tensor, meta: DecodeMeta, q: torch.Tensor, kernels: CpuKernels | None = None
+    kv_layer: torch.Tensor,
+    meta: DecodeMeta,
+    q: torch.Tensor,
+    kernels: CpuKernels | None = None,
+    next_kv_layer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence, ``q [Bsz, H, D]``, against the cache (which already holds the new
-    tokens' K/V); returns ``[Bsz, H * D]``."""
+    tokens' K/V); returns ``[Bsz, H * D]``. ``next_kv_layer``: the cache layer that attends next, a
+    prefetch hint for the C kernel."""
     if kernels is not None:
-        return kernels.decode_attention(kv_layer, q, meta.tables, meta.lens, meta.max_blocks, meta.max_len)
+        return kernels.decode_attention(
+            kv_layer, q, meta.tables, meta.lens, meta.max_blocks, meta.max_len, next_kv_layer
+        )
     assert meta.mask is not None, "the torch decode path needs DecodeMeta built with_mask"
     bsz, n_h, d = q.shape
     h_kv = kv_layer.shape[3]

@@ -108,9 +108,11 @@ class CpuKernels:
         lens: torch.Tensor,
         max_blocks: int,
         max_len: int,
+        next_kv_layer: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``kv_layer [N, 2, B, Hkv, D]``, ``q [Bsz, H, D]`` (rows may be strided), ``tables [Bsz * M]``,
-        ``lens [Bsz]`` int64 -> ``[Bsz, H * D]`` in the cache dtype."""
+        ``lens [Bsz]`` int64 -> ``[Bsz, H * D]`` in the cache dtype. ``next_kv_layer`` (same shape and
+        dtype): the layer that attends next, whose rows of the same blocks are prefetched into cache."""
         bsz, n_h, d = q.shape
         _, _, b, n_kv, _ = kv_layer.shape
         if not (
@@ -122,10 +124,17 @@ class CpuKernels:
             and lens.is_contiguous()
         ):
             raise ValueError("decode kernel needs a contiguous cache layer and row-major q heads")
+        if next_kv_layer is not None and not (
+            next_kv_layer.is_contiguous()
+            and next_kv_layer.shape == kv_layer.shape
+            and next_kv_layer.dtype == kv_layer.dtype
+        ):
+            raise ValueError("next_kv_layer must be a contiguous cache layer like kv_layer")
         out = torch.empty(bsz, n_h * d, dtype=q.dtype, device=q.device)  # [Bsz, H * D]
         _check(
             self.lib.paged_decode_attention(
                 kv_layer.data_ptr(),
+                None if next_kv_layer is None else next_kv_layer.data_ptr(),
                 q.data_ptr(),
                 out.data_ptr(),
                 tables.data_ptr(),
@@ -274,7 +283,7 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
-        "paged_decode_attention": [ptr] * 5 + [i64] * 8 + [f32, i32, i32],
+        "paged_decode_attention": [ptr] * 6 + [i64] * 8 + [f32, i32, i32],
         "add_rms_norm": [ptr] * 4 + [i64, i64, f32, i32, i32],
         "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],

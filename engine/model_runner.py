@@ -197,8 +197,11 @@ class ModelRunner:
             with_mask=kernels is None,
         )
 
+        last = self.config.num_layers - 1
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return decode_attention(self.kv[layer], meta, q, kernels)
+            nxt = self.kv[layer + 1] if layer < last else None
+            return decode_attention(self.kv[layer], meta, q, kernels, nxt)
 
         with torch.inference_mode():
             token_ids = torch.tensor([it.token_id for it in items], dtype=torch.int64, device=self.device)

@@ -49,6 +49,22 @@ def test_decode_attention_matches_torch(kernels, dtype, n_h, n_kv, d, block, n_s
     _close(decode_attention(kv, meta, q, kernels), decode_attention(kv, meta, q, None), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_next_layer_prefetch_changes_nothing(kernels, dtype):
+    g = torch.Generator().manual_seed(7)
+    n_blocks, block, n_h, n_kv, d = 40, 16, 9, 3, 64
+    kv = torch.randn(2, n_blocks, 2, block, n_kv, d, generator=g).to(dtype)  # [L, N, 2, B, Hkv, D]
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    items = [(pos, perm[i * 5 : i * 5 + 5]) for i, pos in enumerate([70, 3, 40, 79, 16, 55, 9])]
+    meta = DecodeMeta.build(items, block, n_blocks, torch.device("cpu"), with_mask=False)
+    q = torch.randn(len(items), n_h, d, generator=g).to(dtype)
+    plain = decode_attention(kv[0], meta, q, kernels)
+    hinted = decode_attention(kv[0], meta, q, kernels, kv[1])
+    assert torch.equal(plain, hinted)
+    with pytest.raises(ValueError, match="next_kv_layer"):
+        decode_attention(kv[0], meta, q, kernels, kv[1, :10])
+
+
 def test_unsupported_shapes_are_reported():
     assert supports(9, 3, 64, torch.bfloat16)
     assert not supports(9, 3, 72, torch.float32)  # head_dim not a multiple of 16
