@@ -160,12 +160,12 @@ typedef struct {
     int64_t next_layer;  /* bytes from this layer's cache to the next layer's; 0 for none */
 } stream_t;
 
-static inline void prefetch_rows(const stream_t* st_, const int64_t* table, int64_t len, int64_t hoff, int64_t j0,
-                                 int vsel) {
+static inline void prefetch_rows(const stream_t* st_, const int64_t* table, int64_t len, int64_t hoff,
+                                 int64_t j0, int vsel) {
     const int64_t n = len - j0 < W ? len - j0 : W;
     for (int64_t t = 0; t < n; t++) {
-        const char* p = row_ptr(st_->kv, table, j0 + t, st_->B, st_->tok_stride, st_->block_stride, hoff, vsel,
-                                st_->esz);
+        const char* p = row_ptr(st_->kv, table, j0 + t, st_->B, st_->tok_stride, st_->block_stride, hoff,
+                                vsel, st_->esz);
         for (int64_t o = 0; o < st_->bytes; o += 64) prefetch_line(p + o);
         if (st_->next_layer)
             for (int64_t o = 0; o < st_->bytes; o += 64) prefetch_line_llc(p + st_->next_layer + o);
@@ -174,8 +174,9 @@ static inline void prefetch_rows(const stream_t* st_, const int64_t* table, int6
 
 /* Request stream position pos: [0, groups) K groups, [groups, 2 groups) V groups, then the next item's K. */
 static inline void prefetch_pos(const stream_t* st_, int64_t pos) {
-    if (pos < st_->groups) prefetch_rows(st_, st_->table, st_->len, st_->hoff, pos * W, 0);
-    else if (pos < 2 * st_->groups) prefetch_rows(st_, st_->table, st_->len, st_->hoff, (pos - st_->groups) * W, 1);
+    const int64_t groups = st_->groups;
+    if (pos < groups) prefetch_rows(st_, st_->table, st_->len, st_->hoff, pos * W, 0);
+    else if (pos < 2 * groups) prefetch_rows(st_, st_->table, st_->len, st_->hoff, (pos - groups) * W, 1);
     else if (st_->next_table && (pos - 2 * st_->groups) * W < st_->next_len)
         prefetch_rows(st_, st_->next_table, st_->next_len, st_->next_hoff, (pos - 2 * st_->groups) * W, 0);
 }
@@ -184,8 +185,8 @@ static inline void prefetch_pos(const stream_t* st_, int64_t pos) {
    Scratch: qv and acc [nh * G][NC], buf [W][nh][NC] vectors; s [nh * G][len rounded up to 16] and
    inv [nh * G] floats. */
 static inline __attribute__((always_inline)) void decode_seq(
-    const stream_t* sm, const char* qrow, char* orow, int64_t G, int64_t h0, int64_t nh, float scale, float* s,
-    float* inv, vf* qv, vf* acc, vf* buf, const int dt, const int NC)
+    const stream_t* sm, const char* qrow, char* orow, int64_t G, int64_t h0, int64_t nh, float scale,
+    float* s, float* inv, vf* qv, vf* acc, vf* buf, const int dt, const int NC)
 {
     const char* kv = sm->kv;
     const int64_t* table = sm->table;
@@ -280,8 +281,8 @@ static inline __attribute__((always_inline)) void decode_seq(
             }
             for (int64_t t = 0; t < n; t += 2) {
                 const char* r0 = row_ptr(kv, table, j0 + t, B, tok_stride, block_stride, hoff, 1, esz);
-                const char* r1 = t + 1 < n ? row_ptr(kv, table, j0 + t + 1, B, tok_stride, block_stride, hoff, 1,
-                                                     esz) : NULL;
+                const char* r1 = t + 1 < n
+                    ? row_ptr(kv, table, j0 + t + 1, B, tok_stride, block_stride, hoff, 1, esz) : NULL;
                 for (int64_t hh = 0; hh < nh; hh++) {
                     for (int c = 0; c < NC / 2; c++) {
                         const int64_t off = (hh * D + c * 2 * W) * esz;
@@ -302,7 +303,8 @@ static inline __attribute__((always_inline)) void decode_seq(
             }
         }
         const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        const __m512i second =
+            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
         for (int64_t i = 0; i < nq; i++)
             for (int c = 0; c < NC / 2; c++) {
                 const __m512 lo = (__m512)acc[i * NC + 2 * c], hi = (__m512)acc[i * NC + 2 * c + 1];
@@ -332,10 +334,10 @@ static inline __attribute__((always_inline)) void decode_seq(
    q: [bsz, q_row_stride] rows, head i at i * D; out: [bsz, H * D];
    tables: [bsz, max_blocks]; lens: [bsz] tokens to attend (position + 1). Returns 0, -1 for unsupported
    shapes, -2 when out of memory. */
-int paged_decode_attention(const void* kv, const void* next_kv, const void* q, void* out, const int64_t* tables,
-                           const int64_t* lens, int64_t bsz, int64_t max_blocks, int64_t B, int64_t n_heads,
-                           int64_t n_kv_heads, int64_t D, int64_t q_row_stride, int64_t max_len, float scale,
-                           int dt, int num_threads)
+int paged_decode_attention(const void* kv, const void* next_kv, const void* q, void* out,
+                           const int64_t* tables, const int64_t* lens, int64_t bsz, int64_t max_blocks,
+                           int64_t B, int64_t n_heads, int64_t n_kv_heads, int64_t D, int64_t q_row_stride,
+                           int64_t max_len, float scale, int dt, int num_threads)
 {
     const int64_t G = n_heads / n_kv_heads;
     if (D % W || n_heads % n_kv_heads || dt < 0 || dt > 2) return -1;
