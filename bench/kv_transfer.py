@@ -1,6 +1,7 @@
 """KV transfer benchmark: pdserve's layer-by-layer push against raw ucxx, same bytes, same run.
 
-    python -m bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm]
+    python -m bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
+                                [--ucx-env UCX_KEY=VALUE ...]
 
 For each transport a decode process and a prefill process are spawned (UCX
 settings apply per process, so each transport gets its own pair) and stopped
@@ -102,11 +103,18 @@ def _machine() -> dict[str, Any]:
 class _Pair:
     """A decode process (receiver + raw server) and a prefill process (sender + raw client)."""
 
-    def __init__(self, layout: dict[str, Any], num_blocks: int, tls: str, shm: bool) -> None:
+    def __init__(
+        self,
+        layout: dict[str, Any],
+        num_blocks: int,
+        tls: str,
+        shm: bool,
+        ucx_env: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         spec = PeerSpec(
             num_blocks=num_blocks,
             config=TransferConfig(ucx_shared_memory=shm, deadline_s=60.0),
-            env=(("UCX_TLS", tls),),
+            env=(("UCX_TLS", tls), *ucx_env),
             **layout,
         )
         self.decode = PeerProcess(spec, "bench-decode")
@@ -189,18 +197,23 @@ def _row(pair: _Pair, transport: str, tokens: int | None, block_tokens: int, rep
     }
 
 
-def run(transports: list[str], reps: int) -> dict[str, Any]:
+def run(
+    transports: list[str],
+    reps: int,
+    ucx_env: tuple[tuple[str, str], ...] = (),
+    tokens: tuple[int, ...] = TOKENS,
+) -> dict[str, Any]:
     rows = []
     for name in transports:
         tls, shm = TRANSPORTS[name]
-        blocks = max(TOKENS) // SMOLLM2["block_size"] + 8
-        with _Pair(SMOLLM2, blocks, tls, shm) as pair:
-            for tokens in TOKENS:
-                rows.append(_row(pair, name, tokens, tokens, reps))
+        blocks = max(tokens) // SMOLLM2["block_size"] + 8
+        with _Pair(SMOLLM2, blocks, tls, shm, ucx_env) as pair:
+            for n in tokens:
+                rows.append(_row(pair, name, n, n, reps))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         block_bytes = 2 * PAYLOAD["block_size"] * PAYLOAD["num_kv_heads"] * PAYLOAD["head_dim"] * 2
         payload_blocks = PAYLOAD_BYTES // block_bytes
-        with _Pair(PAYLOAD, payload_blocks, tls, shm) as pair:
+        with _Pair(PAYLOAD, payload_blocks, tls, shm, ucx_env) as pair:
             rows.append(_row(pair, name, None, payload_blocks * PAYLOAD["block_size"], reps))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {
@@ -209,6 +222,7 @@ def run(transports: list[str], reps: int) -> dict[str, Any]:
             name: {"UCX_TLS": TRANSPORTS[name][0], "shared_memory_data_endpoint": TRANSPORTS[name][1]}
             for name in transports
         },  # fmt: skip
+        "ucx_env": dict(ucx_env),  # applied to both processes, pdserve and raw alike
         "rows": rows,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -221,12 +235,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the JSON report here too")
     parser.add_argument("--reps", type=int, default=9, help="timed transfers per row (median reported)")
     parser.add_argument("--transports", default="tcp,shm", help="comma list of: " + ",".join(TRANSPORTS))
+    parser.add_argument(
+        "--ucx-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a UCX_* setting for both processes (pdserve and raw alike), repeatable",
+    )
+    parser.add_argument(
+        "--tokens", default=",".join(map(str, TOKENS)), help="request sizes in tokens, comma-separated"
+    )
     args = parser.parse_args(argv)
+    ucx_env: list[tuple[str, str]] = []
+    for item in args.ucx_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("UCX_"):
+            parser.error(f"--ucx-env takes UCX_KEY=VALUE, got {item!r}")
+        ucx_env.append((key, value))
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(",") if t)
+    except ValueError:
+        parser.error(f"--tokens takes integers, got {args.tokens!r}")
+    if not tokens or min(tokens) < 1:
+        parser.error("--tokens needs at least one size >= 1")
     names = [t for t in args.transports.split(",") if t]
     unknown = set(names) - set(TRANSPORTS)
     if unknown:
         parser.error(f"unknown transports: {sorted(unknown)}")
-    report = run(names, args.reps)
+    report = run(names, args.reps, tuple(ucx_env), tokens)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -6,7 +6,13 @@ is not a matmul decides the step time:
   (``engine.attention``) first copies every sequence's blocks into a dense
   tensor, then runs SDPA, whose CPU kernel is tuned for long queries.
   ``paged_decode_attention`` reads K/V in place from the paged cache, once,
-  in float32 registers: about 3x faster per layer on SmolLM2 shapes.
+  in float32 registers: about 3x faster per layer on SmolLM2 shapes. At
+  batch 32 the cache a layer reads (~4 MB) is cold, so the kernel is
+  memory-latency bound: it prefetches the group of rows it reads next (also
+  across into the thread's next sequence) and, towards the last-level cache,
+  the same rows of the next layer, which the matmuls in between leave time
+  to arrive. With AVX512-BF16, bfloat16 q.k and p.V run as bf16 dot products
+  (p split into two bf16 halves, so results stay float32-accurate).
 - the elementwise ops around the matmuls (residual add + RMSNorm, RoPE + the
   K/V store, SiLU * up) are 2-7 torch ops each, ~10 us apiece; each is one
   call here.

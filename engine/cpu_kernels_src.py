@@ -6,7 +6,8 @@ every dtype: float32, bfloat16 and float16 rows are widened on load and
 rounded to nearest even on store.
 
 Kernels (all return 0, or < 0 for unsupported shapes):
-- ``paged_decode_attention``: one query token per sequence against its paged K/V.
+- ``paged_decode_attention``: one query token per sequence against its paged K/V (prefetching ahead,
+  and the next layer's rows towards the last-level cache; AVX512-BF16 dot products for bfloat16).
 - ``add_rms_norm``: ``x += res`` then ``h = rmsnorm(x) * w`` (residual add fused into the next norm).
 - ``rope_store``: RoPE on the q and k heads of ``qkv`` in place, then K and V rows into the cache.
 - ``silu_mul``: ``silu(gate) * up`` from the fused gate_up output.
