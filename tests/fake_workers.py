@@ -34,8 +34,26 @@ from router.registry import Role
 from router.worker_shell import ROLE_TO_PROTO, ShellConfig, WorkerArgs, WorkerShell
 
 # The test model: a WordLevel vocabulary, so ids("hello world") == [4, 5] and text is easy to check.
-WORDS = ["<pad>", "<s>", "</s>", "<unk>", "hello", "world", "the", "cat", "sat", "on", "mat", ":",
-         "user", "assistant", "system", "a", "b", "c"]
+WORDS = [
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "hello",
+    "world",
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    ":",
+    "user",
+    "assistant",
+    "system",
+    "a",
+    "b",
+    "c",
+]
 ID = {w: i for i, w in enumerate(WORDS)}
 EOS = ID["</s>"]
 CONTEXT = 24
@@ -254,8 +272,9 @@ async def serve(args: WorkerArgs) -> None:
     Requests whose id starts with "hold-" stop after output 0 until the worker drains, so a test
     can show that a drain waits for them.
     """
-    w = FakeWorker(args.worker_id, args.role, CLI_TOKENS, block_size=args.block_size,
-                   max_running=args.max_running)
+    w = FakeWorker(
+        args.worker_id, args.role, CLI_TOKENS, block_size=args.block_size, max_running=args.max_running
+    )
     w.transfers = None
     registry = process_registry(args.role.value, gpu=False)
     if args.role.decodes:
@@ -276,7 +295,10 @@ async def serve(args: WorkerArgs) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, drain)
     info = args.worker_info(
-        address, kv_blocks_total=w.kv_blocks_total, context_length=0, pid=os.getpid(),
+        address,
+        kv_blocks_total=w.kv_blocks_total,
+        context_length=0,
+        pid=os.getpid(),
         metrics_url=endpoint.url,
     )
     w.agent = RouterAgent(AgentConfig(args.router, register_timeout_s=30.0), info, w.load, drain)

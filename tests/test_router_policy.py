@@ -10,10 +10,26 @@ from router.policy import Admission, QueueFullError, RoutingConfig, can_ever_ser
 from router.registry import Registry, RegistryConfig, Role, State, Worker
 
 
-def mk(wid: str, role: Role, *, total: int = 100, used: int = 0, assigned: int = 0, max_running: int = 8,
-       queued_tokens: int = 0, state: State = State.READY) -> Worker:
-    w = Worker(worker_id=wid, role=role, address=f"127.0.0.1:{wid}", kv_blocks_total=total, block_size=16,
-               max_running=max_running, state=state)
+def mk(
+    wid: str,
+    role: Role,
+    *,
+    total: int = 100,
+    used: int = 0,
+    assigned: int = 0,
+    max_running: int = 8,
+    queued_tokens: int = 0,
+    state: State = State.READY,
+) -> Worker:
+    w = Worker(
+        worker_id=wid,
+        role=role,
+        address=f"127.0.0.1:{wid}",
+        kv_blocks_total=total,
+        block_size=16,
+        max_running=max_running,
+        state=state,
+    )
     w.kv_blocks_used, w.assigned, w.queued_prefill_tokens = used, assigned, queued_tokens
     return w
 
@@ -22,8 +38,12 @@ CFG = RoutingConfig(local_prefill_threshold=100)
 
 
 def test_long_prompt_goes_to_least_loaded_prefill_and_decode():
-    ws = [mk("d1", Role.DECODE, assigned=3), mk("d2", Role.DECODE, assigned=1),
-          mk("p1", Role.PREFILL, queued_tokens=500), mk("p2", Role.PREFILL, queued_tokens=10)]
+    ws = [
+        mk("d1", Role.DECODE, assigned=3),
+        mk("d2", Role.DECODE, assigned=1),
+        mk("p1", Role.PREFILL, queued_tokens=500),
+        mk("p2", Role.PREFILL, queued_tokens=10),
+    ]
     r = choose_route(ws, 1000, CFG)
     assert r is not None and r.prefill is not None
     assert (r.decode.worker_id, r.prefill.worker_id) == ("d2", "p2")
