@@ -54,7 +54,9 @@ QueueItem = RequestOutputDelta | BaseException | None
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, idle_wait_s: float = 0.05
+    ) -> None:
         self.engine = engine
         self._loop = loop
         self._idle_wait_s = idle_wait_s
@@ -87,7 +89,11 @@ class EngineLoop:
         return q
 
     def submit_prefilled(
-        self, request_id: Hashable, prompt_token_ids: Sequence[int], first_token_id: int, params: SamplingParams
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        first_token_id: int,
+        params: SamplingParams,
     ) -> asyncio.Queue[QueueItem]:
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = q
@@ -112,7 +118,9 @@ class EngineLoop:
             if item is None or isinstance(item, BaseException):
                 self._loop.call_soon_threadsafe(self._queues.pop, request_id, None)
 
-    def _resolve(self, fut: asyncio.Future[Any] | None, value: Any = None, exc: BaseException | None = None) -> None:
+    def _resolve(
+        self, fut: asyncio.Future[Any] | None, value: Any = None, exc: BaseException | None = None
+    ) -> None:
         if fut is None:
             return
 

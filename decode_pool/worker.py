@@ -95,7 +95,9 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         )
 
     async def Prefill(self, request, context):  # noqa: N802
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a decode worker; Prefill goes to the prefill pool")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "this is a decode worker; Prefill goes to the prefill pool"
+        )
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):  # noqa: N802
         assert self.loop is not None, "the shell admits requests only once the engine is attached"
@@ -109,7 +111,9 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         if request.deadline_unix > 0:
             timeout = request.deadline_unix - time.time()
             if timeout <= 0:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before decode started")
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before decode started"
+                )
         remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
         if remote and self.remote is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
@@ -118,7 +122,9 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                 if remote:
                     assert self.remote is not None
                     # RemotePrefill frees on its own paths (the receiver before adoption, the engine after).
-                    async for msg in self.remote.run(rid, prompt, params, context, self.transfer_deadline(timeout)):
+                    async for msg in self.remote.run(
+                        rid, prompt, params, context, self.transfer_deadline(timeout)
+                    ):
                         yield msg
                 else:
                     try:
@@ -225,4 +231,3 @@ async def serve(args: WorkerArgs) -> None:
         await loop.stop()
         metrics_endpoint.close()
         log.info("decode worker %s stopped", args.worker_id)
-

@@ -79,7 +79,9 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         self._task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
-    def attach(self, runner: ModelRunner, sampler: Sampler, sender: KVSender, max_batched_tokens: int) -> None:
+    def attach(
+        self, runner: ModelRunner, sampler: Sampler, sender: KVSender, max_batched_tokens: int
+    ) -> None:
         self.runner, self.sampler, self.sender = runner, sampler, sender
         self.sched = PrefillScheduler(BlockManager(runner.num_blocks, runner.block_size), max_batched_tokens)
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -107,7 +109,9 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         )
 
     async def Generate(self, request, context):  # noqa: N802
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this is a prefill worker; Generate goes to decode")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "this is a prefill worker; Generate goes to decode"
+        )
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:  # noqa: N802
         assert self.sched is not None and self.runner is not None, "the shell admits requests once attached"
@@ -116,7 +120,9 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         try:
             params = sampling_params_from_proto(request.sampling)
             validate_prompt_token_ids(
-                prompt, vocab_size=self.runner.config.vocab_size, max_model_len=self.runner.config.max_position_embeddings,
+                prompt,
+                vocab_size=self.runner.config.vocab_size,
+                max_model_len=self.runner.config.max_position_embeddings,
                 name="prompt_token_ids",
             )
             ticket = TransferTicket.decode(request.transfer_ticket)
@@ -135,7 +141,9 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                 first, forward_s = await asyncio.shield(req.result)
         except TimeoutError:
             self._give_up(job, "deadline")
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} passed its deadline in prefill")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} passed its deadline in prefill"
+            )
         except asyncio.CancelledError:
             self._give_up(job, "cancelled by the router")
             raise
@@ -288,7 +296,13 @@ async def serve(args: WorkerArgs) -> None:
     except FileNotFoundError:
         pass
     sampler = Sampler(tuple(eos), device=runner.kv.device)
-    sender = KVSender(runner.kv, compat_for(runner.kv, model_dir.name), args.transfer_config(), registry, name=args.worker_id)
+    sender = KVSender(
+        runner.kv,
+        compat_for(runner.kv, model_dir.name),
+        args.transfer_config(),
+        registry,
+        name=args.worker_id,
+    )
     servicer.attach(runner, sampler, sender, args.max_batched_tokens)
     await shell.set_serving()
     agent = RouterAgent(
