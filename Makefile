@@ -57,7 +57,7 @@ bench-openai: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check engine kv_transfer router prefill_pool decode_pool bench tests
 	$(VENV)/bin/ruff format --check engine kv_transfer router prefill_pool decode_pool bench tests
-	$(VENV)/bin/mypy engine/block_manager.py
+	$(VENV)/bin/mypy engine/block_manager.py router/metrics.py router/relay.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

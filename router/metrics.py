@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -177,7 +177,7 @@ class RouterMetrics:
             self.finished(rec.finish_reason or "error")
 
 
-Write = Callable[[_Message], Awaitable[None]]
+M = TypeVar("M", bound=_Message)
 
 
 class RequestRecord:
@@ -203,8 +203,10 @@ class RequestRecord:
             self.finish_reason = finish_reason
             m.e2e.observe(now - self.arrival)
 
-    def wrap(self, write: Write) -> Write:
-        async def observed(resp: _Message) -> None:
+    def wrap(self, write: Callable[[M], Awaitable[None]]) -> Callable[[M], Awaitable[None]]:
+        """``write`` that also records each message (tokens, finish) as it goes to the client."""
+
+        async def observed(resp: M) -> None:
             n = len(resp.token_ids)  # type: ignore[arg-type]
             self.on_message(n, resp.finish_reason, time.monotonic())
             await write(resp)
