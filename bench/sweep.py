@@ -171,11 +171,7 @@ def stop_cluster(state_dir: Path) -> None:
             stdin=subprocess.DEVNULL,
             check=False,
         )
-    state = cluster.load_state(state_dir)
-    if state is None:
-        return
-    extra = (state.prometheus,) if state.prometheus is not None else ()
-    cluster.stop_processes([p for p in (state.router, *state.workers, *extra) if cluster.alive(p)], 5.0)
+    cluster.stop_survivors(state_dir)
 
 
 @contextlib.contextmanager

@@ -227,6 +227,18 @@ def stop_processes(
     return [p.id for p in stuck]
 
 
+def stop_survivors(state_dir: Path, term_timeout_s: float = 5.0) -> list[str]:
+    """Stop every process the state file still lists as alive (router, workers, Prometheus): the
+    backstop after ``pdserve down`` for tests and benchmarks. Returns the ids that had to be stopped."""
+    state = load_state(state_dir)
+    if state is None:
+        return []
+    extra = (state.prometheus,) if state.prometheus is not None else ()  # `up --prometheus`
+    procs = [p for p in (state.router, *state.workers, *extra) if alive(p)]
+    stop_processes(procs, term_timeout_s)
+    return [p.id for p in procs]
+
+
 def log_tail(path: str | Path, lines: int = 30) -> str:
     try:
         text = Path(path).read_text(errors="replace")

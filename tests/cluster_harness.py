@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -147,15 +145,7 @@ def running_cluster(
 def stop_cluster(state_dir: Path) -> None:
     with contextlib.suppress(Exception):
         pdserve("down", "--state-dir", str(state_dir), "--timeout", "20", timeout=60, check=False)
-    state = cluster.load_state(state_dir)
-    if state is None:
-        return
-    # `up --prometheus` adds a Prometheus server to the cluster's processes.
-    extra = (state.prometheus,) if state.prometheus is not None else ()
-    for p in (state.router, *state.workers, *extra):
-        if cluster.alive(p):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
+    cluster.stop_survivors(state_dir, term_timeout_s=0.5)
 
 
 def generate(
