@@ -217,6 +217,17 @@ def test_abort_mid_transfer_frees_both_sides(who: str) -> None:
     pre.leak_check()
 
 
+async def end_reuse_case(rx: KVReceiver, tx: KVSender, dec: Side, pre: Side) -> None:
+    """Teardown of the cases where a new reservation ("new") reuses an aborted one's blocks ("old")
+    while "filler" holds the rest of the decode cache."""
+    rx.abort("new")
+    dec.blocks.free("filler")
+    pre.blocks.free("old")
+    await settle(dec)
+    await tx.close()
+    await rx.close()
+
+
 def test_late_layers_never_write_reused_blocks() -> None:
     """After a decode abort the blocks go back only when nothing can write them, so a
     new reservation on the same blocks keeps its contents while the old sender finishes."""
@@ -248,12 +259,7 @@ def test_late_layers_never_write_reused_blocks() -> None:
         sent = tx.metrics.registry.get_sample_value("pdserve_kv_transfer_bytes_total", {"role": "prefill"})
         assert sent and sent > 0, "the race did not happen: no layer left P after the abort"
         assert bool((dec.kv[:, list(new.block_ids)] == 7.0).all())
-        rx.abort("new")
-        dec.blocks.free("filler")
-        pre.blocks.free("old")
-        await settle(dec)
-        await tx.close()
-        await rx.close()
+        await end_reuse_case(rx, tx, dec, pre)
 
     run(main)
     dec.leak_check()
@@ -476,12 +482,7 @@ def test_data_pushed_into_a_refused_open_never_touches_blocks() -> None:
                 break
             await asyncio.sleep(0.01)
         assert rx.draining == 0
-        rx.abort("new")
-        dec.blocks.free("filler")
-        pre.blocks.free("old")
-        await settle(dec)
-        await tx.close()
-        await rx.close()
+        await end_reuse_case(rx, tx, dec, pre)
 
     run(main)
     dec.leak_check()

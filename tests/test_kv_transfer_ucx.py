@@ -52,6 +52,14 @@ def wait_free(peer: PeerProcess, within_s: float) -> None:
         time.sleep(0.05)
 
 
+def wait_drained(decode: PeerProcess, within_s: float = 5.0) -> None:
+    """Poll until the receiver drains no refused transfer into scratch memory any more."""
+    end = time.monotonic() + within_s
+    while decode.call("blocks")["draining"]:
+        assert time.monotonic() < end, "the drain of the refused transfer never ended"
+        time.sleep(0.02)
+
+
 def wait_progress(decode: PeerProcess, request_id: str, layers: int) -> None:
     end = time.monotonic() + 30
     while decode.call("progress", request_id=request_id) < layers:
@@ -273,10 +281,7 @@ def test_refused_open_with_data_already_pushed(fresh: tuple[PeerProcess, PeerPro
     assert err.value.kind == "AbortedError" and "client cancelled" in str(err.value)
     assert time.monotonic() - t0 < CONFIG.settle_timeout_s, "the refused sends waited for a timeout"
     assert decode.call("untouched", request_id="refused")
-    end = time.monotonic() + 5
-    while decode.call("blocks")["draining"]:
-        assert time.monotonic() < end, "the drain of the refused transfer never ended"
-        time.sleep(0.02)
+    wait_drained(decode)
     assert_no_leak(decode, prefill)
     transfer(decode, prefill, "after-refused", 600, seed=9)  # the connection is still good
 
@@ -295,8 +300,5 @@ def test_second_sender_of_a_ticket_never_writes(bf16: tuple[PeerProcess, ...]) -
     assert decode.call("wait", request_id="twice")["first_token_id"] == 11
     assert decode.call("verify", request_id="twice", seed=10), "the second sender's bytes landed"
     assert decode.call("release", request_id="twice")
-    end = time.monotonic() + 5
-    while decode.call("blocks")["draining"]:
-        assert time.monotonic() < end, "the drain of the refused transfer never ended"
-        time.sleep(0.02)
+    wait_drained(decode)
     assert_no_leak(decode, prefill)
