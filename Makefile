@@ -37,7 +37,7 @@ $(VENV)/opt/prometheus/usr/bin/prometheus:
 
 # Regenerate the Grafana dashboards (tests fail while the committed JSON differs).
 dashboards: $(STAMP)
-	$(PY) -m deploy.grafana.dashboards
+	$(PY) -m pdserve.deploy.grafana.dashboards
 
 test: $(STAMP) prometheus
 	$(PY) -m pytest
@@ -50,14 +50,18 @@ BENCH_OPENAI_UP ?= --prefill 0 --decode 0 --colocated 1 --port 50161 --http-port
 BENCH_OPENAI_ARGS ?= --input-len 128 --output-len 32 --num-prompts 16 --concurrency 1 --rounds 2
 bench-openai: $(STAMP)
 	$(VENV)/bin/pdserve up $(BENCH_OPENAI_UP) --state-dir $(BENCH_OPENAI_DIR)
-	$(PY) -m bench.tool_compare --state-dir $(BENCH_OPENAI_DIR) $(BENCH_OPENAI_ARGS) \
+	$(PY) -m pdserve.bench.tool_compare --state-dir $(BENCH_OPENAI_DIR) $(BENCH_OPENAI_ARGS) \
 		--save-result $(BENCH_OPENAI_DIR)/compare.json; \
 		rc=$$?; $(VENV)/bin/pdserve down --state-dir $(BENCH_OPENAI_DIR); exit $$rc
 
+# The folders that install as pdserve.* (pyproject.toml [tool.setuptools.package-dir]).
+PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router cli bench deploy
 lint: $(STAMP)
-	$(VENV)/bin/ruff check engine kv_transfer router prefill_pool decode_pool bench tests
-	$(VENV)/bin/ruff format --check engine kv_transfer router prefill_pool decode_pool bench tests
+	$(VENV)/bin/ruff check $(PKG_DIRS) proto/regen.py tests
+	$(VENV)/bin/ruff format --check $(PKG_DIRS) proto/regen.py tests
 	$(VENV)/bin/mypy engine/block_manager.py router/metrics.py router/relay.py
+	# Import layers, forbidden imports and import circles: [tool.importlinter] in pyproject.toml.
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache

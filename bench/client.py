@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from bench.datasets import SampleRequest
-from bench.metrics import RequestRecord
-from proto import generation_pb2, generation_pb2_grpc
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.metrics import RequestRecord
+from pdserve.proto import generation_pb2, generation_pb2_grpc
 
 
 def to_proto(

@@ -1,6 +1,6 @@
 """Engine benchmark: pdserve's model runtime against transformers and against what the hardware allows.
 
-    python -m bench.engine [--out FILE] [--model smollm2-135m-instruct] [--engine runner|llm]
+    python -m pdserve.bench.engine [--out FILE] [--model smollm2-135m-instruct] [--engine runner|llm]
 
 One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch threads (default 2):
 
@@ -85,7 +85,7 @@ def _rate(batch: int, steps: Sequence[float]) -> tuple[float, float]:
 
 
 def pdserve_prefill(runner: Any, prompt: list[int], reps: int) -> float:
-    from engine.model_runner import PrefillItem
+    from pdserve.engine.model_runner import PrefillItem
 
     table = list(range(-(-len(prompt) // runner.block_size)))
 
@@ -98,8 +98,8 @@ def pdserve_prefill(runner: Any, prompt: list[int], reps: int) -> float:
 
 def pdserve_decode_steps(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
     """Prefill ``prompts`` together, then time each greedy decode step (decode + argmax)."""
-    from engine.block_manager import BlockManager
-    from engine.model_runner import DecodeItem, PrefillItem
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.model_runner import DecodeItem, PrefillItem
 
     bm = BlockManager(runner.num_blocks, runner.block_size)
     items = [PrefillItem(p, bm.allocate(i, len(p) + new_tokens)) for i, p in enumerate(prompts)]
@@ -116,7 +116,7 @@ def pdserve_decode_steps(runner: Any, prompts: list[list[int]], new_tokens: int)
 
 def llm_decode_time(llm: Any, prompts: list[list[int]], new_tokens: int) -> float:
     """Decode seconds of ``engine.LLM``: t(generate N) - t(generate 1), greedy, eos ignored."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     def gen(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -249,8 +249,8 @@ def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
-    from engine.model_runner import ModelRunner
-    from engine.registry import resolve_model
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.registry import resolve_model
 
     torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
@@ -271,7 +271,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         }
         llm = None
         if cfg.engine == "llm":
-            from engine import LLM
+            from pdserve.engine import LLM
 
             llm = LLM(
                 str(model_dir),
@@ -365,7 +365,7 @@ def _log(row: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, Path | None]:
-    p = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF directory")
     p.add_argument(

@@ -1,6 +1,6 @@
 """KV transfer benchmark: pdserve's layer-by-layer push against raw ucxx, same bytes, same run.
 
-    python -m bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
+    python -m pdserve.bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
                                 [--ucx-env UCX_KEY=VALUE ...]
 
 For each transport a decode process and a prefill process are spawned (UCX
@@ -64,8 +64,8 @@ import sys
 import time
 from typing import Any
 
-from kv_transfer.config import TransferConfig
-from kv_transfer.testing import PeerProcess, PeerSpec
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.testing import PeerProcess, PeerSpec
 
 TOKENS = (16, 256, 1024, 4096)
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")

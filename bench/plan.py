@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.arrivals import ArrivalConfig, arrival_times
-from bench.datasets import SampleRequest, TokenSpace, WorkloadConfig, sample_requests
+from pdserve.bench.arrivals import ArrivalConfig, arrival_times
+from pdserve.bench.datasets import SampleRequest, TokenSpace, WorkloadConfig, sample_requests
 
 
 @dataclass(frozen=True)

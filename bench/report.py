@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.metrics import PERCENTILES, percentile_key
+from pdserve.bench.metrics import PERCENTILES, percentile_key
 
 WIDTH = 50
 _SECTIONS = (

@@ -40,13 +40,13 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
-from bench.arrivals import ArrivalConfig
-from bench.client import stream_request, to_proto
-from bench.datasets import DatasetName, SampleRequest, TokenSpace, WorkloadConfig
-from bench.metrics import RequestRecord, Slo, compute_metrics, parse_slo
-from bench.plan import RunPlan, plan_run
-from bench.report import format_summary, write_json
-from proto import generation_pb2_grpc
+from pdserve.bench.arrivals import ArrivalConfig
+from pdserve.bench.client import stream_request, to_proto
+from pdserve.bench.datasets import DatasetName, SampleRequest, TokenSpace, WorkloadConfig
+from pdserve.bench.metrics import RequestRecord, Slo, compute_metrics, parse_slo
+from pdserve.bench.plan import RunPlan, plan_run
+from pdserve.bench.report import format_summary, write_json
+from pdserve.proto import generation_pb2_grpc
 
 DEFAULT_STATE_DIR = Path(".pdserve")  # the same default as the other `pdserve` subcommands
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -141,8 +141,8 @@ class BenchResult:
 
 def model_token_space(model: str) -> TokenSpace:
     """Token ids a random prompt may use for ``model``: its vocabulary minus special tokens."""
-    from engine.registry import resolve_model
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.registry import resolve_model
+    from pdserve.engine.tokenizer import Tokenizer
 
     model_dir = resolve_model(model, progress=False)
     tok = Tokenizer.from_dir(model_dir)
@@ -338,7 +338,7 @@ def resolve_target(router: str | None, state_dir: Path) -> tuple[str, str | None
     """The router address and, when read from the cluster's state file, the cluster's model."""
     if router:
         return router, None
-    from router.cluster import load_state
+    from pdserve.deploy.local.cluster import load_state
 
     state = load_state(state_dir)
     if state is None:

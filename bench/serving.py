@@ -1,4 +1,4 @@
-"""Serving-path figures, measured side by side in one run: ``python -m bench.serving [--out FILE]``.
+"""Serving-path figures, measured side by side in one run: ``python -m pdserve.bench.serving [--out FILE]``.
 
 1. TTFT with no load for a 1,024-token prompt: through 1 prefill + 1 decode
    worker (every prompt prefilled remotely, its KV pushed layer by layer) over
@@ -29,12 +29,12 @@ from pathlib import Path
 import grpc
 import torch
 
-from proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 
 def _pdserve(*args: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "router.cli", *args],
+        [sys.executable, "-m", "pdserve.cli", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -93,7 +93,7 @@ def itl_direct(worker_address: str, prompt: list[int], n: int, rid: str) -> list
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--threads", type=int, default=2, help="torch threads per worker, the same in both shapes")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sd in started:
             subprocess.run(
-                [sys.executable, "-m", "router.cli", "down", "--state-dir", str(sd)],
+                [sys.executable, "-m", "pdserve.cli", "down", "--state-dir", str(sd)],
                 capture_output=True,
                 timeout=120,
                 stdin=subprocess.DEVNULL,

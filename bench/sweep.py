@@ -60,10 +60,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import DatasetName, TokenSpace
-from bench.metrics import RequestRecord, Slo
-from bench.report import write_json
-from bench.serve import (
+from pdserve.bench.datasets import DatasetName, TokenSpace
+from pdserve.bench.metrics import RequestRecord, Slo
+from pdserve.bench.report import write_json
+from pdserve.bench.serve import (
     DEFAULT_MODEL,
     BenchConfig,
     BenchError,
@@ -156,12 +156,12 @@ def _free_port(host: str) -> int:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "pdserve.cli", *args]
 
 
 def stop_cluster(state_dir: Path) -> None:
     """``pdserve down`` (drain, bounded), then SIGKILL whatever the state file still lists as alive."""
-    from router import cluster
+    from pdserve.deploy.local import cluster
 
     with contextlib.suppress(Exception):
         subprocess.run(
@@ -177,7 +177,7 @@ def stop_cluster(state_dir: Path) -> None:
 @contextlib.contextmanager
 def local_cluster(shape: Shape, spec: ClusterSpec, state_dir: Path) -> Iterator[dict[str, Any]]:
     """A running cluster of ``shape`` (``pdserve up``); yields its address and pinning. Always stopped."""
-    from router import cluster
+    from pdserve.deploy.local import cluster
 
     port = _free_port(spec.host)
     argv = _cli(
@@ -864,7 +864,7 @@ def redraw(out_dir: Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # python -m bench.sweep redraw DIR: the plots and SLO scan of a finished run, from its saved runs.
+    # python -m pdserve.bench.sweep redraw DIR: the plots and SLO scan of a finished run, from its saved runs.
     if len(sys.argv) != 3 or sys.argv[1] != "redraw":
-        sys.exit("usage: python -m bench.sweep redraw OUT_DIR")
+        sys.exit("usage: python -m pdserve.bench.sweep redraw OUT_DIR")
     print(format_summary(redraw(Path(sys.argv[2]))))

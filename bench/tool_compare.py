@@ -2,7 +2,7 @@
 
 Run against a cluster that ``pdserve up --http-port PORT`` started::
 
-    python -m bench.tool_compare --state-dir DIR [--input-len 128 --output-len 32 --num-prompts 16
+    python -m pdserve.bench.tool_compare --state-dir DIR [--input-len 128 --output-len 32 --num-prompts 16
                                  --concurrency 1 --rounds 2] [--save-result FILE]
 
 (``make bench-openai`` starts such a cluster, runs this and stops it.)
@@ -43,8 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import WorkloadConfig
-from bench.serve import BenchConfig, BenchResult, run_benchmark
+from pdserve.bench.datasets import WorkloadConfig
+from pdserve.bench.serve import BenchConfig, BenchResult, run_benchmark
 
 _Z95 = 1.96
 
@@ -313,8 +313,8 @@ def format_report(doc: dict[str, Any]) -> str:
 
 
 def target_from_state(state_dir: Path) -> Target:
-    from engine.registry import resolve_model
-    from router.cluster import cluster_status, load_state
+    from pdserve.deploy.local.cluster import cluster_status, load_state
+    from pdserve.engine.registry import resolve_model
 
     state = load_state(state_dir)
     if state is None:
@@ -328,7 +328,9 @@ def target_from_state(state_dir: Path) -> Target:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.tool_compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.bench.tool_compare", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--state-dir", type=Path, default=Path(".pdserve"))
     d = Workload()
     for name in ("input_len", "output_len", "num_prompts", "concurrency", "rounds", "seed"):

@@ -6,10 +6,11 @@ the engine directly: it submits commands (add, add-prefilled, abort, call) that
 the thread runs between steps, and reads each request's deltas from an
 ``asyncio.Queue`` the thread feeds with ``loop.call_soon_threadsafe``.
 
-Block ownership across the two sides: the KV receiver reserves blocks in the
-engine's ``BlockManager`` through ``call`` (so on the engine thread, between
-steps); an adopted request's blocks are the engine's from ``add_prefilled``
-on; ``abort`` frees whatever the engine holds for the id, reserved or running.
+Blocks: the KV receiver reserves in the engine's ``BlockManager`` on the
+event loop thread while this thread steps (safe under the rules of the
+block-ownership contract in ``kv_transfer/__init__.py``); an adopted request's
+blocks are the engine's from ``submit_prefilled`` on; ``abort`` frees whatever
+the engine holds for the id.
 
 Stages of a request here: submitted -> (engine) waiting -> running -> finished;
 or aborted at any stage (client cancel, deadline, drain timeout).
@@ -26,8 +27,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine, RequestOutputDelta
-from engine.params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine, RequestOutputDelta
+from pdserve.engine.params import SamplingParams
 
 T = TypeVar("T")
 

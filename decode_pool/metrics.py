@@ -1,7 +1,7 @@
 """A decode (or colocated) worker's Prometheus metrics: KV cache pressure, batch size, step time.
 
 The worker creates one ``DecodeMetrics`` on its process registry
-(``router.metrics_http.process_registry``) and calls:
+(``telemetry.exporter.process_registry``) and calls:
 
 - ``observe_step(seconds, batch_size)`` after every engine step (from the
   engine thread: prometheus_client's objects are thread-safe);
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
-from router.slo import BATCH_SIZE_BUCKETS, STEP_BUCKETS
+from pdserve.telemetry.slo import BATCH_SIZE_BUCKETS, STEP_BUCKETS
 
 KV_CACHE_USAGE = "pdserve_kv_cache_usage_ratio"
 DECODE_BATCH_SIZE = "pdserve_decode_batch_size"

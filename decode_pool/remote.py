@@ -3,18 +3,17 @@
 Stages (one ``Worker.Generate`` stream in REMOTE mode):
 
     RESERVING  blocks for the prompt taken in the engine's BlockManager under the
-               request id (on the engine thread, between steps, so the scheduler
-               never races a reservation)
+               request id, on the event loop thread while the engine steps on its
+               own (why that is safe: the contract in ``kv_transfer/__init__.py``)
     WAITING    the ticket went out as the stream's first message; the prefill
                worker pushes every layer into those blocks, then the completion
                with token 0
     ADOPTED    ``add_prefilled_request``: the engine owns the blocks from here on
     (then the engine's own stages: running -> finished)
 
-Who frees: until adoption the receiver frees the reservation on any failure
-(deadline, peer death, abort); on a client cancel this module aborts the
-receiver's transfer and the engine's request (both idempotent). After adoption
-the engine frees on finish or abort.
+Who frees follows the contract in ``kv_transfer/__init__.py``: until adoption
+the receiver (on a client cancel this module asks it to abort), after it the
+engine (this module aborts the engine's request, idempotent).
 """
 
 from __future__ import annotations
@@ -24,19 +23,20 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_pool.engine_loop import EngineLoop
-from engine.block_manager import OutOfBlocksError
-from engine.params import SamplingParams
-from kv_transfer import KVCompat, KVReceiver, TransferConfig, TransferError
-from proto import worker_pb2
+from pdserve.decode_pool.engine_loop import EngineLoop
+from pdserve.decode_pool.stream import relay_deltas
+from pdserve.engine.block_manager import OutOfBlocksError
+from pdserve.engine.params import SamplingParams
+from pdserve.kv_transfer import KVCompat, KVReceiver, TransferConfig, TransferError
+from pdserve.proto import worker_pb2
 
 
 class RemotePrefill:
     def __init__(self, loop: EngineLoop, compat: KVCompat, config: TransferConfig, registry=None) -> None:
         self.loop = loop
         eng = loop.engine
-        # The receiver runs on the event loop thread; BlockManager operations are atomic and the
-        # scheduler treats OutOfBlocksError as "no room yet", so reserving here never corrupts a step.
+        # The receiver reserves on this (event loop) thread while the engine steps on its own: safe by
+        # the rules of the block-ownership contract in kv_transfer/__init__.py.
         self.receiver = KVReceiver(eng.runner.kv, eng.block_manager, compat, config, registry)
         self.pending = 0  # requests reserved but not yet adopted
 
@@ -54,8 +54,6 @@ class RemotePrefill:
         context: grpc.aio.ServicerContext,
         deadline_s: float | None,
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        from decode_pool.worker import relay_deltas
-
         # Validate before reserving anything: a bad request must not cost blocks.
         await self.loop.call(lambda e: e.validate_request(prompt, params))
         try:

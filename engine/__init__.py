@@ -11,20 +11,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "RequestOutput": "engine.llm",
-    "SamplingParams": "engine.params",
-    "LLMEngine": "engine.llm_engine",
-    "EngineConfig": "engine.llm_engine",
-    "RequestOutputDelta": "engine.llm_engine",
+    "LLM": "pdserve.engine.llm",
+    "RequestOutput": "pdserve.engine.llm",
+    "SamplingParams": "pdserve.engine.params",
+    "LLMEngine": "pdserve.engine.llm_engine",
+    "EngineConfig": "pdserve.engine.llm_engine",
+    "RequestOutputDelta": "pdserve.engine.llm_engine",
 }
 
 __all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "RequestOutputDelta", "SamplingParams"]
 
 if TYPE_CHECKING:
-    from engine.llm import LLM, RequestOutput
-    from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
-    from engine.params import SamplingParams
+    from pdserve.engine.llm import LLM, RequestOutput
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
+    from pdserve.engine.params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import CpuKernels
+from pdserve.engine.cpu_kernels import CpuKernels
 
 
 def _slot_rows(table: Sequence[int], positions: range, block_size: int) -> list[int]:

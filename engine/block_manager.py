@@ -4,18 +4,18 @@ The KV cache is split into ``num_blocks`` blocks of ``block_size`` token slots.
 A sequence owns an ordered *block table*; token position ``p`` of the sequence
 lives in slot ``table[p // block_size] * block_size + p % block_size``.
 
-Ownership contract (who frees, and when):
-- ``allocate``/``grow`` hand blocks to a sequence id; from then on the caller
-  that owns that id must call ``free(seq_id)`` on every exit path (finish,
-  abort, deadline, peer death). ``free`` is idempotent so racing exit paths
-  are harmless.
+What this class guarantees (the rules for using it across roles and threads are the block-ownership
+contract in ``kv_transfer/__init__.py``, the only copy):
+- ``allocate``/``grow`` hand blocks to a sequence id; whoever owns that id
+  calls ``free(seq_id)`` on every exit path. ``free`` is idempotent.
 - ``fork`` shares a table between two ids by reference count; a block returns
   to the free list only when its last owner frees it.
-- Every operation either succeeds fully or raises and changes nothing, and
-  is atomic (one lock): a decode worker's KV receiver frees reservations from
-  its own thread while the engine thread schedules. Check-then-act sequences
-  (``can_allocate`` then ``allocate``) are only safe on one thread; a worker
-  runs reservations on the engine thread for that reason.
+- Every operation is atomic (one lock) and all-or-nothing: it succeeds fully
+  or raises and changes nothing. That is what lets a decode worker's KV
+  receiver reserve and free on the event loop thread while the engine thread
+  schedules on the same instance. Readings (``num_free``, ``can_allocate``)
+  are stale as soon as they return when another thread uses the instance:
+  act on them only where one thread owns it (the prefill scheduler).
 
 Invariant (checked by ``check_invariants`` and the property tests): every
 block is either on the free list with refcount 0 or owned, with refcount equal

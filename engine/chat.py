@@ -1,4 +1,4 @@
-"""``python -m engine.chat``: stream a chat answer from the default model, token by token.
+"""``python -m pdserve.engine.chat``: stream a chat answer from the default model, token by token.
 
 What ``make run`` runs until the serving path exists.
 """
@@ -13,7 +13,7 @@ DEFAULT_QUESTION = "What is the capital of France? Answer in two sentences."
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m engine.chat", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m pdserve.engine.chat", description=__doc__)
     ap.add_argument("-q", "--question", default=DEFAULT_QUESTION, help="the user message")
     ap.add_argument("--system", default=None, help="an optional system message")
     ap.add_argument("--model", default=None, help="model name, .gguf path or HF directory (default: SmolLM2)")
@@ -28,9 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from engine.llm import LLM
-    from engine.params import SamplingParams
-    from engine.registry import DEFAULT_MODEL
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.params import SamplingParams
+    from pdserve.engine.registry import DEFAULT_MODEL
 
     try:
         params = SamplingParams(

@@ -47,8 +47,8 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from engine.cpu_kernels_src import SOURCE
-from engine.env import EngineEnv
+from pdserve.engine.cpu_kernels_src import SOURCE
+from pdserve.engine.env import EngineEnv
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.gguf_tokenizer import build_byte_level_tokenizer
+from pdserve.engine.gguf_tokenizer import build_byte_level_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The offline API, in the shape users know from vLLM.
 
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
     llm = LLM("smollm2-135m-instruct", dtype="float32")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta, engine_config_fields
-from engine.params import SamplingParams
-from engine.registry import DEFAULT_MODEL, resolve_model
-from engine.tokenizer import Tokenizer
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta, engine_config_fields
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
+from pdserve.engine.tokenizer import Tokenizer
 
 Prompt = str | Seq[int]
 Messages = Seq[Mapping[str, str]]

@@ -8,7 +8,8 @@ Every exit frees the request's KV blocks at once.
 For a decode worker, ``add_prefilled_request`` adopts a request whose prompt
 K/V arrived over the network into blocks this engine's ``block_manager``
 already holds under the request id: the engine owns and frees them from then
-on. ``abort`` of an id that only holds reserved blocks frees those too.
+on (the hand-over is the contract in ``kv_transfer/__init__.py``). ``abort`` of
+an id that only holds reserved blocks frees those too.
 
 Not thread-safe: one thread drives ``add_*``, ``abort`` and ``step``.
 """
@@ -23,17 +24,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.model_runner import DecodeItem, ModelRunner, PrefillItem
-from engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
-from engine.sampler import Sampler, SampleRow
-from engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
-from engine.sequence import FinishReason
-from engine.sequence import Sequence as EngineSequence
-from engine.stopping import StopStringMatcher
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from pdserve.engine.sampler import Sampler, SampleRow
+from pdserve.engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
+from pdserve.engine.sequence import FinishReason
+from pdserve.engine.sequence import Sequence as EngineSequence
+from pdserve.engine.stopping import StopStringMatcher
 
 if TYPE_CHECKING:
-    from engine.tokenizer import TextStream, Tokenizer
+    from pdserve.engine.tokenizer import TextStream, Tokenizer
 
 PRIME_TOKENS = 4  # prompt tokens replayed into a request's text stream before its first output
 

@@ -27,10 +27,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.attention import write_kv
-from engine.config import ModelConfig, RopeScaling
-from engine.cpu_kernels import CpuKernels
-from engine.weights import ModelWeights
+from pdserve.engine.attention import write_kv
+from pdserve.engine.config import ModelConfig, RopeScaling
+from pdserve.engine.cpu_kernels import CpuKernels
+from pdserve.engine.weights import ModelWeights
 
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H * D]; k/v are already in the cache.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

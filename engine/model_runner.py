@@ -24,11 +24,19 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention
-from engine.config import ModelConfig
-from engine.cpu_kernels import CpuKernels, kernel_cache_dir, load_cpu_kernels, supports
-from engine.model import KernelStepOps, LayerHook, RopeTables, StepOps, TorchStepOps, forward_hidden, logits
-from engine.weights import ModelWeights, can_pack
+from pdserve.engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_kernels import CpuKernels, kernel_cache_dir, load_cpu_kernels, supports
+from pdserve.engine.model import (
+    KernelStepOps,
+    LayerHook,
+    RopeTables,
+    StepOps,
+    TorchStepOps,
+    forward_hidden,
+    logits,
+)
+from pdserve.engine.weights import ModelWeights, can_pack
 
 __all__ = [
     "Backend",

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.env import EngineEnv
-from engine.gguf_loader import CONVERTER_VERSION, GGUFCheckpoint, write_hf_dir
+from pdserve.engine.env import EngineEnv
+from pdserve.engine.gguf_loader import CONVERTER_VERSION, GGUFCheckpoint, write_hf_dir
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,9 @@ def _known_names_hint() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.registry", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.engine.registry", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     convert = sub.add_parser("convert", help="convert a model into the cache now (a warm-up)")
     convert.add_argument("model", nargs="?", default=DEFAULT_MODEL)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.params import SamplingParams
+from pdserve.engine.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

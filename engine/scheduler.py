@@ -18,7 +18,11 @@ Policy:
 Block ownership: a sequence's blocks live in the BlockManager under its
 ``seq_id``. ``add_prefilled`` takes over blocks someone else allocated under
 that id (a decode worker whose prompt KV arrived over the network); from then
-on the scheduler frees them on finish, abort and preemption.
+on the scheduler frees them on finish, abort and preemption. In a decode worker
+another thread reserves and frees in the same BlockManager, so the scheduler
+never acts on an earlier reading of it: it allocates, and "out of blocks" means
+"no room yet" (reservations are adopted or freed within their deadline). The
+rules are the block-ownership contract in ``kv_transfer/__init__.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager, OutOfBlocksError
-from engine.params import SamplingParams
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

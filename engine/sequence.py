@@ -12,7 +12,7 @@ import enum
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 
-from engine.params import SamplingParams
+from pdserve.engine.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

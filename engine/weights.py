@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from pdserve.engine.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

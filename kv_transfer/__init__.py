@@ -3,14 +3,15 @@ KV blocks a decode worker reserved for it.
 
 Interface: :class:`KVReceiver` (decode side), :class:`KVSender` and its
 :class:`SenderHandle` (prefill side), over one small transport interface
-(``transport.py``) with two backends: ``ucx`` (ucxx; the only module importing
-it) and ``inproc`` (same-process fake for unit tests). Both sides run on an
+(``transport.py``, Protocols only) with two backends in ``transports/``: ``ucx``
+(ucxx; the only module importing it) and ``inproc`` (same-process fake for unit
+tests); ``transports.make_transport`` picks one. Both sides run on an
 asyncio event loop (uvloop works); the forward runs in a worker thread and
 only calls ``SenderHandle.push_layer``.
 
 Lifecycle on the decode side (D):
     1. ``ticket = receiver.reserve(request_id, num_tokens)``: blocks allocated in
-       D's BlockManager under ``request_id`` (OutOfBlocksError: nothing
+       D's block pool under ``request_id`` (no room: the pool's error, nothing
        reserved); deadline armed. ``ticket.encode()`` travels to P as bytes.
     2. P's ``Open`` arrives: D posts one receive per layer and contiguous run
        straight into the reserved blocks. P does not wait for this: data that
@@ -20,7 +21,8 @@ Lifecycle on the decode side (D):
        so only the accepted sender of a ticket can match the posted receives.
     3. Every layer landed and ``Complete`` (first sampled token) arrived:
        ``await receiver.wait(request_id)`` returns a TransferResult and D
-       acknowledges. The blocks stay allocated under ``request_id``.
+       acknowledges. The blocks stay allocated under ``request_id``, now the
+       decode engine's (see the contract below).
     4. Or it fails: ``receiver.abort()`` (client cancel), the deadline, P's
        abort, P's death (UCX endpoint error), incompatibility. ``wait`` raises
        a TransferError subclass at once.
@@ -37,21 +39,47 @@ Lifecycle on the prefill side (P):
     4. Or ``await handle.abort(reason)``; D's abort, D's death or the deadline
        make ``complete`` raise.
 
-Who frees which blocks, when:
-    - D's blocks, success: the decode engine, with ``BlockManager.free(request_id)``
-      when the request ends (ownership passes at step 3).
-    - D's blocks, any failure: the receiver, as soon as no posted receive can
-      still write into them (at most ``2 * settle_timeout_s`` after the failure).
-    - P's blocks: always the prefill worker, after ``complete``/``abort``
-      returned or raised; both return only once no send reads them any more.
+THE block-ownership and threading contract (the only copy; other modules point here)
+------------------------------------------------------------------------------------
+A request's KV blocks always have exactly one owner, and only the owner frees them.
+
+On the decode worker (D), in order:
+    1. ``KVReceiver.reserve`` allocates the blocks under ``request_id`` in D's block pool
+       (``reservation.BlockPool``; the engine's ``BlockManager`` in a decode worker). From here
+       until step 3 the receiver owns them. No room: the pool's error passes through, nothing held.
+    2. Any failure before step 3 (abort, deadline, P's abort or death, shutdown): the receiver
+       frees them, but only once no posted receive can still write into them (at most
+       ``2 * settle_timeout_s`` after the failure), so a freed block is never written late.
+       Nobody else frees them in this window: ``decode_pool.remote`` asks the receiver to abort.
+    3. ``await receiver.wait(request_id)`` returned (every layer and ``Complete`` landed): ownership
+       passes to the decode engine, which adopts the request (``add_prefilled_request``) and frees
+       the blocks when the request ends (finish, cancel, deadline, drain), as it frees its own.
+On the prefill worker (P): the prefill loop owns the source blocks from scheduling until
+``handle.complete``/``handle.abort`` has returned or raised (both return only once no send reads
+them any more), and frees them then. D never touches P's blocks, nor P D's.
+
+Threads. Everything in ``kv_transfer`` runs on one event loop thread, except
+``SenderHandle.push_layer``, which the forward thread calls. On D the block pool is shared by two
+threads: the receiver reserves and frees on the event loop while the decode engine allocates,
+grows, preempts and frees on its own thread between and during steps. That is safe because, and
+only while, these three rules hold:
+    a. every pool operation is atomic and all-or-nothing (``BlockManager`` holds one lock per
+       call; a call that cannot be served raises and changes nothing);
+    b. no thread acts on a pool reading it made in an earlier call (no ``can_allocate`` then
+       ``allocate`` across threads): each side just allocates and treats "out of blocks" as "no
+       room yet" (the engine preempts or waits; the receiver's caller answers RESOURCE_EXHAUSTED);
+    c. an id's blocks are freed only by its owner above, so the two threads never free, grow or
+       read the table of the same id at once (the engine copies a table under the lock).
+P's pool is touched on its event loop thread alone. ``tests/test_block_ownership.py`` checks a and c
+with reservations and frees from the event loop while the engine steps.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kv_transfer.config import Backend, FaultConfig, TransferConfig
-from kv_transfer.errors import (
+from pdserve.kv_transfer.config import Backend, FaultConfig, TransferConfig
+from pdserve.kv_transfer.errors import (
     AbortedError,
     DeadlineError,
     FailureReason,
@@ -60,23 +88,24 @@ from kv_transfer.errors import (
     RejectedError,
     TransferError,
 )
-from kv_transfer.wire import PROTOCOL_VERSION, KVCompat, TransferTicket
+from pdserve.kv_transfer.reservation import BlockPool
+from pdserve.kv_transfer.wire import PROTOCOL_VERSION, KVCompat, TransferTicket
 
 if TYPE_CHECKING:
-    from kv_transfer.handle import SenderHandle, SendStats
-    from kv_transfer.kvbuf import compat_for
-    from kv_transfer.receiver import KVReceiver
-    from kv_transfer.reservation import TransferResult
-    from kv_transfer.sender import KVSender
+    from pdserve.kv_transfer.handle import SenderHandle, SendStats
+    from pdserve.kv_transfer.kvbuf import compat_for
+    from pdserve.kv_transfer.receiver import KVReceiver
+    from pdserve.kv_transfer.reservation import TransferResult
+    from pdserve.kv_transfer.sender import KVSender
 
 # Names that need torch load on first use, so `kv_transfer.wire` & co stay importable without it.
 _LAZY = {
-    "KVReceiver": "kv_transfer.receiver",
-    "TransferResult": "kv_transfer.reservation",
-    "KVSender": "kv_transfer.sender",
-    "SenderHandle": "kv_transfer.handle",
-    "SendStats": "kv_transfer.handle",
-    "compat_for": "kv_transfer.kvbuf",
+    "KVReceiver": "pdserve.kv_transfer.receiver",
+    "TransferResult": "pdserve.kv_transfer.reservation",
+    "KVSender": "pdserve.kv_transfer.sender",
+    "SenderHandle": "pdserve.kv_transfer.handle",
+    "SendStats": "pdserve.kv_transfer.handle",
+    "compat_for": "pdserve.kv_transfer.kvbuf",
 }
 
 
@@ -93,6 +122,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AbortedError",
     "Backend",
+    "BlockPool",
     "DeadlineError",
     "FailureReason",
     "FaultConfig",

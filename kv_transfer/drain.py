@@ -21,10 +21,10 @@ from functools import partial
 
 import torch
 
-from kv_transfer.errors import TransferError
-from kv_transfer.kvbuf import scratch
-from kv_transfer.plan import MAX_SEGMENTS, layer_tag, tag_base
-from kv_transfer.reservation import Drain, PrefillConn
+from pdserve.kv_transfer.errors import TransferError
+from pdserve.kv_transfer.kvbuf import scratch
+from pdserve.kv_transfer.plan import MAX_SEGMENTS, layer_tag, tag_base
+from pdserve.kv_transfer.reservation import Drain, PrefillConn
 
 log = logging.getLogger(__name__)
 

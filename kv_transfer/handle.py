@@ -13,10 +13,10 @@ Stages (:class:`HandleState`):
     FAILED     aborted, deadline, peer died, refused (the receiver's ``Abort``):
                every wait raises the error
 
-Who frees: P's source blocks belong to the prefill worker, which must keep
-them until ``complete`` or ``abort`` has returned or raised: both return only
-after every send has settled (or been cancelled after ``settle_timeout_s``),
-so nothing reads the blocks afterwards. D's blocks are D's business.
+Who frees (the contract is in ``kv_transfer/__init__.py``): P's source blocks
+are the prefill worker's until ``complete`` or ``abort`` has returned or raised;
+both return only after every send has settled (or been cancelled after
+``settle_timeout_s``), so nothing reads the blocks afterwards.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kv_transfer import wire
-from kv_transfer.errors import (
+from pdserve.kv_transfer import wire
+from pdserve.kv_transfer.errors import (
     AbortedError,
     DeadlineError,
     FailureReason,
@@ -40,12 +40,16 @@ from kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from kv_transfer.kvbuf import ready_marker
-from kv_transfer.plan import Segment, layer_tag, tag_base
-from kv_transfer.transport import DataOp
+from pdserve.kv_transfer.kvbuf import ready_marker
+from pdserve.kv_transfer.plan import Segment, layer_tag, tag_base
+from pdserve.kv_transfer.transport import Connection, DataOp
 
 if TYPE_CHECKING:
-    from kv_transfer.sender import KVSender, _Peer
+    import torch
+
+    from pdserve.kv_transfer.config import TransferConfig
+    from pdserve.kv_transfer.kvbuf import KVSpans
+    from pdserve.kv_transfer.metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,11 +81,34 @@ class SendStats:
     messages: int = 0  # data messages sent (layers x contiguous segments)
 
 
+class PeerLink(Protocol):
+    """One decode worker as the sender keeps it: the connection and the receiver's id for it."""
+
+    address: str
+    conn: Connection | None
+    conn_id: int  # part of every data tag, so only this connection matches the posted receives
+
+
+class HandleOwner(Protocol):
+    """What a handle needs of the ``KVSender`` that opened it (the sender implements this; the handle
+    never imports the sender, so the two modules do not import each other)."""
+
+    kv: torch.Tensor
+    spans: KVSpans
+    compat: wire.KVCompat
+    config: TransferConfig
+    metrics: TransferMetrics
+
+    def send(self, peer: Any, msg: wire.Message) -> None: ...
+
+    def forget(self, handle: SenderHandle) -> None: ...
+
+
 class SenderHandle:
     def __init__(
         self,
-        sender: KVSender,
-        peer: _Peer,
+        sender: HandleOwner,
+        peer: PeerLink,
         ticket: wire.TransferTicket,
         segments: list[Segment],
         deadline: float,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.wire import PROTOCOL_VERSION, KVCompat
+from pdserve.kv_transfer.wire import PROTOCOL_VERSION, KVCompat
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kv_transfer.errors import FailureReason
+from pdserve.kv_transfer.errors import FailureReason
 
 _TRANSFER_BUCKETS = (
     0.0005,

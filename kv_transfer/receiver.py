@@ -17,10 +17,10 @@ received into scratch memory (drain.py): no KV block is written, no send waits
 forever. Data tags carry this receiver's id for the sending connection, so a
 second sender of the same ticket never matches the accepted sender's receives.
 
-Who frees: on success the decode engine frees ``request_id`` when the request
-ends (``BlockManager.free``). On every failure the receiver frees, and only
-after the last in-flight write into those blocks has finished, so a freed block
-is never written by a late message.
+Who frees (the contract is in ``kv_transfer/__init__.py``): on every failure
+before DONE the receiver, and only after the last in-flight write into those
+blocks has finished, so a freed block is never written by a late message; after
+DONE the decode engine.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine.block_manager import BlockManager
-from kv_transfer import wire
-from kv_transfer.config import TransferConfig
-from kv_transfer.drain import Drains
-from kv_transfer.errors import (
+from pdserve.kv_transfer import wire
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.drain import Drains
+from pdserve.kv_transfer.errors import (
     AbortedError,
     DeadlineError,
     FailureReason,
@@ -48,11 +47,19 @@ from kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from kv_transfer.kvbuf import KVSpans, check_kv
-from kv_transfer.metrics import Role, TransferMetrics
-from kv_transfer.plan import MAX_CONN_IDS, MAX_LAYERS, build_segments, layer_tag, tag_base
-from kv_transfer.reservation import ConnIds, PrefillConn, Reservation, RxState, TransferResult
-from kv_transfer.transport import Connection, Transport, make_transport
+from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
+from pdserve.kv_transfer.metrics import Role, TransferMetrics
+from pdserve.kv_transfer.plan import MAX_CONN_IDS, MAX_LAYERS, build_segments, layer_tag, tag_base
+from pdserve.kv_transfer.reservation import (
+    BlockPool,
+    ConnIds,
+    PrefillConn,
+    Reservation,
+    RxState,
+    TransferResult,
+)
+from pdserve.kv_transfer.transport import Connection, Transport
+from pdserve.kv_transfer.transports import make_transport
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +67,7 @@ _TOMBSTONES = 4096  # recently ended transfers remembered, to answer late messag
 
 
 class KVReceiver:
-    """Owns nothing but reservations; the KV tensor and BlockManager belong to the decode worker.
+    """Owns nothing but reservations; the KV tensor and the block pool belong to the decode worker.
 
     All methods run on the event loop thread that called :meth:`start`.
     """
@@ -68,14 +75,14 @@ class KVReceiver:
     def __init__(
         self,
         kv: torch.Tensor,
-        blocks: BlockManager,
+        blocks: BlockPool,
         compat: wire.KVCompat,
         config: TransferConfig | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         check_kv(kv, compat)
         if blocks.block_size != compat.block_size or blocks.num_blocks > kv.shape[1]:
-            raise ValueError("BlockManager does not match the KV tensor (block size or block count)")
+            raise ValueError("the block pool does not match the KV tensor (block size or block count)")
         if compat.num_layers > MAX_LAYERS:
             raise ValueError(f"{compat.num_layers} layers exceed the tag layout's {MAX_LAYERS}")
         self._kv = kv
@@ -127,7 +134,8 @@ class KVReceiver:
     ) -> wire.TransferTicket:
         """Allocate blocks under ``request_id`` and describe them in a ticket.
 
-        ``OutOfBlocksError`` from the BlockManager passes through with nothing reserved.
+        The pool's error when it has no room (``OutOfBlocksError`` from a ``BlockManager``) passes
+        through with nothing reserved.
         """
         assert self._transport is not None, "start() first"
         if request_id in self._by_request:

@@ -4,11 +4,33 @@ receiver.py and drain.py act on them)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
-from kv_transfer.transport import Connection, DataOp
+from pdserve.kv_transfer.transport import Connection, DataOp
+
+
+class BlockPool(Protocol):
+    """What the receiver needs of the decode worker's KV block allocator (``engine.block_manager.
+    BlockManager`` is one). Every call must be atomic and all-or-nothing, because the receiver calls it
+    on the event loop thread while the decode engine uses the same pool on its own thread: the rules are
+    the contract in ``kv_transfer/__init__.py``."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def allocate(self, owner: Hashable, num_tokens: int) -> list[int]:
+        """Blocks for ``num_tokens`` tokens under ``owner``; raise, holding nothing, when there is no room."""
+        ...
+
+    def free(self, owner: Hashable) -> bool:
+        """Return ``owner``'s blocks; idempotent (False when it held none)."""
+        ...
 
 
 class RxState(Enum):

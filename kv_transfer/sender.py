@@ -25,14 +25,15 @@ from functools import partial
 import torch
 from prometheus_client import CollectorRegistry
 
-from kv_transfer import wire
-from kv_transfer.config import TransferConfig
-from kv_transfer.errors import DeadlineError, IncompatibleError, PeerDiedError, TransferError
-from kv_transfer.handle import HandleState, SenderHandle
-from kv_transfer.kvbuf import KVSpans, check_kv
-from kv_transfer.metrics import Role, TransferMetrics
-from kv_transfer.plan import MAX_LAYERS, build_segments, segment_lengths
-from kv_transfer.transport import Connection, Transport, make_transport
+from pdserve.kv_transfer import wire
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.errors import DeadlineError, IncompatibleError, PeerDiedError, TransferError
+from pdserve.kv_transfer.handle import HandleState, SenderHandle
+from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
+from pdserve.kv_transfer.metrics import Role, TransferMetrics
+from pdserve.kv_transfer.plan import MAX_LAYERS, build_segments, segment_lengths
+from pdserve.kv_transfer.transport import Connection, Transport
+from pdserve.kv_transfer.transports import make_transport
 
 log = logging.getLogger(__name__)
 

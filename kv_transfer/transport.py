@@ -31,13 +31,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from kv_transfer.config import Backend, TransferConfig
-
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from kv_transfer.errors import TransferError
+    from pdserve.kv_transfer.errors import TransferError
 
     Buffer = np.ndarray | torch.Tensor
 
@@ -90,14 +88,3 @@ class Transport(Protocol):
         """A transfer id unique among the receives this process may have posted."""
 
     async def close(self) -> None: ...
-
-
-def make_transport(config: TransferConfig) -> Transport:
-    """The configured backend; call inside the running event loop. ucxx is imported only for UCX."""
-    if config.backend is Backend.INPROC:
-        from kv_transfer.inproc import InprocTransport
-
-        return InprocTransport()
-    from kv_transfer.ucx import UcxTransport
-
-    return UcxTransport(config)

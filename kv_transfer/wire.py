@@ -29,7 +29,7 @@ import hashlib
 
 import msgspec
 
-from kv_transfer.errors import IncompatibleError
+from pdserve.kv_transfer.errors import IncompatibleError
 
 # Bump on any change to these messages or to the tag layout (plan.py).
 # 2: data follows Open without waiting for a reply (no OpenReply); connection id in tags.

@@ -1,7 +1,7 @@
 """A prefill worker's Prometheus metrics: prefill forward time, tokens prefilled, queued tokens.
 
 The worker creates one ``PrefillMetrics`` on its process registry
-(``router.metrics_http.process_registry``) and calls:
+(``telemetry.exporter.process_registry``) and calls:
 
 - ``observe_prefill(seconds, tokens)`` after every batched prefill forward
   (its wall time and the prompt tokens it covered);
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.slo import STEP_BUCKETS
+from pdserve.telemetry.slo import STEP_BUCKETS
 
 PREFILL_TIME = "pdserve_prefill_time_seconds"
 PREFILL_QUEUE_TOKENS = "pdserve_prefill_queue_tokens"

@@ -22,7 +22,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_manager import BlockManager
+from pdserve.engine.block_manager import BlockManager
 
 
 class Stage(enum.Enum):

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import generation_pb2 as proto_dot_generation__pb2
+from pdserve.proto import generation_pb2 as pdserve_dot_proto_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/generation_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Generation/Generate',
-                request_serializer=proto_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -58,8 +58,8 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,8 +87,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/Generate',
-            proto_dot_generation__pb2.GenerateRequest.SerializeToString,
-            proto_dot_generation__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

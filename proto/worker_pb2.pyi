@@ -1,4 +1,4 @@
-from proto import generation_pb2 as _generation_pb2
+from pdserve.proto import generation_pb2 as _generation_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

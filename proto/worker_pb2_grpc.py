@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import worker_pb2 as proto_dot_worker__pb2
+from pdserve.proto import worker_pb2 as pdserve_dot_proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class WorkerStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.internal.v1.Worker/Generate',
-                request_serializer=proto_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.WorkerGenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerGenerateResponse.FromString,
                 _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/pdserve.internal.v1.Worker/Prefill',
-                request_serializer=proto_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.internal.v1.Worker/GetLoad',
-                request_serializer=proto_dot_worker__pb2.Empty.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.WorkerLoad.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/pdserve.internal.v1.Worker/Drain',
-                request_serializer=proto_dot_worker__pb2.DrainRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.WorkerLoad.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
 
 
@@ -88,23 +88,23 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_worker__pb2.WorkerGenerateRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerGenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=proto_dot_worker__pb2.Empty.FromString,
-                    response_serializer=proto_dot_worker__pb2.WorkerLoad.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=proto_dot_worker__pb2.DrainRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.WorkerLoad.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,8 +132,8 @@ class Worker:
             request,
             target,
             '/pdserve.internal.v1.Worker/Generate',
-            proto_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
-            proto_dot_worker__pb2.WorkerGenerateResponse.FromString,
+            pdserve_dot_proto_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.WorkerGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -159,8 +159,8 @@ class Worker:
             request,
             target,
             '/pdserve.internal.v1.Worker/Prefill',
-            proto_dot_worker__pb2.PrefillRequest.SerializeToString,
-            proto_dot_worker__pb2.PrefillResponse.FromString,
+            pdserve_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class Worker:
             request,
             target,
             '/pdserve.internal.v1.Worker/GetLoad',
-            proto_dot_worker__pb2.Empty.SerializeToString,
-            proto_dot_worker__pb2.WorkerLoad.FromString,
+            pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,
@@ -213,8 +213,8 @@ class Worker:
             request,
             target,
             '/pdserve.internal.v1.Worker/Drain',
-            proto_dot_worker__pb2.DrainRequest.SerializeToString,
-            proto_dot_worker__pb2.WorkerLoad.FromString,
+            pdserve_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,
@@ -238,28 +238,28 @@ class RegistryStub:
         """
         self.Register = channel.unary_unary(
                 '/pdserve.internal.v1.Registry/Register',
-                request_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.RegisterResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.RegisterResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/pdserve.internal.v1.Registry/Heartbeat',
-                request_serializer=proto_dot_worker__pb2.WorkerLoad.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.HeartbeatResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/pdserve.internal.v1.Registry/Deregister',
-                request_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.Empty.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
                 _registered_method=True)
         self.GetClusterStatus = channel.unary_unary(
                 '/pdserve.internal.v1.Registry/GetClusterStatus',
-                request_serializer=proto_dot_worker__pb2.Empty.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.ClusterStatus.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.ClusterStatus.FromString,
                 _registered_method=True)
         self.DrainWorker = channel.unary_unary(
                 '/pdserve.internal.v1.Registry/DrainWorker',
-                request_serializer=proto_dot_worker__pb2.DrainWorkerRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.DrainWorkerResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
 
 
@@ -302,28 +302,28 @@ def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
-                    response_serializer=proto_dot_worker__pb2.RegisterResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.RegisterResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=proto_dot_worker__pb2.WorkerLoad.FromString,
-                    response_serializer=proto_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.HeartbeatResponse.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
-                    request_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
-                    response_serializer=proto_dot_worker__pb2.Empty.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
             ),
             'GetClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetClusterStatus,
-                    request_deserializer=proto_dot_worker__pb2.Empty.FromString,
-                    response_serializer=proto_dot_worker__pb2.ClusterStatus.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.ClusterStatus.SerializeToString,
             ),
             'DrainWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.DrainWorker,
-                    request_deserializer=proto_dot_worker__pb2.DrainWorkerRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.DrainWorkerResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,8 +352,8 @@ class Registry:
             request,
             target,
             '/pdserve.internal.v1.Registry/Register',
-            proto_dot_worker__pb2.WorkerInfo.SerializeToString,
-            proto_dot_worker__pb2.RegisterResponse.FromString,
+            pdserve_dot_proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.RegisterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -379,8 +379,8 @@ class Registry:
             request,
             target,
             '/pdserve.internal.v1.Registry/Heartbeat',
-            proto_dot_worker__pb2.WorkerLoad.SerializeToString,
-            proto_dot_worker__pb2.HeartbeatResponse.FromString,
+            pdserve_dot_proto_dot_worker__pb2.WorkerLoad.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -406,8 +406,8 @@ class Registry:
             request,
             target,
             '/pdserve.internal.v1.Registry/Deregister',
-            proto_dot_worker__pb2.WorkerInfo.SerializeToString,
-            proto_dot_worker__pb2.Empty.FromString,
+            pdserve_dot_proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -433,8 +433,8 @@ class Registry:
             request,
             target,
             '/pdserve.internal.v1.Registry/GetClusterStatus',
-            proto_dot_worker__pb2.Empty.SerializeToString,
-            proto_dot_worker__pb2.ClusterStatus.FromString,
+            pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -460,8 +460,8 @@ class Registry:
             request,
             target,
             '/pdserve.internal.v1.Registry/DrainWorker',
-            proto_dot_worker__pb2.DrainWorkerRequest.SerializeToString,
-            proto_dot_worker__pb2.DrainWorkerResponse.FromString,
+            pdserve_dot_proto_dot_worker__pb2.DrainWorkerRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.DrainWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.policy import RoutingConfig
-from router.registry import RegistryConfig
+from pdserve.router.policy import RoutingConfig
+from pdserve.router.registry import RegistryConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_HOST = "127.0.0.1"

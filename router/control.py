@@ -12,9 +12,10 @@ import time
 
 import grpc
 
-from proto import worker_pb2, worker_pb2_grpc
-from router.registry import Role, State, Worker
-from router.service import Router
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.router.registry import State, Worker
+from pdserve.router.service import Router
+from pdserve.worker.role import Role
 
 _ROLES = {
     worker_pb2.ROLE_PREFILL: Role.PREFILL,

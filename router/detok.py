@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.params import SamplingParams
-from engine.stopping import StopStringMatcher
-from router.validate import TextStream
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.stopping import StopStringMatcher
+from pdserve.router.validate import TextStream
 
 
 class Detokenizer:

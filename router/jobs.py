@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.policy import Route
-from router.registry import Registry, Worker
+from pdserve.router.policy import Route
+from pdserve.router.registry import Registry, Worker
 
 
 class Cancellable(Protocol):

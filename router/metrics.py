@@ -14,7 +14,7 @@ Timing points (``time.monotonic``), all on the router:
 
 ``RequestRecord.wrap`` observes the messages on their way to the client, so
 the figures are the client's view whatever path (local or remote prefill) the
-request took. Bucket boundaries include the SLO thresholds (``router.slo``).
+request took. Bucket boundaries include the SLO thresholds (``telemetry.slo``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.metrics_http import process_registry
-from router.slo import DEFAULT_SLO, SloThresholds, e2e_buckets, itl_buckets, queue_buckets, ttft_buckets
+from pdserve.telemetry.exporter import process_registry
+from pdserve.telemetry.slo import (
+    DEFAULT_SLO,
+    SloThresholds,
+    e2e_buckets,
+    itl_buckets,
+    queue_buckets,
+    ttft_buckets,
+)
 
 ROLE = "router"
 TTFT = "pdserve_time_to_first_token_seconds"

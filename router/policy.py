@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from router.registry import Role, Worker
+from pdserve.router.registry import Worker
+from pdserve.worker.role import Role
 
 
 @dataclass(frozen=True)

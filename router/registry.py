@@ -18,19 +18,7 @@ import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-    @property
-    def decodes(self) -> bool:
-        return self is not Role.PREFILL
-
-    @property
-    def prefills_remote(self) -> bool:
-        return self is Role.PREFILL
+from pdserve.worker.role import Role
 
 
 class State(enum.Enum):

@@ -27,13 +27,13 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
-from proto import generation_pb2, worker_pb2, worker_pb2_grpc
-from router.detok import Detokenizer
-from router.jobs import Failure, Job
-from router.metrics import RouterMetrics
-from router.registry import Worker
-from router.validate import Prepared, RouterTokenizer
-from router.worker_shell import REJECT_METADATA_KEY
+from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.router.detok import Detokenizer
+from pdserve.router.jobs import Failure, Job
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.registry import Worker
+from pdserve.router.validate import Prepared, RouterTokenizer
+from pdserve.worker.shell import REJECT_METADATA_KEY
 
 log = logging.getLogger(__name__)
 

@@ -27,14 +27,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.config import RouterConfig
-from router.control import RegistryService
-from router.metrics_http import MetricsEndpoint, serve_metrics
-from router.openai_server import OpenAIFront
-from router.service import GenerationService, Router
-from router.validate import ModelLimits, RouterTokenizer
-from router.worker_shell import SERVER_OPTIONS
+from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.control import RegistryService
+from pdserve.router.openai.server import OpenAIFront
+from pdserve.router.service import GenerationService, Router
+from pdserve.router.validate import ModelLimits, RouterTokenizer
+from pdserve.telemetry.exporter import MetricsEndpoint, serve_metrics
+from pdserve.worker.shell import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 def load_frontend(model: str, cache_dir=None) -> tuple[RouterTokenizer, ModelLimits]:
     """The model's tokenizer and limits (blocking: run it off the event loop)."""
-    from engine.registry import resolve_model
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.registry import resolve_model
+    from pdserve.engine.tokenizer import Tokenizer
 
     path = resolve_model(model, cache_dir, progress=False)
     return Tokenizer.from_dir(path), ModelLimits.from_model_dir(path)

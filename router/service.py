@@ -22,14 +22,15 @@ import time
 
 import grpc
 
-from proto import generation_pb2_grpc, worker_pb2
-from router.config import RouterConfig
-from router.jobs import Failure, Job, Ledger
-from router.metrics import RouterMetrics
-from router.policy import Admission, QueueFullError, Route, can_ever_serve, choose_route
-from router.registry import Registry, Role, State, Worker
-from router.relay import Relay, RelayError, WorkerChannels, Write
-from router.validate import InvalidRequest, ModelLimits, Prepared, RouterTokenizer, prepare
+from pdserve.proto import generation_pb2_grpc, worker_pb2
+from pdserve.router.config import RouterConfig
+from pdserve.router.jobs import Failure, Job, Ledger
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import Admission, QueueFullError, Route, can_ever_serve, choose_route
+from pdserve.router.registry import Registry, State, Worker
+from pdserve.router.relay import Relay, RelayError, WorkerChannels, Write
+from pdserve.router.validate import InvalidRequest, ModelLimits, Prepared, RouterTokenizer, prepare
+from pdserve.worker.role import Role
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def _cancelling() -> bool:
 async def generate(router: Router, request, write: Write, time_remaining: float | None) -> None:
     """Run one ``GenerateRequest`` to its end: the request path every front shares.
 
-    gRPC ``Generate`` and the OpenAI HTTP front (``router.openai_server``) both
+    gRPC ``Generate`` and the OpenAI HTTP front (``router.openai.server``) both
     call this, so validation, admission, the ledger, metrics and cancellation
     are the same whatever the client speaks. ``write`` gets every response
     message; ``time_remaining`` is the client's deadline in seconds (None: the

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
-from proto import generation_pb2
+from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from pdserve.proto import generation_pb2
+from pdserve.worker.convert import sampling_params_from_proto
 
-# proto3 optional fields copied into SamplingParams when set; unset ones keep the engine defaults.
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos")
 # Used when the model's vocabulary size is unknown: only the context check then bounds the ids.
 _UNKNOWN_VOCAB = 1 << 32
 
@@ -72,12 +71,6 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     sampling: generation_pb2.SamplingParams  # forwarded to the workers: the client's, minus stop strings
-
-
-def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingParams:
-    """Build the engine's SamplingParams; its ValueError names the field."""
-    kw: dict[str, object] = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if s.HasField(f)}
-    return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
 
 
 def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer) -> tuple[str, list[int]]:

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from bench.datasets import TokenSpace
-from proto import generation_pb2 as g
-from proto import generation_pb2_grpc
+from pdserve.bench.datasets import TokenSpace
+from pdserve.proto import generation_pb2 as g
+from pdserve.proto import generation_pb2_grpc
 
 CHUNKS = (1, 2, 3)
 SPACE = TokenSpace(vocab_size=500, excluded_ids=frozenset({0, 1, 2}))

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from proto import generation_pb2, generation_pb2_grpc
-from router import cluster
+from pdserve.deploy.local import cluster
+from pdserve.proto import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def pdserve(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "router.cli", *args],
+        [sys.executable, "-m", "pdserve.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -75,7 +75,7 @@ class Cluster:
 
         Returns the seconds it took; fails after ``timeout_s``.
         """
-        from proto import worker_pb2, worker_pb2_grpc
+        from pdserve.proto import worker_pb2, worker_pb2_grpc
 
         addresses = {w["id"]: w["address"] for w in self.workers()}
         t0 = time.monotonic()

@@ -23,15 +23,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from decode_pool.metrics import DecodeMetrics
-from kv_transfer.metrics import Role as TransferRole
-from kv_transfer.metrics import TransferMetrics
-from prefill_pool.metrics import PrefillMetrics
-from proto import worker_pb2, worker_pb2_grpc
-from router.agent import AgentConfig, RouterAgent, run_worker
-from router.metrics_http import process_registry, serve_metrics
-from router.registry import Role
-from router.worker_shell import ROLE_TO_PROTO, ShellConfig, WorkerArgs, WorkerShell
+from pdserve.decode_pool.metrics import DecodeMetrics
+from pdserve.kv_transfer.metrics import Role as TransferRole
+from pdserve.kv_transfer.metrics import TransferMetrics
+from pdserve.prefill_pool.metrics import PrefillMetrics
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.telemetry.exporter import process_registry, serve_metrics
+from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.convert import ROLE_TO_PROTO
+from pdserve.worker.role import Role
+from pdserve.worker.shell import ShellConfig, WorkerShell
 
 # The test model: a WordLevel vocabulary, so ids("hello world") == [4, 5] and text is easy to check.
 WORDS = [

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from bench.arrivals import ArrivalConfig, arrival_times
-from bench.datasets import (
+from pdserve.bench.arrivals import ArrivalConfig, arrival_times
+from pdserve.bench.datasets import (
     DatasetName,
     SampleRequest,
     TokenSpace,
@@ -18,9 +18,9 @@ from bench.datasets import (
     load_jsonl,
     sample_requests,
 )
-from bench.metrics import RequestRecord, Slo, compute_metrics, parse_slo, summarize
-from bench.plan import plan_run
-from bench.report import format_summary, json_safe, write_json
+from pdserve.bench.metrics import RequestRecord, Slo, compute_metrics, parse_slo, summarize
+from pdserve.bench.plan import plan_run
+from pdserve.bench.report import format_summary, json_safe, write_json
 
 # ---- one request --------------------------------------------------------------------------------------
 

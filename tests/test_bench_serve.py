@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.arrivals import ArrivalConfig
-from bench.datasets import DatasetName, WorkloadConfig
-from bench.metrics import Slo
-from bench.plan import plan_run
-from bench.serve import BenchConfig, main, run_benchmark
-from proto import generation_pb2 as g
+from pdserve.bench.arrivals import ArrivalConfig
+from pdserve.bench.datasets import DatasetName, WorkloadConfig
+from pdserve.bench.metrics import Slo
+from pdserve.bench.plan import plan_run
+from pdserve.bench.serve import BenchConfig, main, run_benchmark
+from pdserve.proto import generation_pb2 as g
 from tests.bench_fakes import (
     RECORD_KEYS,
     SPACE,
@@ -168,7 +168,7 @@ def test_timeouts_and_errors_are_recorded_not_raised(fake, tmp_path):
 
 
 def test_cli_prints_summary_and_saves(fake, tmp_path, capsys):
-    from router.cluster import ClusterState, ProcessEntry, save_state
+    from pdserve.deploy.local.cluster import ClusterState, ProcessEntry, save_state
 
     servicer, address = fake
     data = tmp_path / "w.jsonl"

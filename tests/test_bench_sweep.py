@@ -21,12 +21,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.arrivals import ArrivalConfig
-from bench.datasets import TokenSpace, WorkloadConfig
-from bench.metrics import RequestRecord, Slo
-from bench.report import json_safe
-from bench.serve import BenchConfig
-from bench.sweep import (
+from pdserve.bench.arrivals import ArrivalConfig
+from pdserve.bench.datasets import TokenSpace, WorkloadConfig
+from pdserve.bench.metrics import RequestRecord, Slo
+from pdserve.bench.report import json_safe
+from pdserve.bench.serve import BenchConfig
+from pdserve.bench.sweep import (
     ClusterSpec,
     Shape,
     SweepConfig,
@@ -36,7 +36,7 @@ from bench.sweep import (
     redraw,
     run_sweep,
 )
-from router.cluster import choose_cpus, format_cpu_list, parse_cpu_list
+from pdserve.deploy.local.cluster import choose_cpus, format_cpu_list, parse_cpu_list
 from tests.bench_fakes import RECORD_KEYS, VLLM_KEYS, FakeGeneration, fake_router, recompute_figures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +169,7 @@ def test_sweep_config_validation(tmp_path):
 
 def test_compare_refuses_unequal_worker_counts(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "bench", "compare", "--shapes", "1P+1D", "1C", "--rates", "1"]
+        [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--shapes", "1P+1D", "1C", "--rates", "1"]
         + ["--goodput", "ttft:100", "tpot:10", "--out-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
@@ -204,7 +204,7 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     """ABBA order, the same request stream for every shape, skipping after --stop-below, outputs."""
     fast, slow = FakeGeneration(), SlowFake(step_s=0.1)
     started, stopped = [], []
-    monkeypatch.setattr("bench.sweep.model_token_space", lambda model: ALL_OK)
+    monkeypatch.setattr("pdserve.bench.sweep.model_token_space", lambda model: ALL_OK)
 
     with contextlib.ExitStack() as stack:
         addresses = {
@@ -325,7 +325,7 @@ def test_live_compare_1p1d_vs_2c(tmp_path):
         "--out-dir", str(out_dir),
     ]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "router.cli", *argv],
+        [sys.executable, "-m", "pdserve.cli", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,

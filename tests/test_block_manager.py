@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine.block_manager import BlockManager, OutOfBlocksError
+from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
 
 
 def snapshot(bm: BlockManager) -> tuple:

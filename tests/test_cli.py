@@ -10,9 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router import cli, cluster
-from router.registry import Role
+from pdserve.cli import main as cli
+from pdserve.deploy.local import cluster
+from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.worker.role import Role
 from tests.fake_workers import make_model_dir
 
 

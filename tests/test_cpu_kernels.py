@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import DecodeMeta, decode_attention, write_kv
-from engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels, supports
-from engine.model import apply_rope, rms_norm
+from pdserve.engine.attention import DecodeMeta, decode_attention, write_kv
+from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels, supports
+from pdserve.engine.model import apply_rope, rms_norm
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

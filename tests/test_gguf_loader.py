@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.gguf_loader import GGUFCheckpoint, hf_tensor_name, plan_shards, unpermute_qk, write_hf_dir
-from engine.gguf_tokenizer import bytes_to_unicode
+from pdserve.engine.gguf_loader import GGUFCheckpoint, hf_tensor_name, plan_shards, unpermute_qk, write_hf_dir
+from pdserve.engine.gguf_tokenizer import bytes_to_unicode
 from tests.tiny_gguf import _llama_cpp_permute, write_tiny_gguf
 from tests.tiny_models import make_tiny_model
 

@@ -16,8 +16,8 @@ import torch
 import uvloop
 from prometheus_client import CollectorRegistry
 
-from engine.block_manager import BlockManager, OutOfBlocksError
-from kv_transfer import (
+from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
+from pdserve.kv_transfer import (
     AbortedError,
     DeadlineError,
     FaultConfig,
@@ -29,8 +29,8 @@ from kv_transfer import (
     TransferConfig,
     compat_for,
 )
-from kv_transfer.handle import SenderHandle
-from kv_transfer.testing import scatter_allocate
+from pdserve.kv_transfer.handle import SenderHandle
+from pdserve.kv_transfer.testing import scatter_allocate
 
 L, N, B, H, D = 4, 48, 4, 2, 8  # small layout: fast, same code paths
 CONFIG = TransferConfig(backend="inproc", deadline_s=10.0, settle_timeout_s=0.5)

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from kv_transfer.config import FaultConfig, TransferConfig
-from kv_transfer.testing import PeerCallError, PeerProcess, PeerSpec
+from pdserve.kv_transfer.config import FaultConfig, TransferConfig
+from pdserve.kv_transfer.testing import PeerCallError, PeerProcess, PeerSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

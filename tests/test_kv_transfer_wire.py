@@ -8,9 +8,9 @@ import sys
 import msgspec
 import pytest
 
-from kv_transfer import wire
-from kv_transfer.config import FaultConfig, TransferConfig
-from kv_transfer.errors import (
+from pdserve.kv_transfer import wire
+from pdserve.kv_transfer.config import FaultConfig, TransferConfig
+from pdserve.kv_transfer.errors import (
     AbortedError,
     DeadlineError,
     FailureReason,
@@ -18,7 +18,7 @@ from kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from kv_transfer.plan import build_segments, data_tag, layer_tag, segment_lengths, split_tag, tag_base
+from pdserve.kv_transfer.plan import build_segments, data_tag, layer_tag, segment_lengths, split_tag, tag_base
 
 COMPAT = wire.KVCompat("smollm2-135m", "bfloat16", 30, 3, 64, 16)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.model_runner import ModelRunner, PrefillItem
-from engine.sampler import Sampler, SampleRow
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.model_runner import ModelRunner, PrefillItem
+from pdserve.engine.sampler import Sampler, SampleRow
 from tests.tiny_models import load_reference
 
 GREEDY64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -187,7 +187,7 @@ def test_stop_token_ids_min_tokens_and_context_limit(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer(tiny_llama_dir, tmp_path_factory):
     """The tiny llama with SmolLM2's tokenizer files: text in and out without loading a real model."""
-    from engine.registry import resolve_model
+    from pdserve.engine.registry import resolve_model
 
     src = resolve_model("smollm2-135m-instruct")
     dst = tmp_path_factory.mktemp("tiny-tok")
@@ -419,7 +419,7 @@ def _metaspace_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers
 
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     vocab = {f"▁w{i}": i for i in range(vocab_size)}
     backend = Backend(models.WordLevel(vocab, unk_token="▁w0"))

@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from engine.block_manager import BlockManager
-from engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
-from engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
+from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from tests.tiny_models import load_reference
 
 PROMPT_LENS = (7, 23, 1, 40, 16)

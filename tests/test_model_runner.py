@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from engine.config import ModelConfig, RopeScaling
-from engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
-from engine.model_runner import DecodeItem, ModelRunner, PrefillItem
-from engine.weights import load_state_dict
+from pdserve.engine.config import ModelConfig, RopeScaling
+from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
+from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+from pdserve.engine.weights import load_state_dict
 from tests.tiny_models import load_reference
 
 

@@ -25,14 +25,15 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from decode_pool.metrics import DecodeMetrics
-from prefill_pool.metrics import PrefillMetrics
-from proto import generation_pb2 as g
-from router import gpu_metrics, prometheus
-from router import metrics as rm
-from router.metrics_http import process_registry, serve_metrics
-from router.registry import Role
-from router.slo import DEFAULT_SLO
+from pdserve.decode_pool.metrics import DecodeMetrics
+from pdserve.deploy.local import prometheus
+from pdserve.prefill_pool.metrics import PrefillMetrics
+from pdserve.proto import generation_pb2 as g
+from pdserve.router import metrics as rm
+from pdserve.telemetry import gpu as gpu_metrics
+from pdserve.telemetry.exporter import process_registry, serve_metrics
+from pdserve.telemetry.slo import DEFAULT_SLO
+from pdserve.worker.role import Role
 from tests.fake_workers import FakeWorker, Transfers, ids, make_model_dir
 from tests.test_router_server import cluster, collect, run
 
@@ -62,7 +63,7 @@ def sample_names(registry: CollectorRegistry) -> set[str]:
 
 
 class FakeNvml:
-    """pynvml's calls that ``router.gpu_metrics`` makes, for one 8 GiB GPU at 37% utilisation."""
+    """pynvml's calls that ``telemetry.gpu`` makes, for one 8 GiB GPU at 37% utilisation."""
 
     def __init__(self, devices: int = 1, fail_init: bool = False) -> None:
         self.devices, self.fail_init, self.shutdowns = devices, fail_init, 0
@@ -89,7 +90,7 @@ class FakeNvml:
 
 def kv_transfer_registries() -> list[CollectorRegistry]:
     """The KV transfer's metrics on both sides, made the way the pools make them."""
-    from kv_transfer.metrics import Role, TransferMetrics
+    from pdserve.kv_transfer.metrics import Role, TransferMetrics
 
     return [TransferMetrics(role, CollectorRegistry()).registry for role in Role]
 
@@ -156,14 +157,14 @@ def test_slo_thresholds_are_bucket_boundaries_of_the_router_histograms():
 
 
 def test_committed_dashboards_are_the_generators_output():
-    from deploy.grafana import dashboards
+    from pdserve.deploy.grafana import dashboards
 
     generated = dashboards.dashboards()
     assert sorted(generated) == sorted(p.name for p in DASHBOARD_DIR.glob("*.json"))
     for name, doc in generated.items():
         committed = (DASHBOARD_DIR / name).read_text()
         assert committed == dashboards.render(doc), (
-            f"{name} is stale: run `python -m deploy.grafana.dashboards`"
+            f"{name} is stale: run `python -m pdserve.deploy.grafana.dashboards`"
         )
     # The check itself notices a difference.
     doc = json.loads((DASHBOARD_DIR / "pdserve.json").read_text())
@@ -241,7 +242,7 @@ def test_committed_prometheus_config_reads_the_default_state_dirs_targets(tmp_pa
 
 
 def test_gpu_metrics_only_with_a_gpu_and_quietly_without(caplog):
-    caplog.set_level(logging.DEBUG, logger="router.gpu_metrics")
+    caplog.set_level(logging.DEBUG, logger="pdserve.telemetry.gpu")
     # This machine: nvidia-ml-py is installed, but there is no driver or device.
     reg = CollectorRegistry()
     assert gpu_metrics.add_gpu_metrics(reg, "decode") is False
@@ -346,7 +347,7 @@ def test_request_outcomes_of_errors():
 
 
 def test_targets_file_lists_every_process_with_a_metrics_url(tmp_path):
-    from proto import worker_pb2
+    from pdserve.proto import worker_pb2
 
     def entry(wid: str, url: str) -> worker_pb2.WorkerEntry:
         return worker_pb2.WorkerEntry(info=worker_pb2.WorkerInfo(worker_id=wid, metrics_url=url))

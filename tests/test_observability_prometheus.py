@@ -34,9 +34,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from proto import generation_pb2 as g
-from proto import generation_pb2_grpc
-from router import prometheus
+from pdserve.deploy.local import prometheus
+from pdserve.proto import generation_pb2 as g
+from pdserve.proto import generation_pb2_grpc
 from tests.cluster_harness import free_port, running_cluster
 from tests.test_observability import DASHBOARD_DIR, panel_queries
 
@@ -138,7 +138,7 @@ def generate(address: str, req: g.GenerateRequest) -> tuple[int, int]:
 
 def kv_bytes_per_token(dtype_bytes: int = 4) -> int:
     """SmolLM2-135M: K and V of every layer, KV heads x head dim, float32."""
-    from engine.registry import resolve_model
+    from pdserve.engine.registry import resolve_model
 
     cfg = json.loads(
         (Path(resolve_model("smollm2-135m-instruct", None, progress=False)) / "config.json").read_text()

@@ -17,10 +17,10 @@ import grpc
 import openai
 import pytest
 
-from bench.tool_compare import Target, Workload, compare, find_guidellm, format_report
-from engine.registry import DEFAULT_MODEL, resolve_model
-from engine.tokenizer import Tokenizer
-from proto import generation_pb2 as g
+from pdserve.bench.tool_compare import Target, Workload, compare, find_guidellm, format_report
+from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.proto import generation_pb2 as g
 from tests.cluster_harness import free_port, generate, running_cluster
 
 pytestmark = pytest.mark.slow

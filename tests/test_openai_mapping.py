@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from proto import generation_pb2 as g
-from router.openai_mapping import (
+from pdserve.proto import generation_pb2 as g
+from pdserve.router.openai.mapping import (
     DONE,
     Collected,
     EventStream,
@@ -17,7 +17,7 @@ from router.openai_mapping import (
     completion_request,
     sse_error,
 )
-from router.openai_protocol import (
+from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,

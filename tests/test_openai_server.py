@@ -15,12 +15,12 @@ import aiohttp
 import openai
 import pytest
 
-from engine.tokenizer import Tokenizer
-from proto import generation_pb2 as g
-from router import cli
-from router.config import RouterConfig
-from router.registry import Role
-from router.validate import ModelLimits
+from pdserve.cli import main as cli
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.proto import generation_pb2 as g
+from pdserve.router.config import RouterConfig
+from pdserve.router.validate import ModelLimits
+from pdserve.worker.role import Role
 from tests.fake_workers import CONTEXT, FakeWorker, ids, make_model_dir
 from tests.test_router_server import cluster, collect, run, until
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 
 
 def test_defaults_match_vllm():

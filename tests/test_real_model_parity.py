@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.registry import DEFAULT_MODEL, KNOWN_MODELS, packaged_gguf_path, resolve_model
+from pdserve.engine.registry import DEFAULT_MODEL, KNOWN_MODELS, packaged_gguf_path, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ def test_converted_config_matches_transformers(model_dir, hf_model):
 
 
 def test_chat_prompt_ids_equal_transformers(model_dir, reference):
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(model_dir)
     for chat, (prompt, _) in zip(CHATS, reference, strict=True):
@@ -141,7 +141,7 @@ def test_chat_prompt_ids_equal_transformers(model_dir, reference):
 def test_model_runner_greedy_equals_transformers(model_dir, reference, hf_model):
     import torch
 
-    from engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+    from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 
     eos = (hf_model.generation_config.eos_token_id,)
     runner = ModelRunner(model_dir, dtype=torch.float32, num_blocks=16)
@@ -157,7 +157,7 @@ def test_model_runner_greedy_equals_transformers(model_dir, reference, hf_model)
 
 
 def test_llm_chat_greedy_equals_transformers(cache_dir, reference, hf_model):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     eos = (hf_model.generation_config.eos_token_id,)
     llm = LLM(model=DEFAULT_MODEL, dtype="float32", cache_dir=cache_dir, num_blocks=64, threads=2)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import registry
-from engine.env import CACHE_DIR_VAR, EngineEnv
-from engine.registry import DEFAULT_MODEL, MANIFEST, cache_key, main, resolve_model
+from pdserve.engine import registry
+from pdserve.engine.env import CACHE_DIR_VAR, EngineEnv
+from pdserve.engine.registry import DEFAULT_MODEL, MANIFEST, cache_key, main, resolve_model
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_models import make_tiny_model
 
@@ -151,7 +151,7 @@ _CHILD = textwrap.dedent(
     import logging, sys, torch
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-    from engine.registry import resolve_model
+    from pdserve.engine.registry import resolve_model
     print(resolve_model(sys.argv[1], sys.argv[2], progress=False), flush=True)
     """
 )

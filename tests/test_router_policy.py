@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from router.policy import Admission, QueueFullError, RoutingConfig, can_ever_serve, choose_route
-from router.registry import Registry, RegistryConfig, Role, State, Worker
+from pdserve.router.policy import Admission, QueueFullError, RoutingConfig, can_ever_serve, choose_route
+from pdserve.router.registry import Registry, RegistryConfig, State, Worker
+from pdserve.worker.role import Role
 
 
 def mk(

@@ -22,15 +22,15 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.params import SamplingParams
-from engine.tokenizer import Tokenizer
-from proto import generation_pb2 as g
-from proto import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from router.config import RouterConfig
-from router.detok import Detokenizer
-from router.registry import Role
-from router.server import RouterServer
-from router.validate import ModelLimits
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.proto import generation_pb2 as g
+from pdserve.proto import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.router.config import RouterConfig
+from pdserve.router.detok import Detokenizer
+from pdserve.router.server import RouterServer
+from pdserve.router.validate import ModelLimits
+from pdserve.worker.role import Role
 from tests.fake_workers import CONTEXT, EOS, ID, FakeWorker, Transfers, ids, make_model_dir
 
 
@@ -362,7 +362,7 @@ def test_worker_killed_mid_stream_fails_the_request_and_leaves_the_registry(mode
                 [
                     sys.executable,
                     "-m",
-                    "router.cli",
+                    "pdserve.cli",
                     "worker",
                     "--role",
                     "both",

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.params import SamplingParams
-from engine.sampler import Sampler, SampleRow, apply_top_k_top_p, token_seed
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.sampler import Sampler, SampleRow, apply_top_k_top_p, token_seed
 
 V = 64
 EOS = 5

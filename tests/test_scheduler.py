@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.params import SamplingParams
-from engine.scheduler import BatchKind, Scheduler, SchedulerConfig, check_stop
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduler import BatchKind, Scheduler, SchedulerConfig, check_stop
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 V = 50
 EOS = 0

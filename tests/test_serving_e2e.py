@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from proto import generation_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.cluster_harness import generate, running_cluster
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ def _requests() -> list[generation_pb2.GenerateRequest]:
 def _run_all(address: str, reqs) -> dict[str, tuple[list[int], str, str]]:
     """All requests concurrently (one thread each); returns id -> (tokens, text, finish_reason)."""
     with grpc.insecure_channel(address) as ch:
-        from proto import generation_pb2_grpc
+        from pdserve.proto import generation_pb2_grpc
 
         stub = generation_pb2_grpc.GenerationStub(ch)
         with cf.ThreadPoolExecutor(len(reqs)) as pool:
@@ -64,7 +64,7 @@ def _run_all(address: str, reqs) -> dict[str, tuple[list[int], str, str]]:
 
 
 def _offline(reqs) -> dict[str, tuple[list[int], str]]:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(dtype="float32", kv_cache_bytes=256 << 20, threads=2)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -152,7 +152,7 @@ def _first_token_before_admission(c) -> None:
 
 def test_cancel_50_streams_frees_every_block(tmp_path):
     with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "64")) as c:
-        from proto import generation_pb2_grpc
+        from pdserve.proto import generation_pb2_grpc
 
         with grpc.insecure_channel(c.address) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
@@ -178,7 +178,7 @@ def test_cancel_50_streams_frees_every_block(tmp_path):
 
 def test_kill_decode_worker_mid_stream(tmp_path):
     with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "1")) as c:
-        from proto import generation_pb2_grpc
+        from pdserve.proto import generation_pb2_grpc
 
         decode = next(w for w in c.workers() if w["role"] == "decode")
         with grpc.insecure_channel(c.address) as ch:
@@ -209,7 +209,7 @@ def test_scale_decode_up_and_down_under_traffic(tmp_path):
     drains."""
     import threading
 
-    from proto import generation_pb2_grpc
+    from pdserve.proto import generation_pb2_grpc
     from tests.cluster_harness import pdserve
 
     with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "32")) as c:

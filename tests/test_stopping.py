@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.stopping import StopMatch, StopStringMatcher
+from pdserve.engine.stopping import StopMatch, StopStringMatcher
 
 
 def run(stop, chunks, can_stop=None):

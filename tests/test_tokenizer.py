@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.registry import DEFAULT_MODEL, KNOWN_MODELS, packaged_gguf_path, resolve_model
-from engine.tokenizer import Tokenizer
+from pdserve.engine.registry import DEFAULT_MODEL, KNOWN_MODELS, packaged_gguf_path, resolve_model
+from pdserve.engine.tokenizer import Tokenizer
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_models import make_tiny_model
 

@@ -50,7 +50,7 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     """Three control tokens, the 256 byte-level characters, then merges of letter pairs up to vocab_size."""
-    from engine.gguf_tokenizer import bytes_to_unicode
+    from pdserve.engine.gguf_tokenizer import bytes_to_unicode
 
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     types = [3, 3, 3]

@@ -1,7 +1,7 @@
 """The Grafana dashboards of pdserve, generated with grafana-foundation-sdk.
 
-    .venv/bin/python -m deploy.grafana.dashboards          # rewrite deploy/grafana/dashboards/*.json
-    .venv/bin/python -m deploy.grafana.dashboards --check  # exit 1 when the committed JSON is stale
+    .venv/bin/python -m pdserve.deploy.grafana.dashboards          # rewrite deploy/grafana/dashboards/*.json
+    .venv/bin/python -m pdserve.deploy.grafana.dashboards --check  # exit 1 when the committed JSON is stale
 
 Two dashboards:
 - ``pdserve.json``: serving. Latency as the client sees it (TTFT, ITL,
@@ -9,7 +9,7 @@ Two dashboards:
   the decode pool (KV cache, batch size, step time), the prefill pool and the
   KV transfer, and the processes' CPU and memory;
 - ``pdserve-gpu.json``: GPU utilisation and memory, which only processes on a
-  GPU host export (``router.gpu_metrics``).
+  GPU host export (``telemetry.gpu``).
 
 Both have a ``datasource`` variable (any Prometheus) and an ``instance``
 variable (multi-select, All by default) that every query filters on. The
@@ -50,8 +50,8 @@ from grafana_foundation_sdk.models.dashboard import (
     VariableSort,
 )
 
-from deploy.grafana.panels import PanelSpec, gpu_rows, serving_rows
-from router.metrics_http import INFO_METRIC
+from pdserve.deploy.grafana.panels import PanelSpec, gpu_rows, serving_rows
+from pdserve.telemetry.exporter import INFO_METRIC
 
 OUT_DIR = Path(__file__).resolve().parent / "dashboards"
 DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(path)
     if stale:
-        print("stale (run `python -m deploy.grafana.dashboards`): " + ", ".join(stale), file=sys.stderr)
+        print(
+            "stale (run `python -m pdserve.deploy.grafana.dashboards`): " + ", ".join(stale), file=sys.stderr
+        )
         return 1
     return 0
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from prometheus_client.utils import floatToGoString
 
-from decode_pool import metrics as dm
-from prefill_pool import metrics as pm
-from router import gpu_metrics as gm
-from router import metrics as rm
-from router.slo import DEFAULT_SLO
+from pdserve.decode_pool import metrics as dm
+from pdserve.prefill_pool import metrics as pm
+from pdserve.router import metrics as rm
+from pdserve.telemetry import gpu as gm
+from pdserve.telemetry.slo import DEFAULT_SLO
 
 # Made by kv_transfer on the prefill and decode workers' registries (``role`` label: which side).
 KV_TRANSFER_BYTES = "pdserve_kv_transfer_bytes_total"

@@ -20,8 +20,8 @@ import enum
 
 import msgspec
 
-from proto import generation_pb2 as g
-from router.openai_protocol import (
+from pdserve.proto import generation_pb2 as g
+from pdserve.router.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,

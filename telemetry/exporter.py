@@ -3,13 +3,13 @@
 The router and the workers each call ``process_registry(role)`` once, hang
 their metric objects on it (``router.metrics``, ``prefill_pool.metrics``,
 ``decode_pool.metrics``, ``kv_transfer``), and ``serve_metrics`` it. Imports
-only prometheus_client and ``router.gpu_metrics``, so the pools use it without
+only prometheus_client and ``telemetry.gpu``, so the pools use it without
 the router's internals.
 
 What every process exports, whatever its role:
 - ``pdserve_info{role,version}`` (always 1): the dashboards list instances from it;
 - ``process_*`` (CPU seconds, resident memory, open fds) from prometheus_client;
-- ``pdserve_gpu_*`` only where a GPU is present (``router.gpu_metrics``).
+- ``pdserve_gpu_*`` only where a GPU is present (``telemetry.gpu``).
 
 A registry per process (never prometheus_client's global one): tests run
 several routers and workers in one interpreter, and the global registry
@@ -29,7 +29,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, start_http_server
 
-from router.gpu_metrics import add_gpu_metrics
+from pdserve.telemetry.gpu import add_gpu_metrics
 
 INFO_METRIC = "pdserve_info"
 # Roles as the ``role`` label spells them: the router, and a worker's ``Role.value``.

@@ -1,7 +1,4 @@
-"""The gRPC server every worker process runs, and the arguments the CLI hands a pool.
-
-Imports only grpc, the protos and the pure ``router.registry`` (for ``Role``),
-so ``prefill_pool`` and ``decode_pool`` use it without the router's internals.
+"""The gRPC server every worker process runs (``worker.bringup`` starts it for both pools).
 
 A worker server's life:
 
@@ -18,11 +15,9 @@ In-flight calls are counted by a server interceptor on Worker.Generate and
 Worker.Prefill, so a pool's servicer needs no bookkeeping of its own.
 
 What the router expects of a pool's ``serve(args: WorkerArgs)`` and servicer:
-- shell = WorkerShell(args.shell_config()); start it with the servicer; load
-  the model; ``set_serving``; ``install_signal_handlers``; then
-  ``agent.run_worker(shell, RouterAgent(AgentConfig(args.router),
-  args.worker_info(...), load, shell.begin_drain))``. ``load()`` reports
-  ``shell.state.proto``; the Drain RPC calls ``shell.begin_drain``.
+- ``serve`` runs ``worker.bringup.run_pool``, which starts this shell with the
+  servicer, loads the model, sets SERVING and runs the agent until drained.
+  ``load()`` reports ``shell.state.proto``; the Drain RPC calls ``shell.begin_drain``.
 - Generate: every message sets ``first_index``; the message carrying
   ``finish_reason`` also carries the last token. The router strips stop
   strings from ``sampling`` (it applies them itself), so a worker's "stop"
@@ -45,16 +40,13 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kv_transfer.config import TransferConfig
-from proto import worker_pb2
-from router.registry import Role
+from pdserve.proto import worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +55,6 @@ REJECT_METADATA_KEY = "pdserve-rejected"
 # gRPC enables SO_REUSEPORT by default; a fixed port already taken must fail to bind instead.
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 _TRACKED = frozenset({f"/{WORKER_SERVICE}/Generate", f"/{WORKER_SERVICE}/Prefill"})
-ROLE_TO_PROTO = {
-    Role.PREFILL: worker_pb2.ROLE_PREFILL,
-    Role.DECODE: worker_pb2.ROLE_DECODE,
-    Role.BOTH: worker_pb2.ROLE_BOTH,
-}
 
 
 class ShellState(enum.Enum):
@@ -103,74 +90,6 @@ class ShellConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.drain_timeout_s < 0 or self.stop_grace_s < 0:
             raise ValueError("drain_timeout_s and stop_grace_s must be >= 0")
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    """What ``pdserve worker`` passes to ``prefill_pool.worker.serve`` / ``decode_pool.worker.serve``.
-
-    The CLI has already set torch's thread count to ``threads`` before calling ``serve``.
-    """
-
-    role: Role
-    router: str  # the router's address, host:port
-    worker_id: str
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port (the address registered with the router is the bound one)
-    model: str = "smollm2-135m-instruct"  # a registry name or a model directory
-    dtype: str = "float32"  # float32 | bfloat16
-    threads: int = 1
-    block_size: int = 16  # tokens per KV block
-    kv_blocks: int = 0  # KV cache size in blocks; 0: from kv_cache_bytes, or the engine's default
-    kv_cache_bytes: int = 0
-    max_running: int = 64  # decode batch bound (EngineConfig.max_num_seqs)
-    max_batched_tokens: int = 2048  # prefill token budget per step (EngineConfig.max_num_batched_tokens)
-    cache_dir: Path | None = None  # where model names resolve (None: the engine's default)
-    drain_timeout_s: float = 300.0
-    # Prometheus /metrics on host:metrics_port (0: a free port; the URL is registered as metrics_url).
-    metrics_port: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.role, Role):
-            raise ValueError(f"role must be a Role, got {self.role!r}")
-        if not self.router or not self.worker_id:
-            raise ValueError("router and worker_id must not be empty")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        for name in ("threads", "block_size", "max_running", "max_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
-            raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-
-    def shell_config(self) -> ShellConfig:
-        return ShellConfig(host=self.host, port=self.port, drain_timeout_s=self.drain_timeout_s)
-
-    def transfer_config(self) -> TransferConfig:
-        """KV transfer settings: UCX, advertised on this worker's host; shared-memory
-        transports where both workers can share memory (a loopback host)."""
-        local = self.host in ("127.0.0.1", "localhost", "::1")
-        return TransferConfig(host=self.host, ucx_shared_memory=local)
-
-    def worker_info(
-        self, address: str, *, kv_blocks_total: int, context_length: int, pid: int, metrics_url: str = ""
-    ) -> worker_pb2.WorkerInfo:
-        """The registration message for this worker once its server is bound and its cache sized."""
-        return worker_pb2.WorkerInfo(
-            worker_id=self.worker_id,
-            role=ROLE_TO_PROTO[self.role],
-            address=address,
-            model=self.model,
-            dtype=self.dtype,
-            kv_blocks_total=kv_blocks_total,
-            block_size=self.block_size,
-            pid=pid,
-            metrics_url=metrics_url,
-            max_running=self.max_running,
-            context_length=context_length,
-        )
 
 
 class _Tracker(grpc.aio.ServerInterceptor):

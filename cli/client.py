@@ -10,7 +10,7 @@ from typing import Any, TextIO
 import grpc
 from google.protobuf import json_format
 
-from proto import generation_pb2, generation_pb2_grpc, worker_pb2
+from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 
 ROLE_NAMES = {
     worker_pb2.ROLE_PREFILL: "prefill",

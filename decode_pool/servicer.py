@@ -1,5 +1,7 @@
 """Decode worker (roles ``decode`` and ``both``): continuous batching over a paged KV cache.
 
+The gRPC face of a decode worker and the pool's bring-up.
+
 Stages of a request on this worker (``Worker.Generate``, one stream per request):
 
 LOCAL mode (short prompts, and every request on a colocated ``both`` worker)
@@ -10,8 +12,8 @@ REMOTE mode (a prefill worker computes the prompt's KV)
     -> every layer + the completion (carrying token 0) arrive -> adopted into
     the running batch (``add_prefilled_request``) -> decode steps -> finished.
 Every exit (finish, client cancel, deadline, transfer failure, drain timeout)
-frees the request's blocks: before adoption the receiver frees them, after it
-the engine does; ``EngineLoop.abort`` covers both and is idempotent.
+frees the request's blocks, by their owner of the moment (the contract is in
+``kv_transfer/__init__.py``).
 
 Stop strings are the router's job (it detokenizes); this worker stops on
 token ids, max_tokens and the context limit, so it runs without
@@ -22,25 +24,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry
 
-from decode_pool.engine_loop import EngineLoop, QueueItem
-from decode_pool.metrics import DecodeMetrics
-from engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
-from kv_transfer import TransferConfig, compat_for
-from proto import worker_pb2, worker_pb2_grpc
-from router.agent import AgentConfig, RouterAgent, run_worker
-from router.metrics_http import process_registry, serve_metrics
-from router.registry import Role
-from router.validate import sampling_params_from_proto
-from router.worker_shell import PoolServicer, WorkerArgs, WorkerShell
-
-if TYPE_CHECKING:
-    from decode_pool.remote import RemotePrefill
+from pdserve.decode_pool.engine_loop import EngineLoop
+from pdserve.decode_pool.metrics import DecodeMetrics
+from pdserve.decode_pool.remote import RemotePrefill
+from pdserve.decode_pool.stream import relay_deltas
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kv_transfer import TransferConfig, compat_for
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.bringup import Capacity, run_pool
+from pdserve.worker.convert import sampling_params_from_proto
+from pdserve.worker.role import Role
+from pdserve.worker.shell import PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
 
@@ -143,91 +145,41 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         return None if timeout is None else max(min(timeout, self.transfer_config.deadline_s), 0.001)
 
 
-async def relay_deltas(q: asyncio.Queue[QueueItem]):
-    """Turn engine deltas into stream messages, coalescing whatever is already queued.
+class DecodePool:
+    """The decode pool's part of ``worker.bringup``: the engine on its thread and, for role ``decode``,
+    the KV receiver that remote prefills push into."""
 
-    ``admitted_unix`` is when the first delta reached this side: the engine had
-    taken the request into its batch by then.
-    """
-    admitted_unix = 0.0
-    while True:
-        item = await q.get()
-        if not admitted_unix:
-            admitted_unix = time.time()
-        batch: list[RequestOutputDelta] = []
-        done = False
-        while True:
-            if item is None:
-                done = True
-                break
-            if isinstance(item, BaseException):
-                raise item
-            batch.append(item)
-            if item.finish_reason is not None or q.empty():
-                break
-            item = q.get_nowait()
-        if batch:
-            ids = [t for d in batch for t in d.new_token_ids]
-            last = batch[-1]
-            yield worker_pb2.WorkerGenerateResponse(
-                first_index=last.num_output_tokens - len(ids),
-                token_ids=ids,
-                finish_reason=last.finish_reason or "",
-                admitted_unix=admitted_unix,
-            )
-            if last.finish_reason is not None:
-                return
-        if done:
-            return
+    def __init__(self, args: WorkerArgs, shell: WorkerShell, registry: CollectorRegistry) -> None:
+        self.args, self.registry = args, registry
+        self.metrics = DecodeMetrics(registry, args.role.value)
+        self.transfer_config = args.transfer_config()
+        self.servicer = DecodeServicer(shell, self.transfer_config, self.metrics)
+        self.loop: EngineLoop | None = None
+        self.remote: RemotePrefill | None = None
+
+    async def load(self, model_dir: Path) -> Capacity:
+        try:
+            tokenizer = Tokenizer.from_dir(model_dir)
+        except FileNotFoundError:
+            tokenizer = None
+        engine = await asyncio.to_thread(LLMEngine, model_dir, tokenizer, engine_config(self.args))
+        self.loop = EngineLoop(engine, asyncio.get_running_loop())
+        self.loop.on_step(self.metrics.observe_step)
+        self.loop.start()
+        if self.args.role is Role.DECODE:
+            compat = compat_for(engine.runner.kv, model_dir.name)
+            self.remote = RemotePrefill(self.loop, compat, self.transfer_config, self.registry)
+            await self.remote.start()
+        self.servicer.attach(self.loop, self.remote)
+        return Capacity(engine.block_manager.num_blocks, engine.max_model_len)
+
+    async def close(self) -> None:
+        if self.remote is not None:
+            await self.remote.close()
+        if self.loop is not None:
+            await self.loop.stop()
 
 
 async def serve(args: WorkerArgs) -> None:
     """Run a decode (or colocated) worker until it has drained."""
-    from engine.registry import resolve_model
-    from engine.tokenizer import Tokenizer
-
-    registry = process_registry(args.role.value)
-    metrics = DecodeMetrics(registry, args.role.value)
-    metrics_endpoint = serve_metrics(registry, args.host, args.metrics_port)
-    shell = WorkerShell(args.shell_config())
-    tconf = args.transfer_config()
-    servicer = DecodeServicer(shell, tconf, metrics)
-    address = await shell.start(lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server))
-    shell.install_signal_handlers()
-    model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
-    try:
-        tokenizer = Tokenizer.from_dir(model_dir)
-    except FileNotFoundError:
-        tokenizer = None
-    engine = await asyncio.to_thread(LLMEngine, model_dir, tokenizer, engine_config(args))
-    loop = EngineLoop(engine, asyncio.get_running_loop())
-    loop.on_step(metrics.observe_step)
-    loop.start()
-    remote = None
-    if args.role is Role.DECODE:
-        from decode_pool.remote import RemotePrefill
-
-        remote = RemotePrefill(loop, compat_for(engine.runner.kv, model_dir.name), tconf, registry)
-        await remote.start()
-    servicer.attach(loop, remote)
-    await shell.set_serving()
-    agent = RouterAgent(
-        AgentConfig(router_address=args.router),
-        args.worker_info(
-            address,
-            kv_blocks_total=engine.block_manager.num_blocks,
-            context_length=engine.max_model_len,
-            pid=os.getpid(),
-            metrics_url=metrics_endpoint.url,
-        ),
-        load=servicer.load,
-        on_drain=shell.begin_drain,
-    )
-    try:
-        await run_worker(shell, agent)
-    finally:
-        if remote is not None:
-            await remote.close()
-        await loop.stop()
-        metrics_endpoint.close()
-        log.info("decode worker %s stopped", args.worker_id)
+    await run_pool(args, lambda shell, registry: DecodePool(args, shell, registry))

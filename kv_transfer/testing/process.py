@@ -1,84 +1,27 @@
-"""Two-process harness for the KV transfer tests and benchmark.
+"""The parent side of the harness: :class:`PeerProcess` spawns a peer and calls it over a pipe.
 
-A :class:`PeerProcess` is a spawned process running an event loop (uvloop by
-default, like the serving path) with a KV tensor and a BlockManager. It can
-act as a decode receiver, a prefill sender (a fake forward thread pushes the
-layers), or a raw-ucxx baseline, and answers commands sent over a pipe.
-KV contents are seeded random bytes, so both sides can check bit-exactness
-without shipping tensors: the sender writes ``expected_bytes(seed)`` into its
-blocks and the receiver compares its blocks with the same bytes.
+The child runs an event loop (uvloop by default, like the serving path) with a KV tensor and a
+BlockManager, and dispatches each command to ``child.PeerState``: a decode receiver, a prefill sender
+(a fake forward thread pushes the layers), or a raw-ucxx baseline.
 
-The parent always stops its peers: use it as a context manager, or call
-``stop()``/``kill()``; the child also exits when the parent's pipe closes.
+The parent always stops its peers: use it as a context manager, or call ``stop()``/``kill()``; the child
+also exits when the parent's pipe closes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from engine.block_manager import BlockManager
-from kv_transfer.config import TransferConfig
-
-
-@dataclass(frozen=True)
-class PeerSpec:
-    num_layers: int = 30  # SmolLM2-135M
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    block_size: int = 16
-    num_blocks: int = 256
-    dtype: str = "bfloat16"
-    model_id: str = "smollm2-135m"
-    config: TransferConfig = field(default_factory=TransferConfig)
-    env: tuple[tuple[str, str], ...] = ()  # e.g. (("UCX_TLS", "tcp"),), applied before ucxx loads
-    threads: int = 1
-    use_uvloop: bool = True
-    huge_pages: bool = True  # back the KV tensor with transparent huge pages (kvbuf.advise_huge_pages)
-
-
-class PeerCallError(RuntimeError):
-    """The peer raised; ``kind`` is the exception's class name (e.g. "PeerDiedError")."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-
-
-def expected_bytes(seed: int, num_layers: int, num_blocks: int, block_bytes: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (num_layers, num_blocks, block_bytes), dtype=torch.uint8, generator=gen)
-
-
-def scatter_allocate(bm: BlockManager, seq_id: str, num_tokens: int, keep_every: int) -> list[int]:
-    """Allocate with non-contiguous block ids: take every free block, give back a pattern, allocate.
-
-    Of the free blocks (in free-list order) every ``keep_every``-th stays taken
-    while the request allocates, so its runs have length ``keep_every - 1``
-    (2: every other block). Needs about ``keep_every / (keep_every - 1)`` times
-    the request's blocks free.
-    """
-    fillers = [f"__filler_{seq_id}_{i}" for i in range(bm.num_free)]
-    for f in fillers:
-        bm.allocate(f, 1)
-    for i, f in enumerate(fillers):
-        if i % keep_every != 0:
-            bm.free(f)
-    try:
-        return bm.allocate(seq_id, num_tokens)
-    finally:
-        for f in fillers:
-            bm.free(f)
+from pdserve.kv_transfer.testing.spec import PeerCallError, PeerSpec
 
 
 class PeerProcess:
@@ -168,7 +111,7 @@ def _child_main(conn: Any, spec: PeerSpec) -> None:
 
 
 async def _serve(conn: Any, spec: PeerSpec) -> None:
-    from kv_transfer.peer_commands import PeerState
+    from pdserve.kv_transfer.testing.child import PeerState
 
     loop = asyncio.get_running_loop()
     state = PeerState(spec)
@@ -192,7 +135,7 @@ async def _serve(conn: Any, spec: PeerSpec) -> None:
             value = await state.dispatch(command, kwargs)
         except Exception as exc:
             detail = str(exc)
-            if not type(exc).__module__.startswith("kv_transfer"):  # unexpected: keep the trace
+            if not type(exc).__module__.startswith("pdserve.kv_transfer"):  # unexpected: keep the trace
                 detail += "\n" + traceback.format_exc(limit=5)
             reply(msg_id, False, (type(exc).__name__, detail))
         else:
@@ -217,7 +160,3 @@ async def _serve(conn: Any, spec: PeerSpec) -> None:
     threading.Thread(target=read, name="commands", daemon=True).start()
     await stop.wait()
     await state.close()
-
-
-def fingerprint(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from proto import generation_pb2 as g
-from router.openai_mapping import (
+from pdserve.proto import generation_pb2 as g
+from pdserve.router.openai.mapping import (
     Collected,
     EventStream,
     Kind,
@@ -40,7 +40,7 @@ from router.openai_mapping import (
     completion_request,
     sse_error,
 )
-from router.openai_protocol import (
+from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -50,8 +50,8 @@ from router.openai_protocol import (
     encode,
     error_from_status,
 )
-from router.relay import RelayError
-from router.service import Router, generate
+from pdserve.router.relay import RelayError
+from pdserve.router.service import Router, generate
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from kv_transfer.config import TransferConfig, apply_ucx_env_defaults
-from kv_transfer.errors import PeerDiedError, TransferError
-from kv_transfer.kvbuf import as_bytes
-from kv_transfer.plan import MAX_TRANSFER_ID
-from kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler
+from pdserve.kv_transfer.config import TransferConfig, apply_ucx_env_defaults
+from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+from pdserve.kv_transfer.kvbuf import as_bytes
+from pdserve.kv_transfer.plan import MAX_TRANSFER_ID
+from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler
 
 log = logging.getLogger(__name__)
 

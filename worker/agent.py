@@ -12,7 +12,7 @@ Every worker process runs one ``RouterAgent``:
     -> ``close``: stop heartbeating, deregister (bounded)
 
 ``run_worker`` strings a ``WorkerShell`` and an agent together for a pool's ``serve``.
-Imports only grpc, the protos and ``router.worker_shell``.
+Imports only grpc, the protos and ``worker.shell``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto import worker_pb2, worker_pb2_grpc
-from router.worker_shell import WorkerShell
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.worker.shell import WorkerShell
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``pdserve up``, ``scale`` and ``down``: the local cluster's life, on top of ``router.cluster``."""
+"""``pdserve up``, ``scale`` and ``down``: the local cluster's life, on top of ``deploy.local.cluster``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import msgspec
 
-from router import cluster, prometheus
-from router.registry import Role
+from pdserve.deploy.local import cluster, prometheus
+from pdserve.worker.role import Role
 
 
 def say(text: str) -> None:

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.errors import PeerDiedError, TransferError
-from kv_transfer.kvbuf import as_bytes
-from kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler
+from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+from pdserve.kv_transfer.kvbuf import as_bytes
+from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler
 
 
 def _bytes(buf: Any) -> torch.Tensor:

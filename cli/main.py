@@ -18,17 +18,18 @@ from pathlib import Path
 
 import grpc
 
-from router import client, cluster, cluster_cmds
-from router.config import DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, RouterConfig
-from router.registry import Role
-from router.worker_shell import WorkerArgs
+from pdserve.cli import client, cluster_cmds
+from pdserve.deploy.local import cluster
+from pdserve.router.config import DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, RouterConfig
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.role import Role
 
 DEFAULT_STATE_DIR = ".pdserve"
 # ``pdserve worker --role R`` runs ``serve(args: WorkerArgs)`` from this module.
 POOL_MODULES = {
-    Role.PREFILL: "prefill_pool.worker",
-    Role.DECODE: "decode_pool.worker",
-    Role.BOTH: "decode_pool.worker",
+    Role.PREFILL: "pdserve.prefill_pool.servicer",
+    Role.DECODE: "pdserve.decode_pool.servicer",
+    Role.BOTH: "pdserve.decode_pool.servicer",
 }
 
 
@@ -196,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="load-test a running router (workloads, arrivals, goodput under SLOs)")
     # bench adds its own --router / --state-dir.
-    from bench.serve import add_arguments as bench_arguments
+    from pdserve.bench.serve import add_arguments as bench_arguments
 
     bench_arguments(p)
-    from bench import sweep
+    from pdserve.bench import sweep
 
     modes = p.add_subparsers(dest="bench_mode", metavar="{sweep,compare}", required=False)
     q = modes.add_parser(
@@ -221,16 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_mode in ("sweep", "compare"):
-        from bench.sweep import run_from_args as run_sweep
+        from pdserve.bench.sweep import run_from_args as run_sweep
 
         return run_sweep(args, compare=args.bench_mode == "compare")
-    from bench.serve import run_from_args
+    from pdserve.bench.serve import run_from_args
 
     return run_from_args(args)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    from engine.env import EngineEnv
+    from pdserve.engine.env import EngineEnv
 
     cache_dir = args.cache_dir or EngineEnv.from_environ().cache_dir
     return RouterConfig(
@@ -250,7 +251,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) -> WorkerArgs:
-    from engine.env import EngineEnv
+    from pdserve.engine.env import EngineEnv
 
     role = Role(args.role)
     return WorkerArgs(
@@ -277,7 +278,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from router.server import main as serve_router
+    from pdserve.router.server import main as serve_router
 
     try:
         serve_router(router_config(args))

@@ -4,7 +4,7 @@
 waits for anything, so ``down`` can always find what ``up`` started. Every
 process is started in its own session (``start_new_session``) with its log in
 ``<state-dir>/logs/``; it is stopped by its pid only (after checking the pid
-still runs ``router.cli``, so a reused pid is never signalled).
+still runs ``cli``, so a reused pid is never signalled).
 
 Removing a worker (``scale`` down, ``down``): the router's DrainWorker (the
 worker stops taking requests, finishes in-flight ones, deregisters, exits),
@@ -25,8 +25,8 @@ import grpc
 import msgspec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto import worker_pb2, worker_pb2_grpc
-from router.registry import Role
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.worker.role import Role
 
 STATE_FILE = "cluster.json"
 GENERATION_SERVICE = "pdserve.v1.Generation"
@@ -331,7 +331,7 @@ def child_env(threads: int) -> dict[str, str]:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "router.cli", *args]
+    return [sys.executable, "-m", "pdserve.cli", *args]
 
 
 def spawn_router(

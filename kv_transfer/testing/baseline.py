@@ -1,6 +1,6 @@
 """Raw ucxx baseline for the benchmark: what plain ucxx does with the same bytes.
 
-It uses ucxx through :mod:`kv_transfer.ucx`'s runtime (which owns the only
+It uses ucxx through :mod:`kv_transfer.transports.ucx`'s runtime (which owns the only
 ``import ucxx``) and the same connection set-up (control endpoint with error
 handling, optional shared-memory data endpoint), so a comparison isolates the
 cost of pdserve's protocol. One message of N bytes is answered by a one-byte
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from kv_transfer.config import TransferConfig
-from kv_transfer.ucx import _CLOSE_PERIOD_NS, UcxTransport, parse_address
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.transports.ucx import _CLOSE_PERIOD_NS, UcxTransport, parse_address
 
 
 def _tags(nbytes: int, count: int = 1) -> tuple[list[int], int]:

@@ -12,13 +12,13 @@ import msgspec
 import torch
 from prometheus_client import generate_latest
 
-from engine.block_manager import BlockManager
-from kv_transfer.config import FaultConfig
-from kv_transfer.kvbuf import block_bytes, compat_for, zeros_huge_pages
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender
-from kv_transfer.testing import PeerSpec, expected_bytes, fingerprint, scatter_allocate
-from kv_transfer.wire import KVCompat, TransferTicket
+from pdserve.engine.block_manager import BlockManager
+from pdserve.kv_transfer.config import FaultConfig
+from pdserve.kv_transfer.kvbuf import block_bytes, compat_for, zeros_huge_pages
+from pdserve.kv_transfer.receiver import KVReceiver
+from pdserve.kv_transfer.sender import KVSender
+from pdserve.kv_transfer.testing.spec import PeerSpec, expected_bytes, fingerprint, scatter_allocate
+from pdserve.kv_transfer.wire import KVCompat, TransferTicket
 
 
 class PeerState:
@@ -208,14 +208,14 @@ class PeerState:
 
     # -- raw ucxx baseline -------------------------------------------------
     async def cmd_raw_serve(self, nbytes: int, count: int = 1) -> str:
-        from kv_transfer.ucx_baseline import RawBaseline
+        from pdserve.kv_transfer.testing.baseline import RawBaseline
 
         if self.raw is None:
             self.raw = RawBaseline(self.spec.config)
         return await self.raw.serve(nbytes, count)
 
     async def cmd_raw_run(self, address: str, nbytes: int, reps: int, count: int = 1) -> list[float]:
-        from kv_transfer.ucx_baseline import RawBaseline
+        from pdserve.kv_transfer.testing.baseline import RawBaseline
 
         if self.raw is None:
             self.raw = RawBaseline(self.spec.config)

@@ -1,0 +1,52 @@
+"""The last stage on a decode worker: engine deltas -> ``WorkerGenerateResponse`` messages.
+
+Both request paths end here: a local prefill (``servicer``) and an adopted remote prefill (``remote``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from pdserve.decode_pool.engine_loop import QueueItem
+from pdserve.engine.llm_engine import RequestOutputDelta
+from pdserve.proto import worker_pb2
+
+
+async def relay_deltas(q: asyncio.Queue[QueueItem]) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    """Turn engine deltas into stream messages, coalescing whatever is already queued.
+
+    ``admitted_unix`` is when the first delta reached this side: the engine had
+    taken the request into its batch by then.
+    """
+    admitted_unix = 0.0
+    while True:
+        item = await q.get()
+        if not admitted_unix:
+            admitted_unix = time.time()
+        batch: list[RequestOutputDelta] = []
+        done = False
+        while True:
+            if item is None:
+                done = True
+                break
+            if isinstance(item, BaseException):
+                raise item
+            batch.append(item)
+            if item.finish_reason is not None or q.empty():
+                break
+            item = q.get_nowait()
+        if batch:
+            ids = [t for d in batch for t in d.new_token_ids]
+            last = batch[-1]
+            yield worker_pb2.WorkerGenerateResponse(
+                first_index=last.num_output_tokens - len(ids),
+                token_ids=ids,
+                finish_reason=last.finish_reason or "",
+                admitted_unix=admitted_unix,
+            )
+            if last.finish_reason is not None:
+                return
+        if done:
+            return

@@ -1,0 +1,67 @@
+"""What both sides of the two-process KV transfer harness agree on: the peer's shape, seeded KV contents
+(so both sides check bit-exactness without shipping tensors), scattered allocations, and the error a
+peer's failure comes back as."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.kv_transfer.config import TransferConfig
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    num_layers: int = 30  # SmolLM2-135M
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+    num_blocks: int = 256
+    dtype: str = "bfloat16"
+    model_id: str = "smollm2-135m"
+    config: TransferConfig = field(default_factory=TransferConfig)
+    env: tuple[tuple[str, str], ...] = ()  # e.g. (("UCX_TLS", "tcp"),), applied before ucxx loads
+    threads: int = 1
+    use_uvloop: bool = True
+    huge_pages: bool = True  # back the KV tensor with transparent huge pages (kvbuf.advise_huge_pages)
+
+
+class PeerCallError(RuntimeError):
+    """The peer raised; ``kind`` is the exception's class name (e.g. "PeerDiedError")."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+def expected_bytes(seed: int, num_layers: int, num_blocks: int, block_bytes: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (num_layers, num_blocks, block_bytes), dtype=torch.uint8, generator=gen)
+
+
+def scatter_allocate(bm: BlockManager, seq_id: str, num_tokens: int, keep_every: int) -> list[int]:
+    """Allocate with non-contiguous block ids: take every free block, give back a pattern, allocate.
+
+    Of the free blocks (in free-list order) every ``keep_every``-th stays taken
+    while the request allocates, so its runs have length ``keep_every - 1``
+    (2: every other block). Needs about ``keep_every / (keep_every - 1)`` times
+    the request's blocks free.
+    """
+    fillers = [f"__filler_{seq_id}_{i}" for i in range(bm.num_free)]
+    for f in fillers:
+        bm.allocate(f, 1)
+    for i, f in enumerate(fillers):
+        if i % keep_every != 0:
+            bm.free(f)
+    try:
+        return bm.allocate(seq_id, num_tokens)
+    finally:
+        for f in fillers:
+            bm.free(f)
+
+
+def fingerprint(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,0 +1,21 @@
+"""The transport backends behind ``kv_transfer.transport``'s Protocols, and the one factory that picks one.
+
+``ucx`` (ucxx; the only module in pdserve that imports it) and ``inproc`` (a same-process fake for unit
+tests, with the same ordering and failure semantics). Neither is imported until a config asks for it.
+"""
+
+from __future__ import annotations
+
+from pdserve.kv_transfer.config import Backend, TransferConfig
+from pdserve.kv_transfer.transport import Transport
+
+
+def make_transport(config: TransferConfig) -> Transport:
+    """The configured backend; call inside the running event loop. ucxx is imported only for UCX."""
+    if config.backend is Backend.INPROC:
+        from pdserve.kv_transfer.transports.inproc import InprocTransport
+
+        return InprocTransport()
+    from pdserve.kv_transfer.transports.ucx import UcxTransport
+
+    return UcxTransport(config)

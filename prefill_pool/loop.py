@@ -1,0 +1,209 @@
+"""The prefill worker's forward loop: schedule -> open transfers -> forward with per-layer push -> sample
+-> answer -> finish.
+
+A request's stages here (``scheduler.Stage`` names the queue states):
+
+    submitted (``PrefillLoop.submit``: prompt, sampling, the decode worker's transfer ticket)
+    -> queued -> scheduled into a forward under the token budget (blocks allocated)
+    -> transfer opened (endpoint cached per decode worker; the handshake checks
+       protocol version and compatibility hash before any data moves)
+    -> during the forward, after each layer, that layer's K/V for every request
+       in the batch is handed to its transfer (sent while later layers compute)
+    -> first token sampled -> the request's future resolves AT ONCE (TTFT does
+       not wait for decode) -> completion (carrying the first token) sent to the
+       decode worker -> blocks freed when the transfer ends.
+    ``give_up`` (the router's RPC cancelled, deadline) or a failed transfer at any
+    stage: the transfer is aborted (the decode worker frees its reservation) and
+    this worker's blocks are freed.
+
+Threads: one thread runs forwards (``asyncio.to_thread``) and calls only the layer
+hook; the event loop owns the queue, the transfers and this worker's
+``BlockManager`` (P's blocks; the rules are in ``kv_transfer``'s docstring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.model_runner import ModelRunner, PrefillItem
+from pdserve.engine.params import SamplingParams
+from pdserve.engine.sampler import Sampler, SampleRow
+from pdserve.kv_transfer import KVSender, SenderHandle, TransferError, TransferTicket
+from pdserve.prefill_pool.metrics import PrefillMetrics
+from pdserve.prefill_pool.scheduler import PrefillJob, PrefillScheduler, Stage
+
+log = logging.getLogger(__name__)
+
+
+class _BatchCancelled(Exception):
+    """Raised from the layer hook to stop a forward whose every request was cancelled."""
+
+
+@dataclass(eq=False)
+class _Req:
+    params: SamplingParams
+    ticket: TransferTicket
+    result: asyncio.Future[tuple[int, float]]  # (first token, forward seconds)
+    handle: SenderHandle | None = None
+    cancelled: bool = False
+
+
+class PrefillLoop:
+    """Create and ``start`` inside the running event loop; every method runs on that loop's thread."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        sender: KVSender,
+        max_batched_tokens: int,
+        metrics: PrefillMetrics,
+    ) -> None:
+        self.runner, self.sampler, self.sender, self.metrics = runner, sampler, sender, metrics
+        self.sched = PrefillScheduler(BlockManager(runner.num_blocks, runner.block_size), max_batched_tokens)
+        self._wake = asyncio.Event()
+        self.running_tokens = 0  # prompt tokens of the forward in progress
+        self.running = 0  # requests in the forward in progress
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._background:
+            await asyncio.wait(self._background, timeout=10)
+
+    def submit(
+        self, request_id: Hashable, prompt: list[int], params: SamplingParams, ticket: TransferTicket
+    ) -> tuple[PrefillJob, asyncio.Future[tuple[int, float]]]:
+        """Queue a prompt; the future gives (first token, forward seconds) or the error that ended it.
+
+        Raises ValueError (nothing queued) when the prompt can never fit this worker's cache.
+        """
+        job = PrefillJob(request_id, prompt)
+        self.sched.add(job)
+        req = _Req(params, ticket, asyncio.get_running_loop().create_future())
+        job.payload = req
+        self._wake.set()
+        return job, req.result
+
+    def give_up(self, job: PrefillJob, reason: str) -> None:
+        """The router no longer wants the result. Blocks are freed by whoever holds the job now."""
+        req: _Req = job.payload
+        req.cancelled = True
+        if job.stage is Stage.QUEUED:
+            self.sched.cancel(job)  # no blocks, no transfer yet
+            return
+        if req.handle is not None:
+            # Tell the decode worker now; the loop frees P's blocks once the forward and sends are done.
+            self._spawn(req.handle.abort(reason))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _finish(self, job: PrefillJob, first: int | None) -> None:
+        """Complete (or abort) the job's transfer, then free its blocks: no send reads them after this."""
+        req: _Req = job.payload
+        try:
+            if req.handle is not None:
+                if first is None or req.cancelled:
+                    await req.handle.abort("prefill cancelled")
+                else:
+                    await req.handle.complete(first)
+        except TransferError as e:
+            log.warning("transfer of %s ended with %s", job.request_id, e)
+        except Exception:
+            log.exception("transfer of %s failed", job.request_id)
+            if req.handle is not None:
+                await req.handle.abort("error")
+        finally:
+            self.sched.finish(job)
+            self._wake.set()
+
+    async def _open(self, batch: list[PrefillJob]) -> list[PrefillJob]:
+        """Open every job's transfer (handshake per new peer); jobs that fail are answered and freed."""
+        opened = await asyncio.gather(
+            *(self.sender.open(j.payload.ticket, j.block_table) for j in batch), return_exceptions=True
+        )
+        live = []
+        for job, h in zip(batch, opened, strict=True):
+            req: _Req = job.payload
+            if isinstance(h, BaseException):
+                if not req.result.done():
+                    req.result.set_exception(h if isinstance(h, TransferError) else RuntimeError(repr(h)))
+                self.sched.finish(job)  # nothing was sent
+                continue
+            req.handle = h
+            if req.cancelled:
+                self._spawn(self._finish(job, None))
+                continue
+            live.append(job)
+        return live
+
+    async def _loop(self) -> None:
+        """Forever: take a batch under the budget, open its transfers, run the forward, hand out tokens."""
+        while True:
+            batch = self.sched.schedule()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            live = await self._open(batch)
+            if not live:
+                continue
+            handles = [j.payload.handle for j in live]
+            items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
+
+            def hook(layer: int, k: torch.Tensor, v: torch.Tensor, handles=handles, live=live) -> None:
+                # Forward thread, right after ``layer`` wrote its K/V into the cache: queue the send.
+                # A batch nobody waits for any more stops at the next layer, so its blocks come back
+                # within one layer's time instead of a whole forward's.
+                if all(j.payload.cancelled for j in live):
+                    raise _BatchCancelled
+                for h in handles:
+                    h.push_layer(layer)
+
+            self.running, self.running_tokens = len(live), sum(j.num_tokens for j in live)
+            t0 = time.perf_counter()
+            try:
+                logits = await asyncio.to_thread(self.runner.prefill, items, hook)  # [n, V]
+                tokens = self.sampler(logits, [SampleRow(j.payload.params, 0) for j in live])
+            except _BatchCancelled:
+                for j in live:
+                    self._spawn(self._finish(j, None))
+                continue
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("prefill forward failed")
+                for j in live:
+                    if not j.payload.result.done():
+                        j.payload.result.set_exception(RuntimeError(f"prefill failed: {e!r}"))
+                    self._spawn(self._finish(j, None))
+                continue
+            finally:
+                self.running, self.running_tokens = 0, 0
+            dt = time.perf_counter() - t0
+            self.metrics.observe_prefill(dt, sum(j.num_tokens for j in live))
+            for j, tok in zip(live, tokens, strict=True):
+                req = j.payload
+                if req.cancelled or req.result.done():
+                    self._spawn(self._finish(j, None))
+                    continue
+                # Answer the router first (TTFT), then complete the transfer in the background.
+                req.result.set_result((int(tok), dt))
+                self._spawn(self._finish(j, int(tok)))

@@ -1,0 +1,157 @@
+"""Prefill worker (role ``prefill``): the gRPC face of ``loop.PrefillLoop`` and the pool's bring-up.
+
+A ``Worker.Prefill`` call: validate (sampling, prompt, ticket) -> ``PrefillLoop.submit`` -> wait for the
+first token under the request's deadline -> answer. What happens in between is ``loop.py``'s docstring.
+Status codes: INVALID_ARGUMENT for a bad request or an incompatible ticket, DEADLINE_EXCEEDED, ABORTED
+when the KV transfer failed (this worker is alive: UNAVAILABLE would make the router take it for dead),
+INTERNAL when the forward failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine.llm_engine import DTYPES
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.params import validate_prompt_token_ids
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kv_transfer import IncompatibleError, KVSender, TransferError, TransferTicket, compat_for
+from pdserve.prefill_pool.loop import PrefillLoop
+from pdserve.prefill_pool.metrics import PrefillMetrics
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.bringup import Capacity, run_pool
+from pdserve.worker.convert import sampling_params_from_proto
+from pdserve.worker.shell import PoolServicer, WorkerShell
+
+DEFAULT_PREFILL_KV_BYTES = 512 << 20  # holds the prompts of the batches in flight, not whole conversations
+
+
+class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
+    """Registered before the model loads; ``attach`` wires the loop once it has."""
+
+    def __init__(self, shell: WorkerShell, metrics: PrefillMetrics) -> None:
+        self.shell = shell
+        self.metrics = metrics
+        self.loop: PrefillLoop | None = None
+
+    def attach(self, loop: PrefillLoop) -> None:
+        self.loop = loop
+
+    def load(self) -> worker_pb2.WorkerLoad:
+        if self.loop is None:
+            return worker_pb2.WorkerLoad(state=self.shell.state.proto)
+        sched = self.loop.sched
+        bm = sched.block_manager
+        queued_tokens = sched.queued_tokens + self.loop.running_tokens
+        self.metrics.set_queue_tokens(queued_tokens)
+        return worker_pb2.WorkerLoad(
+            state=self.shell.state.proto,
+            running=self.loop.running,
+            queued=sched.num_queued,
+            queued_prefill_tokens=queued_tokens,
+            kv_blocks_used=bm.num_used,
+            kv_blocks_total=bm.num_blocks,
+        )
+
+    async def Generate(self, request, context):  # noqa: N802
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "this is a prefill worker; Generate goes to decode"
+        )
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:  # noqa: N802
+        loop = self.loop
+        assert loop is not None, "the shell admits requests once attached"
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_params_from_proto(request.sampling)
+            validate_prompt_token_ids(
+                prompt,
+                vocab_size=loop.runner.config.vocab_size,
+                max_model_len=loop.runner.config.max_position_embeddings,
+                name="prompt_token_ids",
+            )
+            ticket = TransferTicket.decode(request.transfer_ticket)
+            if ticket.num_tokens != len(prompt):
+                raise ValueError(f"ticket reserves {ticket.num_tokens} tokens for a prompt of {len(prompt)}")
+            job, result = loop.submit(rid, prompt, params, ticket)  # ValueError: can never fit the cache
+        except (ValueError, IncompatibleError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        timeout = request.deadline_unix - time.time() if request.deadline_unix > 0 else None
+        try:
+            async with asyncio.timeout(timeout):
+                first, forward_s = await asyncio.shield(result)
+        except TimeoutError:
+            loop.give_up(job, "deadline")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} passed its deadline in prefill"
+            )
+        except asyncio.CancelledError:
+            loop.give_up(job, "cancelled by the router")
+            raise
+        except TransferError as e:
+            # ABORTED, not UNAVAILABLE: this worker is alive; the transfer failed.
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        return worker_pb2.PrefillResponse(
+            first_token_id=first, prefill_seconds=forward_s, first_token_unix=time.time()
+        )
+
+
+class PrefillPool:
+    """The prefill pool's part of ``worker.bringup``: a model runner, a sampler, a KV sender, the loop."""
+
+    def __init__(self, args: WorkerArgs, shell: WorkerShell, registry: CollectorRegistry) -> None:
+        self.args, self.registry = args, registry
+        self.metrics = PrefillMetrics(registry)
+        self.servicer = PrefillServicer(shell, self.metrics)
+        self.loop: PrefillLoop | None = None
+        self.sender: KVSender | None = None
+
+    async def load(self, model_dir: Path) -> Capacity:
+        args = self.args
+        kv_bytes = args.kv_cache_bytes or (None if args.kv_blocks else DEFAULT_PREFILL_KV_BYTES)
+        runner = await asyncio.to_thread(
+            ModelRunner,
+            model_dir,
+            dtype=DTYPES[args.dtype],
+            block_size=args.block_size,
+            num_blocks=args.kv_blocks or None,
+            kv_cache_bytes=kv_bytes,
+        )
+        eos = list(runner.config.eos_token_ids)
+        try:
+            eos += [t for t in Tokenizer.from_dir(model_dir).eos_token_ids if t not in eos]
+        except FileNotFoundError:
+            pass
+        sampler = Sampler(tuple(eos), device=runner.kv.device)
+        self.sender = KVSender(
+            runner.kv,
+            compat_for(runner.kv, model_dir.name),
+            args.transfer_config(),
+            self.registry,
+            name=args.worker_id,
+        )
+        self.loop = PrefillLoop(runner, sampler, self.sender, args.max_batched_tokens, self.metrics)
+        self.loop.start()
+        self.servicer.attach(self.loop)
+        return Capacity(runner.num_blocks, runner.config.max_position_embeddings)
+
+    async def close(self) -> None:
+        if self.loop is not None:
+            await self.loop.close()
+        if self.sender is not None:
+            await self.sender.close()
+
+
+async def serve(args: WorkerArgs) -> None:
+    """Run a prefill worker until it has drained."""
+    await run_pool(args, lambda shell, registry: PrefillPool(args, shell, registry))

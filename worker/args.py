@@ -1,0 +1,84 @@
+"""What ``pdserve worker`` hands a pool: one frozen, self-checking ``WorkerArgs``.
+
+The CLI builds it from the command line (and the environment, read there once); a pool's ``serve`` takes
+it and derives the rest (shell, transfer and registration settings) from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.kv_transfer.config import TransferConfig
+from pdserve.proto import worker_pb2
+from pdserve.worker.convert import ROLE_TO_PROTO
+from pdserve.worker.role import Role
+from pdserve.worker.shell import ShellConfig
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What ``pdserve worker`` passes to ``prefill_pool.servicer.serve`` / ``decode_pool.servicer.serve``.
+
+    The CLI has already set torch's thread count to ``threads`` before calling ``serve``.
+    """
+
+    role: Role
+    router: str  # the router's address, host:port
+    worker_id: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port (the address registered with the router is the bound one)
+    model: str = "smollm2-135m-instruct"  # a registry name or a model directory
+    dtype: str = "float32"  # float32 | bfloat16
+    threads: int = 1
+    block_size: int = 16  # tokens per KV block
+    kv_blocks: int = 0  # KV cache size in blocks; 0: from kv_cache_bytes, or the engine's default
+    kv_cache_bytes: int = 0
+    max_running: int = 64  # decode batch bound (EngineConfig.max_num_seqs)
+    max_batched_tokens: int = 2048  # prefill token budget per step (EngineConfig.max_num_batched_tokens)
+    cache_dir: Path | None = None  # where model names resolve (None: the engine's default)
+    drain_timeout_s: float = 300.0
+    # Prometheus /metrics on host:metrics_port (0: a free port; the URL is registered as metrics_url).
+    metrics_port: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, Role):
+            raise ValueError(f"role must be a Role, got {self.role!r}")
+        if not self.router or not self.worker_id:
+            raise ValueError("router and worker_id must not be empty")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        for name in ("threads", "block_size", "max_running", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
+            raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+
+    def shell_config(self) -> ShellConfig:
+        return ShellConfig(host=self.host, port=self.port, drain_timeout_s=self.drain_timeout_s)
+
+    def transfer_config(self) -> TransferConfig:
+        """KV transfer settings: UCX, advertised on this worker's host; shared-memory
+        transports where both workers can share memory (a loopback host)."""
+        local = self.host in ("127.0.0.1", "localhost", "::1")
+        return TransferConfig(host=self.host, ucx_shared_memory=local)
+
+    def worker_info(
+        self, address: str, *, kv_blocks_total: int, context_length: int, pid: int, metrics_url: str = ""
+    ) -> worker_pb2.WorkerInfo:
+        """The registration message for this worker once its server is bound and its cache sized."""
+        return worker_pb2.WorkerInfo(
+            worker_id=self.worker_id,
+            role=ROLE_TO_PROTO[self.role],
+            address=address,
+            model=self.model,
+            dtype=self.dtype,
+            kv_blocks_total=kv_blocks_total,
+            block_size=self.block_size,
+            pid=pid,
+            metrics_url=metrics_url,
+            max_running=self.max_running,
+            context_length=context_length,
+        )

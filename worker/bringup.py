@@ -1,0 +1,90 @@
+"""The one start-up every worker process runs, whatever its pool.
+
+    metrics endpoint (the process registry, served at once so a slow load is visible)
+    -> shell started: gRPC bound, health and reflection NOT_SERVING, signals drain
+    -> model resolved and loaded by the pool (``Pool.load``), which attaches it to its servicer
+    -> SERVING
+    -> agent: register with the router, heartbeat, obey drain (``agent.run_worker``)
+    -> drained: the pool closes (its loops, its KV transfer), the metrics endpoint closes
+
+A pool provides only what differs: its servicer, how it loads, and how it closes. The pools call
+``run_pool`` from their ``serve(args)``; ``pdserve worker`` picks the pool by role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine.registry import resolve_model
+from pdserve.proto import worker_pb2_grpc
+from pdserve.telemetry.exporter import process_registry, serve_metrics
+from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.shell import PoolServicer, WorkerShell
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a loaded pool registers with the router."""
+
+    kv_blocks_total: int
+    context_length: int
+
+
+class Pool(Protocol):
+    """One pool's part of a worker process."""
+
+    @property
+    def servicer(self) -> PoolServicer:
+        """Registered on the shell before the model loads (the shell rejects requests until SERVING)."""
+
+    async def load(self, model_dir: Path) -> Capacity:
+        """Load the model and attach it to the servicer; runs on the event loop (offload heavy work)."""
+
+    async def close(self) -> None:
+        """Stop the pool's loops and transfers; called once, after the shell has drained."""
+
+
+async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegistry], Pool]) -> None:
+    """Run one worker process of ``args.role`` until it has drained."""
+    registry = process_registry(args.role.value)
+    endpoint = serve_metrics(registry, args.host, args.metrics_port)
+    try:
+        shell = WorkerShell(args.shell_config())
+        pool = build(shell, registry)
+        address = await shell.start(
+            lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(pool.servicer, server)
+        )
+        shell.install_signal_handlers()
+        try:
+            model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
+            capacity = await pool.load(model_dir)
+            await shell.set_serving()
+            agent = RouterAgent(
+                AgentConfig(router_address=args.router),
+                args.worker_info(
+                    address,
+                    kv_blocks_total=capacity.kv_blocks_total,
+                    context_length=capacity.context_length,
+                    pid=os.getpid(),
+                    metrics_url=endpoint.url,
+                ),
+                load=pool.servicer.load,
+                on_drain=shell.begin_drain,
+            )
+            await run_worker(shell, agent)
+        finally:
+            await pool.close()
+    finally:
+        endpoint.close()
+        log.info("%s worker %s stopped", args.role.value, args.worker_id)

@@ -1,0 +1,25 @@
+"""Conversions between the wire (protobuf) and the engine's types, shared by the router and every pool.
+
+The router validates a request with these and the workers rebuild it with the same ones, so a request
+the router accepts is one the workers accept.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.params import SamplingParams
+from pdserve.proto import generation_pb2, worker_pb2
+from pdserve.worker.role import Role
+
+# proto3 optional fields copied into SamplingParams when set; unset ones keep the engine defaults.
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos")
+ROLE_TO_PROTO = {
+    Role.PREFILL: worker_pb2.ROLE_PREFILL,
+    Role.DECODE: worker_pb2.ROLE_DECODE,
+    Role.BOTH: worker_pb2.ROLE_BOTH,
+}
+
+
+def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingParams:
+    """Build the engine's SamplingParams; its ValueError names the field."""
+    kw: dict[str, object] = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if s.HasField(f)}
+    return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
