@@ -6,6 +6,7 @@ printed again later.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Mapping
@@ -35,10 +36,23 @@ def json_safe(value: Any) -> Any:
 
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    """Write ``doc`` as JSON; gzipped (reproducibly: no name, no time in the header) for a ``.gz`` path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # allow_nan=False: a stray inf/NaN fails here instead of writing a file other tools reject.
-    path.write_text(json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    data = (json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n").encode("utf-8")
+    if path.suffix == ".gz":
+        with path.open("wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+            f.write(data)
+    else:
+        path.write_bytes(data)
+
+
+def read_json(path: Path) -> Any:
+    """Read what ``write_json`` wrote (gzipped or not)."""
+    path = Path(path)
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(data)
 
 
 def _fmt(value: Any, decimals: int = 2) -> str:

@@ -32,7 +32,7 @@ Honesty of a comparison (every item recorded in the output JSON):
   machine's speed hits all shapes alike;
 - the machine's core count, CPU model and load are stated.
 
-Outputs in ``--out-dir``: ``runs/<shape>_rate<r>.json`` (the full
+Outputs in ``--out-dir``: ``runs/<shape>_rate<r>.json.gz`` (the full
 ``pdserve bench`` result of each run, one record per request), ``sweep.json``
 or ``compare.json`` (per-rate figures, goodput, ratio, machine, commands), and
 the plots ``slo_attainment.png``, ``ttft_cdf.png``, ``itl_cdf.png``. Every
@@ -62,7 +62,7 @@ from typing import Any
 
 from pdserve.bench.datasets import DatasetName, TokenSpace
 from pdserve.bench.metrics import RequestRecord, Slo
-from pdserve.bench.report import write_json
+from pdserve.bench.report import read_json, write_json
 from pdserve.bench.serve import (
     DEFAULT_MODEL,
     BenchConfig,
@@ -383,7 +383,8 @@ async def _sweep_async(
             )
             _say(f"[{label}] {rate:g} req/s: {bench.num_prompts} requests (+{bench.warmup} warmup)")
             result = await run_benchmark(bench, token_space=token_space)
-            run_file = Path("runs") / f"{label}_rate{_rate_tag(rate)}.json"
+            # Per-request records are most of a run's bytes: kept gzipped (bench/results is not a data store).
+            run_file = Path("runs") / f"{label}_rate{_rate_tag(rate)}.json.gz"
             result.save(cfg.out_dir / run_file)
             point = point_summary(rate, result, str(run_file))
             runs[label].append(point)
@@ -845,7 +846,7 @@ def redraw(out_dir: Path) -> dict[str, Any]:
     for label, shape_doc in doc["shapes"].items():
         for p in shape_doc["points"]:
             if not p.get("skipped"):
-                run = json.loads((out_dir / p["result_file"]).read_text())
+                run = read_json(out_dir / p["result_file"])
                 records[(label, p["rate"])] = tuple(_record_from_dict(r) for r in run["requests"])
     c = doc["cluster"]
     cfg = SweepConfig(

@@ -24,7 +24,7 @@ import pytest
 from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.datasets import TokenSpace, WorkloadConfig
 from pdserve.bench.metrics import RequestRecord, Slo
-from pdserve.bench.report import json_safe
+from pdserve.bench.report import json_safe, read_json
 from pdserve.bench.serve import BenchConfig
 from pdserve.bench.sweep import (
     ClusterSpec,
@@ -249,7 +249,7 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
         for p in shape_doc["points"]:
             if p.get("skipped"):
                 continue
-            run = json.loads((cfg.out_dir / p["result_file"]).read_text())
+            run = read_json(cfg.out_dir / p["result_file"])
             assert len(run["requests"]) == 10 and run["warmup_requests"] == 2
             assert run["config"]["request_rate"] == p["rate"]
             assert run["slo_attainment"] == p["slo_attainment"]
@@ -358,7 +358,7 @@ def test_live_compare_1p1d_vs_2c(tmp_path):
     streams = {}
     for label in ("1P+1D", "2C"):
         for p in doc["shapes"][label]["points"]:
-            run = json.loads((out_dir / p["result_file"]).read_text())
+            run = read_json(out_dir / p["result_file"])
             for key in VLLM_KEYS:
                 assert key in run, key
             records = run["requests"]
