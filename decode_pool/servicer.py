@@ -40,7 +40,7 @@ from pdserve.kv_transfer import TransferConfig, compat_for
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
-from pdserve.worker.convert import sampling_params_from_proto
+from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
 from pdserve.worker.role import Role
 from pdserve.worker.shell import PoolServicer, WorkerShell
 
@@ -104,6 +104,8 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context):  # noqa: N802
         assert self.loop is not None, "the shell admits requests only once the engine is attached"
         rid = request.request_id
+        meta_id = request_id_from_metadata(context.invocation_metadata())
+        log.debug("Generate %s (x-request-id %s)", rid, meta_id)
         try:
             params = sampling_params_from_proto(request.sampling)
         except ValueError as e:

@@ -120,6 +120,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string for one id (None outside the vocabulary)."""
+        return self._backend.id_to_token(int(token_id))
+
     def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self._backend, skip_special_tokens)
 

@@ -10,6 +10,7 @@ INTERNAL when the forward failed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
-from pdserve.worker.convert import sampling_params_from_proto
+from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
 from pdserve.worker.shell import PoolServicer, WorkerShell
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_KV_BYTES = 512 << 20  # holds the prompts of the batches in flight, not whole conversations
 
@@ -69,6 +72,8 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         loop = self.loop
         assert loop is not None, "the shell admits requests once attached"
         rid = request.request_id
+        meta_id = request_id_from_metadata(context.invocation_metadata())
+        log.debug("Prefill %s (x-request-id %s)", rid, meta_id)
         prompt = list(request.prompt_token_ids)
         try:
             params = sampling_params_from_proto(request.sampling)

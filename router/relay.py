@@ -33,6 +33,7 @@ from pdserve.router.jobs import Failure, Job
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Worker
 from pdserve.router.validate import Prepared, RouterTokenizer
+from pdserve.worker.convert import request_id_metadata
 from pdserve.worker.shell import REJECT_METADATA_KEY
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ class Relay:
             mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
             deadline_unix=deadline_unix,
         )
-        dcall = self._channels.stub(d.address).Generate(req, timeout=timeout)
+        meta = request_id_metadata(prep.request_id)
+        dcall = self._channels.stub(d.address).Generate(req, timeout=timeout, metadata=meta)
         job.calls.append(dcall)
         out = _Out(prep, Detokenizer(self._tok.decode_stream(skip_special_tokens=True), prep.params))
         try:
@@ -216,7 +218,9 @@ class Relay:
             transfer_ticket=first.transfer_ticket,
             deadline_unix=deadline_unix,
         )
-        pcall = self._channels.stub(p.address).Prefill(preq, timeout=timeout)
+        pcall = self._channels.stub(p.address).Prefill(
+            preq, timeout=timeout, metadata=request_id_metadata(prep.request_id)
+        )
         job.calls.append(pcall)
         p_task: asyncio.Future = asyncio.ensure_future(pcall)
         read: asyncio.Future | None = asyncio.ensure_future(dcall.read())

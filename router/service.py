@@ -52,6 +52,7 @@ class Router:
         self.relay: Relay | None = None
         self.closing = False
         self.metrics = RouterMetrics()
+        self.inflight_ids: set[str] = set()  # request ids admitted and not finished: unique at a time
         self.metrics_url = ""  # set once the router's /metrics endpoint serves
         self.http_url = ""  # set once the OpenAI HTTP front serves (``openai_server``); empty: off
         self.metrics.watch(
@@ -103,6 +104,7 @@ class Router:
         return route
 
     async def finish(self, job: Job) -> None:
+        self.inflight_ids.discard(job.request_id)
         self.ledger.release(job)
         await self.admission.notify()
 
@@ -231,7 +233,13 @@ async def _admit(
     if remaining is None and router.config.request_timeout_s > 0:
         remaining = router.config.request_timeout_s
     deadline = None if remaining is None else time.monotonic() + remaining
+    if prep.request_id in router.inflight_ids:
+        # Workers key a request's blocks and stream by its id: a second one would take over the first's.
+        raise RelayError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"request_id {prep.request_id!r} is already in flight"
+        )
     job = Job(prep.request_id, len(prep.prompt_token_ids), arrival)
+    router.inflight_ids.add(job.request_id)
     try:
         await router.admit(job, remaining)
     except BaseException:

@@ -10,6 +10,7 @@ accepts is one the workers accept.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,21 @@ class InvalidRequest(ValueError):
     """The request is malformed; the message names the field."""
 
 
+# A client's request id travels in logs, gRPC metadata and HTTP headers: bounded, and printable without
+# quoting (the characters of UUIDs, ULIDs, trace ids and vLLM's "benchmark-serving12").
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._~:@/+=-]+")
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> str:
+    """The client's request id, checked (InvalidRequest naming ``field``); empty means "assign one"."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"{field} has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if request_id and not _REQUEST_ID.fullmatch(request_id):
+        raise InvalidRequest(f"{field} may hold only letters, digits and ._~:@/+=- (got {request_id[:40]!r})")
+    return request_id
+
+
 class TextStream(Protocol):
     def step(self, token_id: int) -> str | None: ...
 
@@ -37,11 +53,17 @@ class RouterTokenizer(Protocol):
 
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
     def decode_stream(self, skip_special_tokens: bool = True) -> TextStream: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,7 @@ def prepare(
     """Validate ``request`` and turn it into what the workers need. Raises InvalidRequest."""
     if limits.context_length <= 0:
         raise ValueError("the model's context length is unknown")
+    check_request_id(request.request_id)
     try:
         params = sampling_params_from_proto(request.sampling)
         validate_params_for_model(params, vocab_size=limits.vocab_size or _UNKNOWN_VOCAB, can_detokenize=True)

@@ -37,7 +37,7 @@ ROLES = ("router", "prefill", "decode", "both")
 _JOIN_TIMEOUT_S = 5.0
 
 
-def _version() -> str:
+def pdserve_version() -> str:
     try:
         return metadata.version("pdserve")
     except metadata.PackageNotFoundError:
@@ -50,7 +50,7 @@ def process_registry(role: str, *, gpu: bool = True) -> CollectorRegistry:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     registry = CollectorRegistry()
     Gauge(INFO_METRIC, "A pdserve process (always 1).", ["role", "version"], registry=registry).labels(
-        role, _version()
+        role, pdserve_version()
     ).set(1)
     ProcessCollector(registry=registry)
     if gpu:

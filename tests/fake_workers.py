@@ -31,7 +31,7 @@ from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.telemetry.exporter import process_registry, serve_metrics
 from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
-from pdserve.worker.convert import ROLE_TO_PROTO
+from pdserve.worker.convert import ROLE_TO_PROTO, request_id_from_metadata
 from pdserve.worker.role import Role
 from pdserve.worker.shell import ShellConfig, WorkerShell
 
@@ -124,6 +124,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.decode_gate: asyncio.Event | None = None  # remote mode: streaming waits for this too
         self.prefill_gate: asyncio.Event | None = None
         self.requests: list[worker_pb2.WorkerGenerateRequest | worker_pb2.PrefillRequest] = []
+        self.metadata_ids: list[str] = []  # the x-request-id metadata of each call, in order
         self.timeouts: list[float | None] = []
         self.started: list[str] = []  # request ids whose token stream started
         self.cancelled: list[str] = []
@@ -150,6 +151,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         await asyncio.wait_for(loop(), timeout)
 
     async def Generate(self, request, context):
+        self.metadata_ids.append(request_id_from_metadata(context.invocation_metadata()))
         rid = request.request_id
         self.requests.append(request)
         self.timeouts.append(context.time_remaining())
@@ -186,6 +188,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.active.discard(rid)
 
     async def Prefill(self, request, context):
+        self.metadata_ids.append(request_id_from_metadata(context.invocation_metadata()))
         self.requests.append(request)
         self.timeouts.append(context.time_remaining())
         self.active.add(request.request_id)

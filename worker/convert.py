@@ -23,3 +23,20 @@ def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingPara
     """Build the engine's SamplingParams; its ValueError names the field."""
     kw: dict[str, object] = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if s.HasField(f)}
     return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
+
+
+# gRPC metadata the router sends with every worker call: the request's id, as clients, proxies and
+# traces know it (the same value as the message's request_id field).
+REQUEST_ID_METADATA_KEY = "x-request-id"
+
+
+def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+    return ((REQUEST_ID_METADATA_KEY, request_id),)
+
+
+def request_id_from_metadata(metadata) -> str:
+    """The ``x-request-id`` of a call's invocation metadata ("" when absent)."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return ""

@@ -37,6 +37,7 @@ from pdserve.router.openai.protocol import (
     Usage,
     encode,
     invalid,
+    present,
 )
 
 DONE = b"data: [DONE]\n\n"
@@ -66,10 +67,6 @@ def check_model(requested: str | None, served: str) -> None:
         )
 
 
-def _present(raw: msgspec.Raw) -> bool:
-    return bytes(raw) not in (b"", b"null", b"[]", b"{}")
-
-
 def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Options the API has and pdserve does not implement: refused, never silently ignored."""
     if req.n not in (None, 1):
@@ -85,9 +82,9 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
         )
     if req.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
-    if _present(req.tools):
+    if present(req.tools):
         raise invalid("tools are not supported", "tools")
-    if _present(req.response_format):
+    if present(req.response_format):
         fmt = msgspec.json.decode(bytes(req.response_format))
         if not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
             raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
@@ -168,7 +165,7 @@ def completion_request(req: CompletionRequest, request_id: str) -> g.GenerateReq
     return out
 
 
-def _text_content(i: int, content) -> str:
+def text_content(i: int, content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
@@ -193,7 +190,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateReque
     out = g.GenerateRequest(request_id=request_id, sampling=_sampling(req, max_tokens))
     out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
     out.messages.messages.extend(
-        g.ChatMessage(role=m.role, content=_text_content(i, m.content)) for i, m in enumerate(req.messages)
+        g.ChatMessage(role=m.role, content=text_content(i, m.content)) for i, m in enumerate(req.messages)
     )
     return out
 

@@ -168,6 +168,46 @@ class ModelList(msgspec.Struct, frozen=True):
     object: Literal["list"] = "list"
 
 
+# ---- vLLM's utility endpoints: /tokenize, /detokenize, /version ------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize``: vLLM's two request shapes in one (exactly one of ``prompt`` and ``messages``)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    # None: vLLM's default for the shape (True for a prompt, False for messages, whose template adds them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    # Accepted only when absent or empty, as on the generation endpoints.
+    tools: msgspec.Raw = msgspec.Raw()
+    chat_template: str | None = None
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw()
+
+
+class TokenizeResponse(msgspec.Struct, frozen=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, frozen=True):
+    prompt: str
+
+
+class VersionInfo(msgspec.Struct, frozen=True):
+    version: str
+
+
 class ErrorInfo(msgspec.Struct, frozen=True):
     message: str
     type: str
@@ -177,6 +217,11 @@ class ErrorInfo(msgspec.Struct, frozen=True):
 
 class ErrorBody(msgspec.Struct, frozen=True):
     error: ErrorInfo
+
+
+def present(raw: msgspec.Raw) -> bool:
+    """Whether a raw field was sent with a value (absent, null and empty count as not sent)."""
+    return bytes(raw) not in (b"", b"null", b"[]", b"{}")
 
 
 _encoder = msgspec.json.Encoder()
@@ -230,6 +275,7 @@ _PARAM_NAMES = {
     "ignore_eos": "ignore_eos",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
+    "request_id": "X-Request-ID",  # the HTTP front takes the id from that header
 }
 _LEADING_FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 
@@ -254,7 +300,7 @@ def error_from_status(code_name: str, details: str) -> OpenAIError:
     return OpenAIError(status, message, kind, param, code)
 
 
-_JSON_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_JSON_PATH = re.compile(r"at `\$\.([A-Za-z_]+)|missing required field `([A-Za-z_]+)`")
 
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -266,6 +312,6 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         m = _JSON_PATH.search(str(e))
-        raise invalid(f"invalid request: {e}", m.group(1) if m else None) from None
+        raise invalid(f"invalid request: {e}", (m.group(1) or m.group(2)) if m else None) from None
     except msgspec.DecodeError as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None

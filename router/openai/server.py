@@ -1,7 +1,16 @@
 """The router's OpenAI-compatible HTTP front (aiohttp, on the router's own event loop).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
-server-sent events, or one JSON body), ``GET /v1/models``, ``GET /health``.
+server-sent events, or one JSON body), ``GET /v1/models``; and what vLLM-compatible
+servers offer beside them, which clients and load tools probe for: ``POST /tokenize``,
+``POST /detokenize`` (``tokenize.py``), ``GET /metrics`` (the router's registry, the
+same series as its metrics port), ``GET /version``, ``GET /health`` (200 only while a
+decode-capable worker is READY).
+
+Request ids: a client's ``X-Request-ID`` header (checked like gRPC's ``request_id``:
+``validate.check_request_id``) is the request's id end to end: the body's ``id``, the
+worker calls, the logs; it is echoed in the response's ``X-Request-ID`` header. Without
+the header the id is generated (``cmpl-...``/``chatcmpl-...``).
 
 A generation request's stages here:
 
@@ -23,12 +32,14 @@ write to a connection already gone raises, which ends the request the same way.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 
 from pdserve.proto import generation_pb2 as g
 from pdserve.router.openai.mapping import (
@@ -43,21 +54,31 @@ from pdserve.router.openai.mapping import (
 from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     OpenAIError,
+    TokenizeRequest,
+    VersionInfo,
     decode_request,
     encode,
     error_from_status,
+    invalid,
 )
+from pdserve.router.openai.tokenize import detokenize, tokenize
 from pdserve.router.relay import RelayError
 from pdserve.router.service import Router, generate
+from pdserve.router.validate import InvalidRequest, check_request_id
+from pdserve.telemetry.exporter import pdserve_version
+from pdserve.worker.role import Role
 
 log = logging.getLogger(__name__)
 
 # Chat histories can be long; the default (1 MiB) is a web-form limit.
 _MAX_BODY_BYTES = 64 << 20
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REQUEST_ID_HEADER = "X-Request-ID"
+_INLINE_TOKENIZE_BYTES = 4096  # as the request path's own threshold (service.py)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -84,6 +105,16 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return _error_response(OpenAIError(500, "internal server error", "server_error"))
 
 
+def _request_id(request: web.Request, kind: Kind) -> str:
+    """The client's ``X-Request-ID`` (checked; 400 naming the header) or a new id of OpenAI's form."""
+    sent = request.headers.get(REQUEST_ID_HEADER, "")
+    try:
+        check_request_id(sent, REQUEST_ID_HEADER)
+    except InvalidRequest as e:
+        raise invalid(str(e), REQUEST_ID_HEADER) from None
+    return sent or kind.id_prefix + uuid.uuid4().hex
+
+
 class OpenAIFront:
     """The HTTP server: ``start`` binds and serves, ``stop`` closes (after the router drained)."""
 
@@ -104,6 +135,10 @@ class OpenAIFront:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         return app
 
     async def start(self) -> str:
@@ -129,13 +164,59 @@ class OpenAIFront:
 
     # ---- routes ---------------------------------------------------------------------------------------
 
-    async def health(self, request: web.Request) -> web.Response:
-        """200 once the router serves generation (as gRPC health SERVING), 503 while loading or stopping."""
+    def _serving(self) -> None:
+        """Raise 503 unless the router serves generation (as its gRPC health SERVING)."""
         router = self.router
         if router.closing or router.tokenizer is None:
             state = "shutting down" if router.closing else "starting"
             raise OpenAIError(503, f"the router is {state}", "service_unavailable_error")
-        return web.json_response({"status": "ok"})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while a request could be served now: the router serves and a worker that decodes is READY.
+
+        503 while the router loads or stops, or while no decode or colocated worker is READY (prefill
+        workers alone serve nothing). The body counts the READY workers by role.
+        """
+        self._serving()
+        ready = {role.value: 0 for role in Role}
+        for w in self.router.registry.ready():
+            ready[w.role.value] += 1
+        if not any(ready[r.value] for r in Role if r.decodes):
+            raise OpenAIError(
+                503, f"no decode or colocated worker is ready (ready: {ready})", "service_unavailable_error"
+            )
+        return web.json_response({"status": "ok", "ready_workers": ready})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.Response(body=encode(VersionInfo(pdserve_version())), content_type="application/json")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's registry, as its metrics port serves it (OpenMetrics when the scraper asks)."""
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = encoder(self.router.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        req = decode_request(body, TokenizeRequest)
+        check_model(req.model, self.model_name)
+        self._serving()
+        assert self.router.tokenizer is not None
+        args = (req, self.router.tokenizer, self.router.current_limits().context_length)
+        # Long texts tokenize off the event loop, which relays every other request's tokens.
+        if len(body) > _INLINE_TOKENIZE_BYTES:
+            out = await asyncio.to_thread(tokenize, *args)
+        else:
+            out = tokenize(*args)
+        return web.Response(body=encode(out), content_type="application/json")
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = decode_request(await request.read(), DetokenizeRequest)
+        check_model(req.model, self.model_name)
+        self._serving()
+        assert self.router.tokenizer is not None
+        out = detokenize(req, self.router.tokenizer, self.router.current_limits().vocab_size)
+        return web.Response(body=encode(out), content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
         context = self.router.current_limits().context_length or None
@@ -145,13 +226,13 @@ class OpenAIFront:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), CompletionRequest)
         check_model(req.model, self.model_name)
-        rid = Kind.COMPLETION.id_prefix + uuid.uuid4().hex
+        rid = _request_id(request, Kind.COMPLETION)
         return await self._run(request, Kind.COMPLETION, rid, completion_request(req, rid), req)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), ChatCompletionRequest)
         check_model(req.model, self.model_name)
-        rid = Kind.CHAT.id_prefix + uuid.uuid4().hex
+        rid = _request_id(request, Kind.CHAT)
         return await self._run(request, Kind.CHAT, rid, chat_request(req, rid), req)
 
     # ---- the request path -----------------------------------------------------------------------------
@@ -180,13 +261,13 @@ class OpenAIFront:
         except RelayError as e:
             raise error_from_status(e.code.name, e.details) from None
         return web.Response(
-            body=collected.response(), content_type="application/json", headers={"X-Request-Id": rid}
+            body=collected.response(), content_type="application/json", headers={REQUEST_ID_HEADER: rid}
         )
 
     async def _stream(
         self, request: web.Request, greq: g.GenerateRequest, events: EventStream
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": events.id})
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: events.id})
 
         async def write(msg: g.GenerateResponse) -> None:
             data = events.feed(msg)
