@@ -99,6 +99,9 @@ def validate_prompt_token_ids(
 
 def validate_params_for_model(params: SamplingParams, *, vocab_size: int, can_detokenize: bool) -> None:
     """Checks that need the model: stop ids inside the vocabulary, stop strings need a tokenizer."""
+    if params.top_k > vocab_size:
+        # Refused, not clipped: a top_k above the vocabulary is a client's mistake worth hearing about.
+        raise ValueError(f"top_k must be at most the vocabulary size {vocab_size}, got {params.top_k}")
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise ValueError(f"stop_token_ids has id {t} outside the vocabulary [0, {vocab_size})")

@@ -9,6 +9,7 @@ accepts is one the workers accept.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -33,6 +34,26 @@ class InvalidRequest(ValueError):
 # quoting (the characters of UUIDs, ULIDs, trace ids and vLLM's "benchmark-serving12").
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._~:@/+=-]+")
+
+
+# Bounds on what a request may carry beyond what the model itself limits (each refusal names the field).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _check_bounds(s: generation_pb2.SamplingParams) -> None:
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"sampling.stop has {len(s.stop)} strings; at most {MAX_STOP_STRINGS}")
+    longest = max((len(x) for x in s.stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise InvalidRequest(
+            f"sampling.stop has a string of {longest} characters; at most {MAX_STOP_STRING_CHARS}"
+        )
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"sampling.stop_token_ids has {len(s.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+        )
 
 
 def check_request_id(request_id: str, field: str = "request_id") -> str:
@@ -124,6 +145,7 @@ def prepare(
     if limits.context_length <= 0:
         raise ValueError("the model's context length is unknown")
     check_request_id(request.request_id)
+    _check_bounds(request.sampling)
     try:
         params = sampling_params_from_proto(request.sampling)
         validate_params_for_model(params, vocab_size=limits.vocab_size or _UNKNOWN_VOCAB, can_detokenize=True)
@@ -140,11 +162,24 @@ def prepare(
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
     sampling = request.sampling
-    if sampling.stop:
-        # The router owns stop strings (it detokenizes); workers stop only on token ids.
+    room = limits.context_length - len(ids)  # >= 1: checked with the prompt
+    max_tokens = params.max_tokens
+    if sampling.HasField("max_tokens") and max_tokens > room:
+        # As vLLM: a request that cannot get what it asked for is refused, not cut short.
+        raise InvalidRequest(
+            f"max_tokens is {max_tokens}, but the prompt has {len(ids)} tokens and the model's context is "
+            f"{limits.context_length} tokens: at most {room} can be generated"
+        )
+    if sampling.stop or max_tokens > room:
         sampling = generation_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
+        # The router owns stop strings (it detokenizes); workers stop only on token ids.
         del sampling.stop[:]
+        if max_tokens > room:  # the default, unset by the client: what fits the context
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+            sampling.max_tokens = room
+            if sampling.HasField("min_tokens"):
+                sampling.min_tokens = params.min_tokens
     return Prepared(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=ids,

@@ -92,6 +92,70 @@ class ShellConfig:
             raise ValueError("drain_timeout_s and stop_grace_s must be >= 0")
 
 
+class _Undecodable:
+    """What a request that did not parse deserializes to, so its handler can refuse it by name."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class RejectUndecodable(grpc.aio.ServerInterceptor):
+    """A request whose bytes do not parse as its message type gets INVALID_ARGUMENT.
+
+    Left to grpc, a failed deserialization ends the call with a status that says nothing of the cause
+    (UNKNOWN or INTERNAL): to a client that is a server fault, not its own bad input.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        decode, method = handler.request_deserializer, handler_call_details.method
+
+        def safe_decode(data: bytes):
+            try:
+                return decode(data)
+            except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and whatever a parser raises
+                return _Undecodable(e)
+
+        async def refuse(request, context) -> None:
+            text = f"the request is not a valid {method} message: {request.error}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
+
+        kw = dict(request_deserializer=safe_decode, response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def checked_unary(request, context):
+                if isinstance(request, _Undecodable):
+                    return await refuse(request, context)
+                return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(checked_unary, **kw)
+        if handler.unary_stream is None:
+            return handler
+        stream = handler.unary_stream
+        if inspect.isasyncgenfunction(stream):
+
+            async def checked_gen(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(request, context)
+                    return
+                async for m in stream(request, context):
+                    yield m
+
+            return grpc.unary_stream_rpc_method_handler(checked_gen, **kw)
+
+        async def checked_stream(request, context):
+            if isinstance(request, _Undecodable):
+                return await refuse(request, context)
+            return await stream(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(checked_stream, **kw)
+
+
 class _Tracker(grpc.aio.ServerInterceptor):
     """Counts in-flight Generate/Prefill calls and rejects new ones unless the shell is SERVING."""
 
@@ -170,7 +234,7 @@ class WorkerShell:
 
         Returns the address to register (host:bound_port).
         """
-        server = grpc.aio.server(interceptors=[_Tracker(self)], options=SERVER_OPTIONS)
+        server = grpc.aio.server(interceptors=[RejectUndecodable(), _Tracker(self)], options=SERVER_OPTIONS)
         add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._services = tuple(service_names)
