@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 
 from pdserve.deploy.local import cluster, prometheus
+from pdserve.worker.auth import write_new_token
 from pdserve.worker.role import Role
 
 
@@ -55,8 +56,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     module = ["--worker-module", args.worker_module] if args.worker_module else []
     http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
     state_dir.mkdir(parents=True, exist_ok=True)
+    # A new secret per cluster: only the processes started here can join its pools (worker.auth).
+    token_file = write_new_token(state_dir / "cluster-token")
+    token = ["--cluster-token-file", str(token_file.resolve())]
     router = cluster.spawn_router(
-        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + http + cache
+        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + http + cache + token
     )
     state = cluster.ClusterState(
         router_address=f"{args.host}:{args.port}",
@@ -65,8 +69,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         threads=threads,
         host=args.host,
-        worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module),
+        worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module + token),
         pin_cpus=args.pin_cpus,
+        token_file=str(token_file.resolve()),
     )
     # Written before any wait, so `down` finds whatever was started even if `up` dies.
     cluster.save_state(state_dir, state)
@@ -91,14 +96,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.remove_state(state_dir)
         raise
     if args.http_port is not None:
-        say(f"OpenAI-compatible API: {cluster.cluster_status(state.router_address).http_url}/v1")
+        status = cluster.cluster_status(state.router_address, token=cluster.state_token(state))
+        say(f"OpenAI-compatible API: {status.http_url}/v1")
     print(state.router_address, flush=True)
     return 0
 
 
 def write_targets(state_dir: Path, state: cluster.ClusterState) -> None:
     """List the router and every worker (their metrics URLs) in the Prometheus targets file."""
-    groups = prometheus.targets(cluster.cluster_status(state.router_address))
+    status = cluster.cluster_status(state.router_address, token=cluster.state_token(state))
+    groups = prometheus.targets(status)
     say(f"prometheus targets: {prometheus.write_targets(state_dir, groups)}")
 
 

@@ -56,6 +56,29 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+TOKEN_FILE_VAR = "PDSERVE_CLUSTER_TOKEN_FILE"
+
+
+def _token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cluster-token-file",
+        type=Path,
+        default=None,
+        help=f"the cluster token the router requires of workers and the CLI (default: ${TOKEN_FILE_VAR}; "
+        "none: an open control plane). `up` makes one per cluster.",
+    )
+
+
+def cluster_token(args: argparse.Namespace) -> str:
+    """The token from --cluster-token-file or $PDSERVE_CLUSTER_TOKEN_FILE ("" when neither is set)."""
+    import os
+
+    from pdserve.worker.auth import read_token_file
+
+    path = args.cluster_token_file or os.environ.get(TOKEN_FILE_VAR, "").strip()
+    return read_token_file(path) if path else ""
+
+
 def _router_tuning(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     p.add_argument("--max-waiting", type=_nonneg, default=d.max_waiting, help="router queue bound")
@@ -149,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="workers, their state and load")
     p.add_argument("--json", action="store_true")
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
+    _token_arg(p)
     _state_dir(p)
 
     p = sub.add_parser("generate", help="stream a completion to stdout")
@@ -173,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     _model_args(p)
     _router_tuning(p)
+    _token_arg(p)
     _state_dir(p)
 
     p = sub.add_parser("worker", help="run a worker in the foreground")
@@ -193,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=300.0)
     p.add_argument("--metrics-port", type=_nonneg, default=0, help="the worker's /metrics port (0: any free)")
     _worker_tuning(p)
+    _token_arg(p)
     _state_dir(p)
 
     p = sub.add_parser("bench", help="load-test a running router (workloads, arrivals, goodput under SLOs)")
@@ -247,6 +273,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
+        cluster_token=cluster_token(args),
     )
 
 
@@ -271,6 +298,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
+        cluster_token=cluster_token(args),
     )
 
 
@@ -326,17 +354,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def _router_address(args: argparse.Namespace) -> str:
     if getattr(args, "router", None):
         return args.router
+    return _state(args).router_address
+
+
+def _state(args: argparse.Namespace) -> cluster.ClusterState:
     state = cluster.load_state(args.state_dir)
     if state is None:
         raise cluster.ClusterError(
             f"no cluster in {args.state_dir} (run `pdserve up` there first, or pass --router)"
         )
-    return state.router_address
+    return state
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     address = _router_address(args)
-    doc = client.status_dict(cluster.cluster_status(address))
+    token = cluster_token(args) if args.router else cluster.state_token(_state(args))
+    doc = client.status_dict(cluster.cluster_status(address, token=token))
     print(json.dumps(doc, indent=2) if args.json else client.status_table(doc), flush=True)
     return 0
 
@@ -370,11 +403,18 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.worker.auth import TokenError
+
     args = build_parser().parse_args(argv)
     if args.command in ("router", "worker"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command in ("router", "worker"):
+            cluster_token(args)  # a bad token file fails here, in one line, before anything starts
         return COMMANDS[args.command](args)
+    except TokenError as e:
+        cluster_cmds.say(f"pdserve {args.command}: {e}")
+        return 2
     except cluster.ClusterError as e:
         cluster_cmds.say(f"pdserve {args.command}: {e}")
         return 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.router.policy import RoutingConfig
@@ -35,6 +35,8 @@ class RouterConfig:
     metrics_port: int = 0
     # The OpenAI-compatible HTTP API on host:http_port (None: off; 0: a free port, shown by `pdserve status`).
     http_port: int | None = None
+    # The cluster token (``worker.auth``) every caller of the Registry service must present; "": open.
+    cluster_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -50,6 +50,7 @@ GENERATION_TOKENS = "pdserve_generation_tokens_total"
 RUNNING = "pdserve_requests_running"
 WAITING = "pdserve_requests_waiting"
 WORKERS = "pdserve_workers"
+AUTH_REFUSED = "pdserve_auth_refused_total"
 
 # The worker finish reasons ("stop", "length", "abort"), "error" for a request that ended
 # with an error status, and "rejected" for one refused before admission (invalid input, queue
@@ -156,6 +157,15 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             GENERATION_TOKENS, "Tokens streamed to clients.", ["role"], registry=reg
         ).labels(ROLE)
+        self._auth_refused = Counter(
+            AUTH_REFUSED,
+            "Control-plane calls refused for a missing or wrong cluster token, by method.",
+            ["role", "method"],
+            registry=reg,
+        )
+
+    def auth_refused(self, method: str) -> None:
+        self._auth_refused.labels(ROLE, method).inc()
 
     def watch(
         self,

@@ -34,6 +34,7 @@ from pdserve.router.openai.server import OpenAIFront
 from pdserve.router.service import GenerationService, Router
 from pdserve.router.validate import ModelLimits, RouterTokenizer
 from pdserve.telemetry.exporter import MetricsEndpoint, serve_metrics
+from pdserve.worker.auth import RequireToken
 from pdserve.worker.shell import SERVER_OPTIONS, RejectUndecodable
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,11 @@ class RouterServer:
 
     async def start(self) -> str:
         """Bind and serve (Generation NOT_SERVING until ``set_frontend``/``load``). Returns the address."""
-        server = grpc.aio.server(interceptors=[RejectUndecodable()], options=SERVER_OPTIONS)
+        interceptors: list[grpc.aio.ServerInterceptor] = [RejectUndecodable()]
+        if self.config.cluster_token:
+            refused = self.router.metrics.auth_refused
+            interceptors.insert(0, RequireToken(self.config.cluster_token, {REGISTRY_SERVICE}, refused))
+        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(self.router), server)
         worker_pb2_grpc.add_RegistryServicer_to_server(RegistryService(self.router), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -306,7 +306,8 @@ async def serve(args: WorkerArgs) -> None:
         pid=os.getpid(),
         metrics_url=endpoint.url,
     )
-    w.agent = RouterAgent(AgentConfig(args.router, register_timeout_s=30.0), info, w.load, drain)
+    config = AgentConfig(args.router, register_timeout_s=30.0, cluster_token=args.cluster_token)
+    w.agent = RouterAgent(config, info, w.load, drain)
     try:
         await run_worker(w.shell, w.agent)
     finally:

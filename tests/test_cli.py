@@ -13,6 +13,7 @@ import pytest
 from pdserve.cli import main as cli
 from pdserve.deploy.local import cluster
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.worker.auth import token_metadata
 from pdserve.worker.role import Role
 from tests.fake_workers import make_model_dir
 
@@ -140,6 +141,7 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         assert capsys.readouterr().out.strip() == address and state.router_address == address
         assert cli.main(up) == 1  # one cluster per state dir
         assert "already running" in capsys.readouterr().err
+        meta = token_metadata(cluster.state_token(state))  # `up` made the cluster a token
         with grpc.insecure_channel(address) as channel:
             reg = worker_pb2_grpc.RegistryStub(channel)
             for wid, role, used in (("d1", worker_pb2.ROLE_DECODE, 3), ("p1", worker_pb2.ROLE_PREFILL, 0)):
@@ -156,6 +158,7 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
                         dtype="float32",
                     ),
                     timeout=5,
+                    metadata=meta,
                 )
                 reg.Heartbeat(
                     worker_pb2.WorkerLoad(
@@ -167,6 +170,7 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
                         kv_blocks_total=10,
                     ),
                     timeout=5,
+                    metadata=meta,
                 )
         assert cli.main(["status", "--json", "--state-dir", str(state_dir)]) == 0
         doc = json.loads(capsys.readouterr().out)

@@ -38,7 +38,7 @@ text = st.one_of(
     st.text(max_size=200),  # any unicode: the tokenizer maps what it does not know to <unk>
 )
 uint32 = st.integers(0, 2**32 - 1)
-floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
+floats = st.floats(allow_nan=True, allow_infinity=True, width=32, allow_subnormal=False)
 
 
 @st.composite
@@ -80,7 +80,7 @@ def generate_request(draw) -> g.GenerateRequest:
 
 
 json_value = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), text),
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_subnormal=False), text),
     lambda inner: st.one_of(
         st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)
     ),
@@ -98,7 +98,7 @@ http_body = st.one_of(
                 json_value,
             ),
             "max_tokens": st.one_of(st.integers(-5, 2**40), json_value),
-            "temperature": st.one_of(st.floats(), json_value),
+            "temperature": st.one_of(st.floats(allow_subnormal=False), json_value),
             "top_k": st.integers(-(2**40), 2**40),
             "stop": st.one_of(text, st.lists(text, max_size=80)),
             "stream": st.booleans(),

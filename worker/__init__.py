@@ -6,5 +6,6 @@ protos; never the router, a pool or the CLI).
 - ``convert``: protobuf <-> engine conversions shared with the router.
 - ``shell``: the worker's gRPC server (health, reflection, in-flight counting, drain).
 - ``agent``: registration and heartbeats with the router.
+- ``auth``: the cluster token the router's control plane requires (files, metadata, the interceptor).
 - ``bringup``: the one start-up both pools run: metrics -> shell -> model -> SERVING -> agent -> drain.
 """

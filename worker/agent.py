@@ -22,11 +22,12 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.worker.auth import token_metadata
 from pdserve.worker.shell import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class AgentConfig:
     register_timeout_s: float = 60.0
     retry_interval_s: float = 0.2
     rpc_timeout_s: float = 2.0
+    cluster_token: str = field(default="", repr=False)  # presented on every call (``worker.auth``)
 
     def __post_init__(self) -> None:
         if not self.router_address:
@@ -79,6 +81,7 @@ class RouterAgent:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.RegistryStub | None = None
         self._task: asyncio.Task | None = None
+        self._meta = token_metadata(config.cluster_token)
 
     def _registry(self) -> worker_pb2_grpc.RegistryStub:
         if self._stub is None:
@@ -125,7 +128,8 @@ class RouterAgent:
             self._task = None
         if deregister and self.registrations:
             try:
-                await self._registry().Deregister(self.info, timeout=self.config.rpc_timeout_s)
+                timeout = self.config.rpc_timeout_s
+                await self._registry().Deregister(self.info, timeout=timeout, metadata=self._meta)
             except grpc.aio.AioRpcError as e:
                 log.warning("deregister of %s failed: %s", self.info.worker_id, e.code().name)
         if self._channel is not None:
@@ -133,7 +137,8 @@ class RouterAgent:
             self._channel = self._stub = None
 
     async def _register_once(self) -> None:
-        resp = await self._registry().Register(self.info, timeout=self.config.rpc_timeout_s)
+        timeout = self.config.rpc_timeout_s
+        resp = await self._registry().Register(self.info, timeout=timeout, metadata=self._meta)
         if resp.heartbeat_interval_s > 0:
             self.interval_s = resp.heartbeat_interval_s
         self.registrations += 1
@@ -141,7 +146,7 @@ class RouterAgent:
     async def _heartbeat_once(self) -> None:
         load = self._load()
         load.worker_id = self.info.worker_id
-        resp = await self._registry().Heartbeat(load, timeout=self.config.rpc_timeout_s)
+        resp = await self._registry().Heartbeat(load, timeout=self.config.rpc_timeout_s, metadata=self._meta)
         if not resp.known:
             log.info("router does not know %s; registering again", self.info.worker_id)
             await self._register_once()

@@ -6,7 +6,7 @@ it and derives the rest (shell, transfer and registration settings) from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.kv_transfer.config import TransferConfig
@@ -40,6 +40,8 @@ class WorkerArgs:
     drain_timeout_s: float = 300.0
     # Prometheus /metrics on host:metrics_port (0: a free port; the URL is registered as metrics_url).
     metrics_port: int = 0
+    # The cluster token the router requires of registering workers (``worker.auth``); "": none.
+    cluster_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):

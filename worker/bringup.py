@@ -71,7 +71,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
             capacity = await pool.load(model_dir)
             await shell.set_serving()
             agent = RouterAgent(
-                AgentConfig(router_address=args.router),
+                AgentConfig(router_address=args.router, cluster_token=args.cluster_token),
                 args.worker_info(
                     address,
                     kv_blocks_total=capacity.kv_blocks_total,

@@ -26,6 +26,7 @@ import msgspec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.worker.auth import read_token_file, token_metadata
 from pdserve.worker.role import Role
 
 STATE_FILE = "cluster.json"
@@ -57,6 +58,7 @@ class ClusterState(msgspec.Struct, frozen=True):
     prometheus: ProcessEntry | None = None  # `up --prometheus`: the Prometheus server scraping the cluster
     prometheus_url: str = ""
     pin_cpus: bool = False  # `up --pin-cpus`: every worker gets its own cores (see ``choose_cpus``)
+    token_file: str = ""  # the cluster token `up` made (``worker.auth``); "": an open control plane
 
 
 class ClusterError(RuntimeError):
@@ -250,17 +252,24 @@ def log_tail(path: str | Path, lines: int = 30) -> str:
 # ---- talking to the router ----------------------------------------------------------------------------
 
 
-def cluster_status(address: str, timeout_s: float = _RPC_TIMEOUT_S) -> worker_pb2.ClusterStatus:
-    with grpc.insecure_channel(address) as channel:
-        return worker_pb2_grpc.RegistryStub(channel).GetClusterStatus(worker_pb2.Empty(), timeout=timeout_s)
+def state_token(state: ClusterState) -> str:
+    """The cluster token of a cluster `up` started ("" for one without)."""
+    return read_token_file(state.token_file) if state.token_file else ""
 
 
-def drain_worker(address: str, worker_id: str) -> bool:
+def cluster_status(
+    address: str, timeout_s: float = _RPC_TIMEOUT_S, token: str = ""
+) -> worker_pb2.ClusterStatus:
     with grpc.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.RegistryStub(channel)
-        return stub.DrainWorker(
-            worker_pb2.DrainWorkerRequest(worker_id=worker_id), timeout=_RPC_TIMEOUT_S
-        ).found
+        return stub.GetClusterStatus(worker_pb2.Empty(), timeout=timeout_s, metadata=token_metadata(token))
+
+
+def drain_worker(address: str, worker_id: str, token: str = "") -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.RegistryStub(channel)
+        req = worker_pb2.DrainWorkerRequest(worker_id=worker_id)
+        return stub.DrainWorker(req, timeout=_RPC_TIMEOUT_S, metadata=token_metadata(token)).found
 
 
 def router_serving(address: str) -> bool:
@@ -293,7 +302,7 @@ def wait_ready(
                 raise ClusterError(
                     f"{p.id} (pid {p.pid}) exited while starting; last lines of {p.log}:\n{log_tail(p.log)}"
                 )
-        waiting = _not_ready(state.router_address, worker_ids)
+        waiting = _not_ready(state.router_address, worker_ids, state_token(state))
         if not waiting:
             return
         note = f"waiting for: {', '.join(sorted(waiting))}"
@@ -308,11 +317,11 @@ def wait_ready(
         time.sleep(_POLL_S)
 
 
-def _not_ready(address: str, worker_ids: set[str]) -> set[str]:
+def _not_ready(address: str, worker_ids: set[str], token: str) -> set[str]:
     if not router_serving(address):
         return {"router", *worker_ids}
     try:
-        status = cluster_status(address)
+        status = cluster_status(address, token=token)
     except grpc.RpcError:
         return {"router", *worker_ids}
     ready = {e.info.worker_id for e in status.workers if e.load.state == worker_pb2.WORKER_STATE_READY}
@@ -391,7 +400,7 @@ def remove_workers(
     """
     for e in entries:
         try:
-            if not drain_worker(state.router_address, e.id):
+            if not drain_worker(state.router_address, e.id, state_token(state)):
                 progress(f"{e.id} is not registered with the router; stopping it by signal")
         except grpc.RpcError as err:
             progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")
