@@ -30,8 +30,9 @@ Lifecycle on the decode side (D):
 Lifecycle on the prefill side (P):
     1. ``handle = await sender.open(ticket, src_block_ids)``: connect once per
        peer (handshake checks protocol version and compatibility hash: a
-       mismatch raises IncompatibleError before any data moves), send ``Open``
-       and return at once.
+       mismatch raises IncompatibleError before any data moves; with a cluster
+       token both ends prove it first, ``auth.py``: UnauthenticatedError), send
+       ``Open`` and return at once.
     2. The forward calls ``handle.push_layer(layer)`` after writing each layer;
        the send starts at once and overlaps the next layers' compute.
     3. ``await handle.complete(first_token_id)`` waits until D acknowledged the
@@ -87,6 +88,7 @@ from pdserve.kv_transfer.errors import (
     PeerDiedError,
     RejectedError,
     TransferError,
+    UnauthenticatedError,
 )
 from pdserve.kv_transfer.reservation import BlockPool
 from pdserve.kv_transfer.wire import PROTOCOL_VERSION, KVCompat, TransferTicket
@@ -138,5 +140,6 @@ __all__ = [
     "TransferError",
     "TransferResult",
     "TransferTicket",
+    "UnauthenticatedError",
     "compat_for",
 ]

@@ -75,6 +75,8 @@ class TransferConfig:
     settle_timeout_s: float = 2.0
     ucx_shared_memory: bool = False
     faults: FaultConfig = field(default_factory=FaultConfig)
+    # The cluster token both ends prove in the handshake (auth.py); "": neither proves nor checks.
+    cluster_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend):

@@ -17,6 +17,7 @@ class FailureReason(StrEnum):
     PEER_DIED = "peer_died"  # the connection broke (process killed, network gone)
     INCOMPATIBLE = "incompatible"  # protocol version or KV layout differ
     REJECTED = "rejected"  # the receiver does not know the transfer (expired, unknown id)
+    UNAUTHENTICATED = "unauthenticated"  # a side did not prove the cluster token (auth.py)
     TRANSPORT = "transport"  # any other transport error
 
 
@@ -44,12 +45,17 @@ class RejectedError(TransferError):
     reason = FailureReason.REJECTED
 
 
+class UnauthenticatedError(TransferError):
+    reason = FailureReason.UNAUTHENTICATED
+
+
 _BY_REASON: dict[FailureReason, type[TransferError]] = {
     FailureReason.ABORTED: AbortedError,
     FailureReason.DEADLINE: DeadlineError,
     FailureReason.PEER_DIED: PeerDiedError,
     FailureReason.INCOMPATIBLE: IncompatibleError,
     FailureReason.REJECTED: RejectedError,
+    FailureReason.UNAUTHENTICATED: UnauthenticatedError,
     FailureReason.TRANSPORT: TransferError,
 }
 

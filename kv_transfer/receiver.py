@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.kv_transfer import wire
+from pdserve.kv_transfer import auth, wire
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.drain import Drains
 from pdserve.kv_transfer.errors import (
@@ -93,6 +93,7 @@ class KVReceiver:
         self._config = config or TransferConfig()
         self._drains = Drains(kv, self._spans.block_bytes, self._config.settle_timeout_s)
         self._conn_ids = ConnIds(MAX_CONN_IDS)
+        self._nonces = auth.SeenNonces()
         self.metrics = TransferMetrics(Role.DECODE, registry)
         self._transport: Transport | None = None
         self._by_request: dict[str, Reservation] = {}
@@ -217,6 +218,14 @@ class KVReceiver:
             return
         if isinstance(msg, wire.Hello):
             self._on_hello(peer, msg)
+        elif self._config.cluster_token and not peer.proven:
+            # Nothing but a proven Hello is heard from a connection (an Abort could fail a reservation).
+            log.warning(
+                "closing KV connection from %s: %s before proving the cluster token",
+                peer.conn.peer,
+                type(msg).__name__,
+            )
+            peer.conn.close()
         elif isinstance(msg, wire.Open):
             self._on_open(peer, msg)
         elif isinstance(msg, wire.Complete):
@@ -245,7 +254,16 @@ class KVReceiver:
 
     def _on_hello(self, peer: PrefillConn, msg: wire.Hello) -> None:
         ours = self._compat.protocol_version
-        if msg.protocol_version != ours:
+        token = self._config.cluster_token
+        code = ""
+        peer.proven = not token or self._proven(msg, token)
+        if not peer.proven:
+            # Checked first: a process without the token learns nothing of this worker's layout.
+            reason = "the prefill side did not prove the cluster token"
+            code = FailureReason.UNAUTHENTICATED.value
+            log.warning("refused a KV connection from %s: %s", peer.conn.peer, reason)
+            self.metrics.transfer_failed(FailureReason.UNAUTHENTICATED)
+        elif msg.protocol_version != ours:
             reason = f"protocol version {msg.protocol_version} (prefill) != {ours} (decode)"
         elif msg.compat_hash != self._hash:
             reason = f"KV layout hash {msg.compat_hash} (prefill) != {self._hash} (decode: {self._compat})"
@@ -258,7 +276,15 @@ class KVReceiver:
             else:
                 peer.conn_id = conn_id
         peer.accepted = not reason
-        self._send(peer.conn, wire.HelloReply(ok=peer.accepted, reason=reason, conn_id=max(peer.conn_id, 0)))
+        conn_id = max(peer.conn_id, 0)
+        proof = auth.reply_proof(token, msg.nonce, peer.accepted, conn_id) if token else ""
+        reply = wire.HelloReply(ok=peer.accepted, reason=reason, conn_id=conn_id, code=code, proof=proof)
+        self._send(peer.conn, reply)
+
+    def _proven(self, msg: wire.Hello, token: str) -> bool:
+        """The Hello proves the token, with a nonce this receiver has not seen before."""
+        expected = auth.hello_proof(token, msg.protocol_version, msg.compat_hash, msg.sender, msg.nonce)
+        return bool(msg.nonce) and auth.same(expected, msg.proof) and self._nonces.first_use(msg.nonce)
 
     def _on_open(self, peer: PrefillConn, msg: wire.Open) -> None:
         earlier = peer.drains.get(msg.transfer_id)

@@ -97,6 +97,7 @@ class PrefillConn:
 
     conn: Connection
     accepted: bool = False
+    proven: bool = False  # its Hello proved the cluster token (or the receiver has none)
     conn_id: int = -1  # the id in this connection's data tags, once the handshake is done
     transfers: set[Reservation] = field(default_factory=set)
     drains: dict[int, Drain] = field(default_factory=dict)  # transfer id -> refused Open

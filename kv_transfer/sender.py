@@ -25,9 +25,16 @@ from functools import partial
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.kv_transfer import wire
+from pdserve.kv_transfer import auth, wire
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.errors import DeadlineError, IncompatibleError, PeerDiedError, TransferError
+from pdserve.kv_transfer.errors import (
+    DeadlineError,
+    FailureReason,
+    IncompatibleError,
+    PeerDiedError,
+    TransferError,
+    error_for,
+)
 from pdserve.kv_transfer.handle import HandleState, SenderHandle
 from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
 from pdserve.kv_transfer.metrics import Role, TransferMetrics
@@ -47,6 +54,7 @@ class _Peer:
     reason: str = ""
     conn_id: int = 0  # the receiver's id for this connection, part of every data tag
     hello_reply: asyncio.Future[wire.HelloReply] | None = None
+    refusal: str = ""  # a FailureReason value: why the receiver (or we) refused this connection
     handshake: asyncio.Task[None] | None = None
     handles: dict[int, SenderHandle] = field(default_factory=dict)
 
@@ -120,12 +128,12 @@ class KVSender:
             if incompatible:
                 raise IncompatibleError(incompatible) from err
             raise
-        if not incompatible and not peer.accepted:
-            incompatible = peer.reason
+        refused: TransferError | None = IncompatibleError(incompatible) if incompatible else None
+        if refused is None and not peer.accepted:
+            refused = error_for(peer.refusal, peer.reason)
         if ticket.transfer_id in peer.handles:  # its tags would collide with the live transfer's
             raise ValueError(f"ticket of {ticket.request_id!r} is already being transferred")
-        if incompatible:
-            refused = IncompatibleError(incompatible)
+        if refused is not None:
             # Nothing was sent; the receiver can free now instead of at its deadline.
             self.send(peer, wire.Abort(ticket.transfer_id, refused.reason.value, str(refused), ()))
             self.metrics.transfer_failed(refused.reason)
@@ -183,10 +191,20 @@ class KVSender:
             peer.conn = conn
             peer.hello_reply = loop.create_future()
             conn.set_handlers(partial(self._on_message, peer), partial(self._on_close, peer))
-            conn.post_message(
-                wire.encode_message(wire.Hello(self.compat.protocol_version, self._hash, self._name))
-            )
+            token, nonce = self.config.cluster_token, auth.new_nonce()
+            pv = self.compat.protocol_version
+            proof = auth.hello_proof(token, pv, self._hash, self._name, nonce) if token else ""
+            hello = wire.Hello(pv, self._hash, self._name, nonce=nonce if token else "", proof=proof)
+            conn.post_message(wire.encode_message(hello))
             reply = await asyncio.wait_for(asyncio.shield(peer.hello_reply), timeout)
+            if token and not auth.same(auth.reply_proof(token, nonce, reply.ok, reply.conn_id), reply.proof):
+                # Not a decode worker of this cluster: it must not get a prompt's KV.
+                log.warning("refused KV peer %s: it did not prove the cluster token", peer.address)
+                reply = wire.HelloReply(
+                    ok=False,
+                    reason=f"decode worker {peer.address} did not prove the cluster token",
+                    code=FailureReason.UNAUTHENTICATED.value,
+                )
         except Exception as exc:
             if self._peers.get(peer.address) is peer:
                 del self._peers[peer.address]
@@ -201,6 +219,7 @@ class KVSender:
             peer.ready.exception()  # retrieved here; waiters get it through shield
             return
         peer.accepted, peer.reason, peer.conn_id = reply.ok, reply.reason, reply.conn_id
+        peer.refusal = reply.code or FailureReason.INCOMPATIBLE.value
         peer.ready.set_result(None)
 
     def send(self, peer: _Peer, msg: wire.Message) -> None:

@@ -88,12 +88,17 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     protocol_version: int
     compat_hash: str
     sender: str  # for logs on the receiving side
+    # The cluster token's proof (auth.py): empty when the sender has no token.
+    nonce: str = ""
+    proof: str = ""
 
 
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     ok: bool
     reason: str = ""
     conn_id: int = 0  # the receiver's id for this connection, in every data tag (plan.py)
+    code: str = ""  # a FailureReason value when refused ("": incompatible, as before)
+    proof: str = ""  # the receiver's proof of the cluster token over the Hello's nonce (auth.py)
 
 
 class Open(msgspec.Struct, frozen=True, tag="open"):

@@ -65,7 +65,7 @@ class WorkerArgs:
         """KV transfer settings: UCX, advertised on this worker's host; shared-memory
         transports where both workers can share memory (a loopback host)."""
         local = self.host in ("127.0.0.1", "localhost", "::1")
-        return TransferConfig(host=self.host, ucx_shared_memory=local)
+        return TransferConfig(host=self.host, ucx_shared_memory=local, cluster_token=self.cluster_token)
 
     def worker_info(
         self, address: str, *, kv_blocks_total: int, context_length: int, pid: int, metrics_url: str = ""
