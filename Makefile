@@ -59,7 +59,11 @@ PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(PKG_DIRS) proto/regen.py tests
 	$(VENV)/bin/ruff format --check $(PKG_DIRS) proto/regen.py tests
-	$(VENV)/bin/mypy engine/block_manager.py router/metrics.py router/relay.py
+	# mypy cannot follow pdserve.* through setuptools' editable finder: give it a tree of symlinks.
+	rm -rf build/mypy && mkdir -p build/mypy/pdserve
+	for p in $(PKG_DIRS) proto; do ln -s $(CURDIR)/$$p build/mypy/pdserve/$$p; done
+	MYPYPATH=build/mypy $(VENV)/bin/mypy -p pdserve.engine.block_manager -p pdserve.router.metrics \
+		-p pdserve.router.relay
 	# Import layers, forbidden imports and import circles: [tool.importlinter] in pyproject.toml.
 	$(VENV)/bin/lint-imports
 
