@@ -29,7 +29,9 @@ from pathlib import Path
 import grpc
 import torch
 
+from pdserve.deploy.local.cluster import load_state, state_token
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.worker.auth import token_metadata
 
 
 def _pdserve(*args: str) -> str:
@@ -82,13 +84,14 @@ def itl_via_router(address: str, prompt: list[int], n: int) -> list[float]:
     return [(b - a) * 1000 for a, b in zip(times[1:], times[2:], strict=False)]
 
 
-def itl_direct(worker_address: str, prompt: list[int], n: int, rid: str) -> list[float]:
+def itl_direct(worker_address: str, prompt: list[int], n: int, rid: str, token: str = "") -> list[float]:
     with grpc.insecure_channel(worker_address) as ch:
         s = generation_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         req = worker_pb2.WorkerGenerateRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=s, mode=worker_pb2.PREFILL_MODE_LOCAL
         )
-        times, _ = _stream_times(worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=300))
+        call = worker_pb2_grpc.WorkerStub(ch).Generate(req, timeout=300, metadata=token_metadata(token))
+        times, _ = _stream_times(call)
     return [(b - a) * 1000 for a, b in zip(times[1:], times[2:], strict=False)]
 
 
@@ -129,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         status = json.loads(_pdserve("status", "--json", "--state-dir", str(tmp / "colocated")))
         worker_addr = status["workers"][0]["address"]
+        # The worker takes calls only with the cluster token `up` made (worker.auth).
+        state = load_state(tmp / "colocated")
+        assert state is not None
+        token = state_token(state)
         # Warm both paths (first forward, UCX endpoint, handshake).
         for name in shapes:
             ttft_once(addr[name], _prompt(args.prompt_len, 999))
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         short = _prompt(32, 12345)
         for r in range(args.rounds):
             via += itl_via_router(addr["colocated"], short, args.itl_tokens)
-            direct += itl_direct(worker_addr, short, args.itl_tokens, f"bench-direct-{r}")
+            direct += itl_direct(worker_addr, short, args.itl_tokens, f"bench-direct-{r}", token)
     finally:
         for sd in started:
             subprocess.run(

@@ -38,6 +38,7 @@ from pdserve.telemetry.slo import (
     queue_buckets,
     ttft_buckets,
 )
+from pdserve.worker.auth import refusal_counter
 
 ROLE = "router"
 TTFT = "pdserve_time_to_first_token_seconds"
@@ -50,7 +51,6 @@ GENERATION_TOKENS = "pdserve_generation_tokens_total"
 RUNNING = "pdserve_requests_running"
 WAITING = "pdserve_requests_waiting"
 WORKERS = "pdserve_workers"
-AUTH_REFUSED = "pdserve_auth_refused_total"
 
 # The worker finish reasons ("stop", "length", "abort"), "error" for a request that ended
 # with an error status, and "rejected" for one refused before admission (invalid input, queue
@@ -157,15 +157,7 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             GENERATION_TOKENS, "Tokens streamed to clients.", ["role"], registry=reg
         ).labels(ROLE)
-        self._auth_refused = Counter(
-            AUTH_REFUSED,
-            "Control-plane calls refused for a missing or wrong cluster token, by method.",
-            ["role", "method"],
-            registry=reg,
-        )
-
-    def auth_refused(self, method: str) -> None:
-        self._auth_refused.labels(ROLE, method).inc()
+        self.auth_refused = refusal_counter(reg, ROLE)  # pdserve_auth_refused_total{role,method}
 
     def watch(
         self,

@@ -33,6 +33,7 @@ from pdserve.router.jobs import Failure, Job
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Worker
 from pdserve.router.validate import Prepared, RouterTokenizer
+from pdserve.worker.auth import token_metadata
 from pdserve.worker.convert import request_id_metadata
 from pdserve.worker.shell import REJECT_METADATA_KEY
 
@@ -59,10 +60,15 @@ class RelayError(Exception):
 
 
 class WorkerChannels:
-    """One channel per worker address, reused by every request to that worker."""
+    """One channel per worker address, reused by every request to that worker; and the metadata of
+    every call: the request's id and, when configured, the cluster token the workers require."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_token: str = "") -> None:
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._token_meta = token_metadata(cluster_token)
+
+    def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        return request_id_metadata(request_id) + self._token_meta
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         entry = self._stubs.get(address)
@@ -138,7 +144,7 @@ class Relay:
             mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
             deadline_unix=deadline_unix,
         )
-        meta = request_id_metadata(prep.request_id)
+        meta = self._channels.metadata(prep.request_id)
         dcall = self._channels.stub(d.address).Generate(req, timeout=timeout, metadata=meta)
         job.calls.append(dcall)
         out = _Out(prep, Detokenizer(self._tok.decode_stream(skip_special_tokens=True), prep.params))
@@ -219,7 +225,7 @@ class Relay:
             deadline_unix=deadline_unix,
         )
         pcall = self._channels.stub(p.address).Prefill(
-            preq, timeout=timeout, metadata=request_id_metadata(prep.request_id)
+            preq, timeout=timeout, metadata=self._channels.metadata(prep.request_id)
         )
         job.calls.append(pcall)
         p_task: asyncio.Future = asyncio.ensure_future(pcall)

@@ -22,6 +22,7 @@ import grpc
 
 from pdserve.deploy.local import cluster
 from pdserve.proto import generation_pb2, generation_pb2_grpc
+from pdserve.worker.auth import token_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +63,12 @@ class Cluster:
     def workers(self) -> list[dict]:
         return self.status()["workers"]
 
+    def token_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a direct call to a worker must carry: `up` gave the cluster a token."""
+        state = cluster.load_state(self.state_dir)
+        assert state is not None
+        return token_metadata(cluster.state_token(state))
+
     def worker_pid(self, worker_id: str) -> int:
         state = cluster.load_state(self.state_dir)
         assert state is not None
@@ -83,7 +90,9 @@ class Cluster:
             used = {}
             for wid, addr in addresses.items():
                 with grpc.insecure_channel(addr) as ch:
-                    load = worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.Empty(), timeout=5)
+                    load = worker_pb2_grpc.WorkerStub(ch).GetLoad(
+                        worker_pb2.Empty(), timeout=5, metadata=self.token_metadata()
+                    )
                 used[wid] = load.kv_blocks_used
             elapsed = time.monotonic() - t0
             if all(v == 0 for v in used.values()):

@@ -156,6 +156,15 @@ def test_up_makes_a_token_and_a_worker_without_it_cannot_join(tmp_path, capsys):
         argv += ["--worker-module", "tests.fake_workers", "--model", str(model), "--worker-id", "stray"]
         stray = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         assert stray.returncode != 0 and "UNAUTHENTICATED" in stray.stderr
+        # The workers take calls only from holders of the token too (the router sends it).
+        worker = json.loads(_status_json(base, capsys))["workers"][0]["address"]
+        with grpc.insecure_channel(worker) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetLoad(worker_pb2.Empty(), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            meta = token_metadata(read_token_file(token_file))
+            assert stub.GetLoad(worker_pb2.Empty(), timeout=10, metadata=meta).kv_blocks_total > 0
         # With it (by flag): the same status works.
         assert (
             cli.main(["status", "--router", state.router_address, "--cluster-token-file", str(token_file)])
@@ -171,6 +180,12 @@ def test_up_makes_a_token_and_a_worker_without_it_cannot_join(tmp_path, capsys):
     finally:
         assert cli.main(["down", *base]) == 0
     assert not cluster.load_state(state_dir)
+
+
+def _status_json(base: list[str], capsys) -> str:
+    capsys.readouterr()
+    assert cli.main(["status", "--json", *base]) == 0
+    return capsys.readouterr().out
 
 
 def _free_port() -> int:

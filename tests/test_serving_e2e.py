@@ -130,6 +130,7 @@ def _first_token_before_admission(c) -> None:
                 mode=worker_pb2.PREFILL_MODE_REMOTE,
             ),
             timeout=120,
+            metadata=c.token_metadata(),
         )
         first = next(stream)
         assert first.transfer_ticket, "remote mode answers with a transfer ticket first"
@@ -141,6 +142,7 @@ def _first_token_before_admission(c) -> None:
                 transfer_ticket=first.transfer_ticket,
             ),
             timeout=120,
+            metadata=c.token_metadata(),
         )
         rest = list(stream)
     admitted = rest[0].admitted_unix

@@ -59,7 +59,12 @@ class WorkerArgs:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
     def shell_config(self) -> ShellConfig:
-        return ShellConfig(host=self.host, port=self.port, drain_timeout_s=self.drain_timeout_s)
+        return ShellConfig(
+            host=self.host,
+            port=self.port,
+            drain_timeout_s=self.drain_timeout_s,
+            cluster_token=self.cluster_token,
+        )
 
     def transfer_config(self) -> TransferConfig:
         """KV transfer settings: UCX, advertised on this worker's host; shared-memory

@@ -1,7 +1,9 @@
-"""The cluster token: a shared secret the router requires of every caller of its control plane.
+"""The cluster token: a shared secret the router requires of every caller of its control plane, and
+every worker of every caller of its Worker service.
 
 Without it a process cannot register as a worker (and so receive users' prompts), heartbeat, drain a
-worker or read the cluster's addresses. ``pdserve up`` makes one per local cluster (a 0600 file in the
+worker, read the cluster's addresses, or call a worker directly (the router sends it with each call). The
+KV transfer proves the same token in its handshake (``kv_transfer/auth.py``). ``pdserve up`` makes one per local cluster (a 0600 file in the
 state dir) and hands it to every process it starts; deployments give each process the same file
 (``--cluster-token-file`` or ``PDSERVE_CLUSTER_TOKEN_FILE``). No token configured: the control plane
 is open, as before (loopback-only clusters started by hand).
@@ -74,18 +76,44 @@ class RequireToken(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method.split("/")[1] not in self._services:
-            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None or method.split("/")[1] not in self._services:
+            return handler
         sent = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_METADATA_KEY, "")
         sent_bytes = sent if isinstance(sent, bytes) else sent.encode()
         if hmac.compare_digest(sent_bytes, self._token):
-            return await continuation(handler_call_details)
+            return handler
         reason = "no cluster token" if not sent else "a wrong cluster token"
         log.warning("refused %s: %s", method, reason)
         self._on_refused(method)
+        text = f"{method}: {reason}"
+
+        # The refusal takes the method's shape, and the request's bytes are never parsed.
+        if handler.unary_stream is not None:
+
+            async def refuse_stream(request, context):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, text)
+                yield  # an async generator, as a streaming handler is
+
+            return grpc.unary_stream_rpc_method_handler(refuse_stream)
 
         async def refuse(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method}: {reason}")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, text)
 
-        # Every control-plane method is unary-unary; the refusal answers before reading anything else.
         return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+AUTH_REFUSED = "pdserve_auth_refused_total"
+
+
+def refusal_counter(registry, role: str) -> Callable[[str], None]:
+    """``pdserve_auth_refused_total{role,method}`` in ``registry``; returns what counts one refusal."""
+    from prometheus_client import Counter
+
+    counter = Counter(
+        AUTH_REFUSED,
+        "Calls refused for a missing or wrong cluster token, by method.",
+        ["role", "method"],
+        registry=registry,
+    )
+    return lambda method: counter.labels(role, method).inc()

@@ -28,6 +28,7 @@ from pdserve.proto import worker_pb2_grpc
 from pdserve.telemetry.exporter import process_registry, serve_metrics
 from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
+from pdserve.worker.auth import refusal_counter
 from pdserve.worker.shell import PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
     registry = process_registry(args.role.value)
     endpoint = serve_metrics(registry, args.host, args.metrics_port)
     try:
-        shell = WorkerShell(args.shell_config())
+        shell = WorkerShell(args.shell_config(), refusal_counter(registry, args.role.value))
         pool = build(shell, registry)
         address = await shell.start(
             lambda server: worker_pb2_grpc.add_WorkerServicer_to_server(pool.servicer, server)

@@ -39,7 +39,7 @@ import logging
 import signal
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -47,6 +47,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto import worker_pb2
+from pdserve.worker.auth import RequireToken
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class ShellConfig:
     # In-flight requests get this long to finish once a drain starts; then they are cancelled.
     drain_timeout_s: float = 300.0
     stop_grace_s: float = 1.0
+    # Callers of the Worker service (the router) must present it (``worker.auth``); "": open.
+    cluster_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -211,8 +214,11 @@ class _Tracker(grpc.aio.ServerInterceptor):
 
 
 class WorkerShell:
-    def __init__(self, config: ShellConfig) -> None:
+    def __init__(
+        self, config: ShellConfig, on_auth_refused: Callable[[str], None] = lambda method: None
+    ) -> None:
         self.config = config
+        self._on_auth_refused = on_auth_refused
         self.state = ShellState.STARTING
         self.inflight = 0
         self.port = 0
@@ -234,7 +240,11 @@ class WorkerShell:
 
         Returns the address to register (host:bound_port).
         """
-        server = grpc.aio.server(interceptors=[RejectUndecodable(), _Tracker(self)], options=SERVER_OPTIONS)
+        interceptors: list[grpc.aio.ServerInterceptor] = [RejectUndecodable(), _Tracker(self)]
+        if self.config.cluster_token:
+            guard = RequireToken(self.config.cluster_token, {WORKER_SERVICE}, self._on_auth_refused)
+            interceptors.insert(0, guard)
+        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         add_servicers(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self._services = tuple(service_names)
