@@ -34,6 +34,7 @@ from pdserve.worker.auth import (
     write_new_token,
 )
 from pdserve.worker.role import Role
+from tests.cluster_harness import free_port
 from tests.fake_workers import FakeWorker, ids, make_model_dir
 from tests.test_router_server import collect, request, run, until
 
@@ -116,7 +117,7 @@ def test_up_makes_a_token_and_a_worker_without_it_cannot_join(tmp_path, capsys):
     """`pdserve up` (fake workers, no model load): its processes share a new token; one started by hand
     without it is refused; `status`/`scale`/`down` use the state's token."""
     state_dir = tmp_path / "state"
-    port = _free_port()
+    port = free_port()
     model = make_model_dir(tmp_path / "model")
     base = ["--state-dir", str(state_dir)]
     up = [
@@ -186,11 +187,3 @@ def _status_json(base: list[str], capsys) -> str:
     capsys.readouterr()
     assert cli.main(["status", "--json", *base]) == 0
     return capsys.readouterr().out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
