@@ -54,6 +54,11 @@ bench-openai: $(STAMP)
 		--save-result $(BENCH_OPENAI_DIR)/compare.json; \
 		rc=$$?; $(VENV)/bin/pdserve down --state-dir $(BENCH_OPENAI_DIR); exit $$rc
 
+# Type-checked by `make lint`: the pure modules (DESIGN.md rule 7) and the router's request path.
+MYPY_MODULES := engine.block_manager engine.params engine.scheduler kv_transfer.wire kv_transfer.plan \
+	kv_transfer.errors kv_transfer.auth kv_transfer.config prefill_pool.scheduler worker.role worker.auth \
+	router.policy router.registry router.jobs router.validate router.metrics router.relay \
+	router.openai.protocol router.openai.tokenize
 # The folders that install as pdserve.* (pyproject.toml [tool.setuptools.package-dir]).
 PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router cli bench deploy
 lint: $(STAMP)
@@ -62,8 +67,7 @@ lint: $(STAMP)
 	# mypy cannot follow pdserve.* through setuptools' editable finder: give it a tree of symlinks.
 	rm -rf build/mypy && mkdir -p build/mypy/pdserve
 	for p in $(PKG_DIRS) proto; do ln -s $(CURDIR)/$$p build/mypy/pdserve/$$p; done
-	MYPYPATH=build/mypy $(VENV)/bin/mypy -p pdserve.engine.block_manager -p pdserve.router.metrics \
-		-p pdserve.router.relay
+	MYPYPATH=build/mypy $(VENV)/bin/mypy $(addprefix -p pdserve.,$(MYPY_MODULES))
 	# Import layers, forbidden imports and import circles: [tool.importlinter] in pyproject.toml.
 	$(VENV)/bin/lint-imports
 

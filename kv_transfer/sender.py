@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import cast
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -230,7 +231,7 @@ class KVSender:
 
     def forget(self, handle: SenderHandle) -> None:
         if handle.error is not None or handle.state is HandleState.DONE:
-            peer = handle._peer
+            peer = cast(_Peer, handle._peer)  # every handle this sender opened holds one of its _Peers
             if peer.handles.get(handle.transfer_id) is handle:
                 del peer.handles[handle.transfer_id]
 

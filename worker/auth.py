@@ -2,11 +2,11 @@
 every worker of every caller of its Worker service.
 
 Without it a process cannot register as a worker (and so receive users' prompts), heartbeat, drain a
-worker, read the cluster's addresses, or call a worker directly (the router sends it with each call). The
-KV transfer proves the same token in its handshake (``kv_transfer/auth.py``). ``pdserve up`` makes one per local cluster (a 0600 file in the
-state dir) and hands it to every process it starts; deployments give each process the same file
-(``--cluster-token-file`` or ``PDSERVE_CLUSTER_TOKEN_FILE``). No token configured: the control plane
-is open, as before (loopback-only clusters started by hand).
+worker, read the cluster's addresses, or call a worker directly (the router sends it with each call).
+The KV transfer proves the same token in its handshake (``kv_transfer/auth.py``). ``pdserve up`` makes
+one per local cluster (a 0600 file in the state dir) and hands it to every process it starts;
+deployments give each process the same file (``--cluster-token-file`` or ``PDSERVE_CLUSTER_TOKEN_FILE``).
+No token configured: everything is open, as before (loopback-only clusters started by hand).
 
 The token travels as gRPC metadata (``pdserve-cluster-token``) and is compared in constant time; over
 anything but loopback, pair it with TLS so it cannot be read off the wire.
