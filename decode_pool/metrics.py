@@ -8,20 +8,24 @@ The worker creates one ``DecodeMetrics`` on its process registry
 - ``set_kv_usage(used_blocks, total_blocks)`` whenever it reads its block
   manager (every heartbeat's load report is often enough for a gauge scraped
   every few seconds, and it also covers an idle worker whose blocks were freed
-  by an abort with no step after it).
+  by an abort with no step after it);
+- ``set_preemptions(total)`` with the scheduler's running count of
+  preemptions (a sequence whose blocks were taken back to make room: it is
+  recomputed later), at the same times.
 
 Series carry ``role`` = the worker's role (``decode``, or ``both`` colocated).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.telemetry.slo import BATCH_SIZE_BUCKETS, STEP_BUCKETS
 
 KV_CACHE_USAGE = "pdserve_kv_cache_usage_ratio"
 DECODE_BATCH_SIZE = "pdserve_decode_batch_size"
 DECODE_STEP = "pdserve_decode_step_seconds"
+DECODE_PREEMPTIONS = "pdserve_decode_preemptions_total"
 DECODE_ROLES = ("decode", "both")
 
 
@@ -50,6 +54,13 @@ class DecodeMetrics:
             buckets=STEP_BUCKETS,
             registry=registry,
         ).labels(role)
+        self.preemptions = Counter(
+            DECODE_PREEMPTIONS,
+            "Sequences preempted for want of KV blocks (their work is recomputed).",
+            ["role"],
+            registry=registry,
+        ).labels(role)
+        self._preemptions_seen = 0
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         self.step_seconds.observe(seconds)
@@ -57,3 +68,9 @@ class DecodeMetrics:
 
     def set_kv_usage(self, used_blocks: int, total_blocks: int) -> None:
         self.kv_usage.set(used_blocks / total_blocks if total_blocks > 0 else 0.0)
+
+    def set_preemptions(self, total: int) -> None:
+        """Advance the counter to the scheduler's running total (which only grows)."""
+        if total > self._preemptions_seen:
+            self.preemptions.inc(total - self._preemptions_seen)
+            self._preemptions_seen = total

@@ -87,6 +87,7 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         bm = eng.block_manager
         s = eng.scheduler
         self.metrics.set_kv_usage(bm.num_used, bm.num_blocks)
+        self.metrics.set_preemptions(s.num_preemptions)
         return worker_pb2.WorkerLoad(
             state=self.shell.state.proto,
             running=len(s.running),

@@ -46,6 +46,10 @@ ITL = "pdserve_inter_token_latency_seconds"
 E2E = "pdserve_e2e_request_latency_seconds"
 QUEUE_TIME = "pdserve_request_queue_time_seconds"
 REQUESTS = "pdserve_requests_total"
+# Requests refused before admission, by gRPC status code (INVALID_ARGUMENT is the client's fault;
+# RESOURCE_EXHAUSTED and UNAVAILABLE mean the cluster turned work away, which the alerts watch).
+REJECTED = "pdserve_requests_rejected_total"
+REJECT_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE")
 PROMPT_TOKENS = "pdserve_prompt_tokens_total"
 GENERATION_TOKENS = "pdserve_generation_tokens_total"
 RUNNING = "pdserve_requests_running"
@@ -151,6 +155,14 @@ class RouterMetrics:
         )
         for reason in FINISH_REASONS:
             self._requests.labels(ROLE, reason)  # exported at 0 before the first of each
+        self._rejected = Counter(
+            REJECTED,
+            "Requests refused before admission, by gRPC status code.",
+            ["role", "code"],
+            registry=reg,
+        )
+        for code in REJECT_CODES:
+            self._rejected.labels(ROLE, code)
         self.prompt_tokens = Counter(
             PROMPT_TOKENS, "Prompt tokens of admitted requests.", ["role"], registry=reg
         ).labels(ROLE)
@@ -170,6 +182,11 @@ class RouterMetrics:
 
     def finished(self, reason: str) -> None:
         self._requests.labels(ROLE, reason).inc()
+
+    def rejected(self, code_name: str) -> None:
+        """One request refused before admission with this gRPC status (``StatusCode.name``)."""
+        self.finished("rejected")
+        self._rejected.labels(ROLE, code_name).inc()
 
     @contextmanager
     def request(self, arrival: float, prompt_tokens: int) -> Iterator[RequestRecord]:

@@ -185,8 +185,8 @@ async def generate(router: Router, request, write: Write, time_remaining: float 
     arrival = time.monotonic()  # TTFT and e2e latency count from here
     try:
         job, prep, deadline = await _admit(router, request, time_remaining, arrival)
-    except RelayError:
-        router.metrics.finished("rejected")
+    except RelayError as e:
+        router.metrics.rejected(e.code.name)
         raise
     except asyncio.CancelledError:
         router.metrics.finished("abort")  # the client left while its request queued

@@ -32,6 +32,8 @@ from prometheus_client import CollectorRegistry, Gauge, ProcessCollector, start_
 from pdserve.telemetry.gpu import add_gpu_metrics
 
 INFO_METRIC = "pdserve_info"
+# 1 once a worker failed to load its model (0 before and after a good load): ``model_load_gauge``.
+MODEL_LOAD_FAILED = "pdserve_model_load_failed"
 # Roles as the ``role`` label spells them: the router, and a worker's ``Role.value``.
 ROLES = ("router", "prefill", "decode", "both")
 _JOIN_TIMEOUT_S = 5.0
@@ -56,6 +58,22 @@ def process_registry(role: str, *, gpu: bool = True) -> CollectorRegistry:
     if gpu:
         add_gpu_metrics(registry, role)
     return registry
+
+
+def model_load_gauge(registry: CollectorRegistry, role: str) -> Gauge:
+    """``pdserve_model_load_failed{role}`` at 0; a worker sets it to 1 when its model does not load.
+
+    A worker whose load failed exits, so the worker keeps only its /metrics up for a while first
+    (``worker.bringup``): otherwise no scrape would ever see the 1.
+    """
+    gauge = Gauge(
+        MODEL_LOAD_FAILED,
+        "1 when this worker failed to load its model (it exits after a linger), else 0.",
+        ["role"],
+        registry=registry,
+    ).labels(role)
+    gauge.set(0)
+    return gauge
 
 
 def metrics_url(host: str, port: int) -> str:

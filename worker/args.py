@@ -38,6 +38,8 @@ class WorkerArgs:
     max_batched_tokens: int = 2048  # prefill token budget per step (EngineConfig.max_num_batched_tokens)
     cache_dir: Path | None = None  # where model names resolve (None: the engine's default)
     drain_timeout_s: float = 300.0
+    # A model that fails to load: keep /metrics up this long before exiting, so the failure is scraped.
+    load_failure_linger_s: float = 0.0
     # Prometheus /metrics on host:metrics_port (0: a free port; the URL is registered as metrics_url).
     metrics_port: int = 0
     # The cluster token the router requires of registering workers (``worker.auth``); "": none.
@@ -55,6 +57,8 @@ class WorkerArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
+        if self.load_failure_linger_s < 0:
+            raise ValueError(f"load_failure_linger_s must be >= 0, got {self.load_failure_linger_s}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 

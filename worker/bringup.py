@@ -7,6 +7,10 @@
     -> agent: register with the router, heartbeat, obey drain (``agent.run_worker``)
     -> drained: the pool closes (its loops, its KV transfer), the metrics endpoint closes
 
+A model that does not load sets ``pdserve_model_load_failed`` to 1; the gRPC server stops, and with
+``load_failure_linger_s`` the metrics endpoint stays up that long (or until SIGTERM) before the error
+ends the process, so that Prometheus scrapes the failure (the ``PdserveModelLoadFailed`` alert).
+
 A pool provides only what differs: its servicer, how it loads, and how it closes. The pools call
 ``run_pool`` from their ``serve(args)``; ``pdserve worker`` picks the pool by role.
 """
@@ -14,8 +18,10 @@ A pool provides only what differs: its servicer, how it loads, and how it closes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.engine.registry import resolve_model
 from pdserve.proto import worker_pb2_grpc
-from pdserve.telemetry.exporter import process_registry, serve_metrics
+from pdserve.telemetry.exporter import model_load_gauge, process_registry, serve_metrics
 from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.auth import refusal_counter
@@ -59,6 +65,7 @@ class Pool(Protocol):
 async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegistry], Pool]) -> None:
     """Run one worker process of ``args.role`` until it has drained."""
     registry = process_registry(args.role.value)
+    load_failed = model_load_gauge(registry, args.role.value)
     endpoint = serve_metrics(registry, args.host, args.metrics_port)
     try:
         shell = WorkerShell(args.shell_config(), refusal_counter(registry, args.role.value))
@@ -68,8 +75,17 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
         )
         shell.install_signal_handlers()
         try:
-            model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
-            capacity = await pool.load(model_dir)
+            try:
+                model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
+                capacity = await pool.load(model_dir)
+            except Exception:
+                load_failed.set(1)
+                log.exception(
+                    "%s worker %s could not load model %r", args.role.value, args.worker_id, args.model
+                )
+                await shell.stop()
+                await _linger(args.load_failure_linger_s)
+                raise
             await shell.set_serving()
             agent = RouterAgent(
                 AgentConfig(router_address=args.router, cluster_token=args.cluster_token),
@@ -89,3 +105,17 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
     finally:
         endpoint.close()
         log.info("%s worker %s stopped", args.role.value, args.worker_id)
+
+
+async def _linger(seconds: float) -> None:
+    """Wait ``seconds`` or until SIGTERM/SIGINT, whichever comes first (the shell's drain handlers are
+    spent: its server has stopped)."""
+    if seconds <= 0:
+        return
+    log.error("keeping /metrics up for %.0fs so the failed load is scraped", seconds)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
