@@ -3,7 +3,7 @@
 Local cluster (background processes, found again through ``--state-dir``):
     up, scale, status, generate, down
 Foreground pieces for deployments:
-    router, worker
+    router, worker, drain (one worker, through the router: a preStop hook)
 
 Environment is read here only (``engine.env.EngineEnv``: the model cache directory).
 """
@@ -188,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
     _state_dir(p)
 
+    p = sub.add_parser(
+        "drain",
+        help="drain one worker through the router and wait until it has left (a Kubernetes preStop hook)",
+    )
+    p.add_argument("--worker-id", required=True, help="the id the worker registered with")
+    p.add_argument("--router", default=None, help="router address (default: from the state file)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for it to leave")
+    _token_arg(p)
+    _state_dir(p)
+
     p = sub.add_parser("down", help="stop the local cluster: drain, SIGTERM, then SIGKILL")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds workers get to drain")
     _state_dir(p)
@@ -216,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
     p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--load-failure-linger",
+        type=float,
+        default=0.0,
+        help="when the model fails to load, keep /metrics up this many seconds before exiting, so "
+        "Prometheus sees pdserve_model_load_failed (default: exit at once)",
+    )
     p.add_argument("--metrics-port", type=_nonneg, default=0, help="the worker's /metrics port (0: any free)")
     _worker_tuning(p)
     _token_arg(p)
@@ -297,6 +314,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         max_batched_tokens=args.max_batched_tokens,
         cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,
         drain_timeout_s=args.drain_timeout,
+        load_failure_linger_s=args.load_failure_linger,
         metrics_port=args.metrics_port,
         cluster_token=cluster_token(args),
     )
@@ -374,6 +392,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    """The router stops sending the worker requests and tells it to drain; the worker finishes what it
+    has in flight, deregisters and exits. Returns once it is gone from the router's list (0), or 1 when
+    ``--timeout`` passes first."""
+    import time
+
+    address = _router_address(args)
+    token = cluster_token(args) if args.router else cluster.state_token(_state(args))
+    if not cluster.drain_worker(address, args.worker_id, token):
+        cluster_cmds.say(f"{args.worker_id} is not registered with the router at {address}: nothing to drain")
+        return 0
+    cluster_cmds.say(f"draining {args.worker_id}")
+    give_up = time.monotonic() + args.timeout
+    while any(
+        e.info.worker_id == args.worker_id for e in cluster.cluster_status(address, token=token).workers
+    ):
+        if time.monotonic() > give_up:
+            cluster_cmds.say(f"{args.worker_id} still registered after {args.timeout:.0f}s")
+            return 1
+        time.sleep(0.5)
+    cluster_cmds.say(f"{args.worker_id} drained and left")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     req = client.build_request(
         args.prompt,
@@ -395,6 +437,7 @@ COMMANDS = {
     "scale": cluster_cmds.cmd_scale,
     "status": cmd_status,
     "generate": cmd_generate,
+    "drain": cmd_drain,
     "down": cluster_cmds.cmd_down,
     "router": cmd_router,
     "worker": cmd_worker,
