@@ -17,12 +17,23 @@ One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch t
 - ``floor``: the model's linear layers alone (fused qkv, o, fused gate_up, down per layer, plus the LM
   head) as plain ``F.linear`` calls with random weights of the same shapes, batch and dtype; tok/s =
   batch / time of one pass. ``ratio`` = pdserve decode / floor.
+- ``bound``: what the hardware allows a decode step at each batch: every weight read once at the measured
+  read bandwidth, every product at the measured FMA peak (``CpuKernels.fma_peak``: independent FMA chains
+  on the widest vectors the host has, all threads), whichever is slower; ``ratio`` = pdserve / bound. No
+  stock matmul enters it.
+- ``linear``: pdserve's own product kernels (the runner's ``Linear`` objects, oneDNN pre-packed where
+  ``can_pack``) over every layer and the head, weights streamed as in a step: tok/s, ``gflops``, ``gbps``
+  (weight bytes / time) and ``ratio`` against the bound.
 - ``membw``: single-stream bound = read bandwidth (summing a 512 MiB tensor with 1 and with ``--threads``
   threads, best of 5, the highest rate seen) / weight bytes one decode step reads (every layer and the
   LM head). ``ratio`` = pdserve batch-1 decode / bound.
 
+The ``machine`` block names the CPU, its instruction set (``isa``, ``flags``: what ``-march=native`` and
+oneDNN dispatch on), the read bandwidth and the FMA peak.
+
 Rows: ``phase``, ``batch``, ``dtype``, ``pdserve_tok_s``, ``transformers_tok_s``, ``ratio`` (pdserve /
-transformers for prefill and decode; pdserve / bound for floor and membw, whose bound is ``bound_tok_s``).
+transformers for prefill and decode; pdserve / bound for floor, bound, linear and membw, whose bound is
+``bound_tok_s``).
 """
 
 from __future__ import annotations
@@ -203,6 +214,46 @@ def linear_floor(config: Any, dtype: torch.dtype, batch: int, reps: int = 5) -> 
         return batch / _best(step, reps)
 
 
+def matmul_params(config: Any) -> int:
+    """Weights one token multiplies by in a decode step: every layer's products and the LM head."""
+    c = config
+    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size
+    return c.num_layers * per_layer + c.vocab_size * c.hidden_size
+
+
+def product_pass(weights: Any, config: Any, batch: int, reps: int = 5) -> float:
+    """Seconds of one pass of pdserve's own matmuls (the runner's ``Linear`` objects, packed or not) over
+    every layer and the LM head, in a step's order, so weights stream from memory as in a step: best of
+    ``reps`` at ``batch`` rows."""
+    c = config
+    g = torch.Generator().manual_seed(0)
+    dtype = weights.embed.dtype
+    xs = {
+        n: torch.randn(batch, n, generator=g).to(dtype)
+        for n in {c.hidden_size, c.q_size, c.intermediate_size}
+    }
+    calls = [
+        (lin, xs[n])
+        for lw in weights.layers
+        for lin, n in (
+            (lw.qkv, c.hidden_size),
+            (lw.o_proj, c.q_size),
+            (lw.gate_up, c.hidden_size),
+            (lw.down, c.intermediate_size),
+        )
+    ]
+    calls.append((weights.lm_head, xs[c.hidden_size]))
+
+    def step() -> None:
+        for lin, x in calls:
+            lin(x)
+
+    with torch.inference_mode():
+        step()
+        return _best(step, reps)
+
+
 def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
     """Bytes/s reading a ``mib`` MiB tensor with ``threads`` threads: the faster of a float32 sum and a
     float64 sum of the same bytes (the float32 reduction can be compute-bound before memory is)."""
@@ -236,8 +287,11 @@ def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
         tf_version: str | None = transformers.__version__
     except ImportError:
         tf_version = None
+    from pdserve.engine.cpu_kernels import cpu_isa
+
     return {
         "cpu": cpu,
+        **cpu_isa(),
         "cores": os.cpu_count(),
         "threads": cfg.threads,
         "torch": torch.__version__,
@@ -249,12 +303,15 @@ def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
 
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
+    from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.registry import resolve_model
 
     torch.set_num_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
     bw = {"1_thread": read_bandwidth(1) / 1e9, f"{cfg.threads}_threads": read_bandwidth(cfg.threads) / 1e9}
+    kernels = load_cpu_kernels(kernel_cache_dir())
+    peak = None if kernels is None else kernels.fma_peak(cfg.threads)
     read_bps = max(bw.values()) * 1e9  # the bound uses the best read rate measured
     rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
@@ -318,6 +375,30 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             floor = linear_floor(c, dtype, batch)
             rows.append(_row("floor", batch, dname, decode_rate[batch], None, bound_tok_s=floor))
             _log(rows[-1])
+        wbytes = runner.weights.decode_bytes()
+        flops_per_token = 2 * matmul_params(c)
+        for batch in cfg.batches:
+            # The hardware bound of a decode step: every weight read once, every product at the FMA peak.
+            steps_s = read_bps / wbytes
+            if peak is not None:
+                steps_s = min(steps_s, peak / (flops_per_token * batch))
+            rows.append(_row("bound", batch, dname, decode_rate[batch], None, bound_tok_s=batch * steps_s))
+            _log(rows[-1])
+            t = product_pass(runner.weights, c, batch)
+            rows.append(
+                _row(
+                    "linear",
+                    batch,
+                    dname,
+                    batch / t,
+                    None,
+                    bound_tok_s=batch * steps_s,
+                    gflops=flops_per_token * batch / t / 1e9,
+                    gbps=wbytes / t / 1e9,
+                    packed=runner.weights.layers[0].qkv.packed,
+                )
+            )
+            _log(rows[-1])
         bound = read_bps / runner.weights.decode_bytes()
         rows.append(
             _row(
@@ -333,7 +414,9 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         _log(rows[-1])
         del runner, hf, llm
         gc.collect()
-    return {"machine": {**machine_info(cfg, bw), "pdserve": info}, "config": cfg.__dict__, "rows": rows}
+    machine = machine_info(cfg, bw)
+    machine["fma_peak_gflops"] = None if peak is None else round(peak / 1e9, 1)
+    return {"machine": {**machine, "pdserve": info}, "config": cfg.__dict__, "rows": rows}
 
 
 def _row(

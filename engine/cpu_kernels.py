@@ -41,6 +41,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,20 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+# Instruction-set extensions that change which code paths run (ours via -march=native, oneDNN's by its own
+# dispatch), in the order cpu_isa() names the best one.
+_ISA_FLAGS = ("amx_bf16", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma", "asimd", "sve")
+
+
+def cpu_isa() -> dict[str, object]:
+    """The host's instruction set as benchmarks report it: ``{"isa": "avx512_bf16" | "avx512f" | "avx2" |
+    "asimd" | ..., "flags": [the relevant extensions present], "machine": platform.machine()}``."""
+    present = set(_cpu_flags().split(":", 1)[-1].split())
+    found = [f for f in _ISA_FLAGS if f in present]
+    best = next((f for f in found if f not in ("fma", "avx512_vnni")), "portable")
+    return {"isa": best, "flags": found, "machine": platform.machine()}
 
 
 def _compiler() -> str | None:
@@ -248,6 +263,23 @@ class CpuKernels:
         )
         return out
 
+    def fma_peak(self, threads: int, seconds: float = 0.2) -> float:
+        """Measured float32 FMA FLOP/s of ``threads`` threads (best of 3 runs of about ``seconds``)."""
+        sink = ctypes.c_float()
+        iters = 1 << 16
+        while True:  # grow the run until it is long enough to time
+            t = time.perf_counter()
+            flops = self.lib.fma_peak(iters, threads, ctypes.byref(sink))
+            if time.perf_counter() - t >= seconds / 4 or iters >= 1 << 34:
+                break
+            iters *= 4
+        best = 0.0
+        for _ in range(3):
+            t = time.perf_counter()
+            flops = self.lib.fma_peak(iters, threads, ctypes.byref(sink))
+            best = max(best, flops / (time.perf_counter() - t))
+        return best
+
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Shapes the kernels handle (whole 16-float vectors per head, RoPE rows on the stack); others use the
@@ -293,9 +325,10 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
         "add_rms_norm": [ptr] * 4 + [i64, i64, f32, i32, i32],
         "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
+        "fma_peak": [i64, i32, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
+        fn.restype = ctypes.c_double if name == "fma_peak" else ctypes.c_int
     return CpuKernels(lib=lib, path=path)

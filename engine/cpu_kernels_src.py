@@ -11,6 +11,7 @@ Kernels (all return 0, or < 0 for unsupported shapes):
 - ``add_rms_norm``: ``x += res`` then ``h = rmsnorm(x) * w`` (residual add fused into the next norm).
 - ``rope_store``: RoPE on the q and k heads of ``qkv`` in place, then K and V rows into the cache.
 - ``silu_mul``: ``silu(gate) * up`` from the fused gate_up output.
+- ``fma_peak``: a probe, not a kernel: the float32 FMA rate the cores sustain (``bench.engine``'s bound).
 """
 
 SOURCE = r"""
@@ -516,5 +517,34 @@ int silu_mul(const void* gu, void* out, int64_t T, int64_t I, int dt, int num_th
         }
     }
     return 0;
+}
+
+/* Float32 FLOPs done by num_threads threads, each running `iters` rounds of PEAK_CHAINS independent FMA
+   chains on the widest native vectors (enough chains to cover FMA latency times the FMA ports of current
+   x86 and Arm cores). a = a * m + c stays near c / (1 - m), so no value grows or turns subnormal.
+   *sink receives a sum of the results, so the loop cannot be removed. */
+#if defined(__AVX512F__)
+#define PEAK_BYTES 64
+#else
+#define PEAK_BYTES 32
+#endif
+#define PEAK_CHAINS 12
+typedef float vpk __attribute__((vector_size(PEAK_BYTES)));
+
+double fma_peak(int64_t iters, int num_threads, float* sink) {
+    const int lanes = PEAK_BYTES / 4;
+    float total = 0.f;
+    #pragma omp parallel num_threads(num_threads) reduction(+:total)
+    {
+        vpk a[PEAK_CHAINS];
+        const vpk m = (vpk){0} + 0.999999f, c = (vpk){0} + 1e-7f;
+        for (int k = 0; k < PEAK_CHAINS; k++) a[k] = (vpk){0} + (float)k;
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < PEAK_CHAINS; k++) a[k] = a[k] * m + c;
+        for (int k = 0; k < PEAK_CHAINS; k++)
+            for (int l = 0; l < lanes; l++) total += a[k][l];
+    }
+    *sink = total;
+    return 2.0 * lanes * PEAK_CHAINS * (double)iters * num_threads;
 }
 """

@@ -13,11 +13,13 @@ per-op overhead matters as much as FLOPs:
   ``[T, (H + 2 * Hkv) * D]``; the optional Qwen2 biases are fused likewise.
 - ``gate_up``: ``cat(gate_proj, up_proj)`` rows, one matmul yields ``[T, 2 * I]``.
 
-Half-precision weights on CPU are pre-packed once into oneDNN's blocked
-layout (``Linear.pack``): the same kernel ``F.linear`` ends up in, with
-bitwise-equal results, minus the per-call weight reorder, which roughly
-halves decode-size matmul time for bfloat16. float32 stays plain (MKL packing
-measured no faster here).
+Weights on CPU are pre-packed once into oneDNN's blocked layout
+(``Linear.pack``, ``can_pack``). Half precision: the same kernel ``F.linear``
+ends up in, with bitwise-equal results, minus the per-call weight reorder,
+which roughly halves decode-size matmul time for bfloat16. float32:
+``F.linear`` goes to MKL, which on an AVX2 EPYC ran batch-8 decode products
+at half of oneDNN's pre-packed rate; the results differ from MKL's by
+summation order only (the parity tests bound them).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.env import EngineEnv
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -62,13 +65,23 @@ def load_state_dict(
     return out
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``Linear.pack`` applies: half precision on a CPU whose oneDNN supports it."""
+def can_pack(dtype: torch.dtype, device: torch.device, env: EngineEnv | None = None) -> bool:
+    """Whether the matmul weights are pre-packed (``Linear.pack``): on a CPU whose oneDNN runs ``dtype``,
+    unless ``PDSERVE_PACK_LINEAR=0`` says otherwise.
+
+    float32 packs too: oneDNN's pre-packed float32 kernels ran decode-sized products 1.5-2x faster than
+    ``F.linear`` (MKL) on an AVX2 EPYC (bench/results/cpu_engine_avx2), and an ISA-specific path is
+    oneDNN's own run-time dispatch, so nothing here assumes an instruction set."""
+    env = EngineEnv.from_environ() if env is None else env
+    if env.pack_linear is False:
+        return False
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     # Private ops (what torch.compile's CPU freezing uses); absent in a torch that renamed them.
     if not all(hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")):
         return False
+    if dtype == torch.float32:
+        return True
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:
