@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: run test install lint clean prometheus dashboards bench-openai
+.PHONY: run test install lint clean prometheus alertmanager alerts dashboards bench-openai
 
 install: $(STAMP)
 
@@ -35,11 +35,21 @@ prometheus: $(VENV)/opt/prometheus/usr/bin/prometheus
 $(VENV)/opt/prometheus/usr/bin/prometheus:
 	-bash deploy/prometheus/install.sh $(VENV)/opt/prometheus
 
+# Debian's prometheus-alertmanager, unpacked the same way (tests and `pdserve up --alertmanager`).
+alertmanager: $(VENV)/opt/alertmanager/usr/bin/prometheus-alertmanager
+
+$(VENV)/opt/alertmanager/usr/bin/prometheus-alertmanager:
+	-bash deploy/prometheus/install.sh $(VENV)/opt/alertmanager prometheus-alertmanager
+
+# Regenerate deploy/prometheus/alerts.yml (tests fail while the committed file differs).
+alerts: $(STAMP)
+	$(PY) -m pdserve.deploy.grafana.alerts
+
 # Regenerate the Grafana dashboards (tests fail while the committed JSON differs).
 dashboards: $(STAMP)
 	$(PY) -m pdserve.deploy.grafana.dashboards
 
-test: $(STAMP) prometheus
+test: $(STAMP) prometheus alertmanager
 	$(PY) -m pytest
 
 # guidellm (a third-party OpenAI-API load tool, over HTTP) and `pdserve bench` (gRPC) on one workload

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 import msgspec
 
-from pdserve.deploy.local import cluster, prometheus
+from pdserve.deploy.local import alertmanager, cluster, prometheus
 from pdserve.worker.auth import write_new_token
 from pdserve.worker.role import Role
 
@@ -86,9 +87,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         cluster.wait_ready(state, {w.id for w in state.workers}, args.timeout, say)
         write_targets(state_dir, state)
-        if args.prometheus:
+        am_listen = ""
+        if args.alertmanager:
+            am_listen = f"{args.host}:{args.alertmanager_port}"
+            state = start_alertmanager(state_dir, state, am_listen)
+            cluster.save_state(state_dir, state)
+        if args.prometheus or args.alertmanager:
             listen = f"{args.host}:{args.prometheus_port}"
-            state = start_prometheus(state_dir, state, listen, args.scrape_interval)
+            state = start_prometheus(
+                state_dir, state, listen, args.scrape_interval, am_listen, args.alert_for
+            )
             cluster.save_state(state_dir, state)
     except (cluster.ClusterError, KeyboardInterrupt):
         say("start failed; stopping what was started")
@@ -103,14 +111,37 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def write_targets(state_dir: Path, state: cluster.ClusterState) -> None:
-    """List the router and every worker (their metrics URLs) in the Prometheus targets file."""
+    """List the router and every worker (their metrics URLs) in the Prometheus targets file, and the
+    workers the cluster should have in the worker-count alert's rule file (re-read on SIGHUP)."""
     status = cluster.cluster_status(state.router_address, token=cluster.state_token(state))
     groups = prometheus.targets(status)
     say(f"prometheus targets: {prometheus.write_targets(state_dir, groups)}")
+    changed = prometheus.write_expected(
+        state_dir, {r.value: sum(w.role is r for w in state.workers) for r in Role}
+    )
+    if changed and state.prometheus is not None:
+        cluster.send(state.prometheus, signal.SIGHUP)
+
+
+def _start_server(state_dir: Path, name: str, argv: list[str], url: str) -> cluster.ProcessEntry:
+    """Spawn one monitoring server and wait (bounded) until it answers ``/-/ready``."""
+    proc = cluster.spawn(name, argv, state_dir / "logs" / f"{name}.log", cluster.child_env(1))
+    if not prometheus.wait_ready(url, 60.0, lambda: cluster.alive(proc)):
+        cluster.stop_processes([proc], term_timeout_s=10.0)
+        raise cluster.ClusterError(
+            f"{name} did not become ready at {url}; last lines of {proc.log}:\n" + cluster.log_tail(proc.log)
+        )
+    say(f"{name} at {url} (pid {proc.pid})")
+    return proc
 
 
 def start_prometheus(
-    state_dir: Path, state: cluster.ClusterState, listen: str, scrape_interval_s: float
+    state_dir: Path,
+    state: cluster.ClusterState,
+    listen: str,
+    scrape_interval_s: float,
+    alertmanager_listen: str = "",
+    alert_for_s: float | None = None,
 ) -> cluster.ClusterState:
     binary = prometheus.find_binary()
     if binary is None:
@@ -118,17 +149,26 @@ def start_prometheus(
             "prometheus is not installed: `make prometheus` unpacks Debian's package into the virtualenv "
             "(or `apt-get install prometheus`)"
         )
-    argv = prometheus.server_argv(binary, state_dir, listen, scrape_interval_s)
-    proc = cluster.spawn("prometheus", argv, state_dir / "logs" / "prometheus.log", cluster.child_env(1))
-    state = msgspec.structs.replace(state, prometheus=proc, prometheus_url=f"http://{listen}")
-    if not prometheus.wait_ready(state.prometheus_url, 60.0, lambda: cluster.alive(proc)):
-        cluster.stop_processes([proc], term_timeout_s=10.0)
+    argv = prometheus.server_argv(
+        binary, state_dir, listen, scrape_interval_s, alertmanager_listen, alert_for_s
+    )
+    proc = _start_server(state_dir, "prometheus", argv, f"http://{listen}")
+    return msgspec.structs.replace(state, prometheus=proc, prometheus_url=f"http://{listen}")
+
+
+def start_alertmanager(state_dir: Path, state: cluster.ClusterState, listen: str) -> cluster.ClusterState:
+    binary = alertmanager.find_binary()
+    if binary is None:
         raise cluster.ClusterError(
-            f"prometheus did not become ready at {state.prometheus_url}; last lines of {proc.log}:\n"
-            + cluster.log_tail(proc.log)
+            "alertmanager is not installed: `make alertmanager` unpacks Debian's prometheus-alertmanager "
+            "package into the virtualenv (or `apt-get install prometheus-alertmanager`)"
         )
-    say(f"prometheus at {state.prometheus_url} (pid {proc.pid})")
-    return state
+    why = alertmanager.missing_templates(binary)
+    if why:
+        raise cluster.ClusterError(why)
+    argv = alertmanager.server_argv(binary, state_dir, listen)
+    proc = _start_server(state_dir, "alertmanager", argv, f"http://{listen}")
+    return msgspec.structs.replace(state, alertmanager=proc, alertmanager_url=f"http://{listen}")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -174,8 +214,7 @@ def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
     else:
         cluster.stop_processes(workers, term_timeout_s=10.0)
     cluster.stop_processes([state.router], term_timeout_s=15.0)
-    if state.prometheus is not None:
-        cluster.stop_processes([state.prometheus], term_timeout_s=15.0)
+    cluster.stop_processes(cluster.monitoring(state), term_timeout_s=15.0)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -185,6 +224,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         return 0
     _stop_all(state, args.timeout)
     prometheus.write_targets(args.state_dir, [])  # an outside Prometheus stops scraping the dead cluster
+    prometheus.write_expected(args.state_dir, {})  # ... and expects no workers of it
     cluster.remove_state(args.state_dir)
     say(f"stopped the cluster of {args.state_dir}")
     return 0

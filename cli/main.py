@@ -158,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prometheus-port", type=int, default=9090, help="its HTTP port (default %(default)s)")
     p.add_argument("--scrape-interval", type=float, default=5.0, help="its scrape interval in seconds")
+    p.add_argument(
+        "--alertmanager",
+        action="store_true",
+        help="also start an Alertmanager that the Prometheus sends its alerts to (implies --prometheus)",
+    )
+    p.add_argument("--alertmanager-port", type=int, default=9093, help="its HTTP port (default %(default)s)")
+    p.add_argument(
+        "--alert-for",
+        type=float,
+        default=None,
+        help="seconds every alert must hold before it fires, instead of each rule's own (minutes): "
+        "for a demo or a test",
+    )
     _router_tuning(p)
     _worker_tuning(p)
     _state_dir(p)

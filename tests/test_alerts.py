@@ -292,3 +292,18 @@ def test_a_worker_that_cannot_load_its_model_exports_the_failure_while_it_linger
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_up_and_scale_write_the_expected_counts_and_report_a_change(tmp_path):
+    from pdserve.deploy.local import prometheus
+
+    assert prometheus.write_expected(tmp_path, {"prefill": 1, "decode": 1}) is True
+    assert prometheus.write_expected(tmp_path, {"prefill": 1, "decode": 1}) is False  # no reload needed
+    doc = yaml.safe_load(prometheus.expected_path(tmp_path).read_text())
+    rules = doc["groups"][0]["rules"]
+    assert {(r["labels"]["role"], r["expr"]) for r in rules} == {
+        ("prefill", "vector(1)"),
+        ("decode", "vector(1)"),
+    }
+    assert prometheus.write_expected(tmp_path, {}) is True
+    assert yaml.safe_load(prometheus.expected_path(tmp_path).read_text()) == {"groups": []}

@@ -57,6 +57,8 @@ class ClusterState(msgspec.Struct, frozen=True):
     version: int = 1
     prometheus: ProcessEntry | None = None  # `up --prometheus`: the Prometheus server scraping the cluster
     prometheus_url: str = ""
+    alertmanager: ProcessEntry | None = None  # `up --alertmanager`: where that Prometheus sends alerts
+    alertmanager_url: str = ""
     pin_cpus: bool = False  # `up --pin-cpus`: every worker gets its own cores (see ``choose_cpus``)
     token_file: str = ""  # the cluster token `up` made (``worker.auth``); "": an open control plane
 
@@ -230,15 +232,20 @@ def stop_processes(
 
 
 def stop_survivors(state_dir: Path, term_timeout_s: float = 5.0) -> list[str]:
-    """Stop every process the state file still lists as alive (router, workers, Prometheus): the
-    backstop after ``pdserve down`` for tests and benchmarks. Returns the ids that had to be stopped."""
+    """Stop every process the state file still lists as alive (router, workers, Prometheus,
+    Alertmanager): the backstop after ``pdserve down`` for tests and benchmarks. Returns the ids that
+    had to be stopped."""
     state = load_state(state_dir)
     if state is None:
         return []
-    extra = (state.prometheus,) if state.prometheus is not None else ()  # `up --prometheus`
-    procs = [p for p in (state.router, *state.workers, *extra) if alive(p)]
+    procs = [p for p in (state.router, *state.workers, *monitoring(state)) if alive(p)]
     stop_processes(procs, term_timeout_s)
     return [p.id for p in procs]
+
+
+def monitoring(state: ClusterState) -> tuple[ProcessEntry, ...]:
+    """The Prometheus and Alertmanager `up` started for this cluster, if any."""
+    return tuple(p for p in (state.prometheus, state.alertmanager) if p is not None)
 
 
 def log_tail(path: str | Path, lines: int = 30) -> str:
