@@ -143,6 +143,14 @@ def test_killing_a_worker_fires_the_worker_count_alert_at_alertmanager_and_it_re
         state = cluster.load_state(c.state_dir)
         assert state is not None
         started += list(state.workers)
+
+        # `pdserve drain` (the Kubernetes preStop hook): the new worker leaves the router and exits.
+        [back] = [w for w in state.workers if w.role is not None and w.role.value == "prefill"]
+        pdserve(
+            "drain", "--worker-id", back.id, "--timeout", "60", "--state-dir", str(c.state_dir), timeout=120
+        )
+        assert back.id not in {w["id"] for w in c.workers()}
+        assert cluster.wait_exit([back], 30) == []
     left = [p.id for p in started if cluster.alive(p)]
     assert left == [], f"still running after the cluster was stopped: {left}"
 
