@@ -21,9 +21,9 @@ One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch t
   read bandwidth, every product at the measured FMA peak (``CpuKernels.fma_peak``: independent FMA chains
   on the widest vectors the host has, all threads), whichever is slower; ``ratio`` = pdserve / bound. No
   stock matmul enters it.
-- ``linear``: pdserve's own product kernels (the runner's ``Linear`` objects, oneDNN pre-packed where
-  ``can_pack``) over every layer and the head, weights streamed as in a step: tok/s, ``gflops``, ``gbps``
-  (weight bytes / time) and ``ratio`` against the bound.
+- ``linear``: pdserve's own product kernels (the runner's ``Linear`` objects, in the layout
+  ``choose_linear`` picked) over every layer and the head, weights streamed as in a step: tok/s,
+  ``gflops``, ``gbps`` (weight bytes / time) and ``ratio`` against the bound.
 - ``membw``: single-stream bound = read bandwidth (summing a 512 MiB tensor with 1 and with ``--threads``
   threads, best of 5, the highest rate seen) / weight bytes one decode step reads (every layer and the
   LM head). ``ratio`` = pdserve batch-1 decode / bound.
@@ -323,7 +323,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         c = runner.config
         info[dname] = {
             "backend": "cpu_kernels" if runner.kernels is not None else "torch",
-            "packed_linear": runner.weights.layers[0].qkv.packed,
+            "linear": str(runner.linear_kind),
             "decode_weight_bytes": runner.weights.decode_bytes(),
         }
         llm = None
@@ -395,7 +395,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                     bound_tok_s=batch * steps_s,
                     gflops=flops_per_token * batch / t / 1e9,
                     gbps=wbytes / t / 1e9,
-                    packed=runner.weights.layers[0].qkv.packed,
+                    linear=str(runner.linear_kind),
                 )
             )
             _log(rows[-1])

@@ -263,6 +263,46 @@ class CpuKernels:
         )
         return out
 
+    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [N, K]`` -> the panel layout ``linear`` streams: ``[ceil(N / P), K, P]`` in its dtype
+        (P = ``linear_panel_width()``, two vectors of output columns), zero-padded."""
+        if weight.dim() != 2 or weight.dtype not in _DTYPE_CODES:
+            got = f"{weight.dtype} {tuple(weight.shape)}"
+            raise ValueError(f"pack_linear_weight: need a 2-D float weight, not {got}")
+        w = weight.contiguous()
+        n, k = w.shape
+        p = int(self.lib.linear_panel_width())
+        out = torch.empty(-(-n // p), k, p, dtype=w.dtype)
+        _check(self.lib.pack_linear_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size()), "pack")
+        return out
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x [M, K] @ weight.T + bias`` -> ``[M, n]`` from ``packed = pack_linear_weight(weight)``."""
+        x = x.contiguous()
+        m, k = x.shape
+        if packed.shape[1] != k or x.dtype != packed.dtype:
+            raise ValueError(
+                f"linear: x {tuple(x.shape)} {x.dtype} vs packed {tuple(packed.shape)} {packed.dtype}"
+            )
+        y = torch.empty(m, n, dtype=x.dtype)
+        _check(
+            self.lib.linear_packed(
+                x.data_ptr(),
+                packed.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                y.data_ptr(),
+                m,
+                k,
+                n,
+                _DTYPE_CODES[x.dtype],
+                torch.get_num_threads(),
+            ),
+            "linear_packed",
+        )
+        return y
+
     def fma_peak(self, threads: int, seconds: float = 0.2) -> float:
         """Measured float32 FMA FLOP/s of ``threads`` threads (best of 3 runs of about ``seconds``)."""
         sink = ctypes.c_float()
@@ -326,6 +366,9 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
         "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
         "fma_peak": [i64, i32, ptr],
+        "linear_packed": [ptr] * 4 + [i64] * 3 + [i32, i32],
+        "pack_linear_weight": [ptr, ptr, i64, i64, i64],
+        "linear_panel_width": [],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

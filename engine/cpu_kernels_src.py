@@ -1,8 +1,8 @@
 """C source of the CPU kernels (compiled and loaded by ``engine.cpu_kernels``).
 
 Plain C11 with GCC vector extensions (16 floats per vector where AVX-512
-exists, else 8; the compiler maps them to AVX-512, AVX2 or NEON), OpenMP for threads, and float32 arithmetic for
-every dtype: float32, bfloat16 and float16 rows are widened on load and
+exists, else 8; the compiler maps them to AVX-512, AVX2 or NEON), OpenMP for
+threads, and float32 arithmetic for every dtype: float32, bfloat16 and float16 rows are widened on load and
 rounded to nearest even on store.
 
 Kernels (all return 0, or < 0 for unsupported shapes):
@@ -11,6 +11,8 @@ Kernels (all return 0, or < 0 for unsupported shapes):
 - ``add_rms_norm``: ``x += res`` then ``h = rmsnorm(x) * w`` (residual add fused into the next norm).
 - ``rope_store``: RoPE on the q and k heads of ``qkv`` in place, then K and V rows into the cache.
 - ``silu_mul``: ``silu(gate) * up`` from the fused gate_up output.
+- ``linear_packed`` (+ ``pack_linear_weight``): ``x @ w.T`` for decode-sized batches from weights packed
+  into contiguous column panels at load.
 - ``fma_peak``: a probe, not a kernel: the float32 FMA rate the cores sustain (``bench.engine``'s bound).
 """
 
@@ -544,6 +546,118 @@ int silu_mul(const void* gu, void* out, int64_t T, int64_t I, int dt, int num_th
     }
     return 0;
 }
+
+/* ---- matrix products for decode-sized batches: y[M, N] = x[M, K] @ w[N, K]^T (+ bias) ----
+   The weight is packed once at load (pack_linear_weight) into panels of LP = 2W output columns,
+   [N / LP][K][LP] (N padded with zero columns), so a panel is one contiguous stream: each thread takes a
+   contiguous run of panels and reads its weights exactly once from memory, whatever M. Within a panel,
+   rows of x go LM_ROWS at a time: LM_ROWS x 2 vector accumulators, 2 weight vectors and one broadcast
+   stay in registers (15 of AVX2's 16; the classic 6 x 16 micro-kernel), and the panel is re-read from
+   cache for the next rows. Accumulation is float32 for every dtype, in k order, rounded once on store. */
+#define LP (2 * W)
+#define LM_ROWS 6
+
+/* rows x LP outputs of one panel. With few rows the FMA chains alone would wait on each other (latency x
+   ports needs ~8 independent chains), so k is split over `splits` accumulator sets, summed at the end. */
+static inline __attribute__((always_inline)) void linear_tile(
+    const char* x, const char* wp, const char* bias, char* y, int64_t K, int64_t N, int64_t n0, int64_t nn,
+    const int rows, const int splits, const int dt)
+{
+    const int64_t esz = dt == 0 ? 4 : 2;
+    vf acc[4][LM_ROWS][2];
+    for (int sp = 0; sp < splits; sp++)
+        for (int r = 0; r < rows; r++) { acc[sp][r][0] = (vf){0}; acc[sp][r][1] = (vf){0}; }
+    const int64_t kmain = K / splits * splits;
+    for (int64_t k0 = 0; k0 < kmain; k0 += splits) {
+        for (int sp = 0; sp < splits; sp++) {
+            const int64_t k = k0 + sp;
+            const vf w0 = ld(wp + (k * LP) * esz, dt), w1 = ld(wp + (k * LP + W) * esz, dt);
+            for (int r = 0; r < rows; r++) {
+                const vf xb = (vf){0} + ld1(x + (r * K + k) * esz, dt);
+                acc[sp][r][0] += xb * w0;
+                acc[sp][r][1] += xb * w1;
+            }
+        }
+    }
+    for (int64_t k = kmain; k < K; k++) {
+        const vf w0 = ld(wp + (k * LP) * esz, dt), w1 = ld(wp + (k * LP + W) * esz, dt);
+        for (int r = 0; r < rows; r++) {
+            const vf xb = (vf){0} + ld1(x + (r * K + k) * esz, dt);
+            acc[0][r][0] += xb * w0;
+            acc[0][r][1] += xb * w1;
+        }
+    }
+    for (int sp = 1; sp < splits; sp++)
+        for (int r = 0; r < rows; r++) { acc[0][r][0] += acc[sp][r][0]; acc[0][r][1] += acc[sp][r][1]; }
+    vf b0 = (vf){0}, b1 = (vf){0};
+    if (bias && nn == LP) { b0 = ld(bias + n0 * esz, dt); b1 = ld(bias + (n0 + W) * esz, dt); }
+    for (int r = 0; r < rows; r++) {
+        char* yr = y + (r * N + n0) * esz;
+        if (nn == LP) {
+            st(yr, acc[0][r][0] + b0, dt);
+            st(yr + W * esz, acc[0][r][1] + b1, dt);
+        } else {  /* the last, partial panel */
+            float out[LP];
+            memcpy(out, &acc[0][r][0], sizeof(vf));
+            memcpy(out + W, &acc[0][r][1], sizeof(vf));
+            for (int64_t j = 0; j < nn; j++)
+                st1(yr + j * esz, out[j] + (bias ? ld1(bias + (n0 + j) * esz, dt) : 0.f), dt);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void linear_panel(
+    const char* x, const char* wp, const char* bias, char* y, int64_t M, int64_t K, int64_t N, int64_t p,
+    const int dt)
+{
+    const int64_t esz = dt == 0 ? 4 : 2, n0 = p * LP, nn = N - n0 < LP ? N - n0 : LP;
+    const char* w = wp + p * K * LP * esz;
+    for (int64_t m0 = 0; m0 < M; m0 += LM_ROWS) {
+        const char* xm = x + m0 * K * esz;
+        char* ym = y + m0 * N * esz;
+        switch (M - m0 < LM_ROWS ? (int)(M - m0) : LM_ROWS) {  /* constant row counts: registers */
+            case 1: linear_tile(xm, w, bias, ym, K, N, n0, nn, 1, 4, dt); break;
+            case 2: linear_tile(xm, w, bias, ym, K, N, n0, nn, 2, 2, dt); break;
+            case 3: linear_tile(xm, w, bias, ym, K, N, n0, nn, 3, 2, dt); break;
+            case 4: linear_tile(xm, w, bias, ym, K, N, n0, nn, 4, 1, dt); break;
+            case 5: linear_tile(xm, w, bias, ym, K, N, n0, nn, 5, 1, dt); break;
+            default: linear_tile(xm, w, bias, ym, K, N, n0, nn, LM_ROWS, 1, dt); break;
+        }
+    }
+}
+
+/* x [M, K], y [M, N] contiguous in dtype dt; wp from pack_linear_weight; bias [N] or NULL. */
+int linear_packed(const void* x, const void* wp, const void* bias, void* y, int64_t M, int64_t K, int64_t N,
+                  int dt, int num_threads) {
+    if (dt < 0 || dt > 2 || M < 0 || K < 1 || N < 1) return -1;
+    const int64_t panels = (N + LP - 1) / LP;
+    const char *xc = (const char*)x, *wc = (const char*)wp, *bc = (const char*)bias;
+    #pragma omp parallel for num_threads(num_threads) if (panels >= 2 * num_threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        switch (dt) {
+            case 0: linear_panel(xc, wc, bc, (char*)y, M, K, N, p, 0); break;
+            case 1: linear_panel(xc, wc, bc, (char*)y, M, K, N, p, 1); break;
+            default: linear_panel(xc, wc, bc, (char*)y, M, K, N, p, 2); break;
+        }
+    }
+    return 0;
+}
+
+/* Row-major w [N, K] -> panels [ceil(N / LP)][K][LP], zero-padded (any dtype: element bytes esz). */
+int pack_linear_weight(const void* w, void* out, int64_t N, int64_t K, int64_t esz) {
+    const int64_t panels = (N + LP - 1) / LP;
+    const char* src = (const char*)w;
+    char* dst = (char*)out;
+    memset(dst, 0, panels * K * LP * esz);
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t p = n / LP, j = n % LP;
+        for (int64_t k = 0; k < K; k++)
+            memcpy(dst + ((p * K + k) * LP + j) * esz, src + (n * K + k) * esz, esz);
+    }
+    return 0;
+}
+
+int linear_panel_width(void) { return LP; }
 
 /* Float32 FLOPs done by num_threads threads, each running `iters` rounds of PEAK_CHAINS independent FMA
    chains on the widest native vectors (enough chains to cover FMA latency times the FMA ports of current

@@ -36,7 +36,7 @@ from pdserve.engine.model import (
     forward_hidden,
     logits,
 )
-from pdserve.engine.weights import ModelWeights, can_pack
+from pdserve.engine.weights import ModelWeights, choose_linear
 
 __all__ = [
     "Backend",
@@ -118,11 +118,13 @@ class ModelRunner:
             raise ValueError(f"KV cache must hold at least one block (got {num_blocks} blocks)")
         self.num_blocks = int(num_blocks)
 
+        # The kernel library also holds the panel matmuls (``engine.weights.LinearKind.PANELS``), which
+        # any model shape can use; its attention and elementwise kernels serve the shapes ``supports``.
+        lib = load_cpu_kernels(kernel_cache_dir()) if self.device.type == "cpu" else None
         self.kernels: CpuKernels | None = None
         if backend is not Backend.TORCH:
-            usable = self.device.type == "cpu" and supports(c.num_heads, c.num_kv_heads, c.head_dim, dtype)
-            if usable:
-                self.kernels = load_cpu_kernels(kernel_cache_dir())
+            if supports(c.num_heads, c.num_kv_heads, c.head_dim, dtype):
+                self.kernels = lib
             if backend is Backend.CPU_KERNELS and self.kernels is None:
                 raise ValueError(
                     "backend='cpu_kernels' is unavailable here (needs a CPU device, "
@@ -130,9 +132,8 @@ class ModelRunner:
                 )
         self.backend = Backend.TORCH if self.kernels is None else Backend.CPU_KERNELS
 
-        self.weights = ModelWeights.load(
-            self.model_dir, c, dtype, self.device, pack=can_pack(dtype, self.device)
-        )
+        self.linear_kind = choose_linear(dtype, self.device, lib)
+        self.weights = ModelWeights.load(self.model_dir, c, dtype, self.device, self.linear_kind, lib)
         self.rope = RopeTables.build(c, dtype, self.device)
         self.kv = torch.zeros(
             c.num_layers,

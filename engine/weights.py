@@ -13,19 +13,20 @@ per-op overhead matters as much as FLOPs:
   ``[T, (H + 2 * Hkv) * D]``; the optional Qwen2 biases are fused likewise.
 - ``gate_up``: ``cat(gate_proj, up_proj)`` rows, one matmul yields ``[T, 2 * I]``.
 
-Weights on CPU are pre-packed once into oneDNN's blocked layout
-(``Linear.pack``, ``can_pack``). Half precision: the same kernel ``F.linear``
-ends up in, with bitwise-equal results, minus the per-call weight reorder,
-which roughly halves decode-size matmul time for bfloat16. float32:
-``F.linear`` goes to MKL, which on an AVX2 EPYC ran batch-8 decode products
-at half of oneDNN's pre-packed rate; the results differ from MKL's by
-summation order only (the parity tests bound them).
+On CPU the matmul weights are repacked once at load into the layout of the
+path that runs them (``LinearKind``, picked by ``choose_linear``): the C
+kernels' column panels (float32, and half precision where the CPU lacks
+bf16/fp16 instructions), or oneDNN's blocked layout (half precision on CPUs
+that have them: the kernel ``F.linear`` ends up in, bitwise equal, minus the
+per-call weight reorder). Results differ from ``F.linear``'s by summation
+order only (the parity tests bound them).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.cpu_kernels import CpuKernels
 from pdserve.engine.env import EngineEnv
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -65,16 +67,22 @@ def load_state_dict(
     return out
 
 
-def can_pack(dtype: torch.dtype, device: torch.device, env: EngineEnv | None = None) -> bool:
-    """Whether the matmul weights are pre-packed (``Linear.pack``): on a CPU whose oneDNN runs ``dtype``,
-    unless ``PDSERVE_PACK_LINEAR=0`` says otherwise.
+class LinearKind(StrEnum):
+    """How a ``Linear`` multiplies (``choose_linear`` picks one per model at load).
 
-    float32 packs too: oneDNN's pre-packed float32 kernels ran decode-sized products 1.5-2x faster than
-    ``F.linear`` (MKL) on an AVX2 EPYC (bench/results/cpu_engine_avx2), and an ISA-specific path is
-    oneDNN's own run-time dispatch, so nothing here assumes an instruction set."""
-    env = EngineEnv.from_environ() if env is None else env
-    if env.pack_linear is False:
-        return False
+    PLAIN: ``F.linear`` (any device; MKL on CPU).
+    ONEDNN: oneDNN's pre-packed blocked layout (``torch.ops.mkldnn``), its own run-time ISA dispatch.
+    PANELS: ``engine.cpu_kernels``' ``linear_packed`` over contiguous column panels, float32 accumulation.
+    """
+
+    PLAIN = "plain"
+    ONEDNN = "onednn"
+    PANELS = "panels"
+
+
+def onednn_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether oneDNN's pre-packed linear runs ``dtype`` here natively (float32 always; half precision
+    only where the CPU has the instructions: AVX512-BF16/AMX, AVX512-FP16)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     # Private ops (what torch.compile's CPU freezing uses); absent in a torch that renamed them.
@@ -89,25 +97,85 @@ def can_pack(dtype: torch.dtype, device: torch.device, env: EngineEnv | None = N
     return False
 
 
+def choose_linear(
+    dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None, env: EngineEnv | None = None
+) -> LinearKind:
+    """The matmul path for a model: ``PDSERVE_LINEAR`` when set (ValueError if it cannot run here), else
+    by measurement on the hosts we have (bench/results/cpu_engine_avx2):
+
+    - CPU, float32, C kernels built: PANELS. On an AVX2 EPYC, a step's products took 0.71 / 0.74 / 0.84 /
+      0.93 of oneDNN's time at 1 / 8 / 32 / 256 rows (one thread, weights streamed as in a step), and
+      oneDNN took about half of MKL's at 8 rows.
+    - CPU, half precision: ONEDNN where the CPU has the instructions (AVX512-BF16, AMX: bitwise equal to
+      ``F.linear``); else PANELS, which reads half-precision weights (half the bytes of float32) and
+      multiplies in float32, where oneDNN and MKL would emulate.
+    - anything else: PLAIN.
+    """
+    env = EngineEnv.from_environ() if env is None else env
+    if env.linear is not None and env.linear != "auto":
+        kind = LinearKind(env.linear)
+        if kind is LinearKind.ONEDNN and not onednn_runs(dtype, device):
+            raise ValueError(f"PDSERVE_LINEAR=onednn: oneDNN does not run {dtype} on {device} here")
+        if kind is LinearKind.PANELS and (kernels is None or device.type != "cpu"):
+            raise ValueError("PDSERVE_LINEAR=panels needs the CPU kernels (a CPU device and a C compiler)")
+        return kind
+    if device.type != "cpu":
+        return LinearKind.PLAIN
+    if dtype != torch.float32 and onednn_runs(dtype, device):
+        return LinearKind.ONEDNN
+    if kernels is not None:
+        return LinearKind.PANELS
+    return LinearKind.ONEDNN if onednn_runs(dtype, device) else LinearKind.PLAIN
+
+
 @dataclass(frozen=True)
 class Linear:
-    """``y = x @ weight.T + bias``. A packed weight is in oneDNN's blocked layout: use it only through
-    ``__call__``."""
+    """``y = x @ weight.T + bias``. ``weight`` is in the layout of ``kind`` (``[out, in]`` only for PLAIN):
+    use it only through ``__call__``."""
 
-    weight: torch.Tensor  # [out, in]
+    weight: torch.Tensor
     bias: torch.Tensor | None  # [out]
-    packed: bool = False
+    kind: LinearKind = LinearKind.PLAIN
+    n_out: int = 0  # out features (PANELS pads its layout)
+    kernels: CpuKernels | None = None  # PANELS
+
+    @classmethod
+    def build(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kind: LinearKind = LinearKind.PLAIN,
+        kernels: CpuKernels | None = None,
+    ) -> Linear:
+        """From a plain ``weight [out, in]``: repacked for ``kind`` (a copy unless PLAIN)."""
+        n = int(weight.shape[0])
+        if kind is LinearKind.ONEDNN:
+            return cls(torch.ops.mkldnn._reorder_linear_weight(weight), bias, kind, n)
+        if kind is LinearKind.PANELS:
+            if kernels is None:
+                raise ValueError("LinearKind.PANELS needs the CPU kernels")
+            b = None if bias is None else bias.contiguous()
+            return cls(kernels.pack_linear_weight(weight), b, kind, n, kernels)
+        return cls(weight, bias, kind, n)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        return cls(torch.ops.mkldnn._reorder_linear_weight(weight), bias, packed=True)
+        """oneDNN's pre-packed layout."""
+        return cls.build(weight, bias, LinearKind.ONEDNN)
+
+    @property
+    def packed(self) -> bool:
+        return self.kind is not LinearKind.PLAIN
 
     @property
     def out_features(self) -> int:
-        return int(self.weight.shape[0])
+        return self.n_out or int(self.weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.kind is LinearKind.PANELS:
+            assert self.kernels is not None
+            return self.kernels.linear(x, self.weight, self.n_out, self.bias)
+        if self.kind is LinearKind.ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -135,14 +203,18 @@ class ModelWeights:
 
     @classmethod
     def from_state_dict(
-        cls, sd: dict[str, torch.Tensor], config: ModelConfig, pack: bool = False
+        cls,
+        sd: dict[str, torch.Tensor],
+        config: ModelConfig,
+        kind: LinearKind = LinearKind.PLAIN,
+        kernels: CpuKernels | None = None,
     ) -> ModelWeights:
         """Consume ``sd`` (entries are popped so unfused copies are freed as we go).
 
-        ``pack``: pre-pack the matmul weights (``Linear.pack``)."""
+        ``kind``: the matmul layout (``choose_linear``); PANELS needs ``kernels``."""
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear.pack(weight, bias) if pack else Linear(weight, bias)
+            return Linear.build(weight, bias, kind, kernels)
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -201,9 +273,10 @@ class ModelWeights:
         config: ModelConfig,
         dtype: torch.dtype,
         device: str | torch.device,
-        pack: bool = False,
+        kind: LinearKind = LinearKind.PLAIN,
+        kernels: CpuKernels | None = None,
     ) -> ModelWeights:
-        return cls.from_state_dict(load_state_dict(path, dtype, device), config, pack=pack)
+        return cls.from_state_dict(load_state_dict(path, dtype, device), config, kind, kernels)
 
     def decode_bytes(self) -> int:
         """Weight bytes one decode step reads: every layer, the final norm and the LM head (not the embedding

@@ -1,7 +1,7 @@
-"""Pre-packed matmul weights (``engine.weights.Linear.pack``) against the torch oracle, on this host's ISA.
+"""The matmul paths of ``engine.weights`` (``LinearKind``) against the torch oracle, on this host's ISA.
 
-oneDNN picks its kernel for the CPU it runs on (AVX2, AVX-512, AMX, NEON), so whichever path this host
-takes is the one tested here; ``cpu_isa`` names it in the test ids' output when run with ``-s``.
+The C kernels are built with ``-march=native`` (8-float vectors on AVX2/NEON, 16 on AVX-512) and oneDNN
+dispatches on the CPU it finds, so whichever paths this host takes are the ones tested here.
 """
 
 from __future__ import annotations
@@ -10,54 +10,99 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.cpu_kernels import cpu_isa
+from pdserve.engine.cpu_kernels import cpu_isa, kernel_cache_dir, load_cpu_kernels
 from pdserve.engine.env import EngineEnv
-from pdserve.engine.weights import Linear, can_pack
+from pdserve.engine.weights import Linear, LinearKind, choose_linear, onednn_runs
 
 CPU = torch.device("cpu")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_cpu_kernels(kernel_cache_dir())
+    if k is None:
+        pytest.skip("no C compiler here: the engine uses oneDNN or F.linear")
+    return k
 
 
 def test_cpu_isa_names_the_host() -> None:
     info = cpu_isa()
     assert info["isa"] in {"amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd", "sve", "portable"}
     assert isinstance(info["flags"], list)
-    print(info)
 
 
-@pytest.mark.skipif(not can_pack(torch.float32, CPU, EngineEnv()), reason="oneDNN packing unavailable here")
-@pytest.mark.parametrize("rows", [1, 3, 8, 33, 257])
+def _case(n: int, k: int, rows: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + rows)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    return w, b, x
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = max(1.0, want.float().abs().max().item())
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 33, 257])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_float32_matches_f_linear(rows: int, bias: bool) -> None:
-    g = torch.Generator().manual_seed(rows)
-    w = torch.randn(200, 96, generator=g) * 0.1  # out, in: not multiples of any vector width
-    b = torch.randn(200, generator=g) if bias else None
-    x = torch.randn(rows, 96, generator=g)
-    packed = Linear.pack(w, b)
-    assert packed.packed and packed.out_features == 200
-    got, want = packed(x), F.linear(x, w, b)
-    assert got.shape == want.shape == (rows, 200)
-    # Same products, summed in another order: float32 rounding apart, never more.
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+def test_panels_match_f_linear(kernels, dtype: torch.dtype, rows: int, bias: bool) -> None:
+    # 200 outputs: not a multiple of any panel width, so the partial last panel is exercised.
+    w, b, x = _case(200, 96, rows, dtype, bias)
+    lin = Linear.build(w, b, LinearKind.PANELS, kernels)
+    assert lin.packed and lin.out_features == 200
+    got = lin(x)
+    assert got.shape == (rows, 200) and got.dtype == dtype
+    # Reference in float32 from the same (rounded) inputs, rounded once: what the kernel promises.
+    want = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    _close(got, want, dtype)
 
 
-@pytest.mark.skipif(
-    not can_pack(torch.bfloat16, CPU, EngineEnv()), reason="oneDNN bfloat16 unavailable on this CPU"
-)
-def test_packed_bfloat16_is_bitwise_f_linear() -> None:
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(128, 64, generator=g) * 0.1).to(torch.bfloat16)
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+def test_panels_on_model_sized_shapes(kernels) -> None:
+    for n, k in ((960, 576), (576, 1536), (49152 + 5, 64)):
+        w, b, x = _case(n, k, 8, torch.float32, bias=False, seed=n)
+        _close(Linear.build(w, b, LinearKind.PANELS, kernels)(x), F.linear(x, w), torch.float32)
+
+
+def test_panels_take_strided_inputs(kernels) -> None:
+    w, _, x = _case(40, 32, 6, torch.float32, bias=False)
+    wide = torch.randn(6, 64)
+    wide[:, :32] = x
+    lin = Linear.build(w, None, LinearKind.PANELS, kernels)
+    _close(lin(wide[:, :32]), F.linear(x, w), torch.float32)
+    with pytest.raises(ValueError, match="linear"):
+        lin(torch.randn(6, 31))
+
+
+@pytest.mark.skipif(not onednn_runs(torch.float32, CPU), reason="oneDNN unavailable here")
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_onednn_float32_matches_f_linear(rows: int) -> None:
+    w, b, x = _case(200, 96, rows, torch.float32, bias=True)
+    _close(Linear.pack(w, b)(x), F.linear(x, w, b), torch.float32)
+
+
+@pytest.mark.skipif(not onednn_runs(torch.bfloat16, CPU), reason="oneDNN bfloat16 unavailable on this CPU")
+def test_onednn_bfloat16_is_bitwise_f_linear() -> None:
+    w, _, x = _case(128, 64, 5, torch.bfloat16, bias=False)
     assert torch.equal(Linear.pack(w)(x), F.linear(x, w))
 
 
-def test_pack_linear_env_switch() -> None:
-    assert EngineEnv.from_environ({}).pack_linear is None
-    assert EngineEnv.from_environ({"PDSERVE_PACK_LINEAR": "0"}).pack_linear is False
-    assert EngineEnv.from_environ({"PDSERVE_PACK_LINEAR": " On "}).pack_linear is True
-    with pytest.raises(ValueError, match="PDSERVE_PACK_LINEAR"):
-        EngineEnv.from_environ({"PDSERVE_PACK_LINEAR": "maybe"})
-    off = EngineEnv(pack_linear=False)
-    assert not can_pack(torch.float32, CPU, off)
-    assert not can_pack(torch.bfloat16, CPU, off)
-    # Never on a device oneDNN does not run on, whatever the switch says.
-    assert not can_pack(torch.float32, torch.device("meta"), EngineEnv(pack_linear=True))
+def test_choose_linear(kernels) -> None:
+    auto = EngineEnv()
+    assert choose_linear(torch.float32, CPU, kernels, auto) is LinearKind.PANELS
+    half = choose_linear(torch.bfloat16, CPU, kernels, auto)
+    assert half is (LinearKind.ONEDNN if onednn_runs(torch.bfloat16, CPU) else LinearKind.PANELS)
+    assert choose_linear(torch.float32, CPU, None, auto) in (LinearKind.ONEDNN, LinearKind.PLAIN)
+    assert choose_linear(torch.float32, torch.device("meta"), kernels, auto) is LinearKind.PLAIN
+    assert choose_linear(torch.float32, CPU, kernels, EngineEnv(linear="plain")) is LinearKind.PLAIN
+    with pytest.raises(ValueError, match="panels"):
+        choose_linear(torch.float32, CPU, None, EngineEnv(linear="panels"))
+
+
+def test_linear_env_switch() -> None:
+    assert EngineEnv.from_environ({}).linear is None
+    assert EngineEnv.from_environ({"PDSERVE_LINEAR": " Panels "}).linear == "panels"
+    with pytest.raises(ValueError, match="PDSERVE_LINEAR"):
+        EngineEnv.from_environ({"PDSERVE_LINEAR": "fast"})
