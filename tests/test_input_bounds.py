@@ -92,3 +92,32 @@ def test_hostile_http_requests_are_400_naming_the_field(model_dir):
                     assert resp.status == 200
 
     run(main())
+
+
+def test_http_body_over_the_limit_is_400_naming_body() -> None:
+    """aiohttp answers 413 past ``client_max_size``; the front maps it to 400 naming ``body`` and the limit
+    (before the router is consulted, so no cluster is needed)."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from pdserve.router.openai.server import OpenAIFront
+
+    async def go() -> None:
+        front = OpenAIFront(router=None, host="127.0.0.1", port=0, model_name="m")  # type: ignore[arg-type]
+        front.max_body_bytes = 1024
+        server = TestServer(front.app(), host="127.0.0.1")
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "m", "prompt": "x" * 4096}
+                async with http.post(server.make_url("/v1/completions"), json=body) as r:
+                    assert r.status == 400
+                    err = (await r.json())["error"]
+                    assert err["param"] == "body" and "1024 bytes" in err["message"]
+                    assert err["type"] == "invalid_request_error"
+        finally:
+            await server.close()
+
+    asyncio.run(go())

@@ -78,6 +78,7 @@ log = logging.getLogger(__name__)
 _MAX_BODY_BYTES = 64 << 20
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_ID_HEADER = "X-Request-ID"
+_BODY_LIMIT: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 _INLINE_TOKENIZE_BYTES = 4096  # as the request path's own threshold (service.py)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -93,6 +94,10 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return await handler(request)
     except OpenAIError as e:
         return _error_response(e)
+    except web.HTTPRequestEntityTooLarge:
+        # aiohttp's 413 while reading the body: a bounded input like the others, so 400 naming it.
+        limit = request.app[_BODY_LIMIT]
+        return _error_response(invalid(f"request body is over the limit of {limit} bytes", "body"))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -118,6 +123,8 @@ def _request_id(request: web.Request, kind: Kind) -> str:
 class OpenAIFront:
     """The HTTP server: ``start`` binds and serves, ``stop`` closes (after the router drained)."""
 
+    max_body_bytes = _MAX_BODY_BYTES  # a larger body is refused with 400 naming ``body``
+
     def __init__(self, router: Router, host: str, port: int, model_name: str) -> None:
         self.router = router
         self.host, self.port = host, port
@@ -130,7 +137,8 @@ class OpenAIFront:
         return f"http://{self.host}:{self.port}"
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_openai_errors], client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(middlewares=[_openai_errors], client_max_size=self.max_body_bytes)
+        app[_BODY_LIMIT] = self.max_body_bytes
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
