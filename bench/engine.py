@@ -271,16 +271,20 @@ def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
 # ---- the run -------------------------------------------------------------------------------------------
 
 
-def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
-    cpu = platform.processor()
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
     try:
-        cpu = next(
+        return next(
             ln.split(":", 1)[1].strip()
             for ln in Path("/proc/cpuinfo").read_text().splitlines()
             if ln.startswith("model name")
         )
     except (OSError, StopIteration):
-        pass
+        return platform.processor()
+
+
+def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
+    cpu = cpu_name()
     try:
         import transformers
 

