@@ -24,3 +24,14 @@ def tiny_model_dir(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-single"))
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The C kernel library built for this host (``engine.cpu_kernels``); skips where none can be built."""
+    from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
+
+    k = load_cpu_kernels(kernel_cache_dir())
+    if k is None:
+        pytest.skip("no C compiler here: the engine runs its torch path and oneDNN or F.linear")
+    return k

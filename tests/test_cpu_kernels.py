@@ -7,18 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention import DecodeMeta, decode_attention, write_kv
-from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels, supports
+from pdserve.engine.cpu_kernels import supports
 from pdserve.engine.model import apply_rope, rms_norm
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_cpu_kernels(kernel_cache_dir())
-    if k is None:
-        pytest.skip("no C compiler here: the engine runs its torch path")
-    return k
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
