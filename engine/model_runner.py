@@ -17,10 +17,12 @@ finite), so a transport can register it once.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +40,9 @@ from pdserve.engine.model import (
 )
 from pdserve.engine.weights import ModelWeights, choose_linear
 
+if TYPE_CHECKING:
+    from pdserve.engine.cuda_backend import DecodeGraphs
+
 __all__ = [
     "Backend",
     "DecodeItem",
@@ -51,17 +56,32 @@ __all__ = [
 DEFAULT_CACHE_SEQUENCES = 8
 
 
+# On CUDA, what the KV cache leaves free of the device's share for activations, graphs and logits.
+CUDA_ACTIVATION_RESERVE = 512 << 20
+
+
 class Backend(StrEnum):
     """Who runs the non-matmul work of a step (attention, norms, RoPE + K/V store, SiLU).
 
-    AUTO: the C kernels of ``engine.cpu_kernels`` on CPU when they build and fit the model, else torch.
-    TORCH: torch ops only (any device); decode attention gathers the blocks and runs SDPA.
+    AUTO: the C kernels of ``engine.cpu_kernels`` on CPU, the Triton kernels of ``engine.triton_kernels``
+    on CUDA, when they are available and fit the model; else torch.
+    TORCH: torch ops only (any device); decode attention gathers the blocks and runs SDPA. The oracle.
     CPU_KERNELS: the C kernels; ValueError when they are unavailable.
+    TRITON: the Triton kernels, with decode under CUDA graphs (``engine.cuda_backend``); CUDA only.
     """
 
     AUTO = "auto"
     TORCH = "torch"
     CPU_KERNELS = "cpu_kernels"
+    TRITON = "triton"
+
+
+def _triton_fits(config: ModelConfig) -> bool:
+    try:
+        from pdserve.engine import triton_kernels
+    except ImportError:
+        return False
+    return triton_kernels.supports(config.num_heads, config.num_kv_heads, config.head_dim)
 
 
 @dataclass(frozen=True)
@@ -89,12 +109,14 @@ class ModelRunner:
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
         backend: Backend | str = Backend.AUTO,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         """Load the model and allocate the KV cache.
 
-        Cache size: ``num_blocks`` wins; else as many blocks as fit in ``kv_cache_bytes``; else
-        ``DEFAULT_CACHE_SEQUENCES`` (8) sequences of ``max_position_embeddings`` tokens.
-        ``backend``: see ``Backend``.
+        Cache size: ``num_blocks`` wins; else as many blocks as fit in ``kv_cache_bytes``; else, on CUDA,
+        what ``gpu_memory_utilization`` (default 0.9) of the device's memory leaves once the weights and
+        ``CUDA_ACTIVATION_RESERVE`` are counted (as vLLM's flag); else ``DEFAULT_CACHE_SEQUENCES`` (8)
+        sequences of ``max_position_embeddings`` tokens. ``backend``: see ``Backend``.
         """
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -109,14 +131,17 @@ class ModelRunner:
         c = self.config
         elt = torch.empty((), dtype=dtype).element_size()
         self.kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * elt
-        if num_blocks is None:
-            if kv_cache_bytes is not None:
-                num_blocks = kv_cache_bytes // (self.kv_bytes_per_token * block_size)
-            else:
-                num_blocks = -(-c.max_position_embeddings * DEFAULT_CACHE_SEQUENCES // block_size)
-        if num_blocks < 1:
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        on_cuda = self.device.type == "cuda"
+        if on_cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if num_blocks is None and kv_cache_bytes is not None:
+            num_blocks = kv_cache_bytes // (self.kv_bytes_per_token * block_size)
+        if num_blocks is None and not on_cuda:
+            num_blocks = -(-c.max_position_embeddings * DEFAULT_CACHE_SEQUENCES // block_size)
+        if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"KV cache must hold at least one block (got {num_blocks} blocks)")
-        self.num_blocks = int(num_blocks)
 
         # The kernel library also holds the panel matmuls (``engine.weights.LinearKind.PANELS``), which
         # any model shape can use; its attention and elementwise kernels serve the shapes ``supports``.
@@ -131,10 +156,26 @@ class ModelRunner:
                     "a C compiler and head_dim % 16 == 0)"
                 )
         self.backend = Backend.TORCH if self.kernels is None else Backend.CPU_KERNELS
+        # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: tests ask for it there.
+        interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+        wants_triton = backend is Backend.TRITON or (backend is Backend.AUTO and on_cuda)
+        if wants_triton and (on_cuda or interpreted) and _triton_fits(c):
+            self.backend = Backend.TRITON
+        if backend is Backend.TRITON and self.backend is not Backend.TRITON:
+            raise ValueError(
+                "backend='triton' is unavailable here (needs a CUDA device, Triton, and a power-of-two "
+                "head_dim >= 16)"
+            )
 
         self.linear_kind = choose_linear(dtype, self.device, lib)
         self.weights = ModelWeights.load(self.model_dir, c, dtype, self.device, self.linear_kind, lib)
         self.rope = RopeTables.build(c, dtype, self.device)
+        block_bytes = self.kv_bytes_per_token * block_size
+        if on_cuda:
+            num_blocks = _cuda_num_blocks(self.device, num_blocks, block_bytes, gpu_memory_utilization)
+        assert num_blocks is not None
+        self.num_blocks = int(num_blocks)
+        self._decoder: DecodeGraphs | None = None
         self.kv = torch.zeros(
             c.num_layers,
             self.num_blocks,
@@ -145,6 +186,36 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
         )  # [L, N, 2, B, Hkv, D]
+
+    @property
+    def graph_capture_s(self) -> float | None:
+        """Seconds the CUDA-graph capture of decode took at start-up (None: no graphs)."""
+        return self._decoder.capture_s if self._decoder is not None else None
+
+    def prepare_decode(self, max_batch: int, cuda_graphs: bool = True) -> None:
+        """Triton backend: static decode inputs for up to ``max_batch`` sequences, and (``cuda_graphs``)
+        a CUDA graph per bucketed batch size, captured now. A no-op on other backends."""
+        if self.backend is not Backend.TRITON:
+            return
+        cuda_graphs = cuda_graphs and self.device.type == "cuda"  # (the interpreter in tests: eager)
+        d = self._decoder
+        if d is not None and d.max_batch >= max_batch and (d.capture_s is not None) == cuda_graphs:
+            return
+        from pdserve.engine.cuda_backend import DecodeGraphs, make_forward
+
+        c = self.config
+        with torch.inference_mode():
+            self._decoder = DecodeGraphs(
+                make_forward(self.weights, c, self.rope, self.kv),
+                max_batch=max_batch,
+                max_blocks=-(-c.max_position_embeddings // self.block_size),
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                num_kv_heads=c.num_kv_heads,
+                max_len=c.max_position_embeddings,
+                device=self.device,
+                use_graphs=cuda_graphs,
+            )
 
     def _check_positions(self, last_position: int) -> None:
         if last_position >= self.config.max_position_embeddings:
@@ -171,6 +242,8 @@ class ModelRunner:
                 raise ValueError(f"start_pos must be >= 0, got {it.start_pos}")
             self._check_positions(it.start_pos + len(it.token_ids) - 1)
             ids.extend(it.token_ids)
+        if self.backend is Backend.TRITON:
+            return self._prefill_triton(items, layer_hook, all_logits)
         meta = PrefillMeta.build(
             [(len(it.token_ids), it.block_table, it.start_pos) for it in items],
             self.block_size,
@@ -197,6 +270,12 @@ class ModelRunner:
             if it.position < 0:
                 raise ValueError(f"position must be >= 0, got {it.position}")
             self._check_positions(it.position)
+        if self.backend is Backend.TRITON:
+            if self._decoder is None:
+                self.prepare_decode(max(64, len(items)), cuda_graphs=False)
+            assert self._decoder is not None
+            with torch.inference_mode():
+                return self._decoder.run([(it.token_id, it.position, it.block_table) for it in items])
         kernels = self.kernels
         meta = DecodeMeta.build(
             [(it.position, it.block_table) for it in items],
@@ -218,7 +297,63 @@ class ModelRunner:
             hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend)
             return logits(self.weights, self.config, hidden, ops)
 
+    def _prefill_triton(
+        self, items: Sequence[PrefillItem], layer_hook: LayerHook | None, all_logits: bool
+    ) -> torch.Tensor:
+        from pdserve.engine import triton_kernels as tk
+        from pdserve.engine.cuda_backend import TritonStepOps, prefill_inputs
+
+        inp = prefill_inputs(
+            [(it.token_ids, it.block_table, it.start_pos) for it in items],
+            self.block_size,
+            self.num_blocks,
+            self.device,
+        )
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return tk.prefill_attention(
+                self.kv[layer], q, inp.tables, inp.cu_seqlens, inp.start_pos, inp.max_new
+            )
+
+        with torch.inference_mode():
+            ops = TritonStepOps(self.config, self.rope, inp.positions, inp.slots)
+            hidden = forward_hidden(
+                self.weights, self.config, inp.token_ids, ops, self.kv, attend, layer_hook
+            )
+            if not all_logits:
+                hidden = hidden.index_select(0, inp.last_rows)  # [n, hidden]
+            return logits(self.weights, self.config, hidden, ops)
+
     def _ops(self, positions: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> StepOps:
         if self.kernels is not None:
             return KernelStepOps(self.kernels, self.config, self.rope, positions, k_rows, v_rows)
         return TorchStepOps(self.config, self.rope, positions, k_rows, v_rows)
+
+
+def _cuda_num_blocks(
+    device: torch.device, num_blocks: int | None, block_bytes: int, utilization: float | None
+) -> int:
+    """The cache size on CUDA, checked against the device's free memory (weights are loaded by now)."""
+    free, total = torch.cuda.mem_get_info(device)
+    room = free - CUDA_ACTIVATION_RESERVE
+    gib = 1 << 30
+    if num_blocks is not None:
+        if num_blocks * block_bytes > room:
+            raise ValueError(
+                f"a KV cache of {num_blocks} blocks ({num_blocks * block_bytes / gib:.2f} GiB) does not fit "
+                f"in the {free / gib:.2f} GiB free on {device} (less {CUDA_ACTIVATION_RESERVE >> 20} MiB for "
+                "activations): lower --num-blocks / --kv-cache-bytes, or leave them unset to size the cache "
+                "from --gpu-memory-utilization"
+            )
+        return num_blocks
+    util = 0.9 if utilization is None else utilization
+    # The device's share for this worker, less what the process already holds (weights, workspaces).
+    budget = min(int(util * total) - torch.cuda.memory_reserved(device) - CUDA_ACTIVATION_RESERVE, room)
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"no room for a KV cache on {device}: {free / gib:.2f} GiB free of {total / gib:.2f} GiB, "
+            f"and --gpu-memory-utilization {util} allows {util * total / gib:.2f} GiB for this worker; "
+            "raise --gpu-memory-utilization or free the device"
+        )
+    return int(blocks)

@@ -4,11 +4,14 @@ One call per step samples every row of the batch. Sampling is the exponential
 race (equivalent to Gumbel-max): ``argmax(probs / q)`` with ``q ~ Exp(1)``.
 
 Seeded rows are stateless per token: the noise for output token ``i`` of a
-request comes from a generator seeded with ``mix(seed, i)`` and nothing else.
-So a seeded request samples the same tokens alone or in any batch, and in the
-disaggregated system the prefill worker (token 0) and the decode worker
-(tokens 1..) sample exactly what a colocated engine would. Unseeded rows share
-one engine-wide generator. An all-greedy batch is a single argmax.
+request is a counter-based hash of (``mix(seed, i)``, vocabulary index) and
+nothing else, computed for every seeded row at once in int64 tensor ops on the
+logits' device (no per-row generators, no per-row kernel launches). So a
+seeded request samples the same tokens alone or in any batch, on CPU and on
+CUDA alike, and in the disaggregated system the prefill worker (token 0) and
+the decode worker (tokens 1..) sample exactly what a colocated engine would.
+Unseeded rows share one engine-wide generator. An all-greedy batch is a single
+argmax; every batch ends in one device-to-host copy, of the token ids.
 """
 
 from __future__ import annotations
@@ -35,6 +38,41 @@ def token_seed(seed: int, index: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 1
 
 
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GAMMA = _signed(0x9E3779B97F4A7C15)
+_FMIX1 = _signed(0xFF51AFD7ED558CCD)
+_FMIX2 = _signed(0xC4CEB9FE1A85EC53)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniform(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """``[m, n]`` float32 uniforms in (0, 1): row ``r``, column ``j`` is murmur3's 64-bit finaliser of
+    ``keys[r] + (j + 1) * golden_gamma`` (mod 2**64; int64 arithmetic wraps), top 24 bits, centred.
+    ``keys [m]`` int64. The same bits on every device (``counter_uniform_reference`` is the spec)."""
+    cols = torch.arange(1, n + 1, dtype=torch.int64, device=keys.device)
+    x = keys[:, None] + cols[None, :] * _GAMMA  # [m, n]
+    x = (x ^ _shr(x, 33)) * _FMIX1
+    x = (x ^ _shr(x, 33)) * _FMIX2
+    x = x ^ _shr(x, 33)
+    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def counter_uniform_reference(key: int, j: int) -> float:
+    """Pure-Python ``counter_uniform(tensor([key]), n)[0, j]``."""
+    x = (key + (j + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 33)) * 0xFF51AFD7ED558CCD) & _MASK64
+    x = ((x ^ (x >> 33)) * 0xC4CEB9FE1A85EC53) & _MASK64
+    x ^= x >> 33
+    return ((x >> 40) + 0.5) / (1 << 24)
+
+
 @dataclass(frozen=True)
 class SampleRow:
     """One row of the logits to sample: the request's params and how many tokens it has output so far."""
@@ -58,15 +96,16 @@ class Sampler:
         if n == 0:
             return []
         logits = self._mask_min_tokens(logits, rows, vocab)
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            return logits.argmax(dim=-1).tolist()
-        out = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * n
-        idx = [i for i in range(n) if not greedy[i]]
-        sampled = self._sample(logits[idx], [rows[i] for i in idx])
-        for i, t in zip(idx, sampled, strict=True):
-            out[i] = t
-        return out
+        tokens = logits.argmax(dim=-1)  # [n]
+        idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if idx:
+            sub = logits if len(idx) == n else logits[idx]
+            sampled = self._sample(sub, [rows[i] for i in idx])
+            if len(idx) == n:
+                tokens = sampled
+            else:
+                tokens[idx] = sampled
+        return tokens.tolist()  # the step's one device-to-host copy
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: Sequence[SampleRow], vocab: int) -> torch.Tensor:
         """Until a request has ``min_tokens`` outputs, its stop tokens and eos cannot be sampled.
@@ -87,34 +126,45 @@ class Sampler:
             logits[i, sorted(ids)] = float("-inf")
         return logits
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         m, vocab = logits.shape
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
         logits = logits / temps.unsqueeze(1)  # [m, V]
         filt = [i for i, r in enumerate(rows) if r.params.top_k != -1 or r.params.top_p < 1.0]
         if filt:
             sub = [rows[i] for i in filt]
             k = torch.tensor(
-                [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in sub],
-                device=logits.device,
+                [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in sub], device=dev
             )
-            p = torch.tensor([r.params.top_p for r in sub], dtype=logits.dtype, device=logits.device)
-            logits[filt] = apply_top_k_top_p(logits[filt], k, p)
+            p = torch.tensor([r.params.top_p for r in sub], dtype=logits.dtype, device=dev)
+            if len(filt) == m:
+                logits = apply_top_k_top_p(logits, k, p)
+            else:
+                logits[filt] = apply_top_k_top_p(logits[filt], k, p)
         probs = logits.softmax(dim=-1)  # [m, V]
-        q = torch.empty_like(probs)  # [m, V] exponential noise
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            q[unseeded] = torch.empty(
-                (len(unseeded), vocab), dtype=probs.dtype, device=probs.device
-            ).exponential_(generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.params.seed is not None:
-                g = torch.Generator(device=probs.device)
-                g.manual_seed(token_seed(r.params.seed, r.output_index))
-                q[i].exponential_(generator=g)
+        if not seeded:  # exponential noise, one draw per token
+            q = torch.empty_like(probs).exponential_(generator=self.generator)
+        else:
+            keys = torch.tensor(
+                [token_seed(rows[i].params.seed or 0, rows[i].output_index) for i in seeded],
+                dtype=torch.int64,
+                device=dev,
+            )
+            noise = counter_uniform(keys, vocab).log_().neg_()  # [len(seeded), V] Exp(1)
+            if not unseeded:
+                q = noise
+            else:
+                q = torch.empty_like(probs)
+                q[seeded] = noise
+                q[unseeded] = torch.empty((len(unseeded), vocab), dtype=probs.dtype, device=dev).exponential_(
+                    generator=self.generator
+                )
         # A zero draw would turn a masked (zero-probability) token into 0/0 = NaN, which argmax picks.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return probs.div_(q).argmax(dim=-1).tolist()
+        return probs.div_(q).argmax(dim=-1)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

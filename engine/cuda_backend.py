@@ -1,0 +1,296 @@
+"""The CUDA backend of ``ModelRunner``: Triton kernels for the non-matmul work, CUDA graphs for decode.
+
+- ``TritonStepOps``: the ``engine.model.StepOps`` of a step on CUDA (``engine.triton_kernels``): residual
+  add + RMSNorm, RoPE + K/V store, SiLU * up, each one kernel.
+- ``prefill_inputs``: a prefill step's index tensors (positions, cache slots, ``cu_seqlens``, start
+  positions, padded block tables) built on the host in one pinned buffer and copied to the device at once.
+- ``DecodeGraphs``: decode at bucketed batch sizes up to ``max_batch`` under CUDA graphs. Inputs live in
+  one static device buffer (token ids, positions, cache slots, context lengths, block tables) that each
+  step overwrites with one host-to-device copy; rows past the batch are padding (slot -1: no store;
+  length 0: attends nothing) and are sliced off the logits. Capture happens once at start-up
+  (``capture_s`` says how long it took). Batches over the largest bucket, or ``use_graphs=False``
+  (``enforce_eager``), run the same code eagerly.
+
+The logits a graph returns are a view of its static output: read them before the next decode step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine import triton_kernels as tk
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.model import RopeTables, forward_hidden, logits
+
+__all__ = ["DecodeGraphs", "PrefillInputs", "TritonStepOps", "decode_buckets", "prefill_inputs"]
+
+
+class TritonStepOps:
+    """Per-step non-matmul ops on CUDA; ``positions`` and ``slots`` (cache slot per token, -1: none)."""
+
+    def __init__(self, config: ModelConfig, rope: RopeTables, positions: torch.Tensor, slots: torch.Tensor):
+        self.n_h, self.n_kv, self.d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.rope, self.positions, self.slots = rope, positions, slots
+
+    def add_rms_norm(
+        self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return tk.add_rms_norm(x, res, weight, eps)
+
+    def rope_store(
+        self, kv_layer: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, n_h, n_kv, d = qkv.shape[0], self.n_h, self.n_kv, self.d
+        tk.rope_store(
+            qkv, n_h, n_kv, d, self.rope.cos, self.rope.sin_signed, self.positions, kv_layer, self.slots
+        )
+        q = qkv[:, : n_h * d].view(t, n_h, d)  # rotated in place
+        k = qkv[:, n_h * d : (n_h + n_kv) * d].view(t, n_kv, d)
+        v = qkv[:, (n_h + n_kv) * d :].view(t, n_kv, d)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return tk.silu_mul(gate_up)
+
+
+def _check_table(table: Sequence[int], tokens: int, block_size: int, num_blocks: int) -> None:
+    if len(table) * block_size < tokens:
+        raise ValueError(f"block table of {len(table)} blocks cannot hold {tokens} tokens")
+
+
+def _check_ids(tables: np.ndarray, num_blocks: int) -> None:
+    if tables.size and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+        raise ValueError(f"a block table has ids outside [0, {num_blocks})")
+
+
+def _pinned(n: int) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.int64, pin_memory=torch.cuda.is_available())
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] cache slot of each token (block * B + offset)
+    cu_seqlens: torch.Tensor  # [n + 1]
+    start_pos: torch.Tensor  # [n]
+    last_rows: torch.Tensor  # [n] each chunk's last row in the batch
+    tables: torch.Tensor  # [n, M] block ids, rows padded with 0
+    max_new: int
+
+
+def prefill_inputs(
+    items: Sequence[tuple[Sequence[int], Sequence[int], int]],
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+) -> PrefillInputs:
+    """``items``: (new token ids, block table, start_pos) per chunk. One host-to-device copy."""
+    n = len(items)
+    lens = np.fromiter((len(ids) for ids, _, _ in items), dtype=np.int64, count=n)
+    starts = np.fromiter((s for _, _, s in items), dtype=np.int64, count=n)
+    t = int(lens.sum())
+    m = max(-(-(s + len(ids)) // block_size) for ids, _, s in items)
+    host = _pinned(3 * t + 3 * n + 1 + n * m)
+    h = host.numpy()
+    ids_h, pos_h, slot_h = h[:t], h[t : 2 * t], h[2 * t : 3 * t]
+    cu_h = h[3 * t : 3 * t + n + 1]
+    start_h = h[3 * t + n + 1 : 3 * t + 2 * n + 1]
+    last_h = h[3 * t + 2 * n + 1 : 3 * t + 3 * n + 1]
+    tab_h = h[3 * t + 3 * n + 1 :].reshape(n, m)
+    tab_h[:] = 0
+    cu_h[0] = 0
+    np.cumsum(lens, out=cu_h[1:])
+    start_h[:] = starts
+    last_h[:] = cu_h[1:] - 1
+    for i, (ids, table, s) in enumerate(items):
+        total = s + len(ids)
+        _check_table(table, total, block_size, num_blocks)
+        used = -(-total // block_size)
+        tab_h[i, :used] = table[:used]
+        a, b = cu_h[i], cu_h[i + 1]
+        ids_h[a:b] = ids
+        pos = np.arange(s, total, dtype=np.int64)
+        pos_h[a:b] = pos
+        slot_h[a:b] = tab_h[i, pos // block_size] * block_size + pos % block_size
+    _check_ids(tab_h, num_blocks)
+    dev = host.to(device, non_blocking=True)
+    return PrefillInputs(
+        token_ids=dev[:t],
+        positions=dev[t : 2 * t],
+        slots=dev[2 * t : 3 * t],
+        cu_seqlens=dev[3 * t : 3 * t + n + 1],
+        start_pos=dev[3 * t + n + 1 : 3 * t + 2 * n + 1],
+        last_rows=dev[3 * t + 2 * n + 1 : 3 * t + 3 * n + 1],
+        tables=dev[3 * t + 3 * n + 1 :].view(n, m),
+        max_new=int(lens.max()),
+    )
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 8 up to 64, every 16 up to 256,
+    every 32 beyond, and ``max_batch`` itself."""
+    out = [b for b in (1, 2, 4) if b < max_batch]
+    b = 8
+    while b < max_batch:
+        out.append(b)
+        b += 8 if b < 64 else 16 if b < 256 else 32
+    out.append(max_batch)
+    return out
+
+
+# forward(ids [n], positions [n], slots [n], tables [n, M], lens [n], splits) -> float32 logits [n, V]
+DecodeForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor
+]
+
+
+class DecodeGraphs:
+    """Static decode inputs and one CUDA graph per bucket (see the module docstring)."""
+
+    def __init__(
+        self,
+        forward: DecodeForward,
+        *,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        max_len: int,
+        device: torch.device,
+        use_graphs: bool = True,
+    ) -> None:
+        self.forward = forward
+        self.max_batch, self.max_blocks, self.block_size, self.num_blocks = (
+            max_batch,
+            max_blocks,
+            block_size,
+            num_blocks,
+        )
+        self.device = device
+        self.buckets = decode_buckets(max_batch)
+        on_cuda = device.type == "cuda"
+        # (Off CUDA only Triton's interpreter runs this, in tests: no graphs, any SM count.)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 8
+        # Graphs fix the split count per bucket, for the longest context the model takes.
+        self.splits = {b: tk.decode_splits(b, num_kv_heads, max_len, sms) for b in self.buckets}
+        self._sms, self._n_kv = sms, num_kv_heads
+        bm = max_batch
+        self._host = _pinned(4 * bm + bm * max_blocks)
+        self._h = self._host.numpy()
+        self._dev = torch.zeros(4 * bm + bm * max_blocks, dtype=torch.int64, device=device)
+        self.ids, self.positions, self.slots, self.lens = (self._dev[i * bm : (i + 1) * bm] for i in range(4))
+        self.tables = self._dev[4 * bm :].view(bm, max_blocks)
+        self._copied = torch.cuda.Event() if on_cuda else None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s: float | None = None
+        if use_graphs:
+            if not on_cuda:
+                raise ValueError("CUDA graphs need a CUDA device")
+            self._capture()
+
+    def _run(self, n: int, splits: int) -> torch.Tensor:
+        return self.forward(
+            self.ids[:n], self.positions[:n], self.slots[:n], self.tables[:n], self.lens[:n], splits
+        )
+
+    def _capture(self) -> None:
+        t0 = time.perf_counter()
+        self._h[:] = 0
+        self._h[2 * self.max_batch : 3 * self.max_batch] = -1  # padding: no slot, no keys
+        self._dev.copy_(self._host)
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
+            self._run(b, self.splits[b])  # warm-up: compiles the kernels for this shape
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self._run(b, self.splits[b])
+            self.graphs[b] = (g, out)
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+
+    def run(self, items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+        """``items``: (token id, position, block table) per sequence. Returns float32 logits ``[n, V]``."""
+        n = len(items)
+        bm, bs = self.max_batch, self.block_size
+        bucket = next((b for b in self.buckets if b >= n), n) if n <= bm else n
+        if n > bm:  # more than the static buffers hold: an eager step on its own tensors
+            return self._eager(items)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer
+        h = self._h
+        tab = h[4 * bm :].reshape(bm, self.max_blocks)
+        for i, (tok, pos, table) in enumerate(items):
+            _check_table(table, pos + 1, bs, self.num_blocks)
+            used = pos // bs + 1
+            if used > self.max_blocks:
+                raise ValueError(f"position {pos} is past the {self.max_blocks * bs} tokens a graph holds")
+            tab[i, :used] = table[:used]
+            h[i] = tok
+            h[bm + i] = pos
+            h[2 * bm + i] = table[pos // bs] * bs + pos % bs
+            h[3 * bm + i] = pos + 1
+            _check_ids(tab[i, :used], self.num_blocks)
+        h[n:bucket] = 0
+        h[bm + n : bm + bucket] = 0
+        h[2 * bm + n : 2 * bm + bucket] = -1
+        h[3 * bm + n : 3 * bm + bucket] = 0
+        size = 4 * bm + bucket * self.max_blocks
+        self._dev[:size].copy_(self._host[:size], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if bucket in self.graphs:
+            g, out = self.graphs[bucket]
+            g.replay()
+            return out[:n]
+        max_len = max(pos for _, pos, _ in items) + 1
+        return self._run(bucket, tk.decode_splits(bucket, self._n_kv, max_len, self._sms))[:n]
+
+    def _eager(self, items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
+        n, bs = len(items), self.block_size
+        m = max(pos // bs + 1 for _, pos, _ in items)
+        host = _pinned(4 * n + n * m)
+        h = host.numpy()
+        tab = h[4 * n :].reshape(n, m)
+        tab[:] = 0
+        for i, (tok, pos, table) in enumerate(items):
+            _check_table(table, pos + 1, bs, self.num_blocks)
+            used = pos // bs + 1
+            tab[i, :used] = table[:used]
+            h[i], h[n + i], h[2 * n + i], h[3 * n + i] = tok, pos, table[pos // bs] * bs + pos % bs, pos + 1
+        _check_ids(tab, self.num_blocks)
+        dev = host.to(self.device, non_blocking=True)
+        max_len = int(h[3 * n : 4 * n].max())
+        splits = tk.decode_splits(n, self._n_kv, max_len, self._sms)
+        return self.forward(
+            dev[:n], dev[n : 2 * n], dev[2 * n : 3 * n], dev[4 * n :].view(n, m), dev[3 * n : 4 * n], splits
+        )
+
+
+def make_forward(weights, config: ModelConfig, rope: RopeTables, kv: torch.Tensor) -> DecodeForward:  # type: ignore[no-untyped-def]
+    """The decode forward over ``kv``: Triton ops, paged decode attention, float32 logits."""
+
+    def forward(
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        splits: int,
+    ) -> torch.Tensor:
+        ops = TritonStepOps(config, rope, positions, slots)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return tk.decode_attention(kv[layer], q, tables, lens, splits=splits)
+
+        hidden = forward_hidden(weights, config, ids, ops, kv, attend)
+        return logits(weights, config, hidden, ops)
+
+    return forward

@@ -1,0 +1,168 @@
+"""The CUDA backend through the engine: Triton kernels, decode CUDA graphs, GPU sampling, ``--device``.
+
+On CPU (CI) the Triton backend runs in Triton's interpreter (tests/conftest.py): the engine-level tests
+here check it against the torch backend. The ``gpu`` tests run on the GPU machine
+(``pytest -m gpu``) and skip cleanly elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (the CUDA backend's kernels)")
+
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.cuda_backend import decode_buckets, prefill_inputs  # noqa: E402
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pdserve.engine.model_runner import Backend, ModelRunner  # noqa: E402
+from tests.tiny_models import load_reference  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+PROMPTS = [[5, 9, 33, 7], list(range(40, 77)), [100], list(range(3, 23))]
+
+
+def _greedy(engine: LLMEngine, prompts, max_tokens: int, params=None) -> list[list[int]]:
+    sp = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(i, p, sp)
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for d in engine.step():
+            out[d.request_id].extend(d.new_token_ids)
+    assert engine.block_manager.num_free == engine.block_manager.num_blocks  # nothing stranded
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_decode_buckets_cover_every_batch_size():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    b = decode_buckets(256)
+    assert b[-1] == 256 and b == sorted(set(b)) and 80 in b and 240 in b
+    assert decode_buckets(300)[-2:] == [288, 300]
+
+
+def test_prefill_inputs_index_the_cache_like_the_torch_path():
+    items = [([7, 8, 9], [4, 2], 14), ([1], [0], 0)]
+    inp = prefill_inputs(items, 16, 8, torch.device("cpu"))
+    assert inp.token_ids.tolist() == [7, 8, 9, 1]
+    assert inp.positions.tolist() == [14, 15, 16, 0]
+    assert inp.slots.tolist() == [4 * 16 + 14, 4 * 16 + 15, 2 * 16 + 0, 0]
+    assert inp.cu_seqlens.tolist() == [0, 3, 4] and inp.start_pos.tolist() == [14, 0]
+    assert inp.last_rows.tolist() == [2, 3] and inp.max_new == 3
+    assert inp.tables.tolist() == [[4, 2], [0, 0]]
+    with pytest.raises(ValueError, match="cannot hold"):
+        prefill_inputs([([1, 2], [3], 15)], 16, 8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="outside"):
+        prefill_inputs([([1, 2], [9], 0)], 16, 8, torch.device("cpu"))
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu tests below cover it")
+def test_interpreted_triton_engine_matches_the_torch_engine(tiny_llama_dir):
+    """Whole engine (scheduler, chunked prefill, decode, sampler) on the Triton backend equals the torch
+    backend: greedy tokens, and seeded sampled tokens."""
+    cfg = EngineConfig(dtype="float32", max_num_batched_tokens=32, max_num_seqs=8)
+
+    def engine(backend: str) -> LLMEngine:
+        return LLMEngine(ModelRunner(tiny_llama_dir, backend=backend, block_size=4, num_blocks=96), None, cfg)
+
+    tri = engine("triton")
+    assert tri.runner.backend is Backend.TRITON
+    ref = engine("torch")
+    assert _greedy(tri, PROMPTS, 6) == _greedy(ref, PROMPTS, 6)  # 37 tokens > 32: chunked prefill too
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=5, ignore_eos=True)
+    assert _greedy(tri, PROMPTS[:2], 5, seeded) == _greedy(ref, PROMPTS[:2], 5, seeded)
+
+
+def test_triton_backend_is_refused_where_it_cannot_run(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if CUDA:
+        pytest.skip("a CUDA device is here")
+    with pytest.raises(ValueError, match="backend='triton' is unavailable"):
+        ModelRunner(tiny_llama_dir, backend="triton", num_blocks=8)
+
+
+# -- on the GPU machine -------------------------------------------------------------------------------
+
+
+def _hf_greedy(model_dir, prompts, n: int) -> list[list[int]]:
+    ref = load_reference(model_dir)
+    ref.generation_config.eos_token_id = None
+    out = []
+    for p in prompts:
+        with torch.inference_mode():
+            g = ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out.append(g[0, len(p) :].tolist())
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_gpu_float32_greedy_matches_transformers_for_64_steps(kind, tmp_path):
+    from tests.tiny_models import make_tiny_model
+
+    d = make_tiny_model(kind, tmp_path / kind)
+    llm = LLM(d, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8)
+    assert llm.engine.runner.backend is Backend.TRITON and llm.engine.runner.graph_capture_s is not None
+    got = _greedy(llm.engine, PROMPTS, 64)
+    assert got == _hf_greedy(d, PROMPTS, 64)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_path_gives_the_eager_path_tokens(tiny_llama_dir):
+    graphs = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8)
+    eager = LLM(
+        tiny_llama_dir, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8, enforce_eager=True
+    )
+    assert eager.engine.runner.graph_capture_s is None
+    assert _greedy(graphs.engine, PROMPTS, 40) == _greedy(eager.engine, PROMPTS, 40)
+
+
+@pytest.mark.gpu
+def test_gpu_seeded_requests_sample_the_same_alone_and_in_a_batch(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8)
+    sp = SamplingParams(temperature=1.0, top_k=50, seed=11, max_tokens=24, ignore_eos=True)
+    alone = _greedy(llm.engine, PROMPTS[1:2], 24, sp)[0]
+    batch = _greedy(llm.engine, PROMPTS, 24, sp)
+    assert batch[1] == alone
+
+
+@pytest.mark.gpu
+def test_gpu_bad_input_and_a_cache_too_big_fail_clearly(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=64)
+    with pytest.raises(ValueError, match="outside the vocabulary|vocab"):
+        llm.generate([[1, 2, 10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    free, _ = torch.cuda.mem_get_info()
+    per_block = llm.engine.runner.kv_bytes_per_token * 16
+    with pytest.raises(ValueError, match="--num-blocks"):
+        ModelRunner(tiny_llama_dir, device="cuda", num_blocks=2 * free // per_block)
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        ModelRunner(tiny_llama_dir, device="cuda", gpu_memory_utilization=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_cluster_on_one_gpu_gives_the_offline_greedy_tokens(tiny_llama_dir, tmp_path):
+    import grpc
+
+    from pdserve.proto import generation_pb2, generation_pb2_grpc
+    from tests.cluster_harness import generate, running_cluster
+
+    want = [o.token_ids for o in LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=256).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )]  # fmt: skip
+    extra = ("--model", str(tiny_llama_dir), "--device", "cuda", "--gpu-memory-utilization", "0.2",
+             "--local-prefill-threshold", "1")  # fmt: skip
+    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+        with grpc.insecure_channel(c.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for i, p in enumerate(PROMPTS):
+                req = generation_pb2.GenerateRequest(
+                    request_id=f"g{i}",
+                    prompt_token_ids=generation_pb2.TokenIds(ids=p),
+                    sampling=generation_pb2.SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                )
+                assert generate(stub, req)[0] == want[i]
+        c.assert_no_leaks()
