@@ -184,6 +184,7 @@ class DecodeGraphs:
         bm = max_batch
         self._host = _pinned(4 * bm + bm * max_blocks)
         self._h = self._host.numpy()
+        self._h[:] = 0
         self._dev = torch.zeros(4 * bm + bm * max_blocks, dtype=torch.int64, device=device)
         self.ids, self.positions, self.slots, self.lens = (self._dev[i * bm : (i + 1) * bm] for i in range(4))
         self.tables = self._dev[4 * bm :].view(bm, max_blocks)
@@ -237,13 +238,18 @@ class DecodeGraphs:
             h[bm + i] = pos
             h[2 * bm + i] = table[pos // bs] * bs + pos % bs
             h[3 * bm + i] = pos + 1
-            _check_ids(tab[i, :used], self.num_blocks)
+        # Every row checked at once: entries past a row's length are stale but were checked when written.
+        _check_ids(tab[:n], self.num_blocks)
         h[n:bucket] = 0
         h[bm + n : bm + bucket] = 0
         h[2 * bm + n : 2 * bm + bucket] = -1
         h[3 * bm + n : 3 * bm + bucket] = 0
-        size = 4 * bm + bucket * self.max_blocks
-        self._dev[:size].copy_(self._host[:size], non_blocking=True)
+        # Two copies: the four per-row vectors, and only the block-table columns this step reads (the
+        # graph reads no further than each row's length).
+        used_cols = max(pos for _, pos, _ in items) // bs + 1
+        self._dev[: 4 * bm].copy_(self._host[: 4 * bm], non_blocking=True)
+        host_tab = self._host[4 * bm :].view(bm, self.max_blocks)
+        self.tables[:bucket, :used_cols].copy_(host_tab[:bucket, :used_cols], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         if bucket in self.graphs:
