@@ -1,6 +1,11 @@
 """Engine benchmark: pdserve's model runtime against transformers and against what the hardware allows.
 
     python -m pdserve.bench.engine [--out FILE] [--model smollm2-135m-instruct] [--engine runner|llm]
+    python -m pdserve.bench.engine --device cuda [--random-model smollm2] [--out FILE]
+
+``--device cuda`` (or ``cuda:N``) runs the GPU suite instead, ``bench.engine_cuda`` (its flags:
+``--device cuda --help``): runner, ``LLM.generate``, transformers eager and static-cache compiled, and a
+bandwidth bound, in bfloat16, checked against issue #13's targets. What follows is the CPU suite.
 
 One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch threads (default 2):
 
@@ -53,6 +58,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.bench import engine_cuda
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -454,6 +461,12 @@ def _log(row: dict[str, Any]) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, Path | None]:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.engine", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
+    p.add_argument(
+        "--device",
+        choices=("cpu",),
+        default="cpu",
+        help="cpu: this suite; cuda or cuda:N run bench.engine_cuda (see --device cuda --help)",
+    )
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF directory")
     p.add_argument(
         "--engine",
@@ -493,7 +506,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, Path | N
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg, out = parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu")
+    if pre.parse_known_args(args)[0].device != "cpu":
+        engine_cuda.main(args)  # the GPU suite parses everything itself, --help included
+        return
+    cfg, out = parse_args(args)
     result = run(cfg)
     text = json.dumps(result, indent=2)
     if out is None:

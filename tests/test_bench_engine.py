@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from pdserve.bench import engine as bench
@@ -42,3 +43,99 @@ def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
         assert lin["gflops"] > 0 and lin["gbps"] > 0 and lin["bound_tok_s"] == bound["bound_tok_s"]
         assert rows[("decode", batch)]["pdserve_tok_s"] > 0
     assert rows[("membw", 1)]["weight_bytes_per_step"] > 0
+
+
+# ---- the GPU suite (bench.engine_cuda), run on CPU with a tiny model -------------------------------------
+
+
+def test_random_smollm2_has_the_packaged_models_shape(tmp_path) -> None:
+    from pdserve.bench.hf_baselines import random_config
+
+    random_config("smollm2").save_pretrained(tmp_path)
+    c = ModelConfig.from_dir(tmp_path)
+    # The packaged SmolLM2-135M-Instruct's config.json (rms_norm_eps there is 1e-5 rounded to float32).
+    assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        576, 1536, 30, 9, 3, 64,
+    )  # fmt: skip
+    assert (c.vocab_size, c.max_position_embeddings, c.rope_theta) == (49152, 8192, 100000.0)
+    assert c.tie_word_embeddings and math.isclose(c.rms_norm_eps, 1e-5, rel_tol=1e-6)
+    assert c.rope_scaling is None and c.model_type == "llama"
+
+
+def test_step_bytes_counts_weights_norms_and_kv(tiny_llama_dir) -> None:
+    import torch
+
+    from pdserve.bench.engine_cuda import step_bytes
+
+    c = ModelConfig.from_dir(tiny_llama_dir)
+    weights, kv = step_bytes(c, torch.bfloat16)
+    norms = (2 * c.num_layers + 1) * c.hidden_size
+    assert weights == 2 * (bench.matmul_params(c) + norms)
+    assert kv == 2 * c.num_layers * 2 * c.num_kv_heads * c.head_dim
+
+
+def test_acceptance_checks_the_issue_targets() -> None:
+    from pdserve.bench.engine_cuda_report import acceptance
+
+    rows = [
+        {"phase": "prefill", "batch": 1, "tokens": 1024, "llm_ms": 2.5},
+        {"phase": "decode", "batch": 1, "llm_tok_s": 1200.0, "llm_vs_static": 1.4},
+        {"phase": "decode", "batch": 8, "llm_tok_s": 9000.0, "llm_vs_static": 2.0},
+        {"phase": "decode", "batch": 32, "llm_tok_s": 19000.0},  # no static baseline: not measured
+    ]
+    acc = acceptance(rows, issue_setting=True)
+    got = {ck["check"]: ck["pass"] for ck in acc["checks"]}
+    assert got == {
+        "prefill 1024 tokens, LLM.generate ms": True,
+        "decode batch 1, LLM.generate tok/s": True,
+        "decode batch 1, LLM.generate / static+compile": False,
+        "decode batch 8, LLM.generate / static+compile": True,
+        "decode batch 32, LLM.generate tok/s": False,
+        "decode batch 32, LLM.generate / static+compile": None,
+    }
+    assert acc["all_pass"] is None and acc["issue_setting"] is True
+
+
+def test_engine_bench_hands_cuda_to_the_gpu_suite(monkeypatch) -> None:
+    from pdserve.bench import engine_cuda
+
+    seen = []
+    monkeypatch.setattr(engine_cuda, "main", seen.append)
+    bench.main(["--device", "cuda:1", "--random-model", "smollm2"])
+    assert seen == [["--device", "cuda:1", "--random-model", "smollm2"]]
+    cfg, out = engine_cuda.parse_args(["--device", "cpu", "--quick", "--batches", "1,4", "--out", "x.json"])
+    assert (
+        cfg.batches == (1, 4) and cfg.random_model == "tiny" and cfg.new_tokens == 4 and str(out) == "x.json"
+    )
+    defaults, _ = engine_cuda.parse_args(["--device", "cpu"])
+    assert defaults.batches == (1, 8, 32, 128, 256) and defaults.dtype == "bfloat16"
+    assert (defaults.prefill_len, defaults.prompt_len, defaults.new_tokens) == (1024, 128, 64)
+
+
+def test_gpu_suite_runs_on_cpu(tmp_path, capsys) -> None:
+    from pdserve.bench import engine_cuda
+
+    out = tmp_path / "engine_cuda.json"
+    engine_cuda.main(["--device", "cpu", "--quick", "--dtype", "float32", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert "decode tok/s" in capsys.readouterr().out  # the table
+    d = result["device"]
+    assert d["device"] == "cpu" and d["torch"] and d["bandwidth"]["read_gbps"] > 0
+    assert d["transformers_static"] == "skipped: cpu" and "graph_capture_s" in d["pdserve"]
+    assert result["work"]["decode_prompt_tokens"] == 8 and result["work"]["decode_new_tokens"] == 4
+    rows = {(r["phase"], r["batch"]): r for r in result["rows"]}
+    pre = rows[("prefill", 1)]
+    assert pre["tokens"] == 16 and pre["runner_ms"] > 0 and pre["llm_ms"] > 0 and pre["transformers_ms"] > 0
+    for batch in (1, 2):
+        r = rows[("decode", batch)]
+        assert r["runner_tok_s"] > 0 and r["transformers_tok_s"] > 0
+        assert "transformers_static_tok_s" not in r
+        assert r["bound_tok_s"] > 0 and r["bound_bytes_per_step"] > result["work"]["weight_bytes_per_step"]
+        # t(N) - t(1) can come out <= 0 for 3 tiny steps on a busy host: then it is None, never negative
+        assert r["llm_tok_s"] is None or r["llm_tok_s"] > 0
+    acc = result["acceptance"]
+    assert acc["issue_setting"] is False and acc["all_pass"] is None  # no static baseline on CPU
+    assert [ck["check"] for ck in acc["checks"]][:2] == [
+        "prefill 16 tokens, LLM.generate ms",
+        "decode batch 1, LLM.generate tok/s",
+    ]
