@@ -9,6 +9,8 @@ import argparse
 import os
 import sys
 
+from pdserve.engine.device import DEVICE_HELP, DTYPE_CHOICES
+
 DEFAULT_QUESTION = "What is the capital of France? Answer in two sentences."
 
 
@@ -17,7 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-q", "--question", default=DEFAULT_QUESTION, help="the user message")
     ap.add_argument("--system", default=None, help="an optional system message")
     ap.add_argument("--model", default=None, help="model name, .gguf path or HF directory (default: SmolLM2)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: what the device runs fast")
+    ap.add_argument("--device", default="cpu", help=DEVICE_HELP)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -38,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         # One conversation needs little KV memory; the runner's default sizes for 8 full contexts.
         llm = LLM(
-            args.model or DEFAULT_MODEL, dtype=args.dtype, threads=args.threads, kv_cache_bytes=256 << 20
+            args.model or DEFAULT_MODEL,
+            dtype=args.dtype,
+            device=args.device,
+            threads=args.threads,
+            kv_cache_bytes=256 << 20,
         )
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.question}

@@ -4,6 +4,11 @@
     llm = LLM("smollm2-135m-instruct", dtype="float32")
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 
+``dtype="auto"`` (the default) runs bfloat16 on CUDA and on CPUs with native bf16 dot products, float32
+elsewhere (``engine.device``); ``device`` is ``cpu``, ``cuda`` or ``cuda:N``, and on a GPU
+``gpu_memory_utilization`` (default 0.9) bounds the memory the engine takes. ``llm.engine.device`` and
+``llm.engine.dtype`` say what it picked.
+
 ``generate`` validates every prompt and parameter set before any work, adds
 all requests to the engine and steps it until all finish (continuous
 batching: sequences finish at different times and free their blocks at once).
@@ -43,7 +48,7 @@ class LLM:
         self,
         model: str | Path = DEFAULT_MODEL,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         cache_dir: str | Path | None = None,
         **engine_options: Any,

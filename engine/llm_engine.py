@@ -17,6 +17,7 @@ Not thread-safe: one thread drives ``add_*``, ``abort`` and ``step``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    check_device,
+    check_dtype,
+    check_gpu_memory_utilization,
+    resolve_device,
+    resolve_dtype,
+)
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.sampler import Sampler, SampleRow
@@ -35,6 +44,8 @@ from pdserve.engine.stopping import StopStringMatcher
 
 if TYPE_CHECKING:
     from pdserve.engine.tokenizer import TextStream, Tokenizer
+
+log = logging.getLogger(__name__)
 
 PRIME_TOKENS = 4  # prompt tokens replayed into a request's text stream before its first output
 
@@ -54,19 +65,29 @@ class EngineConfig:
         None  # KV blocks; or size the cache by kv_cache_bytes; neither: the runner decides
     )
     kv_cache_bytes: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
+    # As asked: "auto" (bfloat16 on CUDA and on CPUs with native bf16 dot products, float32 elsewhere),
+    # "float32", "bfloat16" or "float16". What the engine runs in is ``resolved_dtype``.
+    dtype: str = "auto"
+    device: str = "cpu"  # cpu | cuda | cuda:N as asked; ``resolved_device`` is the one it runs on (cuda:N)
+    # Share of the GPU's memory the engine may use (weights, activations and the KV cache), as vLLM
+    # means it; sizes the cache when neither num_blocks nor kv_cache_bytes is given. Ignored on CPU.
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     threads: int | None = None  # torch.set_num_threads when given
     max_model_len: int | None = None  # cap on the model's context
     seed: int = 0  # the engine-wide generator for unseeded sampling
     detokenize: bool = True  # False: the caller turns tokens into text and applies stop strings
+    # Resolved on this host when the config is made (``engine.device``): the device and dtype the engine
+    # runs on, which it reports. A device this host lacks fails here, before anything loads.
+    resolved_device: str = dataclasses.field(init=False)
+    resolved_dtype: str = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):
             names = {v: k for k, v in DTYPES.items()}
             object.__setattr__(self, "dtype", names.get(self.dtype, str(self.dtype)))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -77,10 +98,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        device = resolve_device(self.device)
+        object.__setattr__(self, "resolved_device", device)
+        object.__setattr__(self, "resolved_dtype", resolve_dtype(self.dtype, device))
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.resolved_dtype]
 
 
 @dataclass(frozen=True)
@@ -126,10 +150,11 @@ class LLMEngine:
             self.runner = ModelRunner(
                 model,
                 dtype=config.torch_dtype,
-                device=config.device,
+                device=config.resolved_device,
                 block_size=config.block_size,
                 num_blocks=config.num_blocks,
                 kv_cache_bytes=config.kv_cache_bytes,
+                gpu_memory_utilization=config.gpu_memory_utilization,
             )
         self.tokenizer = tokenizer
         mc = self.runner.config
@@ -153,6 +178,26 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.runner.kv.device)
         self._text: dict[Hashable, _TextState] = {}
         self.num_steps = 0  # batches run since start
+        log.info(
+            "engine: %s on %s in %s (dtype %s asked), %d KV blocks of %d tokens",
+            self.runner.model_dir.name,
+            self.device,
+            self.dtype,
+            config.dtype,
+            self.runner.num_blocks,
+            self.runner.block_size,
+        )
+
+    @property
+    def device(self) -> str:
+        """The device the engine runs on: ``cpu`` or ``cuda:N``."""
+        d = self.runner.kv.device
+        return d.type if d.index is None else f"{d.type}:{d.index}"
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the engine runs in (``auto`` resolved): ``float32``, ``bfloat16`` or ``float16``."""
+        return str(self.runner.dtype).removeprefix("torch.")
 
     @property
     def vocab_size(self) -> int:
@@ -292,4 +337,4 @@ class LLMEngine:
 
 
 def engine_config_fields() -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(EngineConfig))
+    return frozenset(f.name for f in dataclasses.fields(EngineConfig) if f.init)

@@ -37,7 +37,9 @@ OPS = st.lists(
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    return LLMEngine(tiny_llama_dir, None, EngineConfig(block_size=BLOCK, num_blocks=BLOCKS, threads=1))
+    return LLMEngine(
+        tiny_llama_dir, None, EngineConfig(block_size=BLOCK, num_blocks=BLOCKS, threads=1, dtype="float32")
+    )
 
 
 async def _drain(q: asyncio.Queue) -> None:

@@ -118,7 +118,7 @@ def test_continuous_batching_chunking_and_preemption_keep_parity(tiny_llama_dir)
 
 
 def test_sequences_finish_at_different_times_and_free_blocks_at_once(tiny_llama_dir):
-    engine = LLMEngine(tiny_llama_dir, None, EngineConfig(block_size=4))
+    engine = LLMEngine(tiny_llama_dir, None, EngineConfig(block_size=4, dtype="float32"))
     bm = engine.block_manager
     prompts = prompts_of([6, 6, 6], seed=3)
     for i, (p, m) in enumerate(zip(prompts, [2, 9, 5], strict=True)):
@@ -138,7 +138,7 @@ def test_sequences_finish_at_different_times_and_free_blocks_at_once(tiny_llama_
 
 
 def test_abort_mid_generation_frees_blocks(tiny_llama_dir):
-    engine = LLMEngine(tiny_llama_dir, None, EngineConfig())
+    engine = LLMEngine(tiny_llama_dir, None, EngineConfig(dtype="float32"))
     for i, p in enumerate(prompts_of([5, 30, 12], seed=4)):
         engine.add_request(i, p, SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(4):
@@ -275,7 +275,7 @@ def test_bad_sampling_params_and_options_name_the_problem(tiny_llama_dir):
         LLM(tiny_llama_dir, dtype="int8")
     with pytest.raises(ValueError, match="max_num_seq"):
         LLM(tiny_llama_dir, max_num_seq=3)
-    llm = LLM(tiny_llama_dir, num_blocks=8)
+    llm = LLM(tiny_llama_dir, dtype="float32", num_blocks=8)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.chat([{"role": "user", "content": "hi"}])
     assert llm.generate([]) == []
@@ -311,7 +311,7 @@ def _prefill_remotely(prefill: ModelRunner, decode: LLMEngine, rid: str, prompt,
 
 def test_add_prefilled_request_equals_the_colocated_engine(tiny_llama_dir):
     colocated = LLM(tiny_llama_dir, dtype="float32")
-    decode = LLMEngine(tiny_llama_dir, None, EngineConfig(block_size=4, seed=99))
+    decode = LLMEngine(tiny_llama_dir, None, EngineConfig(block_size=4, seed=99, dtype="float32"))
     prefill = ModelRunner(tiny_llama_dir, block_size=16, num_blocks=8)
     prompts = prompts_of([13, 29, 4], seed=9)
     params = [
@@ -343,7 +343,7 @@ def test_add_prefilled_request_equals_the_colocated_engine(tiny_llama_dir):
 
 
 def test_prefilled_request_errors_and_aborts_leave_no_blocks(tiny_llama_dir):
-    engine = LLMEngine(tiny_llama_dir, None, EngineConfig(num_blocks=16))
+    engine = LLMEngine(tiny_llama_dir, None, EngineConfig(num_blocks=16, dtype="float32"))
     bm = engine.block_manager
     with pytest.raises(ValueError, match="holds no blocks"):
         engine.add_prefilled_request("x", [5, 6, 7], 9, SamplingParams())
@@ -432,7 +432,7 @@ def test_streamed_text_continues_the_prompt(tiny_llama_dir):
     """The text stream is primed with the prompt's tail (as vLLM does), so the first word keeps its space,
     on the colocated path and on the decode-worker path alike."""
     tok = _metaspace_tokenizer(512)
-    engine = LLMEngine(tiny_llama_dir, tok, EngineConfig(num_blocks=32))
+    engine = LLMEngine(tiny_llama_dir, tok, EngineConfig(num_blocks=32, dtype="float32"))
     prompt = prompts_of([6], seed=10)[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine.add_request("a", prompt, params)
