@@ -44,6 +44,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "metrics_url": info.metrics_url,
                 "queued_prefill_tokens": load.queued_prefill_tokens,
                 "model": info.model,
+                "device": info.device or "cpu",  # a worker from before the field runs on the CPU
                 "dtype": info.dtype,
                 "pid": info.pid,
                 "heartbeat_age_s": round(max(now_unix - e.last_heartbeat_unix, 0.0), 3),
@@ -75,12 +76,25 @@ def status_table(doc: dict[str, Any]) -> str:
         lines[0] += f"; metrics {r['metrics_url']}"
     if r.get("http_url"):
         lines[0] += f"; OpenAI API {r['http_url']}/v1"
-    head = ("ID", "ROLE", "STATE", "ADDRESS", "RUNNING", "QUEUED", "KV USED/TOTAL", "METRICS")
+    head = (
+        "ID",
+        "ROLE",
+        "STATE",
+        "DEVICE",
+        "DTYPE",
+        "ADDRESS",
+        "RUNNING",
+        "QUEUED",
+        "KV USED/TOTAL",
+        "METRICS",
+    )
     rows = [head] + [
         (
             w["id"],
             w["role"],
             w["state"],
+            w["device"],
+            w["dtype"] or "-",
             w["address"],
             str(w["running"]),
             str(w["queued"]),
@@ -94,6 +108,8 @@ def status_table(doc: dict[str, Any]) -> str:
             "TOTAL",
             f"{t['workers']} workers",
             f"{t['ready']} ready",
+            "",
+            "",
             "",
             str(t["running"]),
             str(t["queued"]),

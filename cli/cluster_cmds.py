@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 
 from pdserve.deploy.local import alertmanager, cluster, prometheus
+from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
 from pdserve.worker.auth import write_new_token
 from pdserve.worker.role import Role
 
@@ -39,6 +40,29 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return flags
 
 
+def resolve_device(device: str) -> str:
+    """``cpu`` or ``cuda:N``, checked on this host (where the workers will run): ClusterError otherwise."""
+    if device == "cpu":
+        return device  # no torch import for the common case
+    from pdserve.engine.device import resolve_device as resolve
+
+    try:
+        return resolve(device)
+    except ValueError as e:
+        raise cluster.ClusterError(str(e)) from None
+
+
+def each_share(device: str, workers: int, given: float | None) -> float:
+    """Each worker's --gpu-memory-utilization: ``given``, or the default shared evenly among ``workers``
+    on one GPU (so `up --device cuda` fits them all on it); ClusterError when they do not fit."""
+    if given is not None:
+        cluster.check_gpu_shares(device, 0.0, workers, given)
+        return given
+    if device == "cpu":
+        return DEFAULT_GPU_MEMORY_UTILIZATION  # ignored by CPU workers; `scale --device cuda` starts from it
+    return DEFAULT_GPU_MEMORY_UTILIZATION / max(workers, 1)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir
     old = cluster.load_state(state_dir)
@@ -53,6 +77,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if sum(counts.values()) and not (counts[Role.DECODE] or counts[Role.BOTH]):
         raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
     threads = args.threads or cluster.default_threads(sum(counts.values()))
+    device = resolve_device(args.device)
+    util = each_share(device, sum(counts.values()), args.gpu_memory_utilization)
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
     http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
@@ -73,6 +99,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module + token),
         pin_cpus=args.pin_cpus,
         token_file=str(token_file.resolve()),
+        device=device,
+        gpu_memory_utilization=util,
     )
     # Written before any wait, so `down` finds whatever was started even if `up` dies.
     cluster.save_state(state_dir, state)
@@ -80,8 +108,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         state = cluster.spawn_workers(state_dir, state, role, n)
     cluster.save_state(state_dir, state)
     pinned = "".join(f"; {w.id} on cpu {cluster.format_cpu_list(w.cpus)}" for w in state.workers if w.cpus)
+    gpu = f" on {device} ({util:.2f} of its memory each)" if device != "cpu" else ""
     say(
-        f"started router (pid {router.pid}) and {len(state.workers)} workers, {threads} thread(s) each"
+        f"started router (pid {router.pid}) and {len(state.workers)} workers{gpu}, {threads} thread(s) each"
         f"{pinned}; logs in {state_dir / 'logs'}"
     )
     try:
@@ -179,17 +208,27 @@ def cmd_scale(args: argparse.Namespace) -> int:
     for w in gone:
         say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")
     targets = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
-    removing, added = [], []
+    device = state.device if args.device is None else resolve_device(args.device)
+    util = (
+        state.gpu_memory_utilization if args.gpu_memory_utilization is None else args.gpu_memory_utilization
+    )
+    removing: list[cluster.ProcessEntry] = []
+    adding: dict[Role, int] = {}
     for role, target in targets.items():
         if target is None:
             continue
         current = [w for w in state.workers if w.role is role]
         if target > len(current):
-            before = {w.id for w in state.workers}
-            state = cluster.spawn_workers(args.state_dir, state, role, target - len(current))
-            added += [w.id for w in state.workers if w.id not in before]
+            adding[role] = target - len(current)
         else:
             removing += current[target:]  # the newest go first
+    # The GPU must hold the workers that stay and the new ones: refuse before starting any.
+    cluster.check_gpu_shares(device, cluster.gpu_share(state, device, removing), sum(adding.values()), util)
+    added: list[str] = []
+    for role, n in adding.items():
+        before = {w.id for w in state.workers}
+        state = cluster.spawn_workers(args.state_dir, state, role, n, device, util)
+        added += [w.id for w in state.workers if w.id not in before]
     cluster.save_state(args.state_dir, state)
     if added:
         say(f"starting {', '.join(added)}")

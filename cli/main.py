@@ -20,6 +20,13 @@ import grpc
 
 from pdserve.cli import client, cluster_cmds
 from pdserve.deploy.local import cluster
+from pdserve.engine.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEVICE_HELP,
+    DTYPE_CHOICES,
+    check_device,
+    check_gpu_memory_utilization,
+)
 from pdserve.router.config import DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, RouterConfig
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.role import Role
@@ -38,6 +45,57 @@ def _nonneg(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
+
+
+def _device(text: str) -> str:
+    try:
+        return check_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        return check_gpu_memory_utilization(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], e.g. 0.9; got {text!r}") from None
+
+
+def _device_args(p: argparse.ArgumentParser, command: str) -> None:
+    """--device, --gpu-memory-utilization and (not on scale) --dtype; ``command``: up | scale | worker."""
+    if command != "scale":
+        p.add_argument(
+            "--dtype",
+            choices=DTYPE_CHOICES,
+            default="auto",
+            help="auto (default): bfloat16 on CUDA and on CPUs with native bf16 dot products "
+            "(AVX512-BF16, AMX), float32 elsewhere",
+        )
+    if command == "scale":
+        device_help = f"where the new workers run: {DEVICE_HELP} (default: as the cluster was started)"
+        util_help = "the share of the GPU's memory each new worker may use (default: what `up` gave each)"
+    elif command == "up":
+        device_help = f"where every worker runs: {DEVICE_HELP} (default: cpu); all of them share the GPU"
+        util_help = (
+            "the share of the GPU's memory each worker may use, its weights and KV cache included, as "
+            f"vLLM means it (default: {DEFAULT_GPU_MEMORY_UTILIZATION} shared evenly among the workers "
+            "`up` starts on the GPU); ignored on CPU"
+        )
+    else:
+        device_help = f"where the worker runs: {DEVICE_HELP} (default: cpu)"
+        util_help = (
+            "the share of the GPU's memory this worker may use, its weights and KV cache included, as vLLM "
+            "means it; the KV cache gets what is left unless --kv-blocks or --kv-cache-mib is given; "
+            "ignored on CPU (default: %(default)s)"
+        )
+    p.add_argument("--device", type=_device, default=None if command == "scale" else "cpu", help=device_help)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION if command == "worker" else None,
+        metavar="FRACTION",
+        help=util_help,
+    )
 
 
 def _state_dir(p: argparse.ArgumentParser) -> None:
@@ -137,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=_nonneg, default=1)
     p.add_argument("--colocated", type=_nonneg, default=0, help="workers that prefill and decode (role both)")
     _model_args(p)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _device_args(p, "up")
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument(
@@ -180,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=_nonneg, default=None)
     p.add_argument("--colocated", type=_nonneg, default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for new workers / drains")
+    _device_args(p, "scale")
     _state_dir(p)
 
     p = sub.add_parser("status", help="workers, their state and load")
@@ -229,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=_nonneg, default=0, help="0: pick a free port")
     _model_args(p)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _device_args(p, "worker")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--cpus",
@@ -319,6 +378,8 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         port=args.port,
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         threads=args.threads or cluster.default_threads(1, cpus),
         block_size=args.block_size,
         kv_blocks=args.kv_blocks,
@@ -358,6 +419,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
             os.sched_setaffinity(0, args.cpus)
         except (AttributeError, OSError) as e:
             print(f"pdserve worker: cannot pin to cpus {args.cpus}: {e}", file=sys.stderr)
+            return 2
+    if args.device != "cpu":
+        from pdserve.engine.device import resolve_device
+
+        try:
+            resolve_device(args.device)  # no GPU, or not that one: one line, before anything starts
+        except ValueError as e:
+            print(f"pdserve worker: {e}", file=sys.stderr)
             return 2
     cpus = len(args.cpus) if args.cpus is not None else os.cpu_count() or 1
     wargs = worker_args(args, socket.gethostname(), os.getpid(), cpus)

@@ -46,18 +46,20 @@ from pdserve.worker.shell import PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DECODE_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in float32, ~46k in bfloat16
+# 1 GiB: ~23k tokens of SmolLM2 in float32, ~46k in bfloat16. On a GPU: --gpu-memory-utilization.
+DEFAULT_DECODE_KV_BYTES = 1 << 30
 
 
 def engine_config(args: WorkerArgs) -> EngineConfig:
-    kv_bytes = args.kv_cache_bytes or (None if args.kv_blocks else DEFAULT_DECODE_KV_BYTES)
     return EngineConfig(
         max_num_seqs=args.max_running,
         max_num_batched_tokens=args.max_batched_tokens,
         block_size=args.block_size,
         num_blocks=args.kv_blocks or None,
-        kv_cache_bytes=kv_bytes,
+        kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_DECODE_KV_BYTES),
         dtype=args.dtype,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         threads=args.threads,
         detokenize=False,
     )
@@ -174,7 +176,7 @@ class DecodePool:
             self.remote = RemotePrefill(self.loop, compat, self.transfer_config, self.registry)
             await self.remote.start()
         self.servicer.attach(self.loop, self.remote)
-        return Capacity(engine.block_manager.num_blocks, engine.max_model_len)
+        return Capacity(engine.block_manager.num_blocks, engine.max_model_len, engine.dtype, engine.device)
 
     async def close(self) -> None:
         if self.remote is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 
+from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.llm_engine import DTYPES
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.params import validate_prompt_token_ids
@@ -123,14 +124,17 @@ class PrefillPool:
 
     async def load(self, model_dir: Path) -> Capacity:
         args = self.args
-        kv_bytes = args.kv_cache_bytes or (None if args.kv_blocks else DEFAULT_PREFILL_KV_BYTES)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
         runner = await asyncio.to_thread(
             ModelRunner,
             model_dir,
-            dtype=DTYPES[args.dtype],
+            dtype=DTYPES[dtype],
+            device=device,
             block_size=args.block_size,
             num_blocks=args.kv_blocks or None,
-            kv_cache_bytes=kv_bytes,
+            kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_PREFILL_KV_BYTES),
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         eos = list(runner.config.eos_token_ids)
         try:
@@ -148,7 +152,7 @@ class PrefillPool:
         self.loop = PrefillLoop(runner, sampler, self.sender, args.max_batched_tokens, self.metrics)
         self.loop.start()
         self.servicer.attach(self.loop)
-        return Capacity(runner.num_blocks, runner.config.max_position_embeddings)
+        return Capacity(runner.num_blocks, runner.config.max_position_embeddings, dtype, device)
 
     async def close(self) -> None:
         if self.loop is not None:

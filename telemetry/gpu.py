@@ -4,6 +4,11 @@
 one device; otherwise (no driver, no library, no device, a CPU-only machine)
 it registers nothing and says so at debug level only: no metric, no error.
 Values are read at scrape time, so an idle GPU costs nothing between scrapes.
+
+A worker on ``cuda:N`` exports its own GPU only (``index=N``, labelled ``gpu="N"``): NVML numbers
+devices in PCI order over the whole machine while CUDA's N counts the devices this process sees
+(``CUDA_VISIBLE_DEVICES``), so the worker passes the device's UUID and the index is the fallback.
+The router, which runs no model, exports every GPU of its host.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ _LABELS = ["role", "gpu"]
 
 
 class GpuCollector(Collector):
-    def __init__(self, nvml: Any, handles: list[Any], role: str) -> None:
+    def __init__(self, nvml: Any, handles: list[Any], role: str, names: list[str] | None = None) -> None:
         self._nvml = nvml
         self._handles = handles
         self._role = role
+        self._names = names or [str(i) for i in range(len(handles))]  # the ``gpu`` label of each handle
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         return (
@@ -46,13 +52,13 @@ class GpuCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         util, used, total = self._families()
-        for i, h in enumerate(self._handles):
-            labels = [self._role, str(i)]
+        for name, h in zip(self._names, self._handles, strict=True):
+            labels = [self._role, name]
             try:
                 rates = self._nvml.nvmlDeviceGetUtilizationRates(h)
                 mem = self._nvml.nvmlDeviceGetMemoryInfo(h)
             except Exception as e:  # noqa: BLE001 - one device's error must not fail the whole scrape
-                log.debug("NVML read of GPU %d failed: %s", i, e)
+                log.debug("NVML read of GPU %s failed: %s", name, e)
                 continue
             util.add_metric(labels, rates.gpu / 100.0)
             used.add_metric(labels, float(mem.used))
@@ -68,9 +74,24 @@ def _import_nvml() -> ModuleType | None:
     return pynvml
 
 
-def add_gpu_metrics(registry: CollectorRegistry, role: str = "", nvml: Any = None) -> bool:
+def _one_handle(nvml: Any, index: int, uuid: str) -> Any:
+    """NVML's handle of the process's CUDA device ``index``: by UUID when given (right whatever
+    ``CUDA_VISIBLE_DEVICES`` says), else by index (right when the process sees every GPU in PCI order)."""
+    if uuid:
+        try:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        except Exception as e:  # noqa: BLE001
+            log.debug("NVML does not know GPU %s (%s); taking NVML's device %d", uuid, e, index)
+    return nvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def add_gpu_metrics(
+    registry: CollectorRegistry, role: str = "", nvml: Any = None, *, index: int | None = None, uuid: str = ""
+) -> bool:
     """Register the GPU collector on ``registry`` when a GPU is present. True when it was registered.
 
+    ``index``: only the process's CUDA device ``index`` (a worker's ``cuda:N``; ``uuid``, NVML's
+    ``GPU-...`` name of it, finds it when CUDA numbers devices differently); None: every GPU.
     ``nvml`` is the pynvml module (tests pass a stand-in); None imports nvidia-ml-py.
     """
     nvml = nvml if nvml is not None else _import_nvml()
@@ -83,13 +104,17 @@ def add_gpu_metrics(registry: CollectorRegistry, role: str = "", nvml: Any = Non
         log.debug("NVML did not start (%s): no GPU metrics", e)
         return False
     try:
-        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        if index is None:
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            names = [str(i) for i in range(len(handles))]
+        else:
+            handles, names = [_one_handle(nvml, index, uuid)], [str(index)]
     except Exception as e:  # noqa: BLE001
         log.debug("NVML lists no usable GPU (%s): no GPU metrics", e)
         handles = []
     if not handles:
         nvml.nvmlShutdown()
         return False
-    registry.register(GpuCollector(nvml, handles, role))
-    log.info("exporting metrics of %d GPU(s)", len(handles))
+    registry.register(GpuCollector(nvml, handles, role, names))
+    log.info("exporting metrics of GPU(s) %s", ", ".join(names))
     return True

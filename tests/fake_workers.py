@@ -304,6 +304,8 @@ async def serve(args: WorkerArgs) -> None:
         kv_blocks_total=w.kv_blocks_total,
         context_length=0,
         pid=os.getpid(),
+        dtype=args.dtype,  # no model here: what was asked
+        device=args.device,
         metrics_url=endpoint.url,
     )
     config = AgentConfig(args.router, register_timeout_s=30.0, cluster_token=args.cluster_token)

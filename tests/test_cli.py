@@ -28,7 +28,8 @@ def test_parser_defaults_and_validation():
     p = cli.build_parser()
     a = p.parse_args(["up"])
     assert (a.prefill, a.decode, a.colocated) == (1, 1, 0)
-    assert (a.model, a.dtype, a.host, a.port) == ("smollm2-135m-instruct", "float32", "127.0.0.1", 50051)
+    assert (a.model, a.dtype, a.host, a.port) == ("smollm2-135m-instruct", "auto", "127.0.0.1", 50051)
+    assert (a.device, a.gpu_memory_utilization) == ("cpu", None)  # None: `up` shares 0.9 among GPU workers
     assert str(a.state_dir) == ".pdserve" and a.threads is None
     a = p.parse_args(["scale", "--decode", "2", "--state-dir", "x"])
     assert (a.prefill, a.decode, a.colocated, str(a.state_dir)) == (None, 2, None, "x")
@@ -38,7 +39,12 @@ def test_parser_defaults_and_validation():
         assert str(p.parse_args([command, "--state-dir", "d"]).state_dir) == "d"
     for bad in (
         ["up", "--prefill", "-1"],
-        ["up", "--dtype", "float16"],
+        ["up", "--dtype", "int8"],
+        ["up", "--device", "gpu"],
+        ["up", "--gpu-memory-utilization", "0"],
+        ["scale", "--device", "cuda:x"],
+        ["scale", "--dtype", "float32"],  # a cluster keeps its dtype
+        ["worker", "--role", "decode", "--router", "a:1", "--gpu-memory-utilization", "1.5"],
         ["worker", "--role", "prefill"],
         ["worker", "--role", "gpu", "--router", "a:1"],
         ["frobnicate"],
@@ -53,7 +59,9 @@ def test_worker_args_threads_and_router_config():
     w = cli.worker_args(a, "host", 42, cpus=2)
     assert (w.role, w.router, w.worker_id, w.port) == (Role.DECODE, "r:1", "decode-host-42", 0)
     assert w.threads == 2 and w.kv_cache_bytes == 3 << 20  # a worker alone gets every core
-    assert w.worker_info("h:5", kv_blocks_total=7, context_length=99, pid=1).role == worker_pb2.ROLE_DECODE
+    assert (w.dtype, w.device, w.gpu_memory_utilization) == ("auto", "cpu", 0.9)
+    info = w.worker_info("h:5", kv_blocks_total=7, context_length=99, pid=1, dtype="float32", device="cpu")
+    assert (info.role, info.dtype, info.device) == (worker_pb2.ROLE_DECODE, "float32", "cpu")
     # Workers sharing the 2 cores get one thread each.
     assert [cluster.default_threads(n, cpus=2) for n in (0, 1, 2, 3)] == [2, 2, 1, 1]
     c = cli.router_config(p.parse_args(["router", "--port", "0", "--max-waiting", "3"]))
@@ -144,7 +152,11 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         meta = token_metadata(cluster.state_token(state))  # `up` made the cluster a token
         with grpc.insecure_channel(address) as channel:
             reg = worker_pb2_grpc.RegistryStub(channel)
-            for wid, role, used in (("d1", worker_pb2.ROLE_DECODE, 3), ("p1", worker_pb2.ROLE_PREFILL, 0)):
+            # d1 runs on a GPU; p1 registers no device, as a worker from before the field did (the CPU).
+            for wid, role, used, device, dtype in (
+                ("d1", worker_pb2.ROLE_DECODE, 3, "cuda:0", "bfloat16"),
+                ("p1", worker_pb2.ROLE_PREFILL, 0, "", "float32"),
+            ):
                 reg.Register(
                     worker_pb2.WorkerInfo(
                         worker_id=wid,
@@ -155,7 +167,8 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
                         max_running=4,
                         metrics_url=f"http://127.0.0.1:9/{wid}",
                         model="m",
-                        dtype="float32",
+                        dtype=dtype,
+                        device=device,
                     ),
                     timeout=5,
                     metadata=meta,
@@ -194,6 +207,10 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
             3,
         )
         assert by_id["p1"]["role"] == "prefill" and by_id["d1"]["metrics_url"] == "http://127.0.0.1:9/d1"
+        assert [(by_id[w]["device"], by_id[w]["dtype"]) for w in ("d1", "p1")] == [
+            ("cuda:0", "bfloat16"),
+            ("cpu", "float32"),
+        ]
         t = doc["totals"]
         assert (t["workers"], t["running"], t["queued"], t["kv_blocks_used"], t["kv_blocks_total"]) == (
             2,
@@ -205,6 +222,8 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         assert cli.main(["status", "--state-dir", str(state_dir)]) == 0
         table = capsys.readouterr().out
         assert "d1" in table and "p1" in table and "3/10" in table
+        [d1_row] = [line for line in table.splitlines() if line.startswith("d1 ")]
+        assert "DEVICE" in table and "cuda:0" in d1_row and "bfloat16" in d1_row
     finally:
         assert cli.main(["down", "--state-dir", str(state_dir)]) == 0
     assert cluster.wait_exit([state.router], 10) == []

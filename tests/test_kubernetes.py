@@ -214,3 +214,4 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert (gpus == "1") == (overlay == "gpu"), (overlay, c["resources"])
         assert w.dtype == {"cpu": "float32", "gpu": "bfloat16"}[overlay]
+        assert w.device == {"cpu": "cpu", "gpu": "cuda"}[overlay]

@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.engine.device import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    check_device,
+    check_dtype,
+    check_gpu_memory_utilization,
+    device_index,
+)
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.proto import worker_pb2
 from pdserve.worker.convert import ROLE_TO_PROTO
@@ -29,7 +36,9 @@ class WorkerArgs:
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port (the address registered with the router is the bound one)
     model: str = "smollm2-135m-instruct"  # a registry name or a model directory
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: resolved by the engine, engine.device)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # the GPU's share this worker may use
     threads: int = 1
     block_size: int = 16  # tokens per KV block
     kv_blocks: int = 0  # KV cache size in blocks; 0: from kv_cache_bytes, or the engine's default
@@ -50,8 +59,9 @@ class WorkerArgs:
             raise ValueError(f"role must be a Role, got {self.role!r}")
         if not self.router or not self.worker_id:
             raise ValueError("router and worker_id must not be empty")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        check_dtype(self.dtype)
+        check_device(self.device)
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
         for name in ("threads", "block_size", "max_running", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -61,6 +71,16 @@ class WorkerArgs:
             raise ValueError(f"load_failure_linger_s must be >= 0, got {self.load_failure_linger_s}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+
+    def kv_cache_bytes_or(self, default: int) -> int | None:
+        """The KV cache size a pool asks its engine for: ``kv_cache_bytes`` when given; None when
+        ``kv_blocks`` is (blocks win), or on a GPU (the engine sizes the cache from
+        ``gpu_memory_utilization``); else the pool's ``default``."""
+        if self.kv_cache_bytes:
+            return self.kv_cache_bytes
+        if self.kv_blocks or device_index(self.device) is not None:
+            return None
+        return default
 
     def shell_config(self) -> ShellConfig:
         return ShellConfig(
@@ -77,15 +97,25 @@ class WorkerArgs:
         return TransferConfig(host=self.host, ucx_shared_memory=local, cluster_token=self.cluster_token)
 
     def worker_info(
-        self, address: str, *, kv_blocks_total: int, context_length: int, pid: int, metrics_url: str = ""
+        self,
+        address: str,
+        *,
+        kv_blocks_total: int,
+        context_length: int,
+        pid: int,
+        dtype: str,
+        device: str,
+        metrics_url: str = "",
     ) -> worker_pb2.WorkerInfo:
-        """The registration message for this worker once its server is bound and its cache sized."""
+        """The registration message for this worker once its server is bound and its model loaded:
+        ``dtype`` and ``device`` are what the engine runs on (``--dtype auto`` resolved)."""
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id,
             role=ROLE_TO_PROTO[self.role],
             address=address,
             model=self.model,
-            dtype=self.dtype,
+            dtype=dtype,
+            device=device,
             kv_blocks_total=kv_blocks_total,
             block_size=self.block_size,
             pid=pid,

@@ -1,6 +1,7 @@
 """The one start-up every worker process runs, whatever its pool.
 
-    metrics endpoint (the process registry, served at once so a slow load is visible)
+    metrics endpoint (the process registry, served at once so a slow load is visible; a worker on
+        cuda:N adds NVML metrics of that GPU)
     -> shell started: gRPC bound, health and reflection NOT_SERVING, signals drain
     -> model resolved and loaded by the pool (``Pool.load``), which attaches it to its servicer
     -> SERVING
@@ -25,13 +26,15 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.engine.device import cuda_uuid, device_index
 from pdserve.engine.registry import resolve_model
 from pdserve.proto import worker_pb2_grpc
 from pdserve.telemetry.exporter import model_load_gauge, process_registry, serve_metrics
+from pdserve.telemetry.gpu import add_gpu_metrics
 from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.auth import refusal_counter
@@ -46,6 +49,8 @@ class Capacity:
 
     kv_blocks_total: int
     context_length: int
+    dtype: str  # what the engine runs in (``--dtype auto`` resolved)
+    device: str  # cpu | cuda:N
 
 
 class Pool(Protocol):
@@ -64,10 +69,11 @@ class Pool(Protocol):
 
 async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegistry], Pool]) -> None:
     """Run one worker process of ``args.role`` until it has drained."""
-    registry = process_registry(args.role.value)
+    registry = process_registry(args.role.value, gpu=False)
     load_failed = model_load_gauge(registry, args.role.value)
     endpoint = serve_metrics(registry, args.host, args.metrics_port)
     try:
+        await asyncio.to_thread(add_device_metrics, registry, args)
         shell = WorkerShell(args.shell_config(), refusal_counter(registry, args.role.value))
         pool = build(shell, registry)
         address = await shell.start(
@@ -86,6 +92,18 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 await shell.stop()
                 await _linger(args.load_failure_linger_s)
                 raise
+            log.info(
+                "%s worker %s: model %s on %s in %s (--dtype %s), %d KV blocks of %d tokens, context %d",
+                args.role.value,
+                args.worker_id,
+                model_dir.name,
+                capacity.device,
+                capacity.dtype,
+                args.dtype,
+                capacity.kv_blocks_total,
+                args.block_size,
+                capacity.context_length,
+            )
             await shell.set_serving()
             agent = RouterAgent(
                 AgentConfig(router_address=args.router, cluster_token=args.cluster_token),
@@ -94,6 +112,8 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                     kv_blocks_total=capacity.kv_blocks_total,
                     context_length=capacity.context_length,
                     pid=os.getpid(),
+                    dtype=capacity.dtype,
+                    device=capacity.device,
                     metrics_url=endpoint.url,
                 ),
                 load=pool.servicer.load,
@@ -105,6 +125,15 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
     finally:
         endpoint.close()
         log.info("%s worker %s stopped", args.role.value, args.worker_id)
+
+
+def add_device_metrics(registry: CollectorRegistry, args: WorkerArgs, nvml: Any = None) -> bool:
+    """NVML metrics of the GPU a ``cuda``/``cuda:N`` worker runs on (none for a CPU worker, and none,
+    quietly, without a driver or nvidia-ml-py). True when they were added. ``nvml``: for tests."""
+    index = device_index(args.device)
+    if index is None:
+        return False
+    return add_gpu_metrics(registry, args.role.value, nvml, index=index, uuid=cuda_uuid(args.device))
 
 
 async def _linger(seconds: float) -> None:

@@ -42,6 +42,8 @@ class ProcessEntry(msgspec.Struct, frozen=True):
     log: str
     role: Role | None = None  # None: the router
     cpus: tuple[int, ...] = ()  # the cores it is pinned to (sched_setaffinity); empty: not pinned
+    device: str = ""  # a worker's --device (cpu | cuda:N); "": the router, or a state file from before
+    gpu_memory_utilization: float = 0.0  # a GPU worker's --gpu-memory-utilization: its share of the GPU
 
 
 class ClusterState(msgspec.Struct, frozen=True):
@@ -61,6 +63,8 @@ class ClusterState(msgspec.Struct, frozen=True):
     alertmanager_url: str = ""
     pin_cpus: bool = False  # `up --pin-cpus`: every worker gets its own cores (see ``choose_cpus``)
     token_file: str = ""  # the cluster token `up` made (``worker.auth``); "": an open control plane
+    device: str = "cpu"  # `up --device`, resolved (cpu | cuda:N): where workers run unless `scale` says
+    gpu_memory_utilization: float = 0.9  # each GPU worker's share of its GPU unless `scale` says
 
 
 class ClusterError(RuntimeError):
@@ -358,8 +362,41 @@ def spawn_router(
     return spawn("router", argv, log, child_env(1))
 
 
-def spawn_workers(state_dir: Path, state: ClusterState, role: Role, count: int) -> ClusterState:
-    """Start ``count`` workers of ``role``; returns the state listing them."""
+def gpu_share(state: ClusterState, device: str, leaving: Iterable[ProcessEntry] = ()) -> float:
+    """The share of GPU ``device`` that the cluster's live workers on it take (``leaving``: not counted)."""
+    gone = {w.id for w in leaving}
+    return sum(
+        w.gpu_memory_utilization
+        for w in state.workers
+        if w.device == device and w.id not in gone and alive(w)
+    )
+
+
+def check_gpu_shares(device: str, taken: float, count: int, each: float) -> None:
+    """ClusterError unless ``count`` more workers of ``each`` fit on GPU ``device`` beside ``taken``."""
+    if device == "cpu" or count == 0 or taken + count * each <= 1.0 + 1e-9:
+        return
+    room = max(1.0 - taken, 0.0)
+    beside = f" beside the {taken:.2f} its workers already take" if taken else ""
+    raise ClusterError(
+        f"--gpu-memory-utilization {each:g} for each of {count} new worker(s) on {device} adds up to "
+        f"{taken + count * each:.2f} of its memory{beside}; give at most {room / count:.3f} "
+        "(each worker's share)"
+    )
+
+
+def spawn_workers(
+    state_dir: Path,
+    state: ClusterState,
+    role: Role,
+    count: int,
+    device: str | None = None,
+    gpu_memory_utilization: float | None = None,
+) -> ClusterState:
+    """Start ``count`` workers of ``role`` on ``device`` (default: the cluster's), each with
+    ``gpu_memory_utilization`` (default: the cluster's); returns the state listing them."""
+    device = state.device if device is None else device
+    util = state.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
     new: list[ProcessEntry] = []
     index = state.next_index
     for _ in range(count):
@@ -384,6 +421,10 @@ def spawn_workers(state_dir: Path, state: ClusterState, role: Role, count: int) 
             state.model,
             "--dtype",
             state.dtype,
+            "--device",
+            device,
+            "--gpu-memory-utilization",
+            repr(util),
             "--threads",
             str(state.threads),
             "--worker-id",
@@ -391,7 +432,8 @@ def spawn_workers(state_dir: Path, state: ClusterState, role: Role, count: int) 
             *(("--cpus", format_cpu_list(cpus)) if cpus else ()),
             *state.worker_flags,
         )
-        new.append(spawn(wid, argv, log, child_env(state.threads), role, cpus))
+        entry = spawn(wid, argv, log, child_env(state.threads), role, cpus)
+        new.append(msgspec.structs.replace(entry, device=device, gpu_memory_utilization=util))
     return msgspec.structs.replace(state, workers=(*state.workers, *new), next_index=index)
 
 
