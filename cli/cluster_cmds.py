@@ -23,6 +23,7 @@ def say(text: str) -> None:
 # ``up`` options handed on to the router and to every worker (``scale`` reuses the workers' from the state).
 _ROUTER_FLAGS = (
     "max_waiting",
+    "max_migrations",
     "queue_timeout",
     "local_prefill_threshold",
     "heartbeat_interval",

@@ -141,6 +141,12 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     p.add_argument("--max-waiting", type=_nonneg, default=d.max_waiting, help="router queue bound")
     p.add_argument(
+        "--max-migrations",
+        type=_nonneg,
+        default=d.max_migrations,
+        help="times a stream moves to a healthy worker when its worker fails (0: never; default %(default)s)",
+    )
+    p.add_argument(
         "--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds a request may wait"
     )
     p.add_argument(
@@ -355,6 +361,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         model=args.model,
         cache_dir=cache_dir,
         max_waiting=args.max_waiting,
+        max_migrations=args.max_migrations,
         queue_timeout_s=args.queue_timeout,
         local_prefill_threshold=args.local_prefill_threshold,
         heartbeat_interval_s=args.heartbeat_interval,

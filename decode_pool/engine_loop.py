@@ -82,11 +82,16 @@ class EngineLoop:
         self._on_step = fn
 
     def submit(
-        self, request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_offset: int = 0,
     ) -> asyncio.Queue[QueueItem]:
+        """``output_offset``: a migrated stream's tokens already sent (``LLMEngine.add_request``)."""
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = q
-        self._cmds.put(_Cmd(_Op.ADD, request_id, (list(prompt_token_ids), params)))
+        self._cmds.put(_Cmd(_Op.ADD, request_id, (list(prompt_token_ids), params, output_offset)))
         return q
 
     def submit_prefilled(

@@ -122,6 +122,8 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before decode started"
                 )
         remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
+        if remote and request.output_offset:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_offset needs local prefill mode")
         if remote and self.remote is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
         try:
@@ -135,7 +137,8 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                         yield msg
                 else:
                     try:
-                        async for msg in relay_deltas(self.loop.submit(rid, prompt, params)):
+                        sub = self.loop.submit(rid, prompt, params, request.output_offset)
+                        async for msg in relay_deltas(sub):
                             yield msg
                     finally:
                         # Idempotent: a finished request holds nothing; a cancelled one is freed now.

@@ -76,6 +76,9 @@ class EngineConfig:
     max_model_len: int | None = None  # cap on the model's context
     seed: int = 0  # the engine-wide generator for unseeded sampling
     detokenize: bool = True  # False: the caller turns tokens into text and applies stop strings
+    # CUDA (Triton backend): False captures decode as CUDA graphs at start-up for batch sizes up to
+    # max_num_seqs; True runs every step eagerly (vLLM's --enforce-eager). Ignored elsewhere.
+    enforce_eager: bool = False
     # Resolved on this host when the config is made (``engine.device``): the device and dtype the engine
     # runs on, which it reports. A device this host lacks fails here, before anything loads.
     resolved_device: str = dataclasses.field(init=False)
@@ -176,6 +179,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.runner.kv.device)
+        self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
         self.num_steps = 0  # batches run since start
         log.info(
@@ -222,11 +226,21 @@ class LLMEngine:
         self.scheduler.check_fits(len(prompt_token_ids), params)
 
     def add_request(
-        self, request_id: Hashable, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        output_offset: int = 0,
     ) -> None:
+        """Queue a request. ``output_offset``: it already produced that many output tokens elsewhere (a
+        stream migrated off a failed worker), now the tail of ``prompt_token_ids``; ``params`` count what
+        is left (max_tokens, min_tokens), and seeded sampling and the reported counts continue from it."""
         params = SamplingParams() if params is None else params
+        if not isinstance(output_offset, int) or output_offset < 0 or output_offset > len(prompt_token_ids):
+            raise ValueError(f"output_offset must be in [0, len(prompt)], got {output_offset!r}")
         self.validate_request(prompt_token_ids, params)
-        self.scheduler.add(request_id, list(prompt_token_ids), params)
+        seq = self.scheduler.add(request_id, list(prompt_token_ids), params)
+        seq.output_offset = output_offset
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
 
     def add_prefilled_request(
@@ -278,7 +292,10 @@ class LLMEngine:
             return []
         self.num_steps += 1
         logits = self._forward(batch)  # [n_sample, V]
-        rows = [SampleRow(it.seq.params, it.seq.num_output_tokens) for it in batch.sample_items]
+        rows = [
+            SampleRow(it.seq.params, it.seq.num_output_tokens, it.seq.output_offset)
+            for it in batch.sample_items
+        ]
         tokens = self.sampler(logits, rows) if rows else []
         return [self._emit(seq) for seq in self.scheduler.postprocess(batch, tokens)]
 
@@ -332,7 +349,12 @@ class LLMEngine:
             del self._text[seq.seq_id]
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         return RequestOutputDelta(
-            seq.seq_id, (token,), text, reason, seq.num_prompt_tokens, seq.num_output_tokens
+            seq.seq_id,
+            (token,),
+            text,
+            reason,
+            seq.num_prompt_tokens - seq.output_offset,
+            seq.output_offset + seq.num_output_tokens,
         )
 
 

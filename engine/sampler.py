@@ -79,6 +79,9 @@ class SampleRow:
 
     params: SamplingParams
     output_index: int  # index of the token being sampled = number of output tokens already generated
+    # Outputs the request made elsewhere before (a migrated stream): its seeded noise continues at
+    # ``output_offset + output_index``; min_tokens counts ``output_index`` only (the caller lowered it).
+    output_offset: int = 0
 
 
 class Sampler:
@@ -149,7 +152,10 @@ class Sampler:
             q = torch.empty_like(probs).exponential_(generator=self.generator)
         else:
             keys = torch.tensor(
-                [token_seed(rows[i].params.seed or 0, rows[i].output_index) for i in seeded],
+                [
+                    token_seed(rows[i].params.seed or 0, rows[i].output_offset + rows[i].output_index)
+                    for i in seeded
+                ],
                 dtype=torch.int64,
                 device=dev,
             )

@@ -39,6 +39,9 @@ class Sequence:
         # Tokens whose K/V are in the cache: always a prefix of token_ids.
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Output tokens this request produced before it came here (a stream migrated from a failed
+        # worker: they are the prompt's tail now). Seeded sampling and reported counts continue from it.
+        self.output_offset = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -42,18 +42,20 @@ PREFILL_MODE_LOCAL: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "deadline_unix")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "deadline_unix", "output_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     mode: PrefillMode
     deadline_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    output_offset: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., deadline_unix: _Optional[float] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("transfer_ticket", "first_index", "token_ids", "finish_reason", "admitted_unix")

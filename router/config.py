@@ -29,6 +29,9 @@ class RouterConfig:
     heartbeat_timeout_s: float = 2.5
     # Deadline given to requests whose client set none (0: none). Bounds every worker RPC.
     request_timeout_s: float = 600.0
+    # A stream whose worker fails (dies, drops the call, loses its KV transfer) moves to a healthy worker
+    # this many times at most, continuing from the tokens already sent (0: never; the request fails).
+    max_migrations: int = 3
     # On SIGTERM: how long in-flight requests may run before the server cancels them.
     shutdown_grace_s: float = 10.0
     # Prometheus /metrics on host:metrics_port (0: a free port, shown by `pdserve status`).
@@ -60,6 +63,8 @@ class RouterConfig:
         self.routing_config()
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
 
     @property
     def bind_address(self) -> str:

@@ -50,6 +50,10 @@ REQUESTS = "pdserve_requests_total"
 # RESOURCE_EXHAUSTED and UNAVAILABLE mean the cluster turned work away, which the alerts watch).
 REJECTED = "pdserve_requests_rejected_total"
 REJECT_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE")
+MIGRATIONS = "pdserve_router_migrations_total"
+# What failed under a migrated stream: the decode worker's call broke (it died or dropped the call), the
+# prefill worker's call broke before token 0, a KV transfer was aborted, or the worker missed heartbeats.
+MIGRATION_REASONS = ("decode_failed", "prefill_failed", "transfer_aborted", "heartbeat_lost")
 PROMPT_TOKENS = "pdserve_prompt_tokens_total"
 GENERATION_TOKENS = "pdserve_generation_tokens_total"
 RUNNING = "pdserve_requests_running"
@@ -170,6 +174,14 @@ class RouterMetrics:
             GENERATION_TOKENS, "Tokens streamed to clients.", ["role"], registry=reg
         ).labels(ROLE)
         self.auth_refused = refusal_counter(reg, ROLE)  # pdserve_auth_refused_total{role,method}
+        self._migrations = Counter(
+            MIGRATIONS,
+            "Streams moved to another worker after theirs failed, by what failed.",
+            ["role", "reason"],
+            registry=reg,
+        )
+        for reason in MIGRATION_REASONS:
+            self._migrations.labels(ROLE, reason)
 
     def watch(
         self,
@@ -182,6 +194,10 @@ class RouterMetrics:
 
     def finished(self, reason: str) -> None:
         self._requests.labels(ROLE, reason).inc()
+
+    def migrated(self, reason: str) -> None:
+        """One stream moved to another worker (``reason``: one of ``MIGRATION_REASONS``)."""
+        self._migrations.labels(ROLE, reason).inc()
 
     def rejected(self, code_name: str) -> None:
         """One request refused before admission with this gRPC status (``StatusCode.name``)."""

@@ -2,6 +2,13 @@
 
 Stages of a request here (after validation and admission, see ``service``):
 
+A worker failing under a request (its call breaks, its KV transfer is aborted, it misses heartbeats)
+does not end the request: ``run`` moves it to a healthy worker (``reroute``, local prefill) with the
+prompt plus every token already sent as input, what is left of max_tokens / min_tokens, and
+``output_offset`` = tokens sent, up to ``max_migrations`` times. Greedy and seeded sampling continue
+with exactly the tokens an undisturbed run gives (token i depends on (seed, i) only), and the client's
+stream goes on with no gap and no duplicate.
+
 local route (the decode or colocated worker prefills):
     D.Generate(mode=LOCAL) -> relay D's messages
 remote route:
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -31,6 +39,7 @@ from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.router.detok import Detokenizer
 from pdserve.router.jobs import Failure, Job
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policy import Route
 from pdserve.router.registry import Worker
 from pdserve.router.validate import Prepared, RouterTokenizer
 from pdserve.worker.auth import token_metadata
@@ -40,23 +49,30 @@ from pdserve.worker.shell import REJECT_METADATA_KEY
 log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
+_REROUTE_WAIT_S = 10.0  # how long a migrating stream may wait for a worker with room
 _Resp = generation_pb2.GenerateResponse
 Write = Callable[[generation_pb2.GenerateResponse], Awaitable[None]]
 # worker, dead (True: drop it from the registry; False: it is draining), reason
 OnWorkerFailed = Callable[[Worker, bool, str], None]
+# (job, prompt length, seconds to wait for room) -> a new local route claimed for the job, or None
+Reroute = Callable[[Job, int, float], Awaitable[Route | None]]
 
 
 class RelayError(Exception):
-    """The request ends with this gRPC status."""
+    """The request ends with this gRPC status. ``migrate``: what failed under it when a healthy worker
+    could take the request over (``metrics.MIGRATION_REASONS``); "" when it must end."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, migrate: str = "") -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.migrate = migrate
 
     @classmethod
     def of(cls, failure: Failure) -> RelayError:
-        return cls(grpc.StatusCode[failure.code], failure.details)
+        # The sweep fails a job with UNAVAILABLE when one of its workers missed heartbeats.
+        migrate = "heartbeat_lost" if failure.code == "UNAVAILABLE" else ""
+        return cls(grpc.StatusCode[failure.code], failure.details, migrate)
 
 
 class WorkerChannels:
@@ -90,12 +106,13 @@ class WorkerChannels:
 class _Out:
     """What has been sent to the client for one request."""
 
-    __slots__ = ("request_id", "prompt_tokens", "detok")
+    __slots__ = ("request_id", "prompt_tokens", "detok", "sent")
 
     def __init__(self, prep: Prepared, detok: Detokenizer) -> None:
         self.request_id = prep.request_id
         self.prompt_tokens = len(prep.prompt_token_ids)
         self.detok = detok
+        self.sent: list[int] = []  # output token ids sent so far: a migrated stream's input tail
 
 
 def _cancelling() -> bool:
@@ -111,12 +128,16 @@ class Relay:
         release_prefill: Callable[[Job], None],
         on_worker_failed: OnWorkerFailed,
         metrics: RouterMetrics | None = None,
+        reroute: Reroute | None = None,
+        max_migrations: int = 0,
     ) -> None:
         self._tok = tokenizer
         self._channels = channels
         self._release_prefill = release_prefill
         self._on_worker_failed = on_worker_failed
         self._metrics = metrics
+        self._reroute = reroute
+        self._max_migrations = max_migrations if reroute is not None else 0
 
     async def run(
         self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float
@@ -134,33 +155,89 @@ class Relay:
     async def _run(
         self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float
     ) -> None:
-        route = job.route
-        assert route is not None, "run() needs a routed job"
-        d = route.decode
-        req = worker_pb2.WorkerGenerateRequest(
-            request_id=prep.request_id,
-            prompt_token_ids=prep.prompt_token_ids,
-            sampling=prep.sampling,
-            mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
-            deadline_unix=deadline_unix,
-        )
-        meta = self._channels.metadata(prep.request_id)
-        dcall = self._channels.stub(d.address).Generate(req, timeout=timeout, metadata=meta)
-        job.calls.append(dcall)
         out = _Out(prep, Detokenizer(self._tok.decode_stream(skip_special_tokens=True), prep.params))
+        migrations = 0
         try:
-            pending: asyncio.Future | None = None
-            if route.prefill is not None:
-                finished, pending = await self._remote_start(
-                    job, prep, dcall, out, write, timeout, deadline_unix
+            while True:
+                try:
+                    return await self._attempt(job, prep, out, write, timeout, deadline_unix)
+                except RelayError as e:
+                    if not e.migrate or migrations >= self._max_migrations:
+                        if migrations:
+                            raise RelayError(
+                                e.code, f"{e.details} (after {migrations} migration(s))"
+                            ) from None
+                        raise
+                    failed = e
+                for c in job.calls:
+                    c.cancel()  # the failed worker's calls: a decode reservation is freed by this
+                job.calls.clear()
+                job.failure = None
+                self._release_prefill(job)
+                if timeout is not None:
+                    timeout = max(deadline_unix - time.time(), 0.0)
+                assert self._reroute is not None
+                route = await self._reroute(
+                    job,
+                    len(prep.prompt_token_ids) + len(out.sent),
+                    min(timeout or _REROUTE_WAIT_S, _REROUTE_WAIT_S),
                 )
-                if finished:
-                    return
-            await self._relay(job, d, dcall, out, write, pending)
+                if route is None:
+                    raise RelayError(
+                        failed.code, f"{failed.details}; no healthy worker had room to take the request over"
+                    )
+                migrations += 1
+                if self._metrics is not None:
+                    self._metrics.migrated(failed.migrate)
+                log.warning(
+                    "request %s: %s; moved to %s after %d tokens (migration %d)",
+                    prep.request_id,
+                    failed.details,
+                    route.decode.worker_id,
+                    len(out.sent),
+                    migrations,
+                )
         finally:
             for c in job.calls:
                 c.cancel()  # a no-op on a call that has already ended
             self._release_prefill(job)
+
+    async def _attempt(
+        self, job: Job, prep: Prepared, out: _Out, write: Write, timeout: float | None, deadline_unix: float
+    ) -> None:
+        """One try on the job's current route; a migrated try starts after the tokens already sent."""
+        route = job.route
+        assert route is not None, "run() needs a routed job"
+        d = route.decode
+        sent = len(out.sent)
+        prompt, sampling = prep.prompt_token_ids, prep.sampling
+        if sent:
+            p = prep.params
+            if sent >= p.max_tokens:  # everything was sent but the finish: end it here
+                await self._deliver(out, (), sent, "length", write)
+                return
+            prompt = prompt + out.sent
+            sampling = generation_pb2.SamplingParams()
+            sampling.CopyFrom(prep.sampling)
+            sampling.max_tokens = p.max_tokens - sent
+            sampling.min_tokens = max(p.min_tokens - sent, 0)
+        req = worker_pb2.WorkerGenerateRequest(
+            request_id=prep.request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
+            deadline_unix=deadline_unix,
+            output_offset=sent,
+        )
+        meta = self._channels.metadata(prep.request_id)
+        dcall = self._channels.stub(d.address).Generate(req, timeout=timeout, metadata=meta)
+        job.calls.append(dcall)
+        pending: asyncio.Future | None = None
+        if route.prefill is not None:
+            finished, pending = await self._remote_start(job, prep, dcall, out, write, timeout, deadline_unix)
+            if finished:
+                return
+        await self._relay(job, d, dcall, out, write, pending)
 
     async def _relay(self, job: Job, d: Worker, dcall, out: _Out, write: Write, pending) -> None:
         """Relay D's stream until its finish (or a stop string). The hot loop."""
@@ -304,6 +381,7 @@ class Relay:
         text, used = detok.feed(ids, ends_on_stop_token=finish == "stop")
         if detok.stopped:
             ids, finish = ids[:used], "stop"
+        out.sent.extend(ids)
         if not finish:
             await write(_Resp(request_id=out.request_id, token_ids=ids, text=text))
             return False
@@ -323,12 +401,16 @@ class Relay:
             return RelayError.of(job.failure)
         code = e.code()
         details = f"{role} worker {w.worker_id} failed: {code.name}: {e.details()}"
+        lost = f"{role}_failed"
         if code is grpc.StatusCode.UNAVAILABLE:
             trailing = e.trailing_metadata() or ()
             draining = any(k == REJECT_METADATA_KEY for k, _ in trailing)
             self._on_worker_failed(w, not draining, details)
-            return RelayError(code, details)
+            return RelayError(code, details, lost)
         if code is grpc.StatusCode.CANCELLED:
             # Not our cancel (that raises CancelledError): the worker went away mid-call.
-            return RelayError(grpc.StatusCode.UNAVAILABLE, details)
+            return RelayError(grpc.StatusCode.UNAVAILABLE, details, lost)
+        if code is grpc.StatusCode.ABORTED:
+            # A KV transfer that did not complete (its prefill side died or hung): another try can serve it.
+            return RelayError(code, details, "transfer_aborted")
         return RelayError(code, details)

@@ -26,13 +26,24 @@ from pdserve.proto import generation_pb2_grpc, worker_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.jobs import Failure, Job, Ledger
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.policy import Admission, QueueFullError, Route, can_ever_serve, choose_route
+from pdserve.router.policy import (
+    Admission,
+    QueueFullError,
+    Route,
+    RoutingConfig,
+    can_ever_serve,
+    choose_route,
+)
 from pdserve.router.registry import Registry, State, Worker
 from pdserve.router.relay import Relay, RelayError, WorkerChannels, Write
 from pdserve.router.validate import InvalidRequest, ModelLimits, Prepared, RouterTokenizer, prepare
 from pdserve.worker.role import Role
 
 log = logging.getLogger(__name__)
+
+_ALWAYS_LOCAL = (
+    1 << 62
+)  # a local_prefill_threshold no prompt reaches: migrated streams prefill where they decode
 
 
 class Router:
@@ -64,7 +75,13 @@ class Router:
     def set_frontend(self, tokenizer: RouterTokenizer, limits: ModelLimits) -> None:
         self.tokenizer, self.limits = tokenizer, limits
         self.relay = Relay(
-            tokenizer, self.channels, self.ledger.release_prefill, self.worker_failed, metrics=self.metrics
+            tokenizer,
+            self.channels,
+            self.ledger.release_prefill,
+            self.worker_failed,
+            metrics=self.metrics,
+            reroute=self.reroute,
+            max_migrations=self.config.max_migrations,
         )
 
     def current_limits(self) -> ModelLimits:
@@ -102,6 +119,28 @@ class Router:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no worker had room within {wait:.3g}s")
         self.metrics.queue_time.observe(time.monotonic() - entered)
         return route
+
+    async def reroute(self, job: Job, prompt_len: int, wait_s: float) -> Route | None:
+        """Move ``job`` off its failed route: release it, then claim a route on a READY decoding worker that
+        prefills ``prompt_len`` tokens itself (waiting up to ``wait_s`` for room). None: no worker took it."""
+        self.ledger.release(job)
+        await self.admission.notify()  # its old claim no longer counts
+        job.prompt_len = prompt_len
+        live = [w for w in self.registry if w.state in (State.READY, State.LOADING)]
+        if not can_ever_serve(live, prompt_len):
+            return None  # no decoding worker left that could hold it: fail now rather than wait
+        local = RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
+
+        def try_route() -> Route | None:
+            route = choose_route(self.registry.ready(), prompt_len, local)
+            if route is not None:
+                self.ledger.claim(job, route)
+            return route
+
+        try:
+            return await self.admission.wait_for_route(try_route, max(wait_s, 0.0))
+        except QueueFullError:
+            return None
 
     async def finish(self, job: Job) -> None:
         self.inflight_ids.discard(job.request_id)

@@ -198,12 +198,92 @@ def test_kill_decode_worker_mid_stream(tmp_path):
             with pytest.raises(grpc.RpcError) as e:
                 for _ in call:
                     pass
+            # No other decoding worker to move to: the stream fails at once, saying so.
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no healthy worker" in e.value.details()
             assert time.monotonic() - t0 < 3.0
         # The router stopped routing to it, and the prefill side holds nothing.
         ws = c.workers()
         assert decode["id"] not in {w["id"] for w in ws}
         c.assert_no_leaks()
+
+
+def _migration_requests(n: int, max_tokens: int) -> list[generation_pb2.GenerateRequest]:
+    rng = random.Random(11)
+    reqs = []
+    for i in range(n):
+        r = generation_pb2.GenerateRequest(
+            request_id=f"mig-{i}",
+            prompt_token_ids=generation_pb2.TokenIds(
+                ids=[rng.randrange(100, 40000) for _ in range(20 + 9 * i)]
+            ),
+        )
+        r.sampling.max_tokens = max_tokens
+        r.sampling.ignore_eos = True
+        if i % 2:  # half greedy, half seeded sampling: both continue exactly after a move
+            r.sampling.temperature = 0.8
+            r.sampling.seed = 100 + i
+        else:
+            r.sampling.temperature = 0.0
+        reqs.append(r)
+    return reqs
+
+
+def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_path):
+    """1 prefill + 2 decode, 8 streams (greedy and seeded), SIGKILL of a decode worker mid-stream: every
+    stream completes with exactly the tokens of an undisturbed run, each migration is counted, and the
+    survivors hold no KV blocks."""
+    import threading
+    import urllib.request
+
+    from pdserve.proto import generation_pb2_grpc
+
+    reqs = _migration_requests(8, max_tokens=40)
+    extra = ("--local-prefill-threshold", "1", "--max-running", "8")
+    with running_cluster(tmp_path, prefill=1, decode=2, extra=extra) as c:
+        want = _run_all(c.address, reqs)  # undisturbed, on the same cluster
+        decoders = [w for w in c.workers() if w["role"] == "decode"]
+        assert len(decoders) == 2
+        got: dict[str, list[int]] = {}
+        seen = {r.request_id: threading.Event() for r in reqs}
+        errors: list[BaseException] = []
+
+        def stream(stub, r) -> None:
+            ids: list[int] = []
+            try:
+                for m in stub.Generate(r, timeout=180):
+                    ids.extend(m.token_ids)
+                    if len(ids) >= 3:
+                        seen[r.request_id].set()
+                got[r.request_id] = ids
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+                seen[r.request_id].set()
+
+        with grpc.insecure_channel(c.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            threads = [threading.Thread(target=stream, args=(stub, r)) for r in reqs]
+            for t in threads:
+                t.start()
+            for e in seen.values():
+                assert e.wait(120)
+            victim = decoders[0]
+            os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
+            for t in threads:
+                t.join(180)
+        assert not errors, errors
+        for r in reqs:
+            assert got[r.request_id] == want[r.request_id][0], r.request_id
+        assert victim["id"] not in {w["id"] for w in c.workers()}
+        c.assert_no_leaks()
+        with urllib.request.urlopen(c.status()["router"]["metrics_url"], timeout=10) as resp:
+            text = resp.read().decode()
+        moved = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("pdserve_router_migrations_total{")
+        )
+        assert moved >= 1, "the killed worker's streams were migrated"
 
 
 def test_scale_decode_up_and_down_under_traffic(tmp_path):
