@@ -229,12 +229,25 @@ def _migration_requests(n: int, max_tokens: int) -> list[generation_pb2.Generate
     return reqs
 
 
+def _migrations(c) -> dict[str, float]:
+    """The router's pdserve_router_migrations_total by reason."""
+    import urllib.request
+
+    with urllib.request.urlopen(c.status()["router"]["metrics_url"], timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_router_migrations_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_path):
     """1 prefill + 2 decode, 8 streams (greedy and seeded), SIGKILL of a decode worker mid-stream: every
     stream completes with exactly the tokens of an undisturbed run, each migration is counted, and the
     survivors hold no KV blocks."""
     import threading
-    import urllib.request
 
     from pdserve.proto import generation_pb2_grpc
 
@@ -276,14 +289,57 @@ def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_pat
             assert got[r.request_id] == want[r.request_id][0], r.request_id
         assert victim["id"] not in {w["id"] for w in c.workers()}
         c.assert_no_leaks()
-        with urllib.request.urlopen(c.status()["router"]["metrics_url"], timeout=10) as resp:
-            text = resp.read().decode()
-        moved = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("pdserve_router_migrations_total{")
+        assert _migrations(c).get("decode_failed", 0) >= 1, "the killed worker's streams were migrated"
+
+
+def test_killed_prefill_worker_requests_are_prefilled_elsewhere_and_lose_nothing(tmp_path):
+    """2 prefill + 1 decode, 8 long prompts, SIGKILL of a prefill worker while prefills queue on it: every
+    request completes with the undisturbed greedy tokens; the survivors hold no KV blocks."""
+    import threading
+
+    from pdserve.proto import generation_pb2_grpc
+
+    rng = random.Random(5)
+    reqs = []
+    for i in range(8):
+        r = generation_pb2.GenerateRequest(
+            request_id=f"pk-{i}",
+            prompt_token_ids=generation_pb2.TokenIds(
+                ids=[rng.randrange(100, 40000) for _ in range(600 + 40 * i)]
+            ),
         )
-        assert moved >= 1, "the killed worker's streams were migrated"
+        r.sampling.max_tokens = 8
+        r.sampling.temperature = 0.0
+        r.sampling.ignore_eos = True
+        reqs.append(r)
+    extra = ("--local-prefill-threshold", "1", "--max-running", "8")
+    with running_cluster(tmp_path, prefill=2, decode=1, extra=extra) as c:
+        want = _run_all(c.address, reqs)
+        victim = next(w for w in c.workers() if w["role"] == "prefill")
+        got: dict[str, list[int]] = {}
+        errors: list[BaseException] = []
+
+        def stream(stub, r) -> None:
+            try:
+                got[r.request_id] = [t for m in stub.Generate(r, timeout=180) for t in m.token_ids]
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        with grpc.insecure_channel(c.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            threads = [threading.Thread(target=stream, args=(stub, r)) for r in reqs]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)  # the prompts are queued or prefilling on both prefill workers
+            os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
+            for t in threads:
+                t.join(180)
+        assert not errors, errors
+        for r in reqs:
+            assert got[r.request_id] == want[r.request_id][0], r.request_id
+        c.assert_no_leaks()
+        moved = _migrations(c)
+        assert moved.get("prefill_failed", 0) + moved.get("transfer_aborted", 0) >= 1, moved
 
 
 def test_scale_decode_up_and_down_under_traffic(tmp_path):
