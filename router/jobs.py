@@ -33,6 +33,7 @@ class Failure:
 
     code: str  # a grpc.StatusCode name, e.g. "UNAVAILABLE"
     details: str
+    worker_id: str = ""  # the worker whose loss caused it, when one did
 
 
 class Job:

@@ -54,25 +54,27 @@ _Resp = generation_pb2.GenerateResponse
 Write = Callable[[generation_pb2.GenerateResponse], Awaitable[None]]
 # worker, dead (True: drop it from the registry; False: it is draining), reason
 OnWorkerFailed = Callable[[Worker, bool, str], None]
-# (job, prompt length, seconds to wait for room) -> a new local route claimed for the job, or None
-Reroute = Callable[[Job, int, float], Awaitable[Route | None]]
+# (job, prompt length, seconds to wait for room, worker id to avoid) -> a new local route claimed for the
+# job, or None
+Reroute = Callable[[Job, int, float, str], Awaitable[Route | None]]
 
 
 class RelayError(Exception):
     """The request ends with this gRPC status. ``migrate``: what failed under it when a healthy worker
     could take the request over (``metrics.MIGRATION_REASONS``); "" when it must end."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, migrate: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, migrate: str = "", worker_id: str = "") -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.migrate = migrate
+        self.worker_id = worker_id  # the worker that failed, not to be routed to again (when migrating)
 
     @classmethod
     def of(cls, failure: Failure) -> RelayError:
         # The sweep fails a job with UNAVAILABLE when one of its workers missed heartbeats.
         migrate = "heartbeat_lost" if failure.code == "UNAVAILABLE" else ""
-        return cls(grpc.StatusCode[failure.code], failure.details, migrate)
+        return cls(grpc.StatusCode[failure.code], failure.details, migrate, failure.worker_id)
 
 
 class WorkerChannels:
@@ -181,6 +183,7 @@ class Relay:
                     job,
                     len(prep.prompt_token_ids) + len(out.sent),
                     min(timeout or _REROUTE_WAIT_S, _REROUTE_WAIT_S),
+                    failed.worker_id,
                 )
                 if route is None:
                     raise RelayError(
@@ -406,10 +409,10 @@ class Relay:
             trailing = e.trailing_metadata() or ()
             draining = any(k == REJECT_METADATA_KEY for k, _ in trailing)
             self._on_worker_failed(w, not draining, details)
-            return RelayError(code, details, lost)
+            return RelayError(code, details, lost, w.worker_id)
         if code is grpc.StatusCode.CANCELLED:
             # Not our cancel (that raises CancelledError): the worker went away mid-call.
-            return RelayError(grpc.StatusCode.UNAVAILABLE, details, lost)
+            return RelayError(grpc.StatusCode.UNAVAILABLE, details, lost, w.worker_id)
         if code is grpc.StatusCode.ABORTED:
             # A KV transfer that did not complete (its prefill side died or hung): another try can serve it.
             return RelayError(code, details, "transfer_aborted")

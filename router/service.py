@@ -120,19 +120,21 @@ class Router:
         self.metrics.queue_time.observe(time.monotonic() - entered)
         return route
 
-    async def reroute(self, job: Job, prompt_len: int, wait_s: float) -> Route | None:
-        """Move ``job`` off its failed route: release it, then claim a route on a READY decoding worker that
-        prefills ``prompt_len`` tokens itself (waiting up to ``wait_s`` for room). None: no worker took it."""
+    async def reroute(self, job: Job, prompt_len: int, wait_s: float, avoid: str = "") -> Route | None:
+        """Move ``job`` off its failed route: release it, then claim a route on a READY decoding worker other
+        than ``avoid`` (the one that failed) that prefills ``prompt_len`` tokens itself, waiting up to
+        ``wait_s`` for room. None: no worker took it."""
         self.ledger.release(job)
         await self.admission.notify()  # its old claim no longer counts
         job.prompt_len = prompt_len
-        live = [w for w in self.registry if w.state in (State.READY, State.LOADING)]
+        live = [w for w in self.registry if w.state in (State.READY, State.LOADING) and w.worker_id != avoid]
         if not can_ever_serve(live, prompt_len):
             return None  # no decoding worker left that could hold it: fail now rather than wait
         local = RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
 
         def try_route() -> Route | None:
-            route = choose_route(self.registry.ready(), prompt_len, local)
+            ready = [w for w in self.registry.ready() if w.worker_id != avoid]
+            route = choose_route(ready, prompt_len, local)
             if route is not None:
                 self.ledger.claim(job, route)
             return route
@@ -162,7 +164,7 @@ class Router:
     def fail_jobs_on(self, worker_id: str, reason: str) -> None:
         for job in self.ledger:
             if job.uses(worker_id):
-                job.fail(Failure("UNAVAILABLE", reason))
+                job.fail(Failure("UNAVAILABLE", reason, worker_id))
 
     async def sweep(self, now: float) -> list[Worker]:
         """Drop workers that missed heartbeats, fail their requests, close unused channels."""
