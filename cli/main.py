@@ -312,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Prometheus sees pdserve_model_load_failed (default: exit at once)",
     )
     p.add_argument("--metrics-port", type=_nonneg, default=0, help="the worker's /metrics port (0: any free)")
+    p.add_argument(
+        "--kv-interface",
+        default="",
+        help="network devices the KV transfer (UCX) uses, in UCX_NET_DEVICES syntax, e.g. eth0 or "
+        "mlx5_0:1,eth0; 'all': every device (default: $UCX_NET_DEVICES, else the interface carrying --host)",
+    )
     _worker_tuning(p)
     _token_arg(p)
     _state_dir(p)
@@ -398,6 +404,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         load_failure_linger_s=args.load_failure_linger,
         metrics_port=args.metrics_port,
         cluster_token=cluster_token(args),
+        kv_interface=args.kv_interface,
     )
 
 
@@ -436,7 +443,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
             print(f"pdserve worker: {e}", file=sys.stderr)
             return 2
     cpus = len(args.cpus) if args.cpus is not None else os.cpu_count() or 1
-    wargs = worker_args(args, socket.gethostname(), os.getpid(), cpus)
+    try:
+        wargs = worker_args(args, socket.gethostname(), os.getpid(), cpus)
+    except ValueError as e:  # e.g. a --host no interface of this machine carries
+        print(f"pdserve worker: {e}", file=sys.stderr)
+        return 2
     module_name = args.worker_module or POOL_MODULES[wargs.role]
     try:
         module = importlib.import_module(module_name)

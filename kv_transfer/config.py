@@ -1,17 +1,20 @@
 """Transfer configuration, built once at startup. Pure: no torch, no ucxx.
 
 This is also the one place the kv_transfer package touches the environment:
-:func:`apply_ucx_env_defaults` fills UCX defaults before ucxx is imported.
-Transport choice otherwise follows UCX's own variables (``UCX_TLS`` and
-friends), which UCX reads itself.
+:func:`apply_ucx_env` sets UCX's network devices and fills UCX defaults before
+ucxx starts. Transport choice otherwise follows UCX's own variables
+(``UCX_TLS`` and friends), which UCX reads itself.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from pdserve.kv_transfer.netif import interfaces_for_host
 
 
 class Backend(StrEnum):
@@ -53,10 +56,13 @@ class FaultConfig:
 class TransferConfig:
     """How a worker moves KV.
 
-    ``host``: the address this worker advertises in tickets. ucxx's listener
-    takes only a port and listens on every interface, so restricting the bind
-    address is left to the host firewall.
-    ``port``: listener port; 0 picks a free one.
+    ``host``: where this worker lives (its ``--host``). UCX gets no listener:
+    peers connect to the UCX worker address a ticket carries, and UCX's TCP
+    transport listens only on the network devices in ``UCX_NET_DEVICES``,
+    which :func:`apply_ucx_env` derives from ``host`` (loopback: ``lo``).
+    ``interface``: ``UCX_NET_DEVICES`` for cross-machine transfers, UCX's own
+    syntax (``eth0``, ``mlx5_0:1,eth0``); "all": every device (UCX's default);
+    "": the environment's ``UCX_NET_DEVICES`` if set, else derived from ``host``.
     ``deadline_s``: default lifetime of a reservation; the receiver frees the
     blocks when it passes.
     ``settle_timeout_s``: how long a failing side waits for in-flight messages
@@ -69,7 +75,7 @@ class TransferConfig:
 
     backend: Backend = Backend.UCX
     host: str = "127.0.0.1"
-    port: int = 0
+    interface: str = ""
     deadline_s: float = 30.0
     connect_timeout_s: float = 5.0
     settle_timeout_s: float = 2.0
@@ -81,8 +87,10 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend):
             object.__setattr__(self, "backend", Backend(self.backend))
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.interface and not _DEVICES.fullmatch(self.interface):
+            raise ValueError(
+                f"interface must be UCX device names (e.g. eth0,mlx5_0:1), got {self.interface!r}"
+            )
         for name in ("deadline_s", "connect_timeout_s", "settle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -90,13 +98,33 @@ class TransferConfig:
             raise ValueError("host must not be empty")
 
 
+_DEVICES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
+
 # UCX 1.21 no longer knows UCX_MEMTYPE_CACHE, which ucxx sets on import, and
 # warns about it on every context creation.
 _UCX_ENV_DEFAULTS = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
 
 
-def apply_ucx_env_defaults(environ: MutableMapping[str, str] | None = None) -> None:
-    """Fill UCX environment defaults that the user has not set (call before importing ucxx)."""
+def ucx_net_devices(config: TransferConfig, environ: MutableMapping[str, str]) -> str | None:
+    """The ``UCX_NET_DEVICES`` a worker runs with (None: unset, every device): ``config.interface``
+    when given, else the environment's, else the interface(s) carrying ``config.host``."""
+    if config.interface:
+        return None if config.interface == "all" else config.interface
+    if "UCX_NET_DEVICES" in environ:
+        return environ["UCX_NET_DEVICES"]
+    return interfaces_for_host(config.host)
+
+
+def apply_ucx_env(config: TransferConfig, environ: MutableMapping[str, str] | None = None) -> None:
+    """Set UCX's network devices for ``config`` and fill UCX defaults the user has not set.
+
+    Call before ucxx starts: UCX reads its environment once, when the process's context is made.
+    """
     env = os.environ if environ is None else environ
+    devices = ucx_net_devices(config, env)
+    if devices is None:
+        env.pop("UCX_NET_DEVICES", None)
+    else:
+        env["UCX_NET_DEVICES"] = devices
     for key, value in _UCX_ENV_DEFAULTS.items():
         env.setdefault(key, value)

@@ -42,7 +42,7 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.kvbuf import ready_marker
 from pdserve.kv_transfer.plan import Segment, layer_tag, tag_base
-from pdserve.kv_transfer.transport import Connection, DataOp
+from pdserve.kv_transfer.transport import Connection, DataOp, describe
 
 if TYPE_CHECKING:
     import torch
@@ -320,7 +320,9 @@ class SenderHandle:
             self.fail(error_for(msg.code, f"aborted by decode: {msg.reason}"), NotifyPeer.ACK)
 
     def on_peer_died(self, exc: Exception | None) -> None:
-        self.fail(PeerDiedError(f"decode peer {self._peer.address} died: {exc}"), NotifyPeer.NOTHING)
+        self.fail(
+            PeerDiedError(f"decode peer {describe(self._peer.address)} died: {exc}"), NotifyPeer.NOTHING
+        )
 
     async def settled(self) -> None:
         if self._cleanup is not None:

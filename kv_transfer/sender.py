@@ -40,7 +40,7 @@ from pdserve.kv_transfer.handle import HandleState, SenderHandle
 from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
 from pdserve.kv_transfer.metrics import Role, TransferMetrics
 from pdserve.kv_transfer.plan import MAX_LAYERS, build_segments, segment_lengths
-from pdserve.kv_transfer.transport import Connection, Transport
+from pdserve.kv_transfer.transport import Connection, Transport, describe
 from pdserve.kv_transfer.transports import make_transport
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class KVSender:
                 peer = await asyncio.wait_for(self._connect(ticket.address), remaining)
         except TimeoutError:
             self.metrics.transfer_failed(DeadlineError.reason)
-            raise DeadlineError(f"deadline passed connecting to {ticket.address}") from None
+            raise DeadlineError(f"deadline passed connecting to {describe(ticket.address)}") from None
         except TransferError as err:
             self.metrics.transfer_failed(err.reason)
             if incompatible:
@@ -200,10 +200,10 @@ class KVSender:
             reply = await asyncio.wait_for(asyncio.shield(peer.hello_reply), timeout)
             if token and not auth.same(auth.reply_proof(token, nonce, reply.ok, reply.conn_id), reply.proof):
                 # Not a decode worker of this cluster: it must not get a prompt's KV.
-                log.warning("refused KV peer %s: it did not prove the cluster token", peer.address)
+                log.warning("refused KV peer %s: it did not prove the cluster token", describe(peer.address))
                 reply = wire.HelloReply(
                     ok=False,
-                    reason=f"decode worker {peer.address} did not prove the cluster token",
+                    reason=f"decode worker {describe(peer.address)} did not prove the cluster token",
                     code=FailureReason.UNAUTHENTICATED.value,
                 )
         except Exception as exc:
@@ -214,7 +214,7 @@ class KVSender:
             err = (
                 exc
                 if isinstance(exc, TransferError)
-                else PeerDiedError(f"handshake with {peer.address}: {exc!r}")
+                else PeerDiedError(f"handshake with {describe(peer.address)}: {exc!r}")
             )
             peer.ready.set_exception(err)
             peer.ready.exception()  # retrieved here; waiters get it through shield
@@ -239,7 +239,7 @@ class KVSender:
         try:
             msg = wire.decode_message(payload)
         except Exception as exc:
-            log.warning("closing connection to %s: undecodable message: %s", peer.address, exc)
+            log.warning("closing connection to %s: undecodable message: %s", describe(peer.address), exc)
             if peer.conn is not None:
                 peer.conn.close()
             return
@@ -257,7 +257,7 @@ class KVSender:
             else:  # nothing of this transfer is in flight from here
                 self.send(peer, wire.AbortAck(msg.transfer_id, ()))
         else:
-            log.warning("unexpected %s from %s", type(msg).__name__, peer.address)
+            log.warning("unexpected %s from %s", type(msg).__name__, describe(peer.address))
 
     def _on_close(self, peer: _Peer, exc: Exception | None) -> None:
         if self._peers.get(peer.address) is peer:

@@ -28,6 +28,7 @@ with the error exactly once and fails every pending operation on it.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,6 +43,14 @@ if TYPE_CHECKING:
 MessageHandler = Callable[[bytes], None]
 CloseHandler = Callable[[Exception | None], None]
 DoneCallback = Callable[["TransferError | None"], None]
+
+
+def describe(address: str) -> str:
+    """A peer's address for logs and errors: a UCX worker address is ~250 characters of base64."""
+    if len(address) <= 48:
+        return address
+    head = address[: address.find(":") + 1] if ":" in address[:24] else ""
+    return f"{head}{hashlib.sha256(address.encode()).hexdigest()[:12]}"
 
 
 class DataOp(Protocol):

@@ -129,7 +129,7 @@ def test_tags_roundtrip_and_ranges() -> None:
 
 def test_config_validates() -> None:
     assert TransferConfig(backend="inproc").backend.value == "inproc"
-    for bad in ({"port": 70000}, {"deadline_s": 0}, {"settle_timeout_s": -1}, {"host": ""}):
+    for bad in ({"interface": "eth0; rm -rf"}, {"deadline_s": 0}, {"settle_timeout_s": -1}, {"host": ""}):
         with pytest.raises(ValueError):
             TransferConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):

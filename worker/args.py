@@ -17,6 +17,7 @@ from pdserve.engine.device import (
     device_index,
 )
 from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.netif import interfaces_for_host
 from pdserve.proto import worker_pb2
 from pdserve.worker.convert import ROLE_TO_PROTO
 from pdserve.worker.role import Role
@@ -53,6 +54,8 @@ class WorkerArgs:
     metrics_port: int = 0
     # The cluster token the router requires of registering workers (``worker.auth``); "": none.
     cluster_token: str = field(default="", repr=False)
+    # UCX network devices for the KV transfer (``TransferConfig.interface``): "" derives them from ``host``.
+    kv_interface: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -71,6 +74,9 @@ class WorkerArgs:
             raise ValueError(f"load_failure_linger_s must be >= 0, got {self.load_failure_linger_s}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if not self.kv_interface:
+            interfaces_for_host(self.host)  # no interface carries --host: say so now, not at a transfer
+        self.transfer_config()  # checks kv_interface
 
     def kv_cache_bytes_or(self, default: int) -> int | None:
         """The KV cache size a pool asks its engine for: ``kv_cache_bytes`` when given; None when
@@ -91,10 +97,15 @@ class WorkerArgs:
         )
 
     def transfer_config(self) -> TransferConfig:
-        """KV transfer settings: UCX, advertised on this worker's host; shared-memory
-        transports where both workers can share memory (a loopback host)."""
+        """KV transfer settings: UCX on the network devices of this worker's host (or ``kv_interface``);
+        shared-memory transports where both workers can share memory (a loopback host)."""
         local = self.host in ("127.0.0.1", "localhost", "::1")
-        return TransferConfig(host=self.host, ucx_shared_memory=local, cluster_token=self.cluster_token)
+        return TransferConfig(
+            host=self.host,
+            interface=self.kv_interface,
+            ucx_shared_memory=local,
+            cluster_token=self.cluster_token,
+        )
 
     def worker_info(
         self,

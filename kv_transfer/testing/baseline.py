@@ -1,9 +1,10 @@
 """Raw ucxx baseline for the benchmark: what plain ucxx does with the same bytes.
 
 It uses ucxx through :mod:`kv_transfer.transports.ucx`'s runtime (which owns the only
-``import ucxx``) and the same connection set-up (control endpoint with error
-handling, optional shared-memory data endpoint), so a comparison isolates the
-cost of pdserve's protocol. One message of N bytes is answered by a one-byte
+``import ucxx``) and the same endpoints (control endpoint with error handling,
+optional shared-memory data endpoint), so a comparison isolates the cost of
+pdserve's protocol. Unlike pdserve, it connects through a ucxx listener, which
+binds every interface while a benchmark runs. One message of N bytes is answered by a one-byte
 ack; connections and buffers are made once and reused, like pdserve's.
 
 ``count > 1`` splits the same bytes into that many messages, all posted at

@@ -1,18 +1,33 @@
 """UCX backend on ucxx: the only module of pdserve that imports ucxx (the benchmark's
 raw baseline in ucx_baseline.py borrows the module object from this runtime).
 
-Connections: the prefill side connects to the decode side's listener, which
-gives a control endpoint with UCX peer-failure error handling: UCX fails its
-operations and calls its close callback when the peer dies (kill -9 included),
-which is how both sides detect peer death without waiting for a deadline.
-Control messages use active messages (``am_send``/``am_recv``); KV data uses
-tagged messages posted straight into the KV tensor (rendezvous above
-``UCX_RNDV_THRESH``, so no staging copy).
+Connections: no listener. ucxx's listener takes only a port and binds every
+interface, so instead the decode side's address is its UCX *worker address*
+(``ucx-worker:`` + base64, carried in the transfer ticket), and the prefill
+side creates an endpoint to it. UCX's TCP transport then listens only on the
+devices in ``UCX_NET_DEVICES``, which ``config.apply_ucx_env`` sets from the
+worker's ``--host`` (``lo`` on loopback) or ``--kv-interface``.
+
+A connection is a pair of endpoints, one each way, both with UCX peer-failure
+error handling: UCX fails their operations and calls their close callbacks
+when the peer dies (kill -9 included), which is how both sides detect peer
+death without waiting for a deadline. The prefill side P opens with a
+``connect`` frame on the decode worker's connect tag, carrying a random
+channel id and P's own worker address; the decode side D makes its endpoint
+back from that address and answers with an empty frame on the channel.
+
+Control messages are tagged messages on the channel's two tags (``_tag``),
+framed with their length and received into one buffer per connection, posted
+on the receiving side's own endpoint so that closing it cancels them. KV data
+uses tagged messages posted straight into the KV tensor (rendezvous above
+``UCX_RNDV_THRESH``, so no staging copy). Tag matching is per UCX worker, not
+per endpoint: a receive matches what the peer sent on any endpoint.
+Closing one side's endpoint does not tell the peer (they are two endpoints),
+so a local close first sends a ``closed`` frame.
 
 Shared memory: UCX 1.21 leaves posix/cma out of endpoints with peer-failure
 handling, so with ``TransferConfig.ucx_shared_memory`` data moves on a second
-endpoint, made from the listener's UCX worker address (sent as the first
-message of every connection) without error handling. Its peer's death still
+endpoint to D's worker address without error handling. Its peer's death still
 shows on the control endpoint, which then aborts the data endpoint.
 
 ucxx runtime: one application context per process, created on first use
@@ -23,25 +38,68 @@ progress thread and Python-future notification, so waiting costs no polling.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import itertools
 import logging
 import random
+import secrets
+import struct
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from pdserve.kv_transfer.config import TransferConfig, apply_ucx_env_defaults
+from pdserve.kv_transfer.config import TransferConfig, apply_ucx_env
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
 from pdserve.kv_transfer.kvbuf import as_bytes
 from pdserve.kv_transfer.plan import MAX_TRANSFER_ID
-from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler
+from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler, describe
 
 log = logging.getLogger(__name__)
 
 # Endpoint close waits at most this long (ns) for UCX to flush; a dead peer must not stall the loop.
 _CLOSE_PERIOD_NS = 100_000_000
+_CLOSE_PERIOD_S = _CLOSE_PERIOD_NS / 1e9
+
+ADDRESS_PREFIX = "ucx-worker:"
+
+# Control tags (bit 63 clear; KV data tags set it, plan.py):
+#   bit 62      1: control
+#   bit 61      direction: 1 towards the prefill side
+#   bits 0-60   channel id, random per connection; 0: the decode side's queue of connect frames
+_CONTROL = 1 << 62
+_TO_PREFILL = 1 << 61
+_CHANNEL_BITS = 61
+_CONNECT_TAG = _CONTROL
+
+# Frames: a little-endian u32 payload length, then the payload. _CLOSED in place of a length: the peer
+# closed the connection. An Open with the tag layout's 65,536 segment lengths is ~200 KB of msgpack.
+_LEN = struct.Struct("<I")
+_CLOSED = 0xFFFFFFFF
+MAX_CONTROL_BYTES = 1 << 20
+_CLOSED_FRAME = np.frombuffer(_LEN.pack(_CLOSED), dtype=np.uint8)
+# A connect frame's payload: the channel id, then the prefill side's UCX worker address.
+_CHANNEL = struct.Struct("<Q")
+_MAX_CONNECT_BYTES = 1 << 16
+
+
+def worker_address_string(blob: bytes) -> str:
+    return ADDRESS_PREFIX + base64.urlsafe_b64encode(blob).decode()
+
+
+def parse_worker_address(address: str) -> bytes:
+    """The UCX worker address blob in a ``ucx-worker:`` address; ValueError if it is not one."""
+    if not address.startswith(ADDRESS_PREFIX):
+        raise ValueError(f"not a UCX worker address: {address[:40]!r}")
+    try:
+        blob = base64.urlsafe_b64decode(address.removeprefix(ADDRESS_PREFIX).encode())
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"bad UCX worker address: {exc}") from exc
+    if not blob or len(blob) > _MAX_CONNECT_BYTES - _CHANNEL.size:
+        raise ValueError(f"bad UCX worker address: {len(blob)} bytes")
+    return blob
 
 
 class _Runtime:
@@ -55,10 +113,11 @@ class _Runtime:
         # A random start keeps a restarted process from reusing recent transfer ids.
         self._ids = itertools.count(random.randrange(1, MAX_TRANSFER_ID // 2))
 
-    def acquire(self) -> Any:
+    def acquire(self, config: TransferConfig) -> Any:
+        """The ucxx module, started on first use; UCX's devices follow the first user's ``config``."""
         loop = asyncio.get_running_loop()
         if self.users == 0:
-            apply_ucx_env_defaults()
+            apply_ucx_env(config)
             import ucxx
 
             try:
@@ -69,6 +128,7 @@ class _Runtime:
                 raise RuntimeError("kv_transfer needs ucxx with Python-future notification enabled")
             self.ucxx, self.loop = ucxx, loop
             self.worker = ucxx.core._get_ctx().worker
+            ucxx.continuous_ucx_progress()  # the progress thread; a worker-level receive needs it running
         elif loop is not self.loop:
             raise RuntimeError("ucxx is bound to the event loop it started in; use one loop per process")
         self.users += 1
@@ -146,19 +206,38 @@ class _FailedOp:
 
 
 class UcxConnection:
-    def __init__(self, transport: UcxTransport, ep: Any, peer: str, data_ep: Any = None) -> None:
+    """One side of a connection: its own endpoint to the peer (control, and data unless a
+    shared-memory ``data_ep`` is given) and the channel's two control tags."""
+
+    def __init__(
+        self,
+        transport: UcxTransport,
+        ep: Any,
+        peer: str,
+        channel: int,
+        *,
+        prefill_side: bool,
+        data_ep: Any = None,
+    ) -> None:
         self.loop = transport.loop
         self._transport = transport
         self._ucxx = transport.ucxx
         self._ep = ep
         self._data_ep = data_ep if data_ep is not None else ep
         self._peer = peer
+        self._send_tag = _CONTROL | channel | (0 if prefill_side else _TO_PREFILL)
+        self._recv_tag = _CONTROL | channel | (_TO_PREFILL if prefill_side else 0)
         self._alive = True
+        self._aborted = False
         self._on_message: MessageHandler | None = None
         self._on_close: CloseHandler | None = None
         self._backlog: list[bytes] = []
-        self._am_request: Any = None  # the posted receive of the next control message
+        self._rbuf = np.empty(_LEN.size + MAX_CONTROL_BYTES, dtype=np.uint8)
+        self._recv_request: Any = None  # the posted receive of the next control frame
         self._outbox: dict[int, tuple[Any, np.ndarray]] = {}
+        self._closing: Any = None  # the closed frame's send, until the endpoints are aborted
+        # Prefill side, while connecting: the decode side's first (empty) frame resolves it.
+        self.accepted: asyncio.Future[None] | None = None
         ep.set_close_callback(self._close_callback)
 
     @property
@@ -169,8 +248,12 @@ class UcxConnection:
     def alive(self) -> bool:
         return self._alive
 
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
     def start(self) -> None:
-        self._post_am_recv()
+        self._post_recv()
 
     def set_handlers(self, on_message: MessageHandler, on_close: CloseHandler) -> None:
         self._on_message, self._on_close = on_message, on_close
@@ -178,26 +261,44 @@ class UcxConnection:
         for payload in backlog:
             on_message(payload)
 
-    # Control messages are read with a callback, not a reader task: a task costs one more
+    # Control frames are read with a callback, not a reader task: a task costs one more
     # loop iteration per message, and Open and CompleteAck sit on a transfer's critical path.
-    def _post_am_recv(self) -> None:
+    def _post_recv(self) -> None:
+        ucxx = self._ucxx
+        _runtime.refill_futures()
         try:
-            self._am_request = self._ep._ep.am_recv()
+            self._recv_request = self._ep._ep.tag_recv(
+                ucxx._lib.arr.Array(self._rbuf), ucxx.types.Tag(self._recv_tag), ucxx.types.TagMaskFull
+            )
         except Exception as exc:
-            self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"))
+            self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"), tell_peer=False)
             return
-        self._am_request.future.add_done_callback(self._am_received)
+        self._recv_request.future.add_done_callback(self._received)
 
-    def _am_received(self, fut: asyncio.Future[Any]) -> None:
-        request, self._am_request = self._am_request, None
+    def _received(self, fut: asyncio.Future[Any]) -> None:
+        self._recv_request = None
+        exc = TransferError("cancelled") if fut.cancelled() else fut.exception()  # retrieved either way
         if not self._alive:
             return
-        exc = TransferError("cancelled") if fut.cancelled() else fut.exception()
         if exc is not None:
             self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"))
             return
-        payload = bytes(request.recv_buffer)
-        self._post_am_recv()
+        (n,) = _LEN.unpack_from(self._rbuf.data)
+        if n == _CLOSED:
+            self._broken(PeerDiedError(f"{self._peer} closed the connection"), tell_peer=False)
+            return
+        if n > MAX_CONTROL_BYTES:
+            self._broken(PeerDiedError(f"{self._peer} sent a malformed frame ({n} bytes)"))
+            return
+        payload = bytes(self._rbuf[_LEN.size : _LEN.size + n])  # copied out before the buffer is reused
+        self._post_recv()
+        if self.accepted is not None:  # the prefill side's first frame: the accept, empty
+            accepted, self.accepted = self.accepted, None
+            if payload:
+                self._broken(PeerDiedError(f"{self._peer} did not accept the connection"))
+            elif not accepted.done():
+                accepted.set_result(None)
+            return
         if self._on_message is None:
             self._backlog.append(payload)
         else:
@@ -207,7 +308,7 @@ class UcxConnection:
         # Runs on the UCX progress thread.
         try:
             self.loop.call_soon_threadsafe(
-                self._broken, PeerDiedError(f"UCX endpoint to {self._peer} failed")
+                partial(self._broken, PeerDiedError(f"UCX endpoint to {self._peer} failed"), tell_peer=False)
             )
         except RuntimeError:  # loop already closed at shutdown
             pass
@@ -222,14 +323,22 @@ class UcxConnection:
     def post_message(self, payload: bytes) -> None:
         if not self._alive:
             raise PeerDiedError(f"connection to {self._peer} is closed")
-        buf = np.frombuffer(payload, dtype=np.uint8)
+        if len(payload) > MAX_CONTROL_BYTES:
+            self._broken(
+                TransferError(f"a control message of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
+            )
+            return
+        self.post_frame(self._send_tag, _LEN.pack(len(payload)) + payload)
+
+    def post_frame(self, tag: int, frame: bytes) -> None:
+        """Submit one frame now (not in a task: a control message is often on the critical path,
+        Complete -> CompleteAck, and a task costs a loop iteration)."""
+        buf = np.frombuffer(frame, dtype=np.uint8)
         _runtime.refill_futures()
         try:
-            # Submitted here, not in a task: a control message is often on the
-            # critical path (Complete -> CompleteAck), and a task costs a loop iteration.
-            request = self._ep._ep.am_send(self._ucxx._lib.arr.Array(buf))
+            request = self._ep._ep.tag_send(self._ucxx._lib.arr.Array(buf), self._ucxx.types.Tag(tag))
         except Exception as exc:
-            self._broken(self.translate(exc))
+            self._broken(self.translate(exc), tell_peer=False)
             return
         key = id(request)
         self._outbox[key] = (request, buf)  # alive until sent
@@ -239,7 +348,7 @@ class UcxConnection:
         self._outbox.pop(key, None)
         exc = TransferError("cancelled") if fut.cancelled() else fut.exception()
         if exc is not None:
-            self._broken(PeerDiedError(f"control message to {self._peer} failed: {exc}"))
+            self._broken(PeerDiedError(f"control message to {self._peer} failed: {exc}"), tell_peer=False)
 
     def send_data(self, buf: Any, tag: int, on_done: DoneCallback) -> _UcxOp | _FailedOp:
         if not self._alive:
@@ -257,8 +366,9 @@ class UcxConnection:
             return _FailedOp(self.loop, PeerDiedError(f"connection to {self._peer} is closed"), on_done)
         ucxx = self._ucxx
         _runtime.refill_futures()
-        # Matching is per worker: this also receives what the peer sends on its data endpoint,
-        # and messages that arrived before this receive was posted.
+        # Matching is per worker: this also receives what the peer sends on its own endpoints, and
+        # messages that arrived before this receive was posted. Posted on this side's endpoint, so
+        # that aborting it cancels the receive.
         try:
             request = self._ep._ep.tag_recv(
                 _ucx_buffer(ucxx, buf), ucxx.types.Tag(tag), ucxx.types.TagMaskFull
@@ -270,80 +380,158 @@ class UcxConnection:
     def close(self) -> None:
         self._broken(PeerDiedError(f"connection to {self._peer} closed locally"))
 
-    def _broken(self, exc: Exception) -> None:
+    def _broken(self, exc: Exception, tell_peer: bool = True) -> None:
+        """End the connection once. ``tell_peer``: send the closed frame first (the peer's own
+        endpoint to this side stays up when this side aborts its endpoints)."""
         if not self._alive:
             return
         self._alive = False
-        self._am_request = None  # dropping it cancels the receive
-        # Aborting cancels every request still in flight on the endpoints.
+        self._recv_request = None  # dropping it cancels the receive
+        if self.accepted is not None and not self.accepted.done():
+            self.accepted.set_exception(exc if isinstance(exc, TransferError) else PeerDiedError(str(exc)))
+            self.accepted.exception()  # retrieved: connect() may have stopped waiting
+        closing = None
+        if tell_peer:
+            try:
+                closing = self._ep._ep.tag_send(
+                    self._ucxx._lib.arr.Array(_CLOSED_FRAME), self._ucxx.types.Tag(self._send_tag)
+                )
+            except Exception as send_exc:
+                log.debug("closed frame to %s: %s", self._peer, send_exc)
+        if closing is None:
+            self.abort()
+        else:
+            # Aborting now would cancel the frame: abort once it is out, or after the close period.
+            self._closing = closing
+            closing.future.add_done_callback(self._closed_frame_sent)
+            self.loop.call_later(_CLOSE_PERIOD_S, self.abort)
+        self._transport.forget(self)
+        if self._on_close is not None:
+            self.loop.call_soon(self._on_close, exc)
+
+    def _closed_frame_sent(self, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a peer that is gone already is no news
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort both endpoints (once): cancels every request still in flight on them."""
+        if self._aborted:
+            return
+        self._aborted = True
+        self._closing = None
         for ep in {id(self._data_ep): self._data_ep, id(self._ep): self._ep}.values():
             try:
                 ep.abort(period=_CLOSE_PERIOD_NS)
             except Exception as close_exc:
                 log.debug("endpoint abort: %s", close_exc)
-        self._transport.forget(self)
-        if self._on_close is not None:
-            self.loop.call_soon(self._on_close, exc)
 
 
 class UcxTransport:
     def __init__(self, config: TransferConfig) -> None:
         self.loop = asyncio.get_running_loop()
         self._config = config
-        self.ucxx = _runtime.acquire()
+        self.ucxx = _runtime.acquire(config)
         self._closed = False
-        self._listener: Any = None
-        self._address = ""
         self._on_connect: Callable[[Connection], None] | None = None
         self._conns: set[UcxConnection] = set()
         self._worker_address = bytes(self.ucxx.get_worker_address())
+        self._address = worker_address_string(self._worker_address)
+        self._connect_buf = np.empty(_LEN.size + _MAX_CONNECT_BYTES, dtype=np.uint8)
+        self._connect_request: Any = None  # the posted receive of the next connect frame
+        self._accepting: set[asyncio.Task[None]] = set()
 
     @property
     def address(self) -> str:
+        """This process's UCX worker address (``ucx-worker:`` + base64): what tickets carry."""
         return self._address
 
     async def listen(self, on_connect: Callable[[Connection], None]) -> None:
         self._on_connect = on_connect
-        self._listener = self.ucxx.create_listener(self._accept, port=self._config.port)
-        self._address = f"ucx://{self._config.host}:{self._listener.port}"
+        self._post_connect_recv()
 
-    async def _accept(self, ep: Any) -> None:
+    def _post_connect_recv(self) -> None:
+        if self._closed:
+            return
+        ucxx = self.ucxx
+        _runtime.refill_futures()
+        # Worker-level: there is no endpoint to the peer yet. Closing the transport drops it.
+        self._connect_request = _runtime.worker.tag_recv(
+            ucxx._lib.arr.Array(self._connect_buf), ucxx.types.Tag(_CONNECT_TAG), ucxx.types.TagMaskFull
+        )
+        self._connect_request.future.add_done_callback(self._connect_received)
+
+    def _connect_received(self, fut: asyncio.Future[Any]) -> None:
+        self._connect_request = None
+        exc = None if fut.cancelled() else fut.exception()  # retrieved either way
+        if self._closed or fut.cancelled() or isinstance(exc, self.ucxx.exceptions.UCXCanceledError):
+            return
+        frame = None
+        if exc is None:
+            (n,) = _LEN.unpack_from(self._connect_buf.data)
+            if _CHANNEL.size < n <= _MAX_CONNECT_BYTES:
+                frame = bytes(self._connect_buf[_LEN.size : _LEN.size + n])
+        self._post_connect_recv()
+        if frame is None:
+            log.warning("dropped a malformed KV connect frame%s", f": {exc}" if exc else "")
+            return
+        (channel,) = _CHANNEL.unpack_from(frame)
+        task = self.loop.create_task(self._accept(channel, frame[_CHANNEL.size :]))
+        self._accepting.add(task)  # held: the loop keeps only weak refs
+        task.add_done_callback(self._accepting.discard)
+
+    async def _accept(self, channel: int, peer_address: bytes) -> None:
+        peer = f"prefill peer {channel & 0xFFFFFFFF:08x}"
+        try:
+            remote = self.ucxx.get_ucx_address_from_buffer(peer_address)
+            ep = await self.ucxx.create_endpoint_from_worker_address(remote, endpoint_error_handling=True)
+        except Exception as exc:
+            log.warning("dropped a KV connection from %s: %s: %s", peer, type(exc).__name__, exc)
+            return
         if self._closed or self._on_connect is None:
             ep.abort(period=_CLOSE_PERIOD_NS)
             return
-        try:
-            # Preamble: this worker's address, for an optional shared-memory data endpoint.
-            await ep.am_send(np.frombuffer(self._worker_address, dtype=np.uint8))
-        except Exception as exc:
-            log.warning("dropping a connection that failed during its preamble: %s", exc)
-            return
-        conn = UcxConnection(self, ep, peer="prefill peer")
+        conn = UcxConnection(
+            self, ep, peer=peer, channel=channel & ((1 << _CHANNEL_BITS) - 1), prefill_side=False
+        )
         self._conns.add(conn)
         conn.start()
+        conn.post_message(b"")  # the accept: the channel's first frame, empty
         self._on_connect(conn)
 
     async def connect(self, address: str) -> UcxConnection:
-        host, port = parse_address(address)
+        label = describe(address)
+        try:
+            blob = parse_worker_address(address)
+        except ValueError as exc:
+            raise PeerDiedError(f"cannot connect to {label}: {exc}") from exc
         timeout = self._config.connect_timeout_s
         try:
-            ep = await asyncio.wait_for(
-                self.ucxx.create_endpoint(host, port, endpoint_error_handling=True, connect_timeout=timeout),
-                timeout,
-            )
-            preamble = bytes(await asyncio.wait_for(ep.am_recv(), timeout))
+            remote = self.ucxx.get_ucx_address_from_buffer(blob)
+            ep = await self.ucxx.create_endpoint_from_worker_address(remote, endpoint_error_handling=True)
             data_ep = None
             if self._config.ucx_shared_memory:
-                worker = self.ucxx.get_ucx_address_from_buffer(preamble)
                 data_ep = await self.ucxx.create_endpoint_from_worker_address(
-                    worker, endpoint_error_handling=False
+                    remote, endpoint_error_handling=False
                 )
-        except TimeoutError as exc:
-            raise PeerDiedError(f"no answer from {address} within {timeout}s") from exc
         except Exception as exc:
-            raise PeerDiedError(f"cannot connect to {address}: {type(exc).__name__}: {exc}") from exc
-        conn = UcxConnection(self, ep, peer=address, data_ep=data_ep)
+            raise PeerDiedError(f"cannot connect to {label}: {type(exc).__name__}: {exc}") from exc
+        channel = secrets.randbits(_CHANNEL_BITS) or 1
+        conn = UcxConnection(self, ep, peer=label, channel=channel, prefill_side=True, data_ep=data_ep)
+        accepted = conn.accepted = self.loop.create_future()
         self._conns.add(conn)
         conn.start()
+        conn.post_frame(
+            _CONNECT_TAG,
+            _LEN.pack(_CHANNEL.size + len(self._worker_address))
+            + _CHANNEL.pack(channel)
+            + self._worker_address,
+        )
+        try:
+            await asyncio.wait_for(asyncio.shield(accepted), timeout)
+        except TimeoutError as exc:
+            conn.close()
+            raise PeerDiedError(f"no answer from {label} within {timeout}s") from exc
         return conn
 
     def forget(self, conn: UcxConnection) -> None:
@@ -356,17 +544,24 @@ class UcxTransport:
         if self._closed:
             return
         self._closed = True
-        for conn in list(self._conns):
+        self._connect_request = None  # dropping it cancels the receive
+        for task in list(self._accepting):
+            task.cancel()
+        closing = list(self._conns)
+        for conn in closing:
             conn.close()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        # Let the close callbacks and cancelled requests run before UCX goes away.
+        # Let the closed frames go out (bounded), then the close callbacks and cancelled requests run.
+        end = self.loop.time() + _CLOSE_PERIOD_S
+        while any(not conn.aborted for conn in closing) and self.loop.time() < end:
+            await asyncio.sleep(0.005)
+        for conn in closing:
+            conn.abort()
         await asyncio.sleep(0.01)
         _runtime.release()
 
 
 def parse_address(address: str) -> tuple[str, int]:
+    """``ucx://host:port``: a listener's address (the raw baseline's, testing/baseline.py)."""
     if not address.startswith("ucx://"):
         raise ValueError(f"not a UCX address: {address!r}")
     host, _, port = address.removeprefix("ucx://").rpartition(":")
