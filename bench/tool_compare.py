@@ -313,13 +313,13 @@ def format_report(doc: dict[str, Any]) -> str:
 
 
 def target_from_state(state_dir: Path) -> Target:
-    from pdserve.deploy.local.cluster import cluster_status, load_state, state_token
+    from pdserve.deploy.local.cluster import cluster_status, load_state, state_tls, state_token
     from pdserve.engine.registry import resolve_model
 
     state = load_state(state_dir)
     if state is None:
         raise RuntimeError(f"no cluster in {state_dir} (pdserve up --http-port PORT --state-dir {state_dir})")
-    http_url = cluster_status(state.router_address, token=state_token(state)).http_url
+    http_url = cluster_status(state.router_address, token=state_token(state), tls=state_tls(state)).http_url
     if not http_url:
         raise RuntimeError(
             "the cluster's router has no HTTP front: start it with `pdserve up --http-port PORT`"

@@ -7,10 +7,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-import grpc
 from google.protobuf import json_format
 
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
+from pdserve.worker.tls import NO_TLS, TLSConfig, channel
 
 ROLE_NAMES = {
     worker_pb2.ROLE_PREFILL: "prefill",
@@ -151,10 +151,10 @@ def build_request(
 
 
 def stream(
-    address: str, request: generation_pb2.GenerateRequest, timeout_s: float
+    address: str, request: generation_pb2.GenerateRequest, timeout_s: float, tls: TLSConfig = NO_TLS
 ) -> Iterator[generation_pb2.GenerateResponse]:
-    with grpc.insecure_channel(address) as channel:
-        yield from generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s)
+    with channel(address, tls) as ch:
+        yield from generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s)
 
 
 def print_stream(

@@ -13,6 +13,7 @@ from pdserve.deploy.local import alertmanager, cluster, prometheus
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
 from pdserve.worker.auth import write_new_token
 from pdserve.worker.role import Role
+from pdserve.worker.tls import TLSConfig
 
 
 def say(text: str) -> None:
@@ -83,12 +84,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
     http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
+    # TLS files (worker.tls), checked here: every process gets them, and this command calls the router.
+    tls_config = TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
+    tls_config.check_server()
+    tls_flags = tls_config.cli_flags()
     state_dir.mkdir(parents=True, exist_ok=True)
     # A new secret per cluster: only the processes started here can join its pools (worker.auth).
     token_file = write_new_token(state_dir / "cluster-token")
     token = ["--cluster-token-file", str(token_file.resolve())]
+    tls = tls_flags + token
     router = cluster.spawn_router(
-        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + http + cache + token
+        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + http + cache + tls
     )
     state = cluster.ClusterState(
         router_address=f"{args.host}:{args.port}",
@@ -97,9 +103,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         threads=threads,
         host=args.host,
-        worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module + token),
+        worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module + tls),
         pin_cpus=args.pin_cpus,
         token_file=str(token_file.resolve()),
+        tls_cert=tls_config.cert_file,
+        tls_key=tls_config.key_file,
+        tls_ca=tls_config.ca_file,
         device=device,
         gpu_memory_utilization=util,
     )
@@ -134,7 +143,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         cluster.remove_state(state_dir)
         raise
     if args.http_port is not None:
-        status = cluster.cluster_status(state.router_address, token=cluster.state_token(state))
+        status = cluster.cluster_status(
+            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
+        )
         say(f"OpenAI-compatible API: {status.http_url}/v1")
     print(state.router_address, flush=True)
     return 0
@@ -143,7 +154,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def write_targets(state_dir: Path, state: cluster.ClusterState) -> None:
     """List the router and every worker (their metrics URLs) in the Prometheus targets file, and the
     workers the cluster should have in the worker-count alert's rule file (re-read on SIGHUP)."""
-    status = cluster.cluster_status(state.router_address, token=cluster.state_token(state))
+    status = cluster.cluster_status(
+        state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
+    )
     groups = prometheus.targets(status)
     say(f"prometheus targets: {prometheus.write_targets(state_dir, groups)}")
     changed = prometheus.write_expected(

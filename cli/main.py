@@ -30,6 +30,7 @@ from pdserve.engine.device import (
 from pdserve.router.config import DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, RouterConfig
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.role import Role
+from pdserve.worker.tls import TLSConfig, TLSError
 
 DEFAULT_STATE_DIR = ".pdserve"
 # ``pdserve worker --role R`` runs ``serve(args: WorkerArgs)`` from this module.
@@ -137,6 +138,23 @@ def cluster_token(args: argparse.Namespace) -> str:
     return read_token_file(path) if path else ""
 
 
+def _tls_args(p: argparse.ArgumentParser, server: bool) -> None:
+    if server:
+        cert = "serve gRPC over TLS with this certificate (PEM; also HTTPS on --http-port) and present it "
+        ca = "mutual TLS: require peers' certificates signed by this CA (PEM), and check peers against it"
+    else:
+        cert = "present this client certificate (PEM) to a router that requires one (mutual TLS)"
+        ca = "call the router over TLS, checking it against this CA (PEM)"
+    p.add_argument("--tls-cert", type=Path, default=None, help=cert + " (default: plain gRPC)")
+    p.add_argument("--tls-key", type=Path, default=None, help="the private key of --tls-cert (PEM)")
+    p.add_argument("--tls-ca", type=Path, default=None, help=ca)
+
+
+def tls_config(args: argparse.Namespace) -> TLSConfig:
+    """The TLS files of --tls-cert/--tls-key/--tls-ca, read (NO_TLS when none is given)."""
+    return TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
+
+
 def _router_tuning(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     p.add_argument("--max-waiting", type=_nonneg, default=d.max_waiting, help="router queue bound")
@@ -237,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _router_tuning(p)
     _worker_tuning(p)
+    _tls_args(p, server=True)
     _state_dir(p)
 
     p = sub.add_parser("scale", help="grow or shrink the pools of the local cluster")
@@ -251,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
     _token_arg(p)
+    _tls_args(p, server=False)
     _state_dir(p)
 
     p = sub.add_parser("generate", help="stream a completion to stdout")
@@ -264,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per streamed message")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
+    _tls_args(p, server=False)
     _state_dir(p)
 
     p = sub.add_parser(
@@ -274,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for it to leave")
     _token_arg(p)
+    _tls_args(p, server=False)
     _state_dir(p)
 
     p = sub.add_parser("down", help="stop the local cluster: drain, SIGTERM, then SIGKILL")
@@ -286,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _router_tuning(p)
     _token_arg(p)
+    _tls_args(p, server=True)
     _state_dir(p)
 
     p = sub.add_parser("worker", help="run a worker in the foreground")
@@ -320,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _worker_tuning(p)
     _token_arg(p)
+    _tls_args(p, server=True)
     _state_dir(p)
 
     p = sub.add_parser("bench", help="load-test a running router (workloads, arrivals, goodput under SLOs)")
@@ -376,6 +400,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         cluster_token=cluster_token(args),
+        tls=tls_config(args),
     )
 
 
@@ -405,6 +430,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         metrics_port=args.metrics_port,
         cluster_token=cluster_token(args),
         kv_interface=args.kv_interface,
+        tls=tls_config(args),
     )
 
 
@@ -484,10 +510,17 @@ def _state(args: argparse.Namespace) -> cluster.ClusterState:
     return state
 
 
+def _router_tls(args: argparse.Namespace) -> TLSConfig:
+    """How to call the router: the TLS flags when given (or with --router), else the cluster's own."""
+    if args.router or args.tls_cert or args.tls_ca:
+        return tls_config(args)
+    return cluster.state_tls(_state(args))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     address = _router_address(args)
     token = cluster_token(args) if args.router else cluster.state_token(_state(args))
-    doc = client.status_dict(cluster.cluster_status(address, token=token))
+    doc = client.status_dict(cluster.cluster_status(address, token=token, tls=_router_tls(args)))
     print(json.dumps(doc, indent=2) if args.json else client.status_table(doc), flush=True)
     return 0
 
@@ -500,13 +533,15 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
     address = _router_address(args)
     token = cluster_token(args) if args.router else cluster.state_token(_state(args))
-    if not cluster.drain_worker(address, args.worker_id, token):
+    tls = _router_tls(args)
+    if not cluster.drain_worker(address, args.worker_id, token, tls):
         cluster_cmds.say(f"{args.worker_id} is not registered with the router at {address}: nothing to drain")
         return 0
     cluster_cmds.say(f"draining {args.worker_id}")
     give_up = time.monotonic() + args.timeout
     while any(
-        e.info.worker_id == args.worker_id for e in cluster.cluster_status(address, token=token).workers
+        e.info.worker_id == args.worker_id
+        for e in cluster.cluster_status(address, token=token, tls=tls).workers
     ):
         if time.monotonic() > give_up:
             cluster_cmds.say(f"{args.worker_id} still registered after {args.timeout:.0f}s")
@@ -527,7 +562,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     client.print_stream(
-        client.stream(_router_address(args), req, args.timeout), sys.stdout, sys.stderr, args.json
+        client.stream(_router_address(args), req, args.timeout, _router_tls(args)),
+        sys.stdout,
+        sys.stderr,
+        args.json,
     )
     return 0
 
@@ -554,8 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("router", "worker"):
             cluster_token(args)  # a bad token file fails here, in one line, before anything starts
+            tls_config(args).check_server()  # and bad TLS files
         return COMMANDS[args.command](args)
-    except TokenError as e:
+    except (TokenError, TLSError) as e:
         cluster_cmds.say(f"pdserve {args.command}: {e}")
         return 2
     except cluster.ClusterError as e:

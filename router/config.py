@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.router.policy import RoutingConfig
 from pdserve.router.registry import RegistryConfig
+from pdserve.worker.tls import NO_TLS, TLSConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_HOST = "127.0.0.1"
@@ -40,6 +41,9 @@ class RouterConfig:
     http_port: int | None = None
     # The cluster token (``worker.auth``) every caller of the Registry service must present; "": open.
     cluster_token: str = field(default="", repr=False)
+    # TLS on the gRPC port (and HTTPS on the OpenAI front), mutual with a CA; the workers are called with
+    # the same certificate (``worker.tls``). NO_TLS: plain.
+    tls: TLSConfig = NO_TLS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -52,6 +56,7 @@ class RouterConfig:
             raise ValueError("host must not be empty")
         if not self.model:
             raise ValueError("model must not be empty")
+        self.tls.check_server()
         if self.queue_timeout_s <= 0:
             raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
         if self.request_timeout_s < 0:

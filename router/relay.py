@@ -45,6 +45,7 @@ from pdserve.router.validate import Prepared, RouterTokenizer
 from pdserve.worker.auth import token_metadata
 from pdserve.worker.convert import request_id_metadata
 from pdserve.worker.shell import REJECT_METADATA_KEY
+from pdserve.worker.tls import NO_TLS, TLSConfig, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +82,10 @@ class WorkerChannels:
     """One channel per worker address, reused by every request to that worker; and the metadata of
     every call: the request's id and, when configured, the cluster token the workers require."""
 
-    def __init__(self, cluster_token: str = "") -> None:
+    def __init__(self, cluster_token: str = "", tls: TLSConfig = NO_TLS) -> None:
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._token_meta = token_metadata(cluster_token)
+        self._tls = tls  # over TLS, presenting the router's certificate (mutual TLS with a CA)
 
     def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
         return request_id_metadata(request_id) + self._token_meta
@@ -91,7 +93,7 @@ class WorkerChannels:
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = aio_channel(address, self._tls)
             entry = self._stubs[address] = (channel, worker_pb2_grpc.WorkerStub(channel))
         return entry[1]
 

@@ -36,6 +36,7 @@ from pdserve.router.validate import ModelLimits, RouterTokenizer
 from pdserve.telemetry.exporter import MetricsEndpoint, serve_metrics
 from pdserve.worker.auth import RequireToken
 from pdserve.worker.shell import SERVER_OPTIONS, RejectUndecodable
+from pdserve.worker.tls import add_port
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +86,16 @@ class RouterServer:
         for name in ("", GENERATION_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set(REGISTRY_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self.port = server.add_insecure_port(self.config.bind_address)
+        self.port = add_port(server, self.config.bind_address, self.config.tls)
         await server.start()
         self._server = server
         self.router.address = f"{self.config.host}:{self.port}"
         self.metrics = serve_metrics(self.router.metrics.registry, self.config.host, self.config.metrics_port)
         self.router.metrics_url = self.metrics.url
         if self.config.http_port is not None:
-            self.http = OpenAIFront(self.router, self.config.host, self.config.http_port, self.config.model)
+            self.http = OpenAIFront(
+                self.router, self.config.host, self.config.http_port, self.config.model, self.config.tls
+            )
             self.router.http_url = await self.http.start()
         self._sweep = asyncio.get_running_loop().create_task(self.router.sweep_forever())
         log.info("router listening on %s", self.router.address)

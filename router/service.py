@@ -55,7 +55,7 @@ class Router:
         self.routing = config.routing_config()
         self.admission = Admission(config.max_waiting)
         self.ledger = Ledger(self.registry)
-        self.channels = WorkerChannels(config.cluster_token)
+        self.channels = WorkerChannels(config.cluster_token, config.tls)
         self.infos: dict[str, worker_pb2.WorkerInfo] = {}  # the registration of every known worker
         self.address = config.bind_address  # the bound address once the server has started
         self.tokenizer: RouterTokenizer | None = None  # None until loaded: Generate is UNAVAILABLE

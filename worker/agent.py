@@ -12,7 +12,7 @@ Every worker process runs one ``RouterAgent``:
     -> ``close``: stop heartbeating, deregister (bounded)
 
 ``run_worker`` strings a ``WorkerShell`` and an agent together for a pool's ``serve``.
-Imports only grpc, the protos and ``worker.shell``.
+Imports only grpc, the protos, ``worker.shell`` and ``worker.tls``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import grpc
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.auth import token_metadata
 from pdserve.worker.shell import WorkerShell
+from pdserve.worker.tls import NO_TLS, TLSConfig, aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class AgentConfig:
     retry_interval_s: float = 0.2
     rpc_timeout_s: float = 2.0
     cluster_token: str = field(default="", repr=False)  # presented on every call (``worker.auth``)
+    tls: TLSConfig = (
+        NO_TLS  # the router's gRPC over TLS, this worker's certificate presented (``worker.tls``)
+    )
 
     def __post_init__(self) -> None:
         if not self.router_address:
@@ -85,7 +89,7 @@ class RouterAgent:
 
     def _registry(self) -> worker_pb2_grpc.RegistryStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.config.router_address, options=_CHANNEL_OPTIONS)
+            self._channel = aio_channel(self.config.router_address, self.config.tls, _CHANNEL_OPTIONS)
             self._stub = worker_pb2_grpc.RegistryStub(self._channel)
         return self._stub
 

@@ -19,9 +19,11 @@ from pdserve.engine.device import (
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.netif import interfaces_for_host
 from pdserve.proto import worker_pb2
+from pdserve.worker.agent import AgentConfig
 from pdserve.worker.convert import ROLE_TO_PROTO
 from pdserve.worker.role import Role
 from pdserve.worker.shell import ShellConfig
+from pdserve.worker.tls import NO_TLS, TLSConfig
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class WorkerArgs:
     cluster_token: str = field(default="", repr=False)
     # UCX network devices for the KV transfer (``TransferConfig.interface``): "" derives them from ``host``.
     kv_interface: str = ""
+    # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
+    tls: TLSConfig = NO_TLS
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -77,6 +81,7 @@ class WorkerArgs:
         if not self.kv_interface:
             interfaces_for_host(self.host)  # no interface carries --host: say so now, not at a transfer
         self.transfer_config()  # checks kv_interface
+        self.tls.check_server()
 
     def kv_cache_bytes_or(self, default: int) -> int | None:
         """The KV cache size a pool asks its engine for: ``kv_cache_bytes`` when given; None when
@@ -94,7 +99,11 @@ class WorkerArgs:
             port=self.port,
             drain_timeout_s=self.drain_timeout_s,
             cluster_token=self.cluster_token,
+            tls=self.tls,
         )
+
+    def agent_config(self) -> AgentConfig:
+        return AgentConfig(router_address=self.router, cluster_token=self.cluster_token, tls=self.tls)
 
     def transfer_config(self) -> TransferConfig:
         """KV transfer settings: UCX on the network devices of this worker's host (or ``kv_interface``);

@@ -35,7 +35,7 @@ from pdserve.engine.registry import resolve_model
 from pdserve.proto import worker_pb2_grpc
 from pdserve.telemetry.exporter import model_load_gauge, process_registry, serve_metrics
 from pdserve.telemetry.gpu import add_gpu_metrics
-from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
+from pdserve.worker.agent import RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.auth import refusal_counter
 from pdserve.worker.shell import PoolServicer, WorkerShell
@@ -106,7 +106,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
             )
             await shell.set_serving()
             agent = RouterAgent(
-                AgentConfig(router_address=args.router, cluster_token=args.cluster_token),
+                args.agent_config(),
                 args.worker_info(
                     address,
                     kv_blocks_total=capacity.kv_blocks_total,

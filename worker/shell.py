@@ -48,6 +48,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto import worker_pb2
 from pdserve.worker.auth import RequireToken
+from pdserve.worker.tls import NO_TLS, TLSConfig, add_port
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class ShellConfig:
     stop_grace_s: float = 1.0
     # Callers of the Worker service (the router) must present it (``worker.auth``); "": open.
     cluster_token: str = field(default="", repr=False)
+    # TLS on the gRPC port, mutual with a CA (``worker.tls``); NO_TLS: plain.
+    tls: TLSConfig = NO_TLS
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -256,7 +259,7 @@ class WorkerShell:
         reflection.enable_server_reflection(names, server)
         for name in ("", *self._services):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = add_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
         await server.start()
         self._server = server
         host = self.config.host

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.auth import read_token_file, token_metadata
 from pdserve.worker.role import Role
+from pdserve.worker.tls import NO_TLS, TLSConfig, channel
 
 STATE_FILE = "cluster.json"
 GENERATION_SERVICE = "pdserve.v1.Generation"
@@ -65,6 +66,10 @@ class ClusterState(msgspec.Struct, frozen=True):
     token_file: str = ""  # the cluster token `up` made (``worker.auth``); "": an open control plane
     device: str = "cpu"  # `up --device`, resolved (cpu | cuda:N): where workers run unless `scale` says
     gpu_memory_utilization: float = 0.9  # each GPU worker's share of its GPU unless `scale` says
+    # `up --tls-cert/--tls-key/--tls-ca` (``worker.tls``): the files the cluster's processes use; "": none.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
 
 class ClusterError(RuntimeError):
@@ -268,25 +273,30 @@ def state_token(state: ClusterState) -> str:
     return read_token_file(state.token_file) if state.token_file else ""
 
 
+def state_tls(state: ClusterState) -> TLSConfig:
+    """How to call the router of a cluster `up` started: its TLS files (NO_TLS for one without)."""
+    return TLSConfig.load(state.tls_cert, state.tls_key, state.tls_ca)
+
+
 def cluster_status(
-    address: str, timeout_s: float = _RPC_TIMEOUT_S, token: str = ""
+    address: str, timeout_s: float = _RPC_TIMEOUT_S, token: str = "", tls: TLSConfig = NO_TLS
 ) -> worker_pb2.ClusterStatus:
-    with grpc.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.RegistryStub(channel)
+    with channel(address, tls) as ch:
+        stub = worker_pb2_grpc.RegistryStub(ch)
         return stub.GetClusterStatus(worker_pb2.Empty(), timeout=timeout_s, metadata=token_metadata(token))
 
 
-def drain_worker(address: str, worker_id: str, token: str = "") -> bool:
-    with grpc.insecure_channel(address) as channel:
-        stub = worker_pb2_grpc.RegistryStub(channel)
+def drain_worker(address: str, worker_id: str, token: str = "", tls: TLSConfig = NO_TLS) -> bool:
+    with channel(address, tls) as ch:
+        stub = worker_pb2_grpc.RegistryStub(ch)
         req = worker_pb2.DrainWorkerRequest(worker_id=worker_id)
         return stub.DrainWorker(req, timeout=_RPC_TIMEOUT_S, metadata=token_metadata(token)).found
 
 
-def router_serving(address: str) -> bool:
+def router_serving(address: str, tls: TLSConfig = NO_TLS) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
-            resp = health_pb2_grpc.HealthStub(channel).Check(
+        with channel(address, tls) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=_RPC_TIMEOUT_S
             )
     except grpc.RpcError:
@@ -313,7 +323,7 @@ def wait_ready(
                 raise ClusterError(
                     f"{p.id} (pid {p.pid}) exited while starting; last lines of {p.log}:\n{log_tail(p.log)}"
                 )
-        waiting = _not_ready(state.router_address, worker_ids, state_token(state))
+        waiting = _not_ready(state.router_address, worker_ids, state_token(state), state_tls(state))
         if not waiting:
             return
         note = f"waiting for: {', '.join(sorted(waiting))}"
@@ -328,11 +338,11 @@ def wait_ready(
         time.sleep(_POLL_S)
 
 
-def _not_ready(address: str, worker_ids: set[str], token: str) -> set[str]:
-    if not router_serving(address):
+def _not_ready(address: str, worker_ids: set[str], token: str, tls: TLSConfig) -> set[str]:
+    if not router_serving(address, tls):
         return {"router", *worker_ids}
     try:
-        status = cluster_status(address, token=token)
+        status = cluster_status(address, token=token, tls=tls)
     except grpc.RpcError:
         return {"router", *worker_ids}
     ready = {e.info.worker_id for e in status.workers if e.load.state == worker_pb2.WORKER_STATE_READY}
@@ -449,7 +459,7 @@ def remove_workers(
     """
     for e in entries:
         try:
-            if not drain_worker(state.router_address, e.id, state_token(state)):
+            if not drain_worker(state.router_address, e.id, state_token(state), state_tls(state)):
                 progress(f"{e.id} is not registered with the router; stopping it by signal")
         except grpc.RpcError as err:
             progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")

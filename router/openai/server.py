@@ -71,6 +71,7 @@ from pdserve.router.service import Router, generate
 from pdserve.router.validate import InvalidRequest, check_request_id
 from pdserve.telemetry.exporter import pdserve_version
 from pdserve.worker.role import Role
+from pdserve.worker.tls import NO_TLS, TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +126,19 @@ class OpenAIFront:
 
     max_body_bytes = _MAX_BODY_BYTES  # a larger body is refused with 400 naming ``body``
 
-    def __init__(self, router: Router, host: str, port: int, model_name: str) -> None:
+    def __init__(
+        self, router: Router, host: str, port: int, model_name: str, tls: TLSConfig = NO_TLS
+    ) -> None:
         self.router = router
         self.host, self.port = host, port
+        self.tls = tls  # with a certificate: HTTPS (no client certificates)
         self.model_name = model_name
         self.created = int(time.time())
         self._runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls.serves else 'http'}://{self.host}:{self.port}"
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_openai_errors], client_max_size=self.max_body_bytes)
@@ -155,7 +159,8 @@ class OpenAIFront:
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.host, self.port)
+            ssl_context = self.tls.ssl_context() if self.tls.serves else None
+            site = web.TCPSite(runner, self.host, self.port, ssl_context=ssl_context)
             await site.start()
         except BaseException:
             await runner.cleanup()
