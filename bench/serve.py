@@ -37,7 +37,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import grpc
 from tqdm import tqdm
 
 from pdserve.bench.arrivals import ArrivalConfig
@@ -47,6 +46,7 @@ from pdserve.bench.metrics import RequestRecord, Slo, compute_metrics, parse_slo
 from pdserve.bench.plan import RunPlan, plan_run
 from pdserve.bench.report import format_summary, write_json
 from pdserve.proto import generation_pb2_grpc
+from pdserve.worker.tls import NO_TLS, TLSConfig, aio_channel
 
 DEFAULT_STATE_DIR = Path(".pdserve")  # the same default as the other `pdserve` subcommands
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -71,6 +71,7 @@ class BenchConfig:
     temperature: float | None = None  # None: the server's default
     model: str = DEFAULT_MODEL  # whose tokenizer synthetic prompts draw token ids from
     progress: bool = False
+    tls: TLSConfig = NO_TLS  # the router's gRPC over TLS (``worker.tls``)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -219,7 +220,7 @@ async def run_benchmark(config: BenchConfig, *, token_space: TokenSpace | None =
         config.workload, config.arrivals, config.num_prompts, config.warmup, config.seed, token_space
     )
     run_id = uuid.uuid4().hex[:8]  # request ids only: tells runs apart in router logs
-    async with grpc.aio.insecure_channel(config.router) as channel:
+    async with aio_channel(config.router, config.tls) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), config.connect_timeout_s)
         except TimeoutError:
@@ -263,6 +264,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``pdserve bench`` options (including ``--router`` and ``--state-dir``)."""
     where = parser.add_argument_group("target")
     where.add_argument("--router", default=None, help="router address host:port (default: from --state-dir)")
+    where.add_argument(
+        "--tls-ca", type=Path, default=None, help="call the router over TLS, checked against this CA"
+    )
+    where.add_argument("--tls-cert", type=Path, default=None, help="client certificate for mutual TLS (PEM)")
+    where.add_argument("--tls-key", type=Path, default=None, help="its private key (PEM)")
     where.add_argument(
         "--state-dir",
         type=Path,
@@ -334,16 +340,16 @@ def add_result_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     return out
 
 
-def resolve_target(router: str | None, state_dir: Path) -> tuple[str, str | None]:
-    """The router address and, when read from the cluster's state file, the cluster's model."""
+def resolve_target(router: str | None, state_dir: Path) -> tuple[str, str | None, TLSConfig]:
+    """The router address and, when read from the cluster's state file, the cluster's model and TLS files."""
     if router:
-        return router, None
-    from pdserve.deploy.local.cluster import load_state
+        return router, None, NO_TLS
+    from pdserve.deploy.local.cluster import load_state, state_tls
 
     state = load_state(state_dir)
     if state is None:
         raise BenchError(f"no cluster in {state_dir} (run `pdserve up` there first, or pass --router)")
-    return state.router_address, state.model
+    return state.router_address, state.model, state_tls(state)
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
@@ -366,9 +372,12 @@ def config_from_args(
     args: argparse.Namespace, *, router: str | None = None, model: str | None = None
 ) -> BenchConfig:
     """The run ``args`` describe; ``router``/``model`` given: a cluster the caller started (sweeps)."""
+    tls = NO_TLS
     if router is None:
-        router, cluster_model = resolve_target(args.router, args.state_dir)
+        router, cluster_model, tls = resolve_target(args.router, args.state_dir)
         model = args.model or cluster_model
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_ca", None):
+        tls = TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
     return BenchConfig(
         router=router,
         workload=workload_from_args(args),
@@ -385,6 +394,7 @@ def config_from_args(
         temperature=args.temperature,
         model=model or DEFAULT_MODEL,
         progress=not args.no_progress,
+        tls=tls,
     )
 
 

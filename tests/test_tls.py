@@ -126,6 +126,9 @@ def test_a_cluster_with_token_and_mutual_tls_serves_and_refuses_clients_without_
         out = pdserve("generate", "Hello", "--max-tokens", "4", "--router", c.address, *cli)
         assert out.returncode == 0 and " out]" in out.stderr, out.stderr  # the finish summary
         workers = {w["role"]: w for w in c.workers()}  # `pdserve status` over mutual TLS
+        bench = ("bench", "--state-dir", str(c.state_dir), "--num-prompts", "2", "--input-len", "32")
+        out = pdserve(*bench, "--output-len", "4", "--no-progress")  # the load generator too
+        assert "Successful requests" in out.stdout, out.stdout + out.stderr
         assert set(workers) == {"prefill", "decode"}
 
         req = generation_pb2.GenerateRequest(
