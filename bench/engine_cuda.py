@@ -194,22 +194,11 @@ def runner_prefill_ms(runner: Any, prompt: list[int], reps: int) -> float:
 
 
 def runner_decode_steps(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
-    """Prefill ``prompts`` together, then time each greedy decode step (decode + argmax, synchronized)."""
-    from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.model_runner import DecodeItem, PrefillItem
+    """Prefill ``prompts`` together, then time each greedy decode step: the CPU bench's loop, whose
+    per-step host copy of the argmax synchronizes the device too."""
+    from pdserve.bench.engine import pdserve_decode_steps
 
-    bm = BlockManager(runner.num_blocks, runner.block_size)
-    items = [PrefillItem(p, bm.allocate(i, len(p) + new_tokens)) for i, p in enumerate(prompts)]
-    next_ids = runner.prefill(items).argmax(-1).tolist()
-    steps = []
-    for s in range(new_tokens - 1):
-        pos = len(prompts[0]) + s
-        dec = [DecodeItem(t, pos, it.block_table) for t, it in zip(next_ids, items, strict=True)]
-        _sync(runner.device)
-        t0 = time.perf_counter()
-        next_ids = runner.decode(dec).argmax(-1).tolist()  # the host copy synchronizes
-        steps.append(time.perf_counter() - t0)
-    return steps
+    return pdserve_decode_steps(runner, prompts, new_tokens)
 
 
 def llm_gen(llm: Any, prompts: list[list[int]]) -> Callable[[int], Any]:
