@@ -64,6 +64,17 @@ def _dot(a, b, PREC: tl.constexpr, F32: tl.constexpr):
         return tl.dot(a, b, input_precision=PREC)
 
 
+@triton.jit
+def _kv_tile(kv_ptr, table, kpos, km, kvh, d, HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """K and V ``[len(kpos), D]`` of KV head ``kvh`` at token positions ``kpos`` of a sequence whose block
+    table starts at ``table``; masked-off positions (``km`` false) read zeros."""
+    block = tl.load(table + kpos // BLOCK, mask=km, other=0).to(tl.int64)
+    rows = ((block * 2) * BLOCK + kpos % BLOCK) * (HKV * D) + kvh * D
+    k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=km[:, None], other=0.0)
+    v = tl.load(kv_ptr + rows[:, None] + BLOCK * HKV * D + d[None, :], mask=km[:, None], other=0.0)
+    return k, v
+
+
 # -- RoPE + K/V store --------------------------------------------------------------------------------------
 
 
@@ -255,10 +266,7 @@ def _decode_attn_kernel(
     for k0 in range(start, end, BLOCK_N):
         kpos = k0 + n
         km = kpos < end
-        block = tl.load(table + kpos // BLOCK, mask=km, other=0).to(tl.int64)
-        rows = ((block * 2) * BLOCK + kpos % BLOCK) * (HKV * D) + kvh * D
-        k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=km[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(kv_ptr + rows[:, None] + BLOCK * HKV * D + d[None, :], mask=km[:, None], other=0.0)
+        k, v = _kv_tile(kv_ptr, table, kpos, km, kvh, d, HKV, D, BLOCK)  # [BLOCK_N, D] each
         s = _dot(q, tl.trans(k), PREC, DOT_F32) * scale  # [GP, BLOCK_N] float32
         s = tl.where(km[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -386,10 +394,7 @@ def _prefill_attn_kernel(
     for k0 in range(0, k_end, BLOCK_N):
         kpos = k0 + n
         km = kpos < k_end
-        block = tl.load(table + kpos // BLOCK, mask=km, other=0).to(tl.int64)
-        rows = ((block * 2) * BLOCK + kpos % BLOCK) * (HKV * D) + kvh * D
-        k = tl.load(kv_ptr + rows[:, None] + d[None, :], mask=km[:, None], other=0.0)
-        v = tl.load(kv_ptr + rows[:, None] + BLOCK * HKV * D + d[None, :], mask=km[:, None], other=0.0)
+        k, v = _kv_tile(kv_ptr, table, kpos, km, kvh, d, HKV, D, BLOCK)  # [BLOCK_N, D] each
         sc = _dot(q, tl.trans(k), PREC, DOT_F32) * scale  # [BLOCK_M, BLOCK_N]
         sc = tl.where(km[None, :] & (kpos[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
