@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench import engine_cuda
+from pdserve.bench.engine_steps import runner_decode_steps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -112,24 +113,6 @@ def pdserve_prefill(runner: Any, prompt: list[int], reps: int) -> float:
 
     run()
     return len(prompt) / _best(run, reps)
-
-
-def pdserve_decode_steps(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
-    """Prefill ``prompts`` together, then time each greedy decode step (decode + argmax)."""
-    from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.model_runner import DecodeItem, PrefillItem
-
-    bm = BlockManager(runner.num_blocks, runner.block_size)
-    items = [PrefillItem(p, bm.allocate(i, len(p) + new_tokens)) for i, p in enumerate(prompts)]
-    next_ids = runner.prefill(items).argmax(-1).tolist()
-    steps = []
-    for s in range(new_tokens - 1):
-        pos = len(prompts[0]) + s
-        dec = [DecodeItem(t, pos, it.block_table) for t, it in zip(next_ids, items, strict=True)]
-        t0 = time.perf_counter()
-        next_ids = runner.decode(dec).argmax(-1).tolist()
-        steps.append(time.perf_counter() - t0)
-    return steps
 
 
 def llm_decode_time(llm: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -368,9 +351,9 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             if llm is not None:
                 p_tok = batch * (cfg.new_tokens - 1) / llm_decode_time(llm, prompts, cfg.new_tokens)
             else:
-                pdserve_decode_steps(runner, prompts, 4)  # warm-up at this batch
+                runner_decode_steps(runner, prompts, 4)  # warm-up at this batch
                 p_tok, extra["pdserve_median_tok_s"] = _rate(
-                    batch, pdserve_decode_steps(runner, prompts, cfg.new_tokens)
+                    batch, runner_decode_steps(runner, prompts, cfg.new_tokens)
                 )
             h_tok = None
             if hf is not None:

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from pdserve.bench.engine_cuda_report import acceptance, table
+from pdserve.bench.engine_steps import runner_decode_steps
 from pdserve.bench.hf_baselines import (
     RANDOM_MODELS,
     STATIC_RECIPES,
@@ -191,14 +192,6 @@ def runner_prefill_ms(runner: Any, prompt: list[int], reps: int) -> float:
 
     run()
     return 1e3 * min(_timed(run, runner.device) for _ in range(reps))
-
-
-def runner_decode_steps(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
-    """Prefill ``prompts`` together, then time each greedy decode step: the CPU bench's loop, whose
-    per-step host copy of the argmax synchronizes the device too."""
-    from pdserve.bench.engine import pdserve_decode_steps
-
-    return pdserve_decode_steps(runner, prompts, new_tokens)
 
 
 def llm_gen(llm: Any, prompts: list[list[int]]) -> Callable[[int], Any]:
