@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_arguments(p)
     from pdserve.bench import sweep
 
-    modes = p.add_subparsers(dest="bench_mode", metavar="{sweep,compare}", required=False)
+    modes = p.add_subparsers(dest="bench_mode", metavar="{sweep,compare,soak}", required=False)
     q = modes.add_parser(
         "sweep",
         help="bring up one cluster shape, sweep request rates, find its goodput",
@@ -368,6 +368,16 @@ def build_parser() -> argparse.ArgumentParser:
         "and write the goodput ratio (first / second shape), SLO-attainment curves and TTFT/ITL CDF plots.",
     )
     sweep.add_arguments(q, compare=True)
+    from pdserve.bench import soak
+
+    q = modes.add_parser(
+        "soak",
+        help="mixed traffic for N minutes with a worker SIGKILLed a minute: lost requests, leaks, RSS",
+        description="Run mixed traffic (gRPC and OpenAI streams, cancels) against a local cluster, SIGKILL "
+        "one worker a minute and scale its pool back, then report requests completed/lost/refused, "
+        "migrations, KV blocks leaked and each process's RSS over time (soak.json, soak_rss.png).",
+    )
+    soak.add_arguments(q)
     return parser
 
 
@@ -376,6 +386,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pdserve.bench.sweep import run_from_args as run_sweep
 
         return run_sweep(args, compare=args.bench_mode == "compare")
+    if args.bench_mode == "soak":
+        from pdserve.bench.soak import run_from_args as run_soak
+
+        return run_soak(args)
     from pdserve.bench.serve import run_from_args
 
     return run_from_args(args)

@@ -1,0 +1,420 @@
+"""``pdserve bench soak``: minutes to hours of mixed traffic with one worker SIGKILLed a minute.
+
+It answers: is any request lost that a healthy worker could have served, are KV blocks leaked, does any
+process's memory grow? The stages of one run (``run_soak``):
+1. cluster: attach to the cluster `pdserve up` runs in ``--state-dir``; without one, start one (2P+2D,
+   float32, the OpenAI front on) under the output folder and stop it at the end, whatever happens.
+2. load: ``--concurrency`` clients loop over ``bench.soak_load`` requests (short and long prompts, greedy
+   and seeded, gRPC and OpenAI streams, client cancels) until ``--minutes`` have passed.
+3. kills: at ``--first-kill`` s, then every ``--kill-interval`` s, SIGKILL the busiest worker of the next
+   role (decode, prefill, decode, ...) and bring its pool back with `pdserve scale`; the next kill waits
+   for the replacement, so a healthy worker of every role is always there.
+4. samples: every ``--sample-interval`` s the RSS of the router, every worker and this client
+   (``bench.soak_rss``).
+5. end: no new requests; those in flight finish. Every live worker is asked itself (``GetLoad``, no
+   heartbeat lag) until it holds 0 KV blocks (bounded); the router's migrations are read from /metrics.
+6. report: ``soak.json`` (figures, kills, lost requests, RSS flatness and series), ``soak_rss.png``,
+   ``requests.json.gz`` (one record per request), a summary on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import shlex
+import signal
+import sys
+import threading
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve.bench.report import write_json
+from pdserve.bench.soak_cluster import Target, kill_and_replace, leak_check, scrape, soak_cluster
+from pdserve.bench.soak_load import (
+    Consistency,
+    Front,
+    Outcome,
+    SoakRecord,
+    WorkloadMix,
+    make_pool,
+    make_spec,
+    run_grpc,
+    run_openai,
+    wall_clock,
+)
+from pdserve.bench.soak_rss import RssSampler, plot
+from pdserve.bench.sweep import ClusterSpec, Shape
+
+RSS_FLAT_LIMIT = 0.05
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    minutes: float
+    out_dir: Path
+    state_dir: Path | None = None  # a running cluster to attach to (None, or no cluster there: start one)
+    prefill: int = 2
+    decode: int = 2
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    kv_cache_mib: int = 256
+    concurrency: int = 4
+    kill_interval_s: float = 60.0
+    first_kill_s: float | None = None  # None: kill_interval_s
+    kill_roles: tuple[str, ...] = ("decode", "prefill")
+    sample_interval_s: float = 2.0
+    warmup_s: float = 60.0
+    request_timeout_s: float = 120.0
+    leak_timeout_s: float = 15.0
+    seed: int = 0
+    mix: WorkloadMix = field(default_factory=WorkloadMix)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.minutes > 0:
+            raise ValueError(f"minutes must be > 0, got {self.minutes}")
+        if self.concurrency < 1 or min(self.prefill, self.decode) < 0 or self.decode < 1:
+            raise ValueError("concurrency and decode must be >= 1, prefill >= 0")
+        if not (self.kill_interval_s > 0 and self.sample_interval_s > 0 and self.warmup_s >= 0):
+            raise ValueError("kill and sample intervals must be > 0, warm-up >= 0")
+        if any(r not in ("prefill", "decode") for r in self.kill_roles):
+            raise ValueError(f"kill roles are prefill and decode, got {self.kill_roles}")
+
+    @property
+    def duration_s(self) -> float:
+        return self.minutes * 60.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out_dir"], d["state_dir"] = str(self.out_dir), self.state_dir and str(self.state_dir)
+        return d
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A tqdm bar on a terminal; a line every 30 s elsewhere (a nohup log)."""
+
+    def __init__(self, enabled: bool, total_s: float) -> None:
+        from tqdm import tqdm
+
+        self.tty = enabled and sys.stderr.isatty()
+        self.bar = tqdm(total=int(total_s), desc="soak", unit="s", file=sys.stderr, disable=not self.tty)
+        self.enabled, self.total_s, self.last_line = enabled, total_s, 0.0
+
+    def update(self, t: float, figures: dict[str, int]) -> None:
+        if self.tty:
+            self.bar.n = min(int(t), self.bar.total)
+            self.bar.set_postfix(figures, refresh=True)
+        elif self.enabled and t - self.last_line >= 30.0:
+            self.last_line = t
+            text = ", ".join(f"{k} {v}" for k, v in figures.items())
+            print(f"[soak {t / 60:.1f}/{self.total_s / 60:g} min] {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
+    import aiohttp
+
+    from pdserve.deploy.local import cluster
+    from pdserve.proto import generation_pb2_grpc
+    from pdserve.worker.tls import aio_channel
+
+    clock = wall_clock()
+    stop = asyncio.Event()
+    records: list[SoakRecord] = []
+    kills: list[dict[str, Any]] = []
+    consistency = Consistency()
+    rng, pool, counter = random.Random(cfg.seed), make_pool(cfg.seed, cfg.mix), itertools.count()
+    run_id = uuid.uuid4().hex[:6]
+    sampler = RssSampler()
+    progress = _Progress(cfg.progress, cfg.duration_s)
+
+    def processes() -> list[tuple[str, int, str]]:
+        procs = [("soak-client", os.getpid(), "client")]
+        with contextlib.suppress(Exception):  # the state file is replaced atomically; a read may still fail
+            state = cluster.load_state(target.state_dir)
+            if state is not None:
+                procs.append(("router", state.router.pid, "router"))
+                procs += [
+                    (w.id, w.pid, w.role.value if w.role else "?") for w in state.workers if cluster.alive(w)
+                ]
+        return procs
+
+    def figures() -> dict[str, int]:
+        counts = {o.value: 0 for o in Outcome}
+        for r in records:
+            counts[r.outcome] += 1
+        return {**counts, "kills": len(kills)}
+
+    async def sleep_or_stop(seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), max(seconds, 0.0))
+        return stop.is_set()
+
+    async with aio_channel(target.router, target.tls) as ch, aiohttp.ClientSession() as session:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+
+        async def client() -> None:
+            while not stop.is_set():
+                spec = make_spec(rng, next(counter), cfg.mix, pool)
+                rid = f"soak-{run_id}-{spec.index}"
+                if spec.front is Front.OPENAI and target.http_url:
+                    rec = await run_openai(
+                        session, target.http_url, target.model, spec, rid, cfg.request_timeout_s, clock
+                    )
+                else:
+                    rec = await run_grpc(stub, spec, rid, cfg.request_timeout_s, clock)
+                records.append(rec)
+                consistency.check(rec)
+                if rec.outcome == Outcome.REFUSED.value:
+                    await asyncio.sleep(0.25)  # refused at once: back off a little before the next
+
+        async def killer() -> None:
+            next_at = cfg.kill_interval_s if cfg.first_kill_s is None else cfg.first_kill_s
+            for k in itertools.count():
+                if next_at >= cfg.duration_s or await sleep_or_stop(next_at - clock()):
+                    return
+                role = cfg.kill_roles[k % len(cfg.kill_roles)]
+                kills.append(await asyncio.to_thread(kill_and_replace, target, role, clock))
+                next_at = max(next_at + cfg.kill_interval_s, clock())
+
+        async def sample() -> None:
+            while True:
+                await asyncio.to_thread(sampler.sample, clock(), await asyncio.to_thread(processes))
+                progress.update(clock(), figures())
+                if await sleep_or_stop(cfg.sample_interval_s):
+                    return
+
+        clients = [asyncio.create_task(client()) for _ in range(cfg.concurrency)]
+        helpers = [asyncio.create_task(killer()), asyncio.create_task(sample())]
+        try:
+            await sleep_or_stop(cfg.duration_s)
+            stop.set()
+            load_s = clock()
+            await asyncio.gather(*clients, *helpers)  # in-flight requests end by their own timeout
+        finally:
+            stop.set()
+            for t in (*clients, *helpers):
+                t.cancel()
+            await asyncio.gather(*clients, *helpers, return_exceptions=True)
+            progress.close()
+    drained_s = clock()
+    leaks = await asyncio.to_thread(leak_check, target, cfg.leak_timeout_s)
+    sampler.sample(clock(), processes())
+    try:
+        migrations = scrape(target.metrics_url, "pdserve_router_migrations_total")
+        rejected = scrape(target.metrics_url, "pdserve_requests_rejected_total")
+    except OSError as e:
+        migrations, rejected = {"error": str(e)}, {}  # type: ignore[dict-item]
+    return _document(
+        cfg, target, records, kills, consistency, leaks, migrations, rejected, sampler, load_s, drained_s
+    )
+
+
+def _document(
+    cfg: SoakConfig, target: Target, records: list[SoakRecord], kills: list[dict[str, Any]],
+    consistency: Consistency, leaks: dict[str, Any], migrations: dict[str, float], rejected: dict[str, float],
+    sampler: RssSampler, load_s: float, drained_s: float,
+) -> dict[str, Any]:  # fmt: skip
+    counts = {o.value: sum(r.outcome == o.value for r in records) for o in Outcome}
+    by_front = {
+        f.value: {o.value: sum(r.outcome == o.value and r.front == f.value for r in records) for o in Outcome}
+        for f in Front
+    }
+    kill_times = [k["t_s"] for k in kills if "worker" in k]
+    lost = []
+    for r in records:
+        if r.outcome == Outcome.LOST.value:
+            since = [r.end - t for t in kill_times if t <= r.end]
+            lost.append({**r.as_dict(), "s_after_last_kill": round(min(since), 2) if since else None})
+    ready = {w: k["replaced_s"] for k in kills for w in k.get("replacement", ())}
+    flatness = sampler.report(cfg.warmup_s, ready)
+    judged = {f["name"]: f["max_drift"] for f in flatness if f["max_drift"] is not None}
+    tokens = sum(r.tokens for r in records if r.outcome == Outcome.COMPLETED.value)
+    return {
+        "date": datetime.now(tz=UTC).isoformat(),
+        "config": cfg.as_dict(),
+        "cluster": {
+            "attached": target.attached,
+            "router": target.router,
+            "model": target.model,
+            "shape": target.shape,
+            "openai_front": bool(target.http_url),
+        },
+        "load_s": round(load_s, 1),
+        "drained_s": round(drained_s, 1),
+        "requests": {"sent": len(records), **counts, "mismatched": len(consistency.mismatched)},
+        "requests_by_front": by_front,
+        "completed_output_tokens_per_s": round(tokens / load_s, 2) if load_s > 0 else None,
+        "lost": lost,
+        "mismatched": consistency.mismatched,
+        "pooled_prompts_compared": sum(r.pool_key is not None and r.outcome == "completed" for r in records),
+        "kills": kills,
+        "migrations": {**migrations, "total": sum(v for v in migrations.values() if isinstance(v, float))},
+        "router_rejected": rejected,
+        "kv_blocks_leaked": leaks["kv_blocks_leaked"],
+        "leak_check": leaks,
+        "rss": {
+            "warmup_s": cfg.warmup_s,
+            "flat_limit": RSS_FLAT_LIMIT,
+            "max_drift": judged,
+            "flat": all(d <= RSS_FLAT_LIMIT for d in judged.values()) if judged else None,
+            "processes": flatness,
+            "series": sampler.as_dict(),
+        },
+        "ok": counts["lost"] == 0 and leaks["clean"] and not consistency.mismatched,
+        "_records": [r.as_dict() for r in records],
+    }
+
+
+def run_soak(cfg: SoakConfig, command: str = "") -> dict[str, Any]:
+    """One soak (see the module docstring); writes and returns its document."""
+    import uvloop
+
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    spec = ClusterSpec(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        threads=1,
+        pin_cpus=False,
+        timeout_s=300.0,
+        extra_up_args=("--http-port", "0", "--kv-cache-mib", str(cfg.kv_cache_mib)),
+    )
+    shape = Shape(prefill=cfg.prefill, decode=cfg.decode)
+    with soak_cluster(cfg.state_dir, cfg.out_dir / "cluster", shape, spec) as target:
+        doc = uvloop.run(_run(cfg, target))
+    doc["command"] = command
+    records = doc.pop("_records")
+    write_json(cfg.out_dir / "requests.json.gz", {"requests": records})
+    title = (
+        f"pdserve soak: {target.shape['prefill']}P+{target.shape['decode']}D {target.model}, "
+        f"{cfg.minutes:g} min, {len(doc['kills'])} SIGKILLs; {doc['requests']['completed']} completed, "
+        f"{doc['requests']['lost']} lost, {doc['kv_blocks_leaked']} KV blocks leaked"
+    )
+    rss = doc["rss"]
+    doc["plot"] = str(
+        plot(
+            rss["series"], rss["processes"], doc["kills"], RSS_FLAT_LIMIT, title, cfg.out_dir / "soak_rss.png"
+        )
+    )
+    write_json(cfg.out_dir / "soak.json", doc)
+    return doc
+
+
+def format_summary(doc: dict[str, Any]) -> str:
+    r, rss = doc["requests"], doc["rss"]
+    lines = [
+        f"soak: {doc['load_s'] / 60:.1f} min of load, {len(doc['kills'])} kills, "
+        f"shape {doc['cluster']['shape']}",
+        f"requests: {r['sent']} sent, {r['completed']} completed, {r['lost']} lost, {r['refused']} refused, "
+        f"{r['cancelled']} cancelled (by the client), {r['mismatched']} with wrong tokens",
+        f"migrations: {doc['migrations']}",
+        f"KV blocks leaked: {doc['kv_blocks_leaked']} (clean: {doc['leak_check']['clean']})",
+        f"RSS drift after {rss['warmup_s']:g} s warm-up (limit {rss['flat_limit']:.0%}): "
+        + (
+            ", ".join(f"{k} {v:.1%}" for k, v in rss["max_drift"].items()) or "no process sampled long enough"
+        ),
+    ]
+    for k in doc["kills"]:
+        who = f"{k.get('worker', '-')} -> {k.get('replacement')}"
+        lines.append(f"  kill at {k['t_s']:.0f} s: {who} {k.get('error', '')}")
+    for x in doc["lost"][:10]:
+        lines.append(f"  lost {x['request_id']} ({x['front']}): {x['error']}")
+    lines.append("verdict: " + ("OK" if doc["ok"] else "FAILED (lost, leaked or wrong tokens)"))
+    return "\n".join(lines)
+
+
+# ---- command line -------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = SoakConfig(minutes=1, out_dir=Path("."))
+    p.add_argument("--minutes", type=float, required=True, help="how long the load runs")
+    p.add_argument("--out-dir", type=Path, default=None, help="where results go (default runs/soak-<time>)")
+    p.add_argument(
+        "--state-dir", type=Path, default=None,
+        help="attach to the cluster `pdserve up` runs there "
+        "(default: start one under --out-dir, stop it after)",
+    )  # fmt: skip
+    p.add_argument("--prefill", type=int, default=d.prefill, help="a started cluster's prefill workers")
+    p.add_argument("--decode", type=int, default=d.decode, help="a started cluster's decode workers")
+    p.add_argument("--model", default=d.model, help="a started cluster's model")
+    p.add_argument("--dtype", default=d.dtype, help="a started cluster's dtype")
+    p.add_argument("--kv-cache-mib", type=int, default=d.kv_cache_mib, help="each started worker's KV cache")
+    p.add_argument(
+        "--concurrency", type=int, default=d.concurrency, help="clients, one request in flight each"
+    )
+    p.add_argument("--kill-interval", type=float, default=d.kill_interval_s, help="seconds between SIGKILLs")
+    p.add_argument(
+        "--first-kill", type=float, default=None, help="seconds to the first (default: the interval)"
+    )
+    p.add_argument(
+        "--sample-interval", type=float, default=d.sample_interval_s, help="RSS sampling period (s)"
+    )
+    p.add_argument(
+        "--warmup", type=float, default=d.warmup_s, help="seconds of each process's RSS not judged"
+    )
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> SoakConfig:
+    out = args.out_dir or Path("runs") / f"soak-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return SoakConfig(
+        minutes=args.minutes,
+        out_dir=out,
+        state_dir=args.state_dir,
+        prefill=args.prefill,
+        decode=args.decode,
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_mib=args.kv_cache_mib,
+        concurrency=args.concurrency,
+        kill_interval_s=args.kill_interval,
+        first_kill_s=args.first_kill,
+        sample_interval_s=args.sample_interval,
+        warmup_s=args.warmup,
+        request_timeout_s=args.request_timeout,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through soak_cluster, which stops a cluster it started
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """0: the soak ran and lost, leaked and corrupted nothing; 3: it ran and did; 1: it could not run."""
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        print(
+            "pdserve bench soak: needs psutil (pip install psutil, or pdserve's test extras)", file=sys.stderr
+        )
+        return 1
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        cfg = config_from_args(args)
+        doc = run_soak(cfg, shlex.join(["pdserve", *sys.argv[1:]]))
+    except (RuntimeError, ValueError, OSError, grpc.RpcError) as e:
+        print(f"pdserve bench soak: {e}", file=sys.stderr)
+        return 1
+    print(format_summary(doc), flush=True)
+    print(f"pdserve bench soak: results in {cfg.out_dir}", file=sys.stderr)
+    return 0 if doc["ok"] else 3

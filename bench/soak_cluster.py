@@ -1,0 +1,153 @@
+"""The cluster a soak runs against: attach or start it, kill and replace its workers, check its leaks.
+
+Everything here talks to the cluster through its state file (``deploy.local.cluster``), the router's
+control plane and the workers' own ``GetLoad``; ``bench.soak`` drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench.sweep import ClusterSpec, Shape, local_cluster
+
+
+@dataclass
+class Target:
+    """The cluster under test, as its state file and router describe it."""
+
+    state_dir: Path
+    attached: bool
+    router: str
+    http_url: str
+    metrics_url: str
+    model: str
+    shape: dict[str, int]
+    token: str
+    tls: Any  # worker.tls.TLSConfig
+
+
+def _target(state_dir: Path, attached: bool) -> Target:
+    from pdserve.deploy.local import cluster
+
+    state = cluster.load_state(state_dir)
+    if state is None:
+        raise RuntimeError(f"no cluster in {state_dir}")
+    token, tls = cluster.state_token(state), cluster.state_tls(state)
+    status = cluster.cluster_status(state.router_address, token=token, tls=tls)
+    shape = {r: sum(1 for w in state.workers if w.role and w.role.value == r) for r in ("prefill", "decode")}
+    return Target(
+        state_dir, attached, state.router_address, status.http_url, status.metrics_url, state.model, shape,
+        token, tls,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def soak_cluster(state_dir: Path | None, new_dir: Path, shape: Shape, spec: ClusterSpec) -> Iterator[Target]:
+    """The cluster in ``state_dir`` when one runs there; else a new one of ``shape`` in ``state_dir`` (or
+    ``new_dir``), always stopped after."""
+    from pdserve.deploy.local import cluster
+
+    if state_dir is not None and cluster.load_state(state_dir) is not None:
+        yield _target(state_dir, attached=True)
+        return
+    state_dir = state_dir or new_dir
+    with local_cluster(shape, spec, state_dir):
+        yield _target(state_dir, attached=False)
+
+
+# ---- kills --------------------------------------------------------------------------------------------
+
+
+def kill_and_replace(target: Target, role: str, clock: Callable[[], float]) -> dict[str, Any]:
+    """SIGKILL the busiest live worker of ``role``, then `pdserve scale` its pool back to its shape."""
+    from pdserve.deploy.local import cluster
+
+    state = cluster.load_state(target.state_dir)
+    live = [
+        w for w in (state.workers if state else ()) if w.role and w.role.value == role and cluster.alive(w)
+    ]
+    if not live:
+        return {"t_s": round(clock(), 2), "role": role, "error": f"no live {role} worker to kill"}
+    try:
+        status = cluster.cluster_status(target.router, token=target.token, tls=target.tls)
+        busy = {e.info.worker_id: e.load.running + e.load.queued for e in status.workers}
+    except Exception:  # the router's view only picks the victim; any worker will do
+        busy = {}
+    victim = max(live, key=lambda w: busy.get(w.id, 0))
+    os.kill(victim.pid, signal.SIGKILL)
+    event: dict[str, Any] = {"t_s": round(clock(), 2), "role": role, "worker": victim.id, "pid": victim.pid}
+    event["in_flight_at_kill"] = busy.get(victim.id)
+    cluster.wait_exit([victim], 10.0)  # `scale` counts live workers: the victim must be gone first
+    argv = [sys.executable, "-m", "pdserve.cli", "scale", "--state-dir", str(target.state_dir)]
+    argv += [f"--{role}", str(target.shape[role]), "--timeout", "240"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    event["replaced_s"] = round(clock(), 2)
+    after = cluster.load_state(target.state_dir)
+    before = {w.id for w in (state.workers if state else ())}
+    event["replacement"] = [w.id for w in (after.workers if after else ()) if w.id not in before]
+    if out.returncode != 0:
+        event["error"] = f"`pdserve scale` failed: {out.stderr.strip()[-1500:]}"
+    return event
+
+
+# ---- the end: leaks and the router's counters ---------------------------------------------------------
+
+
+def leak_check(target: Target, timeout_s: float) -> dict[str, Any]:
+    """Ask every registered worker itself for its KV blocks until all hold none, or ``timeout_s``."""
+    from pdserve.deploy.local import cluster
+    from pdserve.proto import worker_pb2, worker_pb2_grpc
+    from pdserve.worker.auth import token_metadata
+    from pdserve.worker.tls import channel
+
+    t0 = time.monotonic()
+    while True:
+        status = cluster.cluster_status(target.router, token=target.token, tls=target.tls)
+        workers: dict[str, dict[str, Any]] = {}
+        for e in status.workers:
+            try:
+                with channel(e.info.address, target.tls) as ch:
+                    load = worker_pb2_grpc.WorkerStub(ch).GetLoad(
+                        worker_pb2.Empty(), timeout=5, metadata=token_metadata(target.token)
+                    )
+                workers[e.info.worker_id] = {
+                    "kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
+                    "running": load.running, "queued": load.queued,
+                }  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - reported: a worker that cannot answer is not clean
+                workers[e.info.worker_id] = {"error": str(err)[:300], "kv_blocks_used": None}
+        leaked = sum(w["kv_blocks_used"] or 0 for w in workers.values())
+        busy = sum(w.get("running", 0) + w.get("queued", 0) for w in workers.values())
+        clean = leaked == 0 and busy == 0 and all(w["kv_blocks_used"] is not None for w in workers.values())
+        waited = time.monotonic() - t0
+        if clean or waited > timeout_s:
+            return {
+                "kv_blocks_leaked": leaked, "clean": clean, "waited_s": round(waited, 2), "workers": workers,
+                "router_running": status.requests_running, "router_waiting": status.requests_waiting,
+            }  # fmt: skip
+        time.sleep(0.25)
+
+
+def scrape(url: str, name: str) -> dict[str, float]:
+    """One metric family from a /metrics page: {label values joined by ',': value}."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels = line[len(name) + 1 : line.rindex("}")]
+            key = ",".join(
+                p.split("=", 1)[1].strip('"') for p in labels.split(",") if not p.startswith("role=")
+            )
+            out[key] = float(line.rsplit(" ", 1)[1])
+    return out

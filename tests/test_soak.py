@@ -1,0 +1,85 @@
+"""`pdserve bench soak`: the short run of the suite, and the soak's pure parts.
+
+The short run attaches the soak to a 1P+2D cluster the harness started (so the harness stops every
+process, whatever happens to the soak), gives it about 35 s of mixed traffic with one SIGKILL of a
+decode worker and its replacement by `pdserve scale`, and checks: nothing lost, nothing leaked, no
+wrong tokens, the JSON, the plot and the per-request records written; then the harness's own leak check.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.bench.soak_load import Consistency, Front, Outcome, SoakRecord, WorkloadMix, make_pool, make_spec
+from pdserve.bench.soak_rss import RssSeries
+from tests.cluster_harness import ROOT, running_cluster
+
+
+def test_flatness_is_judged_after_each_process_own_warmup():
+    s = RssSeries("decode-5", 1, "decode", [(30.0 + t, 100 << 20) for t in range(0, 10)])
+    s.samples += [(40.0 + t, 104 << 20) for t in range(0, 10)]
+    f = s.flatness(warmup_s=2.0, ready_s=32.0)
+    assert f["judged_from_s"] == 34.0
+    assert f["baseline_mib"] == 100.0 and f["max_drift"] == 0.04
+    assert RssSeries("x", 2, "router", [(0.0, 1), (1.0, 1)]).flatness(5.0)["max_drift"] is None
+
+
+def test_consistency_flags_wrong_lengths_and_tokens_of_a_resent_prompt():
+    def rec(rid: str, ids: list[int], key: int | None = 0) -> SoakRecord:
+        r = SoakRecord(0, rid, "grpc", 5, 3, False, 0.0, outcome=Outcome.COMPLETED.value, tokens=len(ids))
+        r.pool_key, r.token_ids = key, ids
+        return r
+
+    c = Consistency()
+    for r in (rec("a", [1, 2, 3]), rec("b", [1, 2, 3]), rec("c", [1, 9, 3]), rec("d", [1, 2], None)):
+        c.check(r)
+    assert [m["request_id"] for m in c.mismatched] == ["c", "d"]
+    assert "differ at 1" in c.mismatched[0]["why"]
+
+
+def test_the_mix_draws_every_kind_of_request():
+    mix = WorkloadMix()
+    rng, pool = random.Random(0), make_pool(0, mix)
+    specs = [make_spec(rng, i, mix, pool) for i in range(400)]
+    assert {s.front for s in specs} == {Front.GRPC, Front.OPENAI}
+    assert any(s.cancel_after for s in specs) and any(s.cancel_delay_s for s in specs)
+    assert any(s.pool_key is not None for s in specs)
+    assert any(len(s.prompt) >= mix.long_prompt[0] for s in specs)
+    assert any(len(s.prompt) <= mix.short_prompt[1] for s in specs)
+    assert {s.seed is None for s in specs} == {True, False}
+
+
+@pytest.mark.slow
+def test_short_soak_loses_and_leaks_nothing(tmp_path):
+    out = tmp_path / "soak"
+    extra = ("--http-port", "0", "--kv-cache-mib", "128")
+    with running_cluster(tmp_path, prefill=1, decode=2, extra=extra) as c:
+        argv = [
+            sys.executable, "-m", "pdserve.cli", "bench", "soak", "--state-dir", str(c.state_dir),
+            "--minutes", "0.55", "--first-kill", "10", "--kill-interval", "600", "--warmup", "8",
+            "--sample-interval", "1", "--concurrency", "3", "--out-dir", str(out), "--no-progress",
+        ]  # fmt: skip
+        run = subprocess.run(
+            argv, cwd=ROOT, capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL
+        )
+        assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
+        doc = json.loads((out / "soak.json").read_text())
+        r = doc["requests"]
+        assert r["lost"] == 0, doc["lost"]
+        assert r["mismatched"] == 0, doc["mismatched"]
+        assert r["completed"] >= 5, r
+        assert doc["kv_blocks_leaked"] == 0 and doc["leak_check"]["clean"], doc["leak_check"]
+        assert [k["role"] for k in doc["kills"]] == ["decode"], doc["kills"]
+        assert "error" not in doc["kills"][0] and len(doc["kills"][0]["replacement"]) == 1, doc["kills"]
+        names = {p["name"] for p in doc["rss"]["processes"]}
+        assert {"router", "soak-client", doc["kills"][0]["worker"], *doc["kills"][0]["replacement"]} <= names
+        assert (out / "soak_rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        with gzip.open(out / "requests.json.gz", "rt") as f:
+            assert len(json.load(f)["requests"]) == r["sent"]
+        c.assert_no_leaks()
