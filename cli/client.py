@@ -22,6 +22,7 @@ STATE_NAMES = {
     worker_pb2.WORKER_STATE_READY: "ready",
     worker_pb2.WORKER_STATE_DRAINING: "draining",
     worker_pb2.WORKER_STATE_STOPPED: "stopped",
+    worker_pb2.WORKER_STATE_STANDBY: "standby",
 }
 
 

@@ -1,16 +1,22 @@
-"""``pdserve up``, ``scale`` and ``down``: the local cluster's life, on top of ``deploy.local.cluster``."""
+"""``pdserve up``, ``scale``, ``autoscale`` and ``down``: the local cluster's life, on top of
+``deploy.local.cluster`` (and ``deploy.local.autoscaler``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from pdserve.deploy.local import alertmanager, cluster, prometheus
+from pdserve.deploy.local import autoscaler as autoscaler_mod
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
+from pdserve.router.autoscale import AutoscaleConfig, PoolBounds
 from pdserve.worker.auth import write_new_token
 from pdserve.worker.role import Role
 from pdserve.worker.tls import TLSConfig
@@ -25,6 +31,7 @@ def say(text: str) -> None:
 _ROUTER_FLAGS = (
     "max_waiting",
     "max_migrations",
+    "max_prefill_queue_tokens",
     "queue_timeout",
     "local_prefill_threshold",
     "heartbeat_interval",
@@ -32,7 +39,15 @@ _ROUTER_FLAGS = (
     "request_timeout",
     "metrics_port",
 )
-_WORKER_FLAGS = ("block_size", "kv_blocks", "kv_cache_mib", "max_running", "max_batched_tokens")
+_WORKER_FLAGS = (
+    "block_size",
+    "kv_blocks",
+    "kv_cache_mib",
+    "max_running",
+    "max_batched_tokens",
+    "kv_stall_timeout",
+    "kv_fault_delay",
+)
 
 
 def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -76,11 +91,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise cluster.ClusterError(f"--port must be in [1, 65535] for a local cluster, got {args.port}")
     counts = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
+    policy = autoscale_config(args) if args.autoscale else None
+    warm = {Role.PREFILL: 0, Role.DECODE: 0}
+    if policy is not None:  # the pools start inside their bounds, with their warm workers
+        for role, bounds in ((Role.PREFILL, policy.prefill), (Role.DECODE, policy.decode)):
+            counts[role] = min(max(counts[role], bounds.min), bounds.max)
+            warm[role] = bounds.warm
     if sum(counts.values()) and not (counts[Role.DECODE] or counts[Role.BOTH]):
         raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
-    threads = args.threads or cluster.default_threads(sum(counts.values()))
+    n_workers = sum(counts.values()) + sum(warm.values())
+    threads = args.threads or cluster.default_threads(n_workers)
     device = resolve_device(args.device)
-    util = each_share(device, sum(counts.values()), args.gpu_memory_utilization)
+    util = each_share(device, n_workers, args.gpu_memory_utilization)
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
     http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
@@ -116,6 +138,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster.save_state(state_dir, state)
     for role, n in counts.items():
         state = cluster.spawn_workers(state_dir, state, role, n)
+    for role, n in warm.items():
+        state = cluster.spawn_workers(state_dir, state, role, n, standby=True)
     cluster.save_state(state_dir, state)
     pinned = "".join(f"; {w.id} on cpu {cluster.format_cpu_list(w.cpus)}" for w in state.workers if w.cpus)
     gpu = f" on {device} ({util:.2f} of its memory each)" if device != "cpu" else ""
@@ -136,6 +160,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             state = start_prometheus(
                 state_dir, state, listen, args.scrape_interval, am_listen, args.alert_for
             )
+            cluster.save_state(state_dir, state)
+        if policy is not None:
+            state = start_autoscaler(state_dir, state, args)
             cluster.save_state(state_dir, state)
     except (cluster.ClusterError, KeyboardInterrupt):
         say("start failed; stopping what was started")
@@ -218,6 +245,11 @@ def cmd_scale(args: argparse.Namespace) -> int:
     state = cluster.load_state(args.state_dir)
     if state is None:
         raise cluster.ClusterError(f"no cluster in {args.state_dir}")
+    if state.autoscaler is not None and cluster.alive(state.autoscaler):
+        raise cluster.ClusterError(
+            f"the autoscaler (pid {state.autoscaler.pid}) sizes this cluster's pools; its bounds were "
+            "given to `up --autoscale`"
+        )
     state, gone = cluster.live_workers(state)
     for w in gone:
         say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")
@@ -275,9 +307,174 @@ def cmd_down(args: argparse.Namespace) -> int:
     if state is None:
         say(f"no cluster in {args.state_dir}")
         return 0
+    if state.autoscaler is not None:
+        # First, so that it starts no worker while the others stop; then the workers it left.
+        cluster.stop_processes([state.autoscaler], term_timeout_s=15.0)
+        state = cluster.load_state(args.state_dir) or state
     _stop_all(state, args.timeout)
     prometheus.write_targets(args.state_dir, [])  # an outside Prometheus stops scraping the dead cluster
     prometheus.write_expected(args.state_dir, {})  # ... and expects no workers of it
     cluster.remove_state(args.state_dir)
     say(f"stopped the cluster of {args.state_dir}")
     return 0
+
+
+# ---- autoscaling ----------------------------------------------------------------------------------------
+
+# (flag, AutoscaleConfig field, type, help) of every policy threshold `up --autoscale` and `autoscale` take.
+_POLICY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--autoscale-interval", "interval_s", float, "seconds between decisions"),
+    ("--scale-up-after", "up_after", int, "ticks of high load in a row before a scale-up"),
+    ("--scale-down-after", "down_after", int, "ticks of low load in a row before a scale-down"),
+    ("--scale-up-cooldown", "up_cooldown_s", float, "seconds after a pool changed before it may grow"),
+    ("--scale-down-cooldown", "down_cooldown_s", float, "seconds after a pool changed before it may shrink"),
+    ("--prefill-tokens-high", "prefill_tokens_high", int, "queued prefill tokens per prefill worker: grow"),
+    (
+        "--prefill-tokens-low",
+        "prefill_tokens_low",
+        int,
+        "... at most this many (with one worker less): shrink",
+    ),
+    (
+        "--ttft-slo",
+        "ttft_slo_s",
+        float,
+        "TTFT objective in seconds (prefill grows over it while work queues)",
+    ),
+    ("--kv-usage-high", "kv_usage_high", float, "decode KV-cache usage (0-1): grow"),
+    ("--kv-usage-low", "kv_usage_low", float, "... at most this (with one worker less): shrink"),
+    ("--running-high", "running_high", float, "decode (running + queued) / max running (0-1): grow"),
+    ("--running-low", "running_low", float, "... at most this (with one worker less): shrink"),
+    ("--itl-slo", "itl_slo_s", float, "ITL objective in seconds (decode grows over it)"),
+)
+
+
+def autoscale_arguments(p: argparse.ArgumentParser, on_up: bool) -> None:
+    """The autoscaler's bounds and thresholds (defaults: ``AutoscaleConfig``)."""
+    if on_up:
+        p.add_argument(
+            "--autoscale",
+            action="store_true",
+            help="size the prefill and decode pools from their load and SLOs (a background autoscaler; "
+            "`pdserve status` shows its decisions); --prefill/--decode are the starting sizes",
+        )
+    g = p.add_argument_group("autoscaling")
+    for pool in ("prefill", "decode"):
+        g.add_argument(f"--{pool}-min", type=int, default=1, help=f"fewest {pool} workers (default 1)")
+        g.add_argument(
+            f"--{pool}-max", type=int, default=None, help=f"most {pool} workers (default: min + 1)"
+        )
+        g.add_argument(
+            f"--warm-{pool}",
+            type=int,
+            default=None,
+            help=f"standby {pool} workers kept loaded, not routed to; a scale-up promotes one at once "
+            "(default: --warm)",
+        )
+    g.add_argument("--warm", type=int, default=0, help="standby workers per pool (default 0)")
+    d = AutoscaleConfig()
+    for flag, name, kind, text in _POLICY_FLAGS:
+        g.add_argument(
+            flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)"
+        )
+    g.add_argument(
+        "--autoscale-drain-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a worker scaled down may take to drain before it is stopped by signal",
+    )
+
+
+def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
+    """The policy of the flags, checked (ClusterError naming the problem)."""
+
+    def bounds(pool: str) -> PoolBounds:
+        lo = getattr(args, f"{pool}_min")
+        hi = getattr(args, f"{pool}_max")
+        warm = getattr(args, f"warm_{pool}")
+        return PoolBounds(lo, lo + 1 if hi is None else hi, args.warm if warm is None else warm)
+
+    try:
+        return AutoscaleConfig(
+            prefill=bounds("prefill"),
+            decode=bounds("decode"),
+            **{name: getattr(args, name) for _, name, _, _ in _POLICY_FLAGS},
+        )
+    except ValueError as e:
+        raise cluster.ClusterError(f"autoscaling: {e}") from None
+
+
+def _autoscale_flags(args: argparse.Namespace) -> list[str]:
+    """`up`'s autoscaling flags, handed on to the `pdserve autoscale` process it starts."""
+    flags = []
+    for pool in ("prefill", "decode"):
+        for name in (f"{pool}_min", f"{pool}_max", f"warm_{pool}"):
+            if getattr(args, name) is not None:
+                flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    flags += ["--warm", str(args.warm), "--autoscale-drain-timeout", str(args.autoscale_drain_timeout)]
+    for flag, name, _, _ in _POLICY_FLAGS:
+        flags += [flag, str(getattr(args, name))]
+    return flags
+
+
+def start_autoscaler(
+    state_dir: Path, state: cluster.ClusterState, args: argparse.Namespace
+) -> cluster.ClusterState:
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "autoscale",
+        "--state-dir",
+        str(state_dir),
+        *_autoscale_flags(args),
+    ]
+    proc = cluster.spawn("autoscaler", argv, state_dir / "logs" / "autoscaler.log", cluster.child_env(1))
+    say(f"autoscaler (pid {proc.pid}): logs in {proc.log}")
+    return msgspec.structs.replace(state, autoscaler=proc)
+
+
+def cmd_autoscale(args: argparse.Namespace) -> int:
+    """Run the autoscaler in the foreground until SIGTERM/SIGINT (``up --autoscale`` starts it in the
+    background)."""
+    import logging
+
+    state = cluster.load_state(args.state_dir)
+    if state is None:
+        raise cluster.ClusterError(f"no cluster in {args.state_dir}")
+    other = state.autoscaler
+    if other is not None and other.pid != os.getpid() and cluster.alive(other):
+        raise cluster.ClusterError(f"an autoscaler already runs for this cluster (pid {other.pid})")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = autoscaler_mod.DriverConfig(args.state_dir, autoscale_config(args), args.autoscale_drain_timeout)
+    return autoscaler_mod.run(config, state.host, args.metrics_port)
+
+
+def autoscaler_status(state: cluster.ClusterState, state_dir: Path) -> dict[str, Any] | None:
+    """The autoscaler's part of `pdserve status --json` (None when it does not run)."""
+    if state.autoscaler is None or not cluster.alive(state.autoscaler):
+        return None
+    doc = autoscaler_mod.load_status(state_dir)
+    if doc is None:
+        return {"pid": state.autoscaler.pid, "pools": {}, "decisions": []}
+    return msgspec.to_builtins(doc)
+
+
+def autoscaler_table(doc: dict[str, Any]) -> str:
+    lines = [
+        f"autoscaler (pid {doc['pid']})"
+        + (f"; metrics {doc['metrics_url']}" if doc.get("metrics_url") else "")
+    ]
+    for pool, p in doc["pools"].items():
+        draining = ", ".join(p["draining"]) or "-"
+        lines.append(
+            f"  {pool}: {p['serving']} serving, target {p['target']}, {p['starting']} starting, "
+            f"{p['standby']} standby, draining {draining}"
+        )
+    for d in doc["decisions"][-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(d["time_unix"]))
+        lines.append(
+            f"  {when} {d['pool']} {d['direction']} to {d['target']} ({d['reason']}: {d['detail']}) "
+            f"{d['worker_id'] or ''}".rstrip()
+        )
+    return "\n".join(lines)

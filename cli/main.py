@@ -1,7 +1,7 @@
 """The ``pdserve`` command line.
 
 Local cluster (background processes, found again through ``--state-dir``):
-    up, scale, status, generate, down
+    up, scale, autoscale, status, generate, down
 Foreground pieces for deployments:
     router, worker, drain (one worker, through the router: a preStop hook)
 
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_tuning(p)
     _tls_args(p, server=True)
     _state_dir(p)
+    cluster_cmds.autoscale_arguments(p, on_up=True)
 
     p = sub.add_parser("scale", help="grow or shrink the pools of the local cluster")
     p.add_argument("--prefill", type=_nonneg, default=None)
@@ -264,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated", type=_nonneg, default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for new workers / drains")
     _device_args(p, "scale")
+    _state_dir(p)
+
+    p = sub.add_parser(
+        "autoscale",
+        help="size the local cluster's prefill and decode pools from their load (foreground; "
+        "`up --autoscale` starts it in the background)",
+    )
+    p.add_argument("--metrics-port", type=_nonneg, default=0, help="its /metrics port (0: any free)")
+    cluster_cmds.autoscale_arguments(p, on_up=False)
     _state_dir(p)
 
     p = sub.add_parser("status", help="workers, their state and load")
@@ -326,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin the worker to these cores, e.g. 0 or 0,2-3 (default: not pinned)",
     )
     p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="join the warm pool: load and register, but take requests only once promoted (the autoscaler)",
+    )
     p.add_argument("--drain-timeout", type=float, default=300.0)
     p.add_argument(
         "--load-failure-linger",
@@ -445,6 +460,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         cluster_token=cluster_token(args),
         kv_interface=args.kv_interface,
         tls=tls_config(args),
+        standby=args.standby,
     )
 
 
@@ -535,7 +551,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     address = _router_address(args)
     token = cluster_token(args) if args.router else cluster.state_token(_state(args))
     doc = client.status_dict(cluster.cluster_status(address, token=token, tls=_router_tls(args)))
-    print(json.dumps(doc, indent=2) if args.json else client.status_table(doc), flush=True)
+    scaler = None if args.router else cluster_cmds.autoscaler_status(_state(args), args.state_dir)
+    if scaler is not None:
+        doc["autoscaler"] = scaler
+    table = client.status_table(doc) + (
+        "" if scaler is None else "\n" + cluster_cmds.autoscaler_table(scaler)
+    )
+    print(json.dumps(doc, indent=2) if args.json else table, flush=True)
     return 0
 
 
@@ -587,6 +609,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 COMMANDS = {
     "up": cluster_cmds.cmd_up,
     "scale": cluster_cmds.cmd_scale,
+    "autoscale": cluster_cmds.cmd_autoscale,
     "status": cmd_status,
     "generate": cmd_generate,
     "drain": cmd_drain,

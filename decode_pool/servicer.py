@@ -179,7 +179,13 @@ class DecodePool:
             self.remote = RemotePrefill(self.loop, compat, self.transfer_config, self.registry)
             await self.remote.start()
         self.servicer.attach(self.loop, self.remote)
-        return Capacity(engine.block_manager.num_blocks, engine.max_model_len, engine.dtype, engine.device)
+        return Capacity(
+            engine.block_manager.num_blocks,
+            engine.max_model_len,
+            engine.dtype,
+            engine.device,
+            engine.runner.startup_seconds,
+        )
 
     async def close(self) -> None:
         if self.remote is not None:

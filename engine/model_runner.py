@@ -18,6 +18,7 @@ finite), so a transport can register it once.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -145,7 +146,11 @@ class ModelRunner:
 
         # The kernel library also holds the panel matmuls (``engine.weights.LinearKind.PANELS``), which
         # any model shape can use; its attention and elementwise kernels serve the shapes ``supports``.
+        # Seconds of each start-up phase (a worker exports them: pdserve_worker_startup_seconds).
+        self._phase_s: dict[str, float] = {}
+        t0 = time.perf_counter()
         lib = load_cpu_kernels(kernel_cache_dir()) if self.device.type == "cpu" else None
+        self._phase_s["kernel_build"] = time.perf_counter() - t0
         self.kernels: CpuKernels | None = None
         if backend is not Backend.TORCH:
             if supports(c.num_heads, c.num_kv_heads, c.head_dim, dtype):
@@ -167,9 +172,12 @@ class ModelRunner:
                 "head_dim >= 16)"
             )
 
+        t0 = time.perf_counter()
         self.linear_kind = choose_linear(dtype, self.device, lib)
         self.weights = ModelWeights.load(self.model_dir, c, dtype, self.device, self.linear_kind, lib)
         self.rope = RopeTables.build(c, dtype, self.device)
+        self._phase_s["model_load"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         block_bytes = self.kv_bytes_per_token * block_size
         if on_cuda:
             num_blocks = _cuda_num_blocks(self.device, num_blocks, block_bytes, gpu_memory_utilization)
@@ -186,6 +194,17 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
         )  # [L, N, 2, B, Hkv, D]
+        self._phase_s["kv_alloc"] = time.perf_counter() - t0
+
+    @property
+    def startup_seconds(self) -> dict[str, float]:
+        """Seconds each start-up phase took: kernel_build (the CPU kernel library, built or loaded),
+        model_load (weights, converted to the runtime layout), kv_alloc, and graph_capture when decode
+        runs under CUDA graphs."""
+        out = dict(self._phase_s)
+        if self.graph_capture_s is not None:
+            out["graph_capture"] = self.graph_capture_s
+        return out
 
     @property
     def graph_capture_s(self) -> float | None:

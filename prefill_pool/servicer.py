@@ -152,7 +152,9 @@ class PrefillPool:
         self.loop = PrefillLoop(runner, sampler, self.sender, args.max_batched_tokens, self.metrics)
         self.loop.start()
         self.servicer.attach(self.loop)
-        return Capacity(runner.num_blocks, runner.config.max_position_embeddings, dtype, device)
+        return Capacity(
+            runner.num_blocks, runner.config.max_position_embeddings, dtype, device, runner.startup_seconds
+        )
 
     async def close(self) -> None:
         if self.loop is not None:

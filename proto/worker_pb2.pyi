@@ -22,6 +22,7 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_READY: _ClassVar[WorkerState]
     WORKER_STATE_DRAINING: _ClassVar[WorkerState]
     WORKER_STATE_STOPPED: _ClassVar[WorkerState]
+    WORKER_STATE_STANDBY: _ClassVar[WorkerState]
 
 class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ WORKER_STATE_LOADING: WorkerState
 WORKER_STATE_READY: WorkerState
 WORKER_STATE_DRAINING: WorkerState
 WORKER_STATE_STOPPED: WorkerState
+WORKER_STATE_STANDBY: WorkerState
 PREFILL_MODE_UNSPECIFIED: PrefillMode
 PREFILL_MODE_LOCAL: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
@@ -100,7 +102,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device")
+    __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,7 @@ class WorkerInfo(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -125,7 +128,8 @@ class WorkerInfo(_message.Message):
     max_running: int
     context_length: int
     device: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., max_running: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    standby: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., max_running: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "state", "running", "queued", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total")
@@ -160,12 +164,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "drain")
+    __slots__ = ("known", "drain", "standby")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     known: bool
     drain: bool
-    def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ...) -> None: ...
+    standby: bool
+    def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class WorkerEntry(_message.Message):
     __slots__ = ("info", "load", "last_heartbeat_unix")
@@ -204,3 +210,17 @@ class DrainWorkerResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class PromoteWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class PromoteWorkerResponse(_message.Message):
+    __slots__ = ("found", "serving")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    serving: bool
+    def __init__(self, found: _Optional[bool] = ..., serving: _Optional[bool] = ...) -> None: ...

@@ -261,6 +261,11 @@ class RegistryStub:
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.PromoteWorker = channel.unary_unary(
+                '/pdserve.internal.v1.Registry/PromoteWorker',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.PromoteWorkerRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.PromoteWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -297,6 +302,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromoteWorker(self, request, context):
+        """A warm-pool worker joins routing at once (the autoscaler's scale-up from warm).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -324,6 +336,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_worker__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'PromoteWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteWorker,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.PromoteWorkerRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.PromoteWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -462,6 +479,33 @@ class Registry:
             '/pdserve.internal.v1.Registry/DrainWorker',
             pdserve_dot_proto_dot_worker__pb2.DrainWorkerRequest.SerializeToString,
             pdserve_dot_proto_dot_worker__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.Registry/PromoteWorker',
+            pdserve_dot_proto_dot_worker__pb2.PromoteWorkerRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.PromoteWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

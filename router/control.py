@@ -1,9 +1,9 @@
 """The router's control plane: ``pdserve.internal.v1.Registry`` for workers and the CLI.
 
 Register/Heartbeat/Deregister keep ``router.registry.Registry`` current (a
-worker is READY once a heartbeat says so); HeartbeatResponse.drain carries a
-drain the CLI asked for with DrainWorker. Every change that may free capacity
-wakes the requests waiting in admission.
+worker is READY once a heartbeat says so, or STANDBY when it registered as a warm-pool worker, until
+PromoteWorker); HeartbeatResponse.drain carries a drain the CLI asked for with DrainWorker. Every change
+that may free capacity wakes the requests waiting in admission.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ _STATES = {
     worker_pb2.WORKER_STATE_READY: State.READY,
     worker_pb2.WORKER_STATE_DRAINING: State.DRAINING,
     worker_pb2.WORKER_STATE_STOPPED: State.STOPPED,
+    worker_pb2.WORKER_STATE_STANDBY: State.STANDBY,
 }
 _STATE_TO_PROTO = {v: k for k, v in _STATES.items()}
 
@@ -65,6 +66,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             max_running=info.max_running,
             metrics_url=info.metrics_url,
             pid=info.pid,
+            standby=info.standby,
         )
         router.registry.register(w, time.monotonic())
         router.ledger.sync(w)
@@ -90,7 +92,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         if router.registry.get(load.worker_id) is None:
             router.infos.pop(load.worker_id, None)  # it reported STOPPED
         await router.admission.notify()
-        return worker_pb2.HeartbeatResponse(known=True, drain=w.drain_requested)
+        return worker_pb2.HeartbeatResponse(known=True, drain=w.drain_requested, standby=w.standby)
 
     async def Deregister(self, info: worker_pb2.WorkerInfo, context: grpc.aio.ServicerContext):
         router = self._router
@@ -129,6 +131,18 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             metrics_url=router.metrics_url,
             http_url=router.http_url,
         )
+
+    async def PromoteWorker(
+        self, request: worker_pb2.PromoteWorkerRequest, context: grpc.aio.ServicerContext
+    ):
+        router = self._router
+        w = router.registry.promote(request.worker_id)
+        if w is None:
+            return worker_pb2.PromoteWorkerResponse(found=False)
+        if request.worker_id in router.infos:
+            router.infos[request.worker_id].standby = False
+        await router.admission.notify()  # requests waiting for room may take it now
+        return worker_pb2.PromoteWorkerResponse(found=True, serving=w.state is State.READY)
 
     async def DrainWorker(self, request: worker_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext):
         return worker_pb2.DrainWorkerResponse(found=self._router.registry.drain(request.worker_id))

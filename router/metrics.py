@@ -65,7 +65,7 @@ WORKERS = "pdserve_workers"
 # full, no worker, router starting or stopping). Client cancels and deadlines count as "abort".
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected")
 WORKER_ROLES = ("prefill", "decode", "both")
-WORKER_STATES = ("loading", "ready", "draining", "stopped")
+WORKER_STATES = ("loading", "ready", "draining", "stopped", "standby")
 _ABORT_CODES = frozenset({"CANCELLED", "DEADLINE_EXCEEDED"})
 
 

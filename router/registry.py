@@ -4,10 +4,12 @@ Pure logic (no grpc, no torch), driven by the router's gRPC handlers and a
 periodic sweep. A worker's life at the router:
 
     register -> READY (or LOADING until its first heartbeat says READY)
+    register(standby) -> STANDBY once loaded (a warm-pool worker) --promote(id)--> READY
     READY --drain(id)--> DRAINING --deregister / heartbeat STOPPED--> removed
     any --missed heartbeats or a failed RPC (mark_dead)--> removed
 
-Invariant: only READY workers are offered to the routing policy. The router
+Invariant: only READY workers are offered to the routing policy: a STANDBY worker is loaded, its KV
+cache allocated and it heartbeats, but takes no request until the autoscaler promotes it. The router
 also counts requests it has dispatched to each worker (``assigned``) so that
 routing sees load between heartbeats.
 """
@@ -26,6 +28,7 @@ class State(enum.Enum):
     READY = "ready"
     DRAINING = "draining"
     STOPPED = "stopped"
+    STANDBY = "standby"
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Worker:
     assigned: int = 0
     assigned_prefill_tokens: int = 0
     drain_requested: bool = False
+    standby: bool = False  # held out of routing (the warm pool) until promoted
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -89,8 +93,11 @@ class Registry:
             worker.assigned = old.assigned
             worker.assigned_prefill_tokens = old.assigned_prefill_tokens
             worker.drain_requested = old.drain_requested
+            worker.standby = worker.standby and old.standby  # a promotion sticks
             if old.drain_requested:
                 worker.state = State.DRAINING
+        if worker.standby and worker.state is State.READY:
+            worker.state = State.STANDBY
         worker.last_heartbeat = now
         self._workers[worker.worker_id] = worker
 
@@ -116,8 +123,14 @@ class Registry:
         if state is State.STOPPED:
             del self._workers[worker_id]
             return w
-        # A drain the router asked for sticks even if the worker has not seen it yet.
-        w.state = State.DRAINING if w.drain_requested else state
+        # A drain the router asked for sticks even if the worker has not seen it yet; a standby worker
+        # that is ready waits for its promotion.
+        if w.drain_requested:
+            w.state = State.DRAINING
+        elif w.standby and state is State.READY:
+            w.state = State.STANDBY
+        else:
+            w.state = state
         return w
 
     def drain(self, worker_id: str) -> bool:
@@ -127,6 +140,17 @@ class Registry:
         w.drain_requested = True
         w.state = State.DRAINING
         return True
+
+    def promote(self, worker_id: str) -> Worker | None:
+        """Take a standby worker into routing: READY at once when its last heartbeat said it was
+        (else READY on its first heartbeat that does). None when the worker is unknown."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return None
+        w.standby = False
+        if w.state is State.STANDBY:
+            w.state = State.READY
+        return w
 
     def remove(self, worker_id: str) -> Worker | None:
         return self._workers.pop(worker_id, None)

@@ -197,3 +197,46 @@ def test_window_quantile():
     assert window_quantile(after, before, 0.9) is None  # counters went back (a restart)
     # Samples past the last finite bound answer that bound.
     assert window_quantile({}, {1.0: 0.0, inf: 3.0}, 0.5) == 1.0
+
+
+def test_a_standby_worker_is_registered_but_not_routed_to_until_promoted():
+    from pdserve.router.policy import RoutingConfig, choose_route
+    from pdserve.router.registry import Registry, RegistryConfig, State, Worker
+    from pdserve.worker.role import Role
+
+    reg = Registry(RegistryConfig())
+
+    def worker(wid: str, standby: bool = False) -> Worker:
+        return Worker(wid, Role.DECODE, f"{wid}:1", 64, 16, 8, standby=standby)
+
+    reg.register(worker("decode-1"), 0.0)
+    reg.register(worker("decode-2", standby=True), 0.0)
+    for wid in ("decode-1", "decode-2"):
+        reg.heartbeat(
+            wid, 1.0, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
+        )
+    assert reg.get("decode-2").state is State.STANDBY
+    assert [w.worker_id for w in reg.ready()] == ["decode-1"]
+    # Busy decode-1: no route rather than the standby one.
+    reg.get("decode-1").assigned = 8
+    assert choose_route(reg.ready(), 10, RoutingConfig()) is None
+    promoted = reg.promote("decode-2")
+    assert promoted is not None and promoted.state is State.READY
+    assert choose_route(reg.ready(), 10, RoutingConfig()).decode.worker_id == "decode-2"
+    # Its next heartbeat and a re-registration (a router restart) keep it promoted.
+    reg.heartbeat(
+        "decode-2", 2.0, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
+    )
+    reg.register(worker("decode-2", standby=True), 3.0)
+    reg.heartbeat(
+        "decode-2", 3.0, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
+    )
+    assert reg.get("decode-2").state is State.READY
+    # A standby still loading becomes READY on its first READY heartbeat once promoted.
+    reg.register(worker("decode-3", standby=True), 4.0)
+    assert reg.promote("decode-3").state is State.LOADING
+    reg.heartbeat(
+        "decode-3", 5.0, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
+    )
+    assert reg.get("decode-3").state is State.READY
+    assert reg.promote("nobody") is None

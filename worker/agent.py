@@ -155,6 +155,10 @@ class RouterAgent:
             log.info("router does not know %s; registering again", self.info.worker_id)
             await self._register_once()
             return
+        if self.info.standby and not resp.standby:
+            # Promoted out of the warm pool: a re-registration (a router restart) must not demote it.
+            self.info.standby = False
+            log.info("router promoted %s from standby", self.info.worker_id)
         if resp.drain and not self.drain_requested:
             self.drain_requested = True
             log.info("router asked %s to drain", self.info.worker_id)
@@ -176,13 +180,16 @@ class RouterAgent:
                 failing = True
 
 
-async def run_worker(shell: WorkerShell, agent: RouterAgent) -> None:
+async def run_worker(
+    shell: WorkerShell, agent: RouterAgent, on_registered: Callable[[], object] = lambda: None
+) -> None:
     """A started, SERVING shell joins the cluster and serves until it has drained; then it leaves.
 
     Drain comes from the router (heartbeat answer), a signal (``shell.install_signal_handlers``) or the
-    pool's Drain RPC calling ``shell.begin_drain``.
+    pool's Drain RPC calling ``shell.begin_drain``. ``on_registered``: once the router knows it.
     """
     await agent.register()
+    on_registered()
     agent.start()
     try:
         await shell.wait_stopped()

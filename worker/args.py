@@ -60,6 +60,8 @@ class WorkerArgs:
     kv_interface: str = ""
     # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
     tls: TLSConfig = NO_TLS
+    # A warm-pool worker: loads, registers and heartbeats, but the router routes to it only once promoted.
+    standby: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -142,4 +144,5 @@ class WorkerArgs:
             metrics_url=metrics_url,
             max_running=self.max_running,
             context_length=context_length,
+            standby=self.standby,
         )

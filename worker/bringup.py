@@ -6,11 +6,17 @@
     -> model resolved and loaded by the pool (``Pool.load``), which attaches it to its servicer
     -> SERVING
     -> agent: register with the router, heartbeat, obey drain (``agent.run_worker``)
+       (``--standby``: registered into the warm pool; the router routes to it once promoted)
     -> drained: the pool closes (its loops, its KV transfer), the metrics endpoint closes
 
 A model that does not load sets ``pdserve_model_load_failed`` to 1; the gRPC server stops, and with
 ``load_failure_linger_s`` the metrics endpoint stays up that long (or until SIGTERM) before the error
 ends the process, so that Prometheus scrapes the failure (the ``PdserveModelLoadFailed`` alert).
+
+Cold start is measured by phase in ``pdserve_worker_startup_seconds{phase}``: ``process`` (exec to this
+start-up: the interpreter and imports), ``model_resolve`` (finding the model, converting a GGUF file on
+first use), the engine's own (``kernel_build``, ``model_load``, ``kv_alloc``, ``graph_capture``: see
+``ModelRunner.startup_seconds``), ``load`` (the pool's whole load) and ``ready`` (exec to registered).
 
 A pool provides only what differs: its servicer, how it loads, and how it closes. The pools call
 ``run_pool`` from their ``serve(args)``; ``pdserve worker`` picks the pool by role.
@@ -23,12 +29,13 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.engine.device import cuda_uuid, device_index
 from pdserve.engine.registry import resolve_model
@@ -51,6 +58,8 @@ class Capacity:
     context_length: int
     dtype: str  # what the engine runs in (``--dtype auto`` resolved)
     device: str  # cpu | cuda:N
+    # Seconds of the engine's start-up phases (``ModelRunner.startup_seconds``); empty: not measured.
+    startup_seconds: Mapping[str, float] = field(default_factory=dict)
 
 
 class Pool(Protocol):
@@ -71,6 +80,8 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
     """Run one worker process of ``args.role`` until it has drained."""
     registry = process_registry(args.role.value, gpu=False)
     load_failed = model_load_gauge(registry, args.role.value)
+    startup = startup_gauge(registry, args.role.value)
+    startup.labels(args.role.value, "process").set(process_age_s())
     endpoint = serve_metrics(registry, args.host, args.metrics_port)
     try:
         await asyncio.to_thread(add_device_metrics, registry, args)
@@ -82,8 +93,11 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
         shell.install_signal_handlers()
         try:
             try:
+                t0 = time.perf_counter()
                 model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
+                t1 = time.perf_counter()
                 capacity = await pool.load(model_dir)
+                t2 = time.perf_counter()
             except Exception:
                 load_failed.set(1)
                 log.exception(
@@ -104,6 +118,9 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 args.block_size,
                 capacity.context_length,
             )
+            phases = {"model_resolve": t1 - t0, **capacity.startup_seconds, "load": t2 - t1}
+            for phase, seconds in phases.items():
+                startup.labels(args.role.value, phase).set(seconds)
             await shell.set_serving()
             agent = RouterAgent(
                 args.agent_config(),
@@ -119,12 +136,45 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 load=pool.servicer.load,
                 on_drain=shell.begin_drain,
             )
-            await run_worker(shell, agent)
+            await run_worker(shell, agent, on_registered=lambda: _ready(startup, args, phases))
         finally:
             await pool.close()
     finally:
         endpoint.close()
         log.info("%s worker %s stopped", args.role.value, args.worker_id)
+
+
+def startup_gauge(registry: CollectorRegistry, role: str) -> Gauge:
+    return Gauge(
+        "pdserve_worker_startup_seconds",
+        "Seconds each phase of this worker's start-up took (ready: from exec until registered).",
+        ["role", "phase"],
+        registry=registry,
+    )
+
+
+def _ready(startup: Gauge, args: WorkerArgs, phases: Mapping[str, float]) -> None:
+    """Registered with the router: the cold start is over."""
+    ready = process_age_s()
+    startup.labels(args.role.value, "ready").set(ready)
+    log.info(
+        "%s worker %s ready %.2fs after exec (%s)%s",
+        args.role.value,
+        args.worker_id,
+        ready,
+        ", ".join(f"{k} {v:.2f}s" for k, v in phases.items()),
+        " as standby" if args.standby else "",
+    )
+
+
+def process_age_s() -> float:
+    """Seconds since this process was exec'd (Linux: /proc; elsewhere 0)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[-1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
 
 
 def add_device_metrics(registry: CollectorRegistry, args: WorkerArgs, nvml: Any = None) -> bool:

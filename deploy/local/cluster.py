@@ -45,6 +45,7 @@ class ProcessEntry(msgspec.Struct, frozen=True):
     cpus: tuple[int, ...] = ()  # the cores it is pinned to (sched_setaffinity); empty: not pinned
     device: str = ""  # a worker's --device (cpu | cuda:N); "": the router, or a state file from before
     gpu_memory_utilization: float = 0.0  # a GPU worker's --gpu-memory-utilization: its share of the GPU
+    standby: bool = False  # started into the warm pool (``--standby``) and not promoted since
 
 
 class ClusterState(msgspec.Struct, frozen=True):
@@ -70,6 +71,9 @@ class ClusterState(msgspec.Struct, frozen=True):
     tls_cert: str = ""
     tls_key: str = ""
     tls_ca: str = ""
+    # `up --autoscale` (``deploy.local.autoscaler``): the process that sizes the pools; it owns `workers`
+    # while it runs (`scale` refuses, `down` stops it first).
+    autoscaler: ProcessEntry | None = None
 
 
 class ClusterError(RuntimeError):
@@ -241,15 +245,19 @@ def stop_processes(
 
 
 def stop_survivors(state_dir: Path, term_timeout_s: float = 5.0) -> list[str]:
-    """Stop every process the state file still lists as alive (router, workers, Prometheus,
-    Alertmanager): the backstop after ``pdserve down`` for tests and benchmarks. Returns the ids that
-    had to be stopped."""
+    """Stop every process the state file still lists as alive (the autoscaler first, router, workers,
+    Prometheus, Alertmanager): the backstop after ``pdserve down`` for tests and benchmarks. Returns the
+    ids that had to be stopped."""
     state = load_state(state_dir)
     if state is None:
         return []
+    first = [state.autoscaler] if state.autoscaler is not None and alive(state.autoscaler) else []
+    if first:  # it starts workers: stop it, then read what it left in the state file
+        stop_processes(first, term_timeout_s)
+        state = load_state(state_dir) or state
     procs = [p for p in (state.router, *state.workers, *monitoring(state)) if alive(p)]
     stop_processes(procs, term_timeout_s)
-    return [p.id for p in procs]
+    return [p.id for p in first + procs]
 
 
 def monitoring(state: ClusterState) -> tuple[ProcessEntry, ...]:
@@ -291,6 +299,16 @@ def drain_worker(address: str, worker_id: str, token: str = "", tls: TLSConfig =
         stub = worker_pb2_grpc.RegistryStub(ch)
         req = worker_pb2.DrainWorkerRequest(worker_id=worker_id)
         return stub.DrainWorker(req, timeout=_RPC_TIMEOUT_S, metadata=token_metadata(token)).found
+
+
+def promote_worker(
+    address: str, worker_id: str, token: str = "", tls: TLSConfig = NO_TLS
+) -> worker_pb2.PromoteWorkerResponse:
+    """Take a warm-pool worker into routing (the router's PromoteWorker)."""
+    with channel(address, tls) as ch:
+        stub = worker_pb2_grpc.RegistryStub(ch)
+        req = worker_pb2.PromoteWorkerRequest(worker_id=worker_id)
+        return stub.PromoteWorker(req, timeout=_RPC_TIMEOUT_S, metadata=token_metadata(token))
 
 
 def router_serving(address: str, tls: TLSConfig = NO_TLS) -> bool:
@@ -345,7 +363,9 @@ def _not_ready(address: str, worker_ids: set[str], token: str, tls: TLSConfig) -
         status = cluster_status(address, token=token, tls=tls)
     except grpc.RpcError:
         return {"router", *worker_ids}
-    ready = {e.info.worker_id for e in status.workers if e.load.state == worker_pb2.WORKER_STATE_READY}
+    # A warm-pool worker is ready once loaded and registered (STANDBY): it waits for its promotion.
+    up = (worker_pb2.WORKER_STATE_READY, worker_pb2.WORKER_STATE_STANDBY)
+    ready = {e.info.worker_id for e in status.workers if e.load.state in up}
     return worker_ids - ready
 
 
@@ -402,9 +422,11 @@ def spawn_workers(
     count: int,
     device: str | None = None,
     gpu_memory_utilization: float | None = None,
+    standby: bool = False,
 ) -> ClusterState:
     """Start ``count`` workers of ``role`` on ``device`` (default: the cluster's), each with
-    ``gpu_memory_utilization`` (default: the cluster's); returns the state listing them."""
+    ``gpu_memory_utilization`` (default: the cluster's), into the warm pool when ``standby``; returns
+    the state listing them."""
     device = state.device if device is None else device
     util = state.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
     new: list[ProcessEntry] = []
@@ -440,10 +462,13 @@ def spawn_workers(
             "--worker-id",
             wid,
             *(("--cpus", format_cpu_list(cpus)) if cpus else ()),
+            *(("--standby",) if standby else ()),
             *state.worker_flags,
         )
         entry = spawn(wid, argv, log, child_env(state.threads), role, cpus)
-        new.append(msgspec.structs.replace(entry, device=device, gpu_memory_utilization=util))
+        new.append(
+            msgspec.structs.replace(entry, device=device, gpu_memory_utilization=util, standby=standby)
+        )
     return msgspec.structs.replace(state, workers=(*state.workers, *new), next_index=index)
 
 
