@@ -14,7 +14,7 @@ process's memory grow? The stages of one run (``run_soak``):
 5. end: no new requests; those in flight finish. Every live worker is asked itself (``GetLoad``, no
    heartbeat lag) until it holds 0 KV blocks (bounded); the router's migrations are read from /metrics.
 6. report: ``soak.json`` (figures, kills, lost requests, RSS flatness and series), ``soak_rss.png``,
-   ``requests.json.gz`` (one record per request), a summary on stdout.
+   ``requests.json.gz`` (one record per request), the summary on stdout and in ``summary.md``.
 """
 
 from __future__ import annotations
@@ -311,6 +311,9 @@ def run_soak(cfg: SoakConfig, command: str = "") -> dict[str, Any]:
         )
     )
     write_json(cfg.out_dir / "soak.json", doc)
+    (cfg.out_dir / "summary.md").write_text(
+        f"# pdserve bench soak, {doc['date'][:10]}\n\n`{command}`\n\n```\n{format_summary(doc)}\n```\n"
+    )
     return doc
 
 
