@@ -7,8 +7,9 @@ process's memory grow? The stages of one run (``run_soak``):
 2. load: ``--concurrency`` clients loop over ``bench.soak_load`` requests (short and long prompts, greedy
    and seeded, gRPC and OpenAI streams, client cancels) until ``--minutes`` have passed.
 3. kills: at ``--first-kill`` s, then every ``--kill-interval`` s, SIGKILL the busiest worker of the next
-   role (decode, prefill, decode, ...) and bring its pool back with `pdserve scale`; the next kill waits
-   for the replacement, so a healthy worker of every role is always there.
+   role (decode, prefill, decode, ...) and bring every pool back to its shape with `pdserve scale`; the
+   next kill waits for the replacement, so a healthy worker of every role is always there. A worker that
+   dies without being killed is a crash: recorded (with its log's tail) and replaced at once.
 4. samples: every ``--sample-interval`` s the RSS of the router, every worker and this client
    (``bench.soak_rss``).
 5. end: no new requests; those in flight finish. Every live worker is asked itself (``GetLoad``, no
@@ -38,7 +39,15 @@ from typing import Any
 import grpc
 
 from pdserve.bench.report import write_json
-from pdserve.bench.soak_cluster import Target, kill_and_replace, leak_check, scrape, soak_cluster
+from pdserve.bench.soak_cluster import (
+    DeathWatch,
+    Target,
+    kill_and_replace,
+    leak_check,
+    restore_shape,
+    scrape,
+    soak_cluster,
+)
 from pdserve.bench.soak_load import (
     Consistency,
     Front,
@@ -133,6 +142,7 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
     from pdserve.worker.tls import aio_channel
 
     clock = wall_clock()
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     records: list[SoakRecord] = []
     kills: list[dict[str, Any]] = []
@@ -142,10 +152,16 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
     sampler = RssSampler()
     progress = _Progress(cfg.progress, cfg.duration_s)
 
+    watch = DeathWatch()
+    restores: list[dict[str, Any]] = []
+    restore_needed = asyncio.Event()
+
     def processes() -> list[tuple[str, int, str]]:
         procs = [("soak-client", os.getpid(), "client")]
         with contextlib.suppress(Exception):  # the state file is replaced atomically; a read may still fail
             state = cluster.load_state(target.state_dir)
+            if watch.check(state, clock()):
+                loop.call_soon_threadsafe(restore_needed.set)
             if state is not None:
                 procs.append(("router", state.router.pid, "router"))
                 procs += [
@@ -157,7 +173,7 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
         counts = {o.value: 0 for o in Outcome}
         for r in records:
             counts[r.outcome] += 1
-        return {**counts, "kills": len(kills)}
+        return {**counts, "kills": len(kills), "crashes": len(watch.deaths)}
 
     async def sleep_or_stop(seconds: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -179,16 +195,29 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
                     rec = await run_grpc(stub, spec, rid, cfg.request_timeout_s, clock)
                 records.append(rec)
                 consistency.check(rec)
-                if rec.outcome == Outcome.REFUSED.value:
-                    await asyncio.sleep(0.25)  # refused at once: back off a little before the next
+                if rec.outcome in (Outcome.REFUSED.value, Outcome.LOST.value):
+                    await asyncio.sleep(0.5)  # back off: a failing cluster is not hammered in a loop
 
         async def killer() -> None:
+            """Kills on schedule; between them, replaces crashed workers as soon as they are seen."""
             next_at = cfg.kill_interval_s if cfg.first_kill_s is None else cfg.first_kill_s
             for k in itertools.count():
-                if next_at >= cfg.duration_s or await sleep_or_stop(next_at - clock()):
-                    return
+                while True:
+                    due = next_at - clock() if next_at < cfg.duration_s else None
+                    waits = [asyncio.create_task(e.wait()) for e in (stop, restore_needed)]
+                    await asyncio.wait(waits, timeout=due, return_when=asyncio.FIRST_COMPLETED)
+                    for w in waits:
+                        w.cancel()
+                    if stop.is_set():
+                        return
+                    if not restore_needed.is_set():
+                        break  # time for the next kill
+                    restore_needed.clear()
+                    restores.append(
+                        {"t_s": round(clock(), 2), **await asyncio.to_thread(restore_shape, target, clock)}
+                    )
                 role = cfg.kill_roles[k % len(cfg.kill_roles)]
-                kills.append(await asyncio.to_thread(kill_and_replace, target, role, clock))
+                kills.append(await asyncio.to_thread(kill_and_replace, target, role, watch, clock))
                 next_at = max(next_at + cfg.kill_interval_s, clock())
 
         async def sample() -> None:
@@ -219,13 +248,14 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
         rejected = scrape(target.metrics_url, "pdserve_requests_rejected_total")
     except OSError as e:
         migrations, rejected = {"error": str(e)}, {}  # type: ignore[dict-item]
+    events = {"kills": kills, "restores": restores, "crashes": watch.deaths}
     return _document(
-        cfg, target, records, kills, consistency, leaks, migrations, rejected, sampler, load_s, drained_s
+        cfg, target, records, events, consistency, leaks, migrations, rejected, sampler, load_s, drained_s
     )
 
 
 def _document(
-    cfg: SoakConfig, target: Target, records: list[SoakRecord], kills: list[dict[str, Any]],
+    cfg: SoakConfig, target: Target, records: list[SoakRecord], events: dict[str, list[dict[str, Any]]],
     consistency: Consistency, leaks: dict[str, Any], migrations: dict[str, float], rejected: dict[str, float],
     sampler: RssSampler, load_s: float, drained_s: float,
 ) -> dict[str, Any]:  # fmt: skip
@@ -234,13 +264,14 @@ def _document(
         f.value: {o.value: sum(r.outcome == o.value and r.front == f.value for r in records) for o in Outcome}
         for f in Front
     }
-    kill_times = [k["t_s"] for k in kills if "worker" in k]
+    kills, crashes = events["kills"], events["crashes"]
+    failures = [k["t_s"] for k in kills if "worker" in k] + [c["t_s"] for c in crashes]
     lost = []
     for r in records:
         if r.outcome == Outcome.LOST.value:
-            since = [r.end - t for t in kill_times if t <= r.end]
-            lost.append({**r.as_dict(), "s_after_last_kill": round(min(since), 2) if since else None})
-    ready = {w: k["replaced_s"] for k in kills for w in k.get("replacement", ())}
+            since = [r.end - t for t in failures if t <= r.end]
+            lost.append({**r.as_dict(), "s_after_last_failure": round(min(since), 2) if since else None})
+    ready = {w: e["replaced_s"] for e in kills + events["restores"] for w in e.get("replacement", ())}
     flatness = sampler.report(cfg.warmup_s, ready)
     judged = {f["name"]: f["max_drift"] for f in flatness if f["max_drift"] is not None}
     tokens = sum(r.tokens for r in records if r.outcome == Outcome.COMPLETED.value)
@@ -262,7 +293,7 @@ def _document(
         "lost": lost,
         "mismatched": consistency.mismatched,
         "pooled_prompts_compared": sum(r.pool_key is not None and r.outcome == "completed" for r in records),
-        "kills": kills,
+        **events,
         "migrations": {**migrations, "total": sum(v for v in migrations.values() if isinstance(v, float))},
         "router_rejected": rejected,
         "kv_blocks_leaked": leaks["kv_blocks_leaked"],
@@ -275,7 +306,7 @@ def _document(
             "processes": flatness,
             "series": sampler.as_dict(),
         },
-        "ok": counts["lost"] == 0 and leaks["clean"] and not consistency.mismatched,
+        "ok": counts["lost"] == 0 and leaks["clean"] and not consistency.mismatched and not crashes,
         "_records": [r.as_dict() for r in records],
     }
 
@@ -334,9 +365,12 @@ def format_summary(doc: dict[str, Any]) -> str:
     for k in doc["kills"]:
         who = f"{k.get('worker', '-')} -> {k.get('replacement')}"
         lines.append(f"  kill at {k['t_s']:.0f} s: {who} {k.get('error', '')}")
+    lines.append(f"worker crashes (died without being killed): {len(doc['crashes'])}")
+    for c in doc["crashes"]:
+        lines.append(f"  {c['worker']} died at {c['t_s']:.0f} s")
     for x in doc["lost"][:10]:
         lines.append(f"  lost {x['request_id']} ({x['front']}): {x['error']}")
-    lines.append("verdict: " + ("OK" if doc["ok"] else "FAILED (lost, leaked or wrong tokens)"))
+    lines.append("verdict: " + ("OK" if doc["ok"] else "FAILED (lost, leaked, wrong tokens or a crash)"))
     return "\n".join(lines)
 
 

@@ -68,36 +68,89 @@ def soak_cluster(state_dir: Path | None, new_dir: Path, shape: Shape, spec: Clus
 # ---- kills --------------------------------------------------------------------------------------------
 
 
-def kill_and_replace(target: Target, role: str, clock: Callable[[], float]) -> dict[str, Any]:
-    """SIGKILL the busiest live worker of ``role``, then `pdserve scale` its pool back to its shape."""
+class DeathWatch:
+    """Workers that died without the soak killing them (crashes): one event each, with its log's tail.
+
+    A worker counts as dead once its process is gone or it left the state file (`pdserve scale` drops
+    dead workers); ``killed`` holds the ids the soak killed itself, marked before the signal is sent.
+    """
+
+    def __init__(self) -> None:
+        self.known: dict[str, Any] = {}  # id -> cluster.ProcessEntry, every worker seen alive
+        self.killed: set[str] = set()
+        self.deaths: list[dict[str, Any]] = []
+
+    def check(self, state: Any, t: float) -> list[dict[str, Any]]:
+        """``state``: the cluster's state now (None: unreadable, nothing judged). Returns the new deaths."""
+        from pdserve.deploy.local import cluster
+
+        if state is None:
+            return []
+        listed = {w.id: w for w in state.workers}
+        new = []
+        for wid, w in list(self.known.items()):
+            if wid in listed and cluster.alive(listed[wid]):
+                continue
+            del self.known[wid]
+            if wid not in self.killed:
+                role = w.role.value if w.role else "?"
+                new.append({"t_s": round(t, 2), "worker": wid, "pid": w.pid, "role": role,
+                            "log_tail": cluster.log_tail(w.log, 8)})  # fmt: skip
+        for wid, w in listed.items():
+            if wid not in self.killed and cluster.alive(w):
+                self.known.setdefault(wid, w)
+        self.deaths += new
+        return new
+
+
+def restore_shape(target: Target, clock: Callable[[], float]) -> dict[str, Any]:
+    """`pdserve scale` every pool back to the cluster's shape (replacing killed and crashed workers)."""
+    from pdserve.deploy.local import cluster
+
+    before = cluster.load_state(target.state_dir)
+    argv = [sys.executable, "-m", "pdserve.cli", "scale", "--state-dir", str(target.state_dir)]
+    for role, n in target.shape.items():
+        argv += [f"--{role}", str(n)]
+    out = subprocess.run(
+        argv + ["--timeout", "240"], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
+    after = cluster.load_state(target.state_dir)
+    old = {w.id for w in (before.workers if before else ())}
+    event: dict[str, Any] = {
+        "replaced_s": round(clock(), 2),
+        "replacement": [w.id for w in (after.workers if after else ()) if w.id not in old],
+    }
+    if out.returncode != 0:
+        event["error"] = f"`pdserve scale` failed: {out.stderr.strip()[-1500:]}"
+    return event
+
+
+def kill_and_replace(
+    target: Target, role: str, watch: DeathWatch, clock: Callable[[], float]
+) -> dict[str, Any]:
+    """SIGKILL the busiest live worker of ``role``, then bring every pool back to its shape. A pool down to
+    one live worker (a crash not yet replaced) is only restored: a healthy worker of each role stays."""
     from pdserve.deploy.local import cluster
 
     state = cluster.load_state(target.state_dir)
     live = [
         w for w in (state.workers if state else ()) if w.role and w.role.value == role and cluster.alive(w)
     ]
-    if not live:
-        return {"t_s": round(clock(), 2), "role": role, "error": f"no live {role} worker to kill"}
+    if len(live) < 2:
+        return {"t_s": round(clock(), 2), "role": role, "skipped": f"{len(live)} live {role} worker(s)",
+                **restore_shape(target, clock)}  # fmt: skip
     try:
         status = cluster.cluster_status(target.router, token=target.token, tls=target.tls)
         busy = {e.info.worker_id: e.load.running + e.load.queued for e in status.workers}
     except Exception:  # the router's view only picks the victim; any worker will do
         busy = {}
     victim = max(live, key=lambda w: busy.get(w.id, 0))
+    watch.killed.add(victim.id)  # before the signal: its death is not a crash
     os.kill(victim.pid, signal.SIGKILL)
     event: dict[str, Any] = {"t_s": round(clock(), 2), "role": role, "worker": victim.id, "pid": victim.pid}
     event["in_flight_at_kill"] = busy.get(victim.id)
     cluster.wait_exit([victim], 10.0)  # `scale` counts live workers: the victim must be gone first
-    argv = [sys.executable, "-m", "pdserve.cli", "scale", "--state-dir", str(target.state_dir)]
-    argv += [f"--{role}", str(target.shape[role]), "--timeout", "240"]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-    event["replaced_s"] = round(clock(), 2)
-    after = cluster.load_state(target.state_dir)
-    before = {w.id for w in (state.workers if state else ())}
-    event["replacement"] = [w.id for w in (after.workers if after else ()) if w.id not in before]
-    if out.returncode != 0:
-        event["error"] = f"`pdserve scale` failed: {out.stderr.strip()[-1500:]}"
-    return event
+    return {**event, **restore_shape(target, clock)}
 
 
 # ---- the end: leaks and the router's counters ---------------------------------------------------------

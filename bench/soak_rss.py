@@ -55,6 +55,9 @@ class RssSeries:
         out["max_mib"] = round(max(after) / MIB, 1)
         out["end_mib"] = round(after[-1] / MIB, 1)
         out["max_drift"] = round(max(abs(r - base) for r in after) / base, 4)
+        out["growth"] = round(
+            (statistics.median(after[-3:]) - base) / base, 4
+        )  # end vs baseline: a leak's sign
         return out
 
 
