@@ -172,3 +172,42 @@ def generate(
         if m.finish_reason:
             reason = m.finish_reason
     return ids, "".join(text), reason, msgs
+
+
+class ThreadedStreams:
+    """Generate streams run in threads, for tests that break something while they stream.
+
+    ``streaming[id]`` is set once that stream has ``after`` tokens (or failed); ``got[id]`` holds its
+    token ids once it ended; ``errors`` what any stream raised.
+    """
+
+    def __init__(self, stub, reqs, *, after: int, timeout: float = 180) -> None:
+        import threading
+
+        self.got: dict[str, list[int]] = {}
+        self.errors: list[BaseException] = []
+        self.streaming = {r.request_id: threading.Event() for r in reqs}
+        self._threads = [threading.Thread(target=self._run, args=(stub, r, after, timeout)) for r in reqs]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, stub, r, after: int, timeout: float) -> None:
+        ids: list[int] = []
+        try:
+            for m in stub.Generate(r, timeout=timeout):
+                ids.extend(m.token_ids)
+                if len(ids) >= after:
+                    self.streaming[r.request_id].set()
+            self.got[r.request_id] = ids
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            self.errors.append(e)
+            self.streaming[r.request_id].set()
+
+    def wait_streaming(self, timeout: float) -> bool:
+        """True once every stream has its ``after`` tokens (or failed) within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        return all(e.wait(max(deadline - time.monotonic(), 0)) for e in self.streaming.values())
+
+    def join(self, timeout: float) -> None:
+        for t in self._threads:
+            t.join(timeout)

@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ import pytest
 from pdserve.deploy.local import cluster
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.worker.role import Role
-from tests.cluster_harness import Cluster, generate
+from tests.cluster_harness import Cluster, ThreadedStreams, generate
 
 pytestmark = pytest.mark.slow
 
@@ -215,41 +214,20 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
             a.CopyFrom(r)
             a.request_id = r.request_id + "-again"
             again.append(a)
-        got: dict[str, list[int]] = {}
-        errors: list[BaseException] = []
-        streaming = {a.request_id: threading.Event() for a in again}
-
-        def stream(stub, r) -> None:
-            ids: list[int] = []
-            try:
-                for m in stub.Generate(r, timeout=120):
-                    ids.extend(m.token_ids)
-                    if len(ids) >= 4:
-                        streaming[r.request_id].set()
-                got[r.request_id] = ids
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-                streaming[r.request_id].set()
-
         with c.channel() as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            threads = [threading.Thread(target=stream, args=(stub, a)) for a in again]
-            for t in threads:
-                t.start()
-            for e in streaming.values():
-                assert e.wait(90)
+            streams = ThreadedStreams(generation_pb2_grpc.GenerationStub(ch), again, after=4, timeout=120)
+            assert streams.wait_streaming(90)
             time.sleep(0.6)  # a heartbeat, so the router's view of who runs what is current
             busy = {w["id"]: w["running"] for w in c.workers() if w["role"] == "decode"}
             victim = max(busy, key=lambda k: busy[k])
             assert busy[victim] > 0, busy
             netns.link(victim, up=False)
             cut_at = time.monotonic()
-            for t in threads:
-                t.join(120)
+            streams.join(120)
             resumed_s = time.monotonic() - cut_at
-        assert not errors, errors
+        assert not streams.errors, streams.errors
         for a, r in zip(again, reqs, strict=True):
-            assert got[a.request_id] == want[r.request_id], a.request_id  # no gap, no duplicate
+            assert streams.got[a.request_id] == want[r.request_id], a.request_id  # no gap, no duplicate
         migrations = _metric(c.status()["router"]["metrics_url"], "pdserve_router_migrations_total")
         assert migrations >= 1, "the cut-off worker's streams were migrated"
         assert resumed_s < 60, resumed_s
