@@ -24,6 +24,10 @@ KV_TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
 KV_TRANSFER_FAILURES = "pdserve_kv_transfer_failures_total"
 KV_TRANSFER_LAYER_SECONDS = "pdserve_kv_transfer_layer_seconds"
 KV_TRANSFER_INFLIGHT = "pdserve_kv_transfer_inflight"
+AUTOSCALER_DECISIONS = "pdserve_autoscaler_decisions_total"  # deploy.local.autoscaler
+AUTOSCALER_TARGET = "pdserve_autoscaler_target_workers"
+AUTOSCALER_CURRENT = "pdserve_autoscaler_current_workers"
+AUTOSCALER_STANDBY = "pdserve_autoscaler_standby_workers"
 
 SEL = 'instance=~"$instance"'
 RATE = "$__rate_interval"
@@ -155,6 +159,29 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                     "As the router's registry sees them.",
                     "short",
                     (Query(f"sum by (role, state) ({rm.WORKERS}{{{SEL}}})", "{{role}} {{state}}"),),
+                ),
+                PanelSpec(
+                    "Autoscaler: pool sizes",
+                    "Workers serving, the autoscaler's target, and warm standby workers, per pool "
+                    "(`pdserve up --autoscale`).",
+                    "short",
+                    (
+                        Query(f"max by (pool) ({AUTOSCALER_CURRENT}{{{SEL}}})", "{{pool}} serving"),
+                        Query(f"max by (pool) ({AUTOSCALER_TARGET}{{{SEL}}})", "{{pool}} target"),
+                        Query(f"max by (pool) ({AUTOSCALER_STANDBY}{{{SEL}}})", "{{pool}} standby"),
+                    ),
+                ),
+                PanelSpec(
+                    "Autoscaler decisions",
+                    "Scale-ups and scale-downs per pool, by reason.",
+                    "short",
+                    (
+                        Query(
+                            "sum by (pool, direction, reason) "
+                            f"(increase({AUTOSCALER_DECISIONS}{{{SEL}}}[{RATE}]))",
+                            "{{pool}} {{direction}} ({{reason}})",
+                        ),
+                    ),
                 ),
             ],
         ),
