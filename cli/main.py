@@ -165,6 +165,13 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
         help="times a stream moves to a healthy worker when its worker fails (0: never; default %(default)s)",
     )
     p.add_argument(
+        "--max-prefill-queue-tokens",
+        type=_nonneg,
+        default=d.max_prefill_queue_tokens,
+        help="prompt tokens queued on one prefill worker beyond which new requests are refused at once "
+        "(RESOURCE_EXHAUSTED; 0: no bound; default %(default)s)",
+    )
+    p.add_argument(
         "--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds a request may wait"
     )
     p.add_argument(
@@ -203,6 +210,14 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-running", type=int, default=64, help="decode batch bound")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill token budget per step")
+    p.add_argument(
+        "--kv-stall-timeout",
+        type=float,
+        default=WorkerArgs.kv_stall_timeout_s,
+        help="seconds a started KV transfer may receive nothing before the decode worker fails it "
+        "(default %(default)s)",
+    )
+    p.add_argument("--kv-fault-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     p.add_argument(
         "--worker-module",
         default=None,
@@ -421,6 +436,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         cache_dir=cache_dir,
         max_waiting=args.max_waiting,
         max_migrations=args.max_migrations,
+        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
         queue_timeout_s=args.queue_timeout,
         local_prefill_threshold=args.local_prefill_threshold,
         heartbeat_interval_s=args.heartbeat_interval,
@@ -453,6 +469,8 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         kv_cache_bytes=args.kv_cache_mib << 20,
         max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens,
+        kv_stall_timeout_s=args.kv_stall_timeout,
+        kv_fault_delay_s=args.kv_fault_delay,
         cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,
         drain_timeout_s=args.drain_timeout,
         load_failure_linger_s=args.load_failure_linger,

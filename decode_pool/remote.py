@@ -7,7 +7,14 @@ Stages (one ``Worker.Generate`` stream in REMOTE mode):
                own (why that is safe: the contract in ``kv_transfer/__init__.py``)
     WAITING    the ticket went out as the stream's first message; the prefill
                worker pushes every layer into those blocks, then the completion
-               with token 0
+               with token 0. While the prompt queues on the prefill worker the
+               reservation lives as long as the request (its deadline, or the
+               router's cancel): queueing never expires it. Once the transfer has
+               started, ``stall_timeout_s`` without a landed layer fails it (a
+               prefill worker that hangs mid-transfer, when the router's heartbeat
+               sweep has not already moved the request; one that dies is seen at
+               once by the receiver's connection). One-sided (RMA) puts show no
+               per-layer progress: then it bounds Open to completion.
     ADOPTED    ``add_prefilled_request``: the engine owns the blocks from here on
     (then the engine's own stages: running -> finished)
 
@@ -28,12 +35,22 @@ from pdserve.decode_pool.stream import relay_deltas
 from pdserve.engine.block_manager import OutOfBlocksError
 from pdserve.engine.params import SamplingParams
 from pdserve.kv_transfer import KVCompat, KVReceiver, TransferConfig, TransferError
+from pdserve.kv_transfer.reservation import RxState
 from pdserve.proto import worker_pb2
 
 
 class RemotePrefill:
-    def __init__(self, loop: EngineLoop, compat: KVCompat, config: TransferConfig, registry=None) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        compat: KVCompat,
+        config: TransferConfig,
+        registry=None,
+        stall_timeout_s: float = 30.0,
+    ) -> None:
         self.loop = loop
+        self.stall_timeout_s = stall_timeout_s
+        self.config = config
         eng = loop.engine
         # The receiver reserves on this (event loop) thread while the engine steps on its own: safe by
         # the rules of the block-ownership contract in kv_transfer/__init__.py.
@@ -64,10 +81,13 @@ class RemotePrefill:
         adoption = asyncio.ensure_future(self._adopt(rid, prompt, params))
         try:
             yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket.encode())
-            # Shielded: whichever way the transfer ends, exactly one side frees the blocks.
-            q = await asyncio.shield(adoption)
+            # Not cancelled by a cancel of this stream: whichever way the transfer ends, exactly one side
+            # frees the blocks.
+            q = await self._watch(rid, adoption)
         except TransferError as e:
-            # ABORTED, not UNAVAILABLE: this worker is alive; the transfer failed (the receiver freed).
+            # ABORTED, not UNAVAILABLE: this worker is alive; the transfer failed. The router may move the
+            # request back here under the same id: answer once the receiver has freed its blocks.
+            await self._freed(rid)
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
         except BaseException:
             self._give_up(rid, adoption)
@@ -79,6 +99,26 @@ class RemotePrefill:
                 yield msg
         finally:
             self.loop.abort(rid)
+
+    async def _watch(self, rid: str, adoption: asyncio.Future):
+        """Wait for ``adoption``; fail the transfer when it started and then made no progress for
+        ``stall_timeout_s`` (measured from Open, then from each landed layer)."""
+        tick = min(self.stall_timeout_s / 4, 0.5)
+        clock = asyncio.get_running_loop().time
+        progress, since = (None, 0), clock()
+        while True:
+            done, _ = await asyncio.wait((adoption,), timeout=tick)
+            if done:
+                return adoption.result()
+            now = (self.receiver.state(rid), self.receiver.layers_received(rid))
+            if now != progress or now[0] is not RxState.OPEN:
+                progress, since = now, clock()
+            elif clock() - since > self.stall_timeout_s:
+                self.receiver.abort(rid, f"the transfer made no progress for {self.stall_timeout_s:g}s")
+
+    async def _freed(self, rid: str) -> None:
+        """Until a failed reservation's blocks are back (bounded: the receiver's settle timeouts)."""
+        await blocks_freed(self.loop.engine.block_manager, rid, 3 * self.config.settle_timeout_s)
 
     async def _adopt(self, rid: str, prompt: list[int], params: SamplingParams):
         result = await self.receiver.wait(rid)
@@ -100,3 +140,18 @@ class RemotePrefill:
                 self.loop.abort(rid)
 
         adoption.add_done_callback(settle)
+
+
+async def blocks_freed(blocks, rid: str, timeout_s: float) -> bool:
+    """Wait until ``rid`` holds no blocks in ``blocks`` (a BlockManager), at most ``timeout_s``.
+
+    A request the router moves off a failed prefill worker may come back to this decode worker under the
+    same id while the receiver still settles the old reservation (it frees only once no write can land).
+    """
+    clock = asyncio.get_running_loop().time
+    end = clock() + timeout_s
+    while rid in blocks:
+        if clock() >= end:
+            return False
+        await asyncio.sleep(0.01)
+    return True

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.decode_pool.engine_loop import EngineLoop
 from pdserve.decode_pool.metrics import DecodeMetrics
-from pdserve.decode_pool.remote import RemotePrefill
+from pdserve.decode_pool.remote import RemotePrefill, blocks_freed
 from pdserve.decode_pool.stream import relay_deltas
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # 1 GiB: ~23k tokens of SmolLM2 in float32, ~46k in bfloat16. On a GPU: --gpu-memory-utilization.
 DEFAULT_DECODE_KV_BYTES = 1 << 30
+# The reservation of a request without a deadline: freed when its stream ends (the router's cancel).
+_NO_DEADLINE_S = 24 * 3600.0
 
 
 def engine_config(args: WorkerArgs) -> EngineConfig:
@@ -126,6 +128,11 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_offset needs local prefill mode")
         if remote and self.remote is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
+        # The same id may still hold blocks of a reservation that is settling (a retry of a request whose
+        # prefill worker failed): it is freed within the receiver's settle timeouts.
+        settle_s = 3 * self.transfer_config.settle_timeout_s
+        if not await blocks_freed(self.loop.engine.block_manager, rid, settle_s):
+            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} still holds KV blocks here")
         try:
             async with asyncio.timeout(timeout):
                 if remote:
@@ -148,9 +155,10 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def transfer_deadline(self, timeout: float | None) -> float | None:
-        """A reservation lives as long as the request may, capped by the transfer config's default."""
-        return None if timeout is None else max(min(timeout, self.transfer_config.deadline_s), 0.001)
+    def transfer_deadline(self, timeout: float | None) -> float:
+        """A reservation lives as long as the request may: a prompt queued on a busy prefill worker is
+        served, not expired (a started transfer that stalls fails by ``RemotePrefill``'s watch)."""
+        return _NO_DEADLINE_S if timeout is None else max(timeout, 0.001)
 
 
 class DecodePool:
@@ -176,7 +184,9 @@ class DecodePool:
         self.loop.start()
         if self.args.role is Role.DECODE:
             compat = compat_for(engine.runner.kv, model_dir.name)
-            self.remote = RemotePrefill(self.loop, compat, self.transfer_config, self.registry)
+            self.remote = RemotePrefill(
+                self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
+            )
             await self.remote.start()
         self.servicer.attach(self.loop, self.remote)
         return Capacity(

@@ -22,6 +22,10 @@ class RouterConfig:
     cache_dir: Path | None = None  # where model names resolve to directories (None: engine default)
     # Requests waiting at the router for a worker with room; more are rejected (RESOURCE_EXHAUSTED).
     max_waiting: int = 256
+    # Prompt tokens the router lets queue on one prefill worker (dispatched, not yet answered); a request
+    # that would queue behind more is refused at once (RESOURCE_EXHAUSTED) rather than time out later.
+    # 0: no bound.
+    max_prefill_queue_tokens: int = 65536
     # How long a request may wait for room before it fails with UNAVAILABLE.
     queue_timeout_s: float = 30.0
     # Prompts shorter than this are prefilled by the decode worker itself.
@@ -68,6 +72,8 @@ class RouterConfig:
         self.routing_config()
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_prefill_queue_tokens < 0:
+            raise ValueError(f"max_prefill_queue_tokens must be >= 0, got {self.max_prefill_queue_tokens}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
 

@@ -34,10 +34,21 @@ class Failure:
     code: str  # a grpc.StatusCode name, e.g. "UNAVAILABLE"
     details: str
     worker_id: str = ""  # the worker whose loss caused it, when one did
+    # Why the request may move to another worker (``metrics.MIGRATION_REASONS``); "": by the code alone.
+    reason: str = ""
 
 
 class Job:
-    __slots__ = ("request_id", "prompt_len", "arrival", "route", "prefill_claimed", "calls", "failure")
+    __slots__ = (
+        "request_id",
+        "prompt_len",
+        "arrival",
+        "route",
+        "prefill_claimed",
+        "prefill_pending",
+        "calls",
+        "failure",
+    )
 
     def __init__(self, request_id: str, prompt_len: int, arrival: float | None = None) -> None:
         self.request_id = request_id
@@ -46,13 +57,17 @@ class Job:
         self.arrival = time.monotonic() if arrival is None else arrival
         self.route: Route | None = None
         self.prefill_claimed = False
+        # The route's prefill worker still matters: its KV has not all landed on the decode worker (cleared
+        # by the relay at the decode worker's first token). Losing it after that loses nothing.
+        self.prefill_pending = False
         self.calls: list[Cancellable] = []
         self.failure: Failure | None = None
 
     def uses(self, worker_id: str) -> bool:
         r = self.route
         return r is not None and (
-            r.decode.worker_id == worker_id or (r.prefill is not None and r.prefill.worker_id == worker_id)
+            r.decode.worker_id == worker_id
+            or (self.prefill_pending and r.prefill is not None and r.prefill.worker_id == worker_id)
         )
 
     def fail(self, failure: Failure) -> None:
@@ -78,6 +93,7 @@ class Ledger:
         job.route = route
         self.jobs.add(job)
         self._bump(self._assigned, route.decode, 1, "assigned")
+        job.prefill_pending = route.prefill is not None
         if route.prefill is not None:
             job.prefill_claimed = True
             self._bump(self._prefill_tokens, route.prefill, job.prompt_len, "assigned_prefill_tokens")

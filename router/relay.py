@@ -3,9 +3,11 @@
 Stages of a request here (after validation and admission, see ``service``):
 
 A worker failing under a request (its call breaks, its KV transfer is aborted, it misses heartbeats)
-does not end the request: ``run`` moves it to a healthy worker (``reroute``, local prefill) with the
-prompt plus every token already sent as input, what is left of max_tokens / min_tokens, and
-``output_offset`` = tokens sent, up to ``max_migrations`` times. Greedy and seeded sampling continue
+does not end the request: ``run`` moves it to a healthy worker (``reroute``) with the prompt plus every
+token already sent as input, what is left of max_tokens / min_tokens, and ``output_offset`` = tokens
+sent, up to ``max_migrations`` times. Before token 0 the move is an ordinary route (another prefill
+worker when one is READY, else local prefill); after it, the new decode worker prefills the prompt and
+the tokens sent itself. Greedy and seeded sampling continue
 with exactly the tokens an undisturbed run gives (token i depends on (seed, i) only), and the client's
 stream goes on with no gap and no duplicate.
 
@@ -55,9 +57,9 @@ _Resp = generation_pb2.GenerateResponse
 Write = Callable[[generation_pb2.GenerateResponse], Awaitable[None]]
 # worker, dead (True: drop it from the registry; False: it is draining), reason
 OnWorkerFailed = Callable[[Worker, bool, str], None]
-# (job, prompt length, seconds to wait for room, worker id to avoid) -> a new local route claimed for the
-# job, or None
-Reroute = Callable[[Job, int, float, str], Awaitable[Route | None]]
+# (job, prompt length, seconds to wait for room, worker id to avoid, whether a prefill worker may prefill
+# it) -> a new route claimed for the job, or None
+Reroute = Callable[[Job, int, float, str, bool], Awaitable[Route | None]]
 
 
 class RelayError(Exception):
@@ -73,8 +75,9 @@ class RelayError(Exception):
 
     @classmethod
     def of(cls, failure: Failure) -> RelayError:
-        # The sweep fails a job with UNAVAILABLE when one of its workers missed heartbeats.
-        migrate = "heartbeat_lost" if failure.code == "UNAVAILABLE" else ""
+        # The sweep fails a job with UNAVAILABLE when one of its workers missed heartbeats; a worker seen
+        # dead by another request's call fails its jobs with the reason it was seen with.
+        migrate = failure.reason or ("heartbeat_lost" if failure.code == "UNAVAILABLE" else "")
         return cls(grpc.StatusCode[failure.code], failure.details, migrate, failure.worker_id)
 
 
@@ -186,6 +189,7 @@ class Relay:
                     len(prep.prompt_token_ids) + len(out.sent),
                     min(timeout or _REROUTE_WAIT_S, _REROUTE_WAIT_S),
                     failed.worker_id,
+                    not out.sent,  # nothing sent yet: any prefill worker may prefill it again
                 )
                 if route is None:
                     raise RelayError(
@@ -195,10 +199,11 @@ class Relay:
                 if self._metrics is not None:
                     self._metrics.migrated(failed.migrate)
                 log.warning(
-                    "request %s: %s; moved to %s after %d tokens (migration %d)",
+                    "request %s: %s; moved to %s (prefill: %s) after %d tokens (migration %d)",
                     prep.request_id,
                     failed.details,
                     route.decode.worker_id,
+                    route.prefill.worker_id if route.prefill is not None else "local",
                     len(out.sent),
                     migrations,
                 )
@@ -249,6 +254,7 @@ class Relay:
         deliver = self._deliver
         try:
             m = await (pending if pending is not None else dcall.read())
+            job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
             while True:
                 if m is _EOF:
                     raise RelayError(
@@ -319,6 +325,7 @@ class Relay:
                 if read is not None and read.done():
                     m = self._outcome(read, job, d, "decode")
                     read = None
+                    job.prefill_pending = False
                     if m is _EOF:
                         raise RelayError(
                             grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
@@ -416,6 +423,9 @@ class Relay:
             # Not our cancel (that raises CancelledError): the worker went away mid-call.
             return RelayError(grpc.StatusCode.UNAVAILABLE, details, lost, w.worker_id)
         if code is grpc.StatusCode.ABORTED:
-            # A KV transfer that did not complete (its prefill side died or hung): another try can serve it.
-            return RelayError(code, details, "transfer_aborted")
+            # A KV transfer that did not complete (its prefill side died or hung): another try can serve it,
+            # not on that prefill worker.
+            route = job.route
+            culprit = route.prefill.worker_id if route is not None and route.prefill is not None else ""
+            return RelayError(code, details, "transfer_aborted", culprit)
         return RelayError(code, details)

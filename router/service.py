@@ -4,9 +4,13 @@ Stages of a request at the router:
 
 1. validate and prepare (``validate.prepare``): INVALID_ARGUMENT naming the field;
 2. admit (``Router.admit``): route now, or wait in the bounded queue
-   (RESOURCE_EXHAUSTED when full; UNAVAILABLE when no worker can ever take
-   the prompt or none has room before the wait ends). The chosen route is
-   counted against its workers (``jobs.Ledger``) in the same step;
+   (RESOURCE_EXHAUSTED when full, or at once when the prefill worker it would
+   go to has ``max_prefill_queue_tokens`` queued already: what the router has
+   dispatched there and not had answered; UNAVAILABLE when no worker can ever
+   take the prompt or none has room before the wait ends). The chosen route is
+   counted against its workers (``jobs.Ledger``) in the same step. An admitted
+   request is not refused later: a move off a failed worker (``reroute``)
+   ignores the prefill queue bound;
 3. run (``relay.Relay``): worker calls, first token, token relay;
 4. finish: on every exit path the ledger releases the route and waiting
    requests are woken, since capacity may have freed.
@@ -105,6 +109,7 @@ class Router:
         def try_route() -> Route | None:
             route = choose_route(self.registry.ready(), n, self.routing)
             if route is not None:
+                self._check_prefill_queue(route, n)
                 self.ledger.claim(job, route)
             return route
 
@@ -120,21 +125,39 @@ class Router:
         self.metrics.queue_time.observe(time.monotonic() - entered)
         return route
 
-    async def reroute(self, job: Job, prompt_len: int, wait_s: float, avoid: str = "") -> Route | None:
-        """Move ``job`` off its failed route: release it, then claim a route on a READY decoding worker other
-        than ``avoid`` (the one that failed) that prefills ``prompt_len`` tokens itself, waiting up to
-        ``wait_s`` for room. None: no worker took it."""
+    def _check_prefill_queue(self, route: Route, prompt_len: int) -> None:
+        """Refuse (QueueFullError) a prompt that would queue behind ``max_prefill_queue_tokens`` on the
+        least loaded prefill worker (the one ``choose_route`` picked): it would wait longer than the
+        cluster is sized for. A prompt alone on an idle worker is always taken."""
+        bound = self.config.max_prefill_queue_tokens
+        p = route.prefill
+        if p is None or not bound:
+            return
+        queued = p.assigned_prefill_tokens
+        if queued and queued + prompt_len > bound:
+            raise QueueFullError(
+                f"the prefill queue is full ({queued} prompt tokens queued on {p.worker_id}, "
+                f"the bound is {bound})"
+            )
+
+    async def reroute(
+        self, job: Job, prompt_len: int, wait_s: float, avoid: str = "", remote: bool = False
+    ) -> Route | None:
+        """Move ``job`` off its failed route: release it, then claim a route on READY workers other than
+        ``avoid`` (the one that failed), waiting up to ``wait_s`` for room. ``remote``: nothing was sent
+        yet, so the route may name a prefill worker as admission would; else the decode worker prefills
+        ``prompt_len`` tokens (prompt + tokens sent) itself. None: no worker took it."""
         self.ledger.release(job)
         await self.admission.notify()  # its old claim no longer counts
         job.prompt_len = prompt_len
         live = [w for w in self.registry if w.state in (State.READY, State.LOADING) and w.worker_id != avoid]
         if not can_ever_serve(live, prompt_len):
             return None  # no decoding worker left that could hold it: fail now rather than wait
-        local = RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
+        routing = self.routing if remote else RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
 
         def try_route() -> Route | None:
             ready = [w for w in self.registry.ready() if w.worker_id != avoid]
-            route = choose_route(ready, prompt_len, local)
+            route = choose_route(ready, prompt_len, routing)
             if route is not None:
                 self.ledger.claim(job, route)
             return route
@@ -150,7 +173,8 @@ class Router:
         await self.admission.notify()
 
     def worker_failed(self, w: Worker, dead: bool, reason: str) -> None:
-        """A call to ``w`` failed with UNAVAILABLE: it died (stop routing to it) or is draining."""
+        """A call to ``w`` failed with UNAVAILABLE: it died (stop routing to it, and move every other
+        request that still needs it now, not at its heartbeat timeout) or is draining."""
         current = self.registry.get(w.worker_id)
         if current is None or current.address != w.address:
             return  # already removed, or re-registered elsewhere
@@ -158,13 +182,16 @@ class Router:
             log.warning("worker %s marked dead: %s", w.worker_id, reason)
             self.registry.mark_dead(w.worker_id)
             self.infos.pop(w.worker_id, None)
+            lost = "decode_failed" if w.role.decodes else "prefill_failed"
+            self.fail_jobs_on(w.worker_id, f"worker {w.worker_id} died: {reason}", lost)
         else:
             current.state = State.DRAINING
 
-    def fail_jobs_on(self, worker_id: str, reason: str) -> None:
+    def fail_jobs_on(self, worker_id: str, reason: str, migrate: str = "") -> None:
+        """Fail every request that still needs ``worker_id`` (``migrate``: why, for the relay's move)."""
         for job in self.ledger:
             if job.uses(worker_id):
-                job.fail(Failure("UNAVAILABLE", reason, worker_id))
+                job.fail(Failure("UNAVAILABLE", reason, worker_id, migrate))
 
     async def sweep(self, now: float) -> list[Worker]:
         """Drop workers that missed heartbeats, fail their requests, close unused channels."""

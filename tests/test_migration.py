@@ -59,3 +59,96 @@ def test_offset_past_the_prompt_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="output_offset"):
         eng.add_request("x", [1, 2], SamplingParams(), output_offset=3)
     assert not eng.has_unfinished()
+
+
+# ---- the router's side: retries of a prefill, moves off a dead worker, the prefill queue bound --------
+
+
+def _router(**kw):
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.registry import State, Worker
+    from pdserve.router.service import Router
+    from pdserve.worker.role import Role
+
+    router = Router(RouterConfig(port=0, local_prefill_threshold=10, **kw))
+    for wid, role in (("p1", Role.PREFILL), ("p2", Role.PREFILL), ("d1", Role.DECODE)):
+        w = Worker(wid, role, f"127.0.0.1:{wid}", kv_blocks_total=100, block_size=16, max_running=8)
+        w.state = State.READY
+        router.registry.register(w, 0.0)
+    return router
+
+
+def test_a_prefill_retried_before_token_0_goes_to_another_prefill_worker():
+    import asyncio
+
+    from pdserve.router.jobs import Job
+
+    async def go():
+        router = _router()
+        job = Job("r", 100)
+        first = await router.admit(job, None)
+        assert first.prefill is not None and first.decode.worker_id == "d1"
+        again = await router.reroute(job, 100, 1.0, avoid=first.prefill.worker_id, remote=True)
+        assert again is not None and again.prefill is not None
+        assert again.prefill.worker_id != first.prefill.worker_id
+        # After token 0 was sent the decode worker prefills prompt + sent tokens itself.
+        late = await router.reroute(job, 101, 1.0, avoid=again.prefill.worker_id)
+        assert late is not None and late.prefill is None
+        await router.finish(job)
+        assert router.ledger.assigned("d1") == 0 and router.ledger.prefill_tokens("p1") == 0
+
+    asyncio.run(go())
+
+
+def test_a_worker_seen_dead_fails_the_jobs_that_still_need_it():
+    import asyncio
+
+    from pdserve.router.jobs import Job
+
+    class Call:
+        cancelled = False
+
+        def cancel(self) -> bool:
+            self.cancelled = True
+            return True
+
+    async def go():
+        router = _router()
+        waiting, streaming = Job("a", 100), Job("b", 100)
+        for job in (waiting, streaming):
+            await router.admit(job, None)
+            job.calls.append(Call())
+        p = waiting.route.prefill
+        streaming.route = waiting.route
+        streaming.prefill_pending = False  # its KV all landed: losing the prefill worker costs it nothing
+        router.worker_failed(p, True, "UNAVAILABLE")
+        assert waiting.failure is not None and waiting.failure.reason == "prefill_failed"
+        assert waiting.calls[0].cancelled
+        assert streaming.failure is None and not streaming.calls[0].cancelled
+        assert router.registry.get(p.worker_id) is None
+
+    asyncio.run(go())
+
+
+def test_the_prefill_queue_bound_refuses_at_once():
+    import asyncio
+
+    import grpc
+
+    from pdserve.router.jobs import Job
+    from pdserve.router.relay import RelayError
+
+    async def go():
+        router = _router(max_prefill_queue_tokens=1000)
+        jobs = [Job(f"j{i}", 400) for i in range(5)]
+        for job in jobs[:4]:
+            await router.admit(job, None)  # 800 queued on each prefill worker: within the bound
+        with pytest.raises(RelayError) as e:
+            await router.admit(jobs[4], None)  # 1,200 on the least loaded one: refused
+        assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill queue" in e.value.details
+        assert router.admission.waiting == 0
+        # A prompt alone on an idle prefill worker is always taken, however long.
+        big = _router(max_prefill_queue_tokens=100)
+        assert (await big.admit(Job("big", 500), None)).prefill is not None
+
+    asyncio.run(go())

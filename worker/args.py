@@ -16,7 +16,7 @@ from pdserve.engine.device import (
     check_gpu_memory_utilization,
     device_index,
 )
-from pdserve.kv_transfer.config import TransferConfig
+from pdserve.kv_transfer.config import FaultConfig, TransferConfig
 from pdserve.kv_transfer.netif import interfaces_for_host
 from pdserve.proto import worker_pb2
 from pdserve.worker.agent import AgentConfig
@@ -60,6 +60,12 @@ class WorkerArgs:
     kv_interface: str = ""
     # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
     tls: TLSConfig = NO_TLS
+    # Decode side: a KV transfer that has started (its Open arrived) and lands nothing for this long fails,
+    # freeing its blocks (one-sided RMA puts are seen only at completion: then it bounds Open to Complete).
+    # A reservation whose prompt still queues for prefill lives as long as its request.
+    kv_stall_timeout_s: float = 30.0
+    # Failure injection for tests: every KV layer is sent this much later (the transfer outlives token 0).
+    kv_fault_delay_s: float = 0.0
     # A warm-pool worker: loads, registers and heartbeats, but the router routes to it only once promoted.
     standby: bool = False
 
@@ -76,6 +82,8 @@ class WorkerArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
+        if self.kv_stall_timeout_s <= 0 or self.kv_fault_delay_s < 0:
+            raise ValueError("kv_stall_timeout_s must be > 0 and kv_fault_delay_s >= 0")
         if self.load_failure_linger_s < 0:
             raise ValueError(f"load_failure_linger_s must be >= 0, got {self.load_failure_linger_s}")
         if not 0 <= self.metrics_port < 65536:
@@ -116,6 +124,7 @@ class WorkerArgs:
             interface=self.kv_interface,
             ucx_shared_memory=local,
             cluster_token=self.cluster_token,
+            faults=FaultConfig(delay_s=self.kv_fault_delay_s),
         )
 
     def worker_info(
