@@ -178,7 +178,8 @@ class ThreadedStreams:
     """Generate streams run in threads, for tests that break something while they stream.
 
     ``streaming[id]`` is set once that stream has ``after`` tokens (or failed); ``got[id]`` holds its
-    token ids once it ended; ``errors`` what any stream raised.
+    token ids once it ended; ``errors`` what any stream raised; ``at[id]`` the time.monotonic() of each
+    of its messages.
     """
 
     def __init__(self, stub, reqs, *, after: int, timeout: float = 180) -> None:
@@ -186,6 +187,7 @@ class ThreadedStreams:
 
         self.got: dict[str, list[int]] = {}
         self.errors: list[BaseException] = []
+        self.at: dict[str, list[float]] = {r.request_id: [] for r in reqs}
         self.streaming = {r.request_id: threading.Event() for r in reqs}
         self._threads = [threading.Thread(target=self._run, args=(stub, r, after, timeout)) for r in reqs]
         for t in self._threads:
@@ -195,6 +197,7 @@ class ThreadedStreams:
         ids: list[int] = []
         try:
             for m in stub.Generate(r, timeout=timeout):
+                self.at[r.request_id].append(time.monotonic())
                 ids.extend(m.token_ids)
                 if len(ids) >= after:
                     self.streaming[r.request_id].set()
@@ -211,3 +214,39 @@ class ThreadedStreams:
     def join(self, timeout: float) -> None:
         for t in self._threads:
             t.join(timeout)
+
+
+def run_all(address: str, reqs) -> dict[str, tuple[list[int], str, str]]:
+    """All requests concurrently (one thread each); returns id -> (tokens, text, finish_reason)."""
+    import concurrent.futures as cf
+
+    with grpc.insecure_channel(address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        with cf.ThreadPoolExecutor(len(reqs)) as pool:
+            futs = {r.request_id: pool.submit(generate, stub, r) for r in reqs}
+            return {rid: f.result()[:3] for rid, f in futs.items()}
+
+
+def migrations(c: Cluster) -> dict[str, float]:
+    """The router's pdserve_router_migrations_total by reason."""
+    import urllib.request
+
+    with urllib.request.urlopen(c.status()["router"]["metrics_url"], timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_router_migrations_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@contextlib.contextmanager
+def streaming(c: Cluster, reqs, after: int = 1, timeout: float = 180) -> Iterator[ThreadedStreams]:
+    """``ThreadedStreams`` of ``reqs`` on the cluster's router, joined (bounded) when the block ends."""
+    with c.channel() as ch:
+        streams = ThreadedStreams(c.stub(ch), reqs, after=after, timeout=timeout)
+        try:
+            yield streams
+        finally:
+            streams.join(timeout)

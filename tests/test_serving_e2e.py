@@ -2,13 +2,12 @@
 
 Acceptance of the serving-path issue: exact output through 1P+1D, through a
 colocated worker and offline; the first token from the prefill result before
-decode admits; cancel frees everything; bad input; kill -9 of a decode worker.
+decode admits; bad input; kill -9 of a decode worker (cancels: ``test_faults``' burst of 200).
 Every test ends with a leak check (every worker reports zero KV blocks used).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import random
 import signal
@@ -18,7 +17,7 @@ import grpc
 import pytest
 
 from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
-from tests.cluster_harness import generate, running_cluster
+from tests.cluster_harness import generate, migrations, run_all, running_cluster, streaming
 
 pytestmark = pytest.mark.slow
 
@@ -52,17 +51,6 @@ def _requests() -> list[generation_pb2.GenerateRequest]:
     return reqs
 
 
-def _run_all(address: str, reqs) -> dict[str, tuple[list[int], str, str]]:
-    """All requests concurrently (one thread each); returns id -> (tokens, text, finish_reason)."""
-    with grpc.insecure_channel(address) as ch:
-        from pdserve.proto import generation_pb2_grpc
-
-        stub = generation_pb2_grpc.GenerationStub(ch)
-        with cf.ThreadPoolExecutor(len(reqs)) as pool:
-            futs = {r.request_id: pool.submit(generate, stub, r) for r in reqs}
-            return {rid: f.result()[:3] for rid, f in futs.items()}
-
-
 def _offline(reqs) -> dict[str, tuple[list[int], str]]:
     from pdserve.engine import LLM, SamplingParams
 
@@ -89,7 +77,7 @@ def _offline(reqs) -> dict[str, tuple[list[int], str]]:
 def test_colocated_equals_offline(tmp_path):
     reqs = _requests()
     with running_cluster(tmp_path, colocated=1) as c:
-        got = _run_all(c.address, reqs)
+        got = run_all(c.address, reqs)
         c.assert_no_leaks()
     want = _offline(reqs)
     for rid, (ids, text) in want.items():
@@ -103,7 +91,7 @@ def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(tmp_pat
     want = _offline(reqs)
     # Threshold 1: every prompt is prefilled remotely, so all 8 cross the KV transfer.
     with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "1")) as c:
-        got = _run_all(c.address, reqs)
+        got = run_all(c.address, reqs)
         for rid, (ids, text) in want.items():
             assert got[rid][0] == ids, rid
             assert got[rid][1] == text, rid
@@ -150,32 +138,6 @@ def _first_token_before_admission(c) -> None:
     # The prefill worker answered with token 0 before the decode worker admitted the request.
     assert 0 < resp.first_token_unix < admitted, (resp.first_token_unix, admitted)
     assert rest[-1].finish_reason == "length"
-
-
-def test_cancel_50_streams_frees_every_block(tmp_path):
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "64")) as c:
-        from pdserve.proto import generation_pb2_grpc
-
-        with grpc.insecure_channel(c.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            calls = []
-            for i in range(50):
-                n = 20 if i % 2 else 150  # half local prefill, half remote
-                r = generation_pb2.GenerateRequest(
-                    request_id=f"c{i}",
-                    prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 300 + n))),
-                )
-                r.sampling.max_tokens = 2000
-                r.sampling.ignore_eos = True
-                calls.append(stub.Generate(r, timeout=120))
-            # Wait until a few tokens flowed on some streams, then cancel all.
-            next(calls[0])
-            next(calls[1])
-            for call in calls:
-                call.cancel()
-        # Within 2 s of the cancels, every worker itself reports zero KV blocks used.
-        c.assert_workers_idle_direct(timeout_s=2.0)
-        c.assert_no_leaks()
 
 
 def test_kill_decode_worker_mid_stream(tmp_path):
@@ -229,76 +191,31 @@ def _migration_requests(n: int, max_tokens: int) -> list[generation_pb2.Generate
     return reqs
 
 
-def _migrations(c) -> dict[str, float]:
-    """The router's pdserve_router_migrations_total by reason."""
-    import urllib.request
-
-    with urllib.request.urlopen(c.status()["router"]["metrics_url"], timeout=10) as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("pdserve_router_migrations_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_path):
     """1 prefill + 2 decode, 8 streams (greedy and seeded), SIGKILL of a decode worker mid-stream: every
     stream completes with exactly the tokens of an undisturbed run, each migration is counted, and the
     survivors hold no KV blocks."""
-    import threading
-
-    from pdserve.proto import generation_pb2_grpc
-
     reqs = _migration_requests(8, max_tokens=40)
     extra = ("--local-prefill-threshold", "1", "--max-running", "8")
     with running_cluster(tmp_path, prefill=1, decode=2, extra=extra) as c:
-        want = _run_all(c.address, reqs)  # undisturbed, on the same cluster
+        want = run_all(c.address, reqs)  # undisturbed, on the same cluster
         decoders = [w for w in c.workers() if w["role"] == "decode"]
         assert len(decoders) == 2
-        got: dict[str, list[int]] = {}
-        seen = {r.request_id: threading.Event() for r in reqs}
-        errors: list[BaseException] = []
-
-        def stream(stub, r) -> None:
-            ids: list[int] = []
-            try:
-                for m in stub.Generate(r, timeout=180):
-                    ids.extend(m.token_ids)
-                    if len(ids) >= 3:
-                        seen[r.request_id].set()
-                got[r.request_id] = ids
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-                seen[r.request_id].set()
-
-        with grpc.insecure_channel(c.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            threads = [threading.Thread(target=stream, args=(stub, r)) for r in reqs]
-            for t in threads:
-                t.start()
-            for e in seen.values():
-                assert e.wait(120)
-            victim = decoders[0]
+        victim = decoders[0]
+        with streaming(c, reqs, after=3) as streams:
+            assert streams.wait_streaming(120)
             os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
-            for t in threads:
-                t.join(180)
-        assert not errors, errors
+        assert not streams.errors, streams.errors
         for r in reqs:
-            assert got[r.request_id] == want[r.request_id][0], r.request_id
+            assert streams.got[r.request_id] == want[r.request_id][0], r.request_id
         assert victim["id"] not in {w["id"] for w in c.workers()}
         c.assert_no_leaks()
-        assert _migrations(c).get("decode_failed", 0) >= 1, "the killed worker's streams were migrated"
+        assert migrations(c).get("decode_failed", 0) >= 1, "the killed worker's streams were migrated"
 
 
 def test_killed_prefill_worker_requests_are_prefilled_elsewhere_and_lose_nothing(tmp_path):
     """2 prefill + 1 decode, 8 long prompts, SIGKILL of a prefill worker while prefills queue on it: every
     request completes with the undisturbed greedy tokens; the survivors hold no KV blocks."""
-    import threading
-
-    from pdserve.proto import generation_pb2_grpc
-
     rng = random.Random(5)
     reqs = []
     for i in range(8):
@@ -314,31 +231,16 @@ def test_killed_prefill_worker_requests_are_prefilled_elsewhere_and_lose_nothing
         reqs.append(r)
     extra = ("--local-prefill-threshold", "1", "--max-running", "8")
     with running_cluster(tmp_path, prefill=2, decode=1, extra=extra) as c:
-        want = _run_all(c.address, reqs)
+        want = run_all(c.address, reqs)
         victim = next(w for w in c.workers() if w["role"] == "prefill")
-        got: dict[str, list[int]] = {}
-        errors: list[BaseException] = []
-
-        def stream(stub, r) -> None:
-            try:
-                got[r.request_id] = [t for m in stub.Generate(r, timeout=180) for t in m.token_ids]
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        with grpc.insecure_channel(c.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            threads = [threading.Thread(target=stream, args=(stub, r)) for r in reqs]
-            for t in threads:
-                t.start()
+        with streaming(c, reqs) as streams:
             time.sleep(0.5)  # the prompts are queued or prefilling on both prefill workers
             os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
-            for t in threads:
-                t.join(180)
-        assert not errors, errors
+        assert not streams.errors, streams.errors
         for r in reqs:
-            assert got[r.request_id] == want[r.request_id][0], r.request_id
+            assert streams.got[r.request_id] == want[r.request_id][0], r.request_id
         c.assert_no_leaks()
-        moved = _migrations(c)
+        moved = migrations(c)
         assert moved.get("prefill_failed", 0) + moved.get("transfer_aborted", 0) >= 1, moved
 
 
