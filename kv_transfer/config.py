@@ -71,6 +71,13 @@ class TransferConfig:
     receiver's worker address without peer-failure handling. UCX only picks
     shared-memory transports (posix, cma) on such endpoints; peer death is
     still detected on the control endpoint, which keeps error handling.
+    ``rma``: move KV with one-sided UCX puts into the receiver's registered KV
+    tensor (protocol 3) when both peers offer it; otherwise, or with False on
+    either side, each layer goes as tagged messages. Which one a transfer uses
+    is named in its ``Open``: one transfer never mixes them.
+    ``rma_quarantine_s``: with RMA, how long blocks of a reservation that ended
+    before its ``Open`` arrived stay out of use: a sender that opened just
+    before the end may already be writing them (see receiver.py).
     """
 
     backend: Backend = Backend.UCX
@@ -80,6 +87,8 @@ class TransferConfig:
     connect_timeout_s: float = 5.0
     settle_timeout_s: float = 2.0
     ucx_shared_memory: bool = False
+    rma: bool = True
+    rma_quarantine_s: float = 2.0
     faults: FaultConfig = field(default_factory=FaultConfig)
     # The cluster token both ends prove in the handshake (auth.py); "": neither proves nor checks.
     cluster_token: str = field(default="", repr=False)
@@ -91,7 +100,7 @@ class TransferConfig:
             raise ValueError(
                 f"interface must be UCX device names (e.g. eth0,mlx5_0:1), got {self.interface!r}"
             )
-        for name in ("deadline_s", "connect_timeout_s", "settle_timeout_s"):
+        for name in ("deadline_s", "connect_timeout_s", "settle_timeout_s", "rma_quarantine_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.host:

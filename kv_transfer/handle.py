@@ -13,6 +13,12 @@ Stages (:class:`HandleState`):
     FAILED     aborted, deadline, peer died, refused (the receiver's ``Abort``):
                every wait raises the error
 
+With one-sided writes (``writer``, protocol 3) a layer is a put per contiguous
+run into the receiver's registered tensor instead of tagged sends; puts start
+only once the receiver has answered the Open with ``Accept`` (layers pushed
+before wait here), and Complete, Abort and AbortAck go out only after a flush
+of the endpoint has confirmed that every put landed (receiver.py says why).
+
 Who frees (the contract is in ``kv_transfer/__init__.py``): P's source blocks
 are the prefill worker's until ``complete`` or ``abort`` has returned or raised;
 both return only after every send has settled (or been cancelled after
@@ -42,7 +48,7 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.kvbuf import ready_marker
 from pdserve.kv_transfer.plan import Segment, layer_tag, tag_base
-from pdserve.kv_transfer.transport import Connection, DataOp, describe
+from pdserve.kv_transfer.transport import Connection, DataOp, RemoteWriter, describe
 
 if TYPE_CHECKING:
     import torch
@@ -112,6 +118,8 @@ class SenderHandle:
         ticket: wire.TransferTicket,
         segments: list[Segment],
         deadline: float,
+        writer: RemoteWriter | None = None,
+        region: wire.RemoteRegion | None = None,
     ) -> None:
         self._sender = sender
         self._peer = peer
@@ -144,6 +152,20 @@ class SenderHandle:
         self._settled.set()
         self.complete_ack: asyncio.Future[None] = self._loop.create_future()
         self._cleanup: asyncio.Task[None] | None = None
+        # One-sided writes: the receiver's region, and layers pushed before its Accept came.
+        self._writer = writer if region is not None else None
+        self._region = region
+        self._accepted = self._writer is None
+        self._held: list[tuple[int, float]] = []
+
+    @property
+    def rma(self) -> bool:
+        return self._writer is not None
+
+    @property
+    def layers_sent(self) -> int:
+        """Layers whose data went out (sends or puts issued), for progress and tests."""
+        return len(self._sent_layers)
 
     @property
     def error(self) -> TransferError | None:
@@ -199,6 +221,12 @@ class SenderHandle:
     def _send_layer(self, layer: int, pushed_at: float) -> None:
         if self._error is not None:
             return
+        if self._writer is not None:
+            if self._accepted:
+                self._put_layer(layer, pushed_at)
+            else:
+                self._held.append((layer, pushed_at))
+            return
         conn = self._peer.conn
         assert conn is not None
         spans, unit, send = self._spans, self._spans.block_bytes, conn.send_data
@@ -211,6 +239,54 @@ class SenderHandle:
             done = partial(self._sent, self._op_ids, layer, pushed_at, seg.num_blocks * unit)
             self._ops[self._op_ids] = send(src, self._tag_base | layer_tag(layer, seg.index), done)
         self._count_issued()
+
+    def on_accept(self) -> None:
+        """The receiver took the RMA Open: its blocks are ours to write until we say we stopped."""
+        if self._accepted or self._error is not None:
+            return
+        self._accepted = True
+        held, self._held = self._held, []
+        for layer, pushed_at in held:
+            self._put_layer(layer, pushed_at)
+
+    def _put_layer(self, layer: int, pushed_at: float) -> None:
+        if self._error is not None:
+            return
+        assert self._writer is not None and self._region is not None
+        spans, unit, layer_base = self._spans, self._spans.block_bytes, layer * self._region.layer_bytes
+        self._sent_layers.append(layer)  # before the puts: a failed one may have written part
+        self._settled.clear()  # until a flush covers this layer
+        nbytes = 0
+        try:
+            for seg in self._segments:
+                src = spans.span(layer, seg.src_start, seg.num_blocks)
+                self._writer.put(src, layer_base + seg.dst_start * unit)
+                self._op_ids += 1
+                nbytes += seg.num_blocks * unit
+        except TransferError as exc:
+            self.fail(exc)
+            return
+        self._bytes += nbytes
+        self._sender.metrics.add_bytes(nbytes)
+        seconds = time.perf_counter() - pushed_at  # issued; the flush at the end says landed
+        self._layer_seconds[layer] = seconds
+        self._sender.metrics.layer_done(seconds)
+        self._count_issued()
+
+    async def _flush(self) -> None:
+        """Every put issued so far has landed in the receiver's memory (or raise)."""
+        assert self._writer is not None
+        done: asyncio.Future[TransferError | None] = self._loop.create_future()
+
+        def flushed(err: TransferError | None) -> None:
+            if not done.done():
+                done.set_result(err)
+
+        self._writer.flush(flushed)
+        err = await done
+        if err is not None:
+            raise err
+        self._settled.set()
 
     def _count_issued(self) -> None:
         self._issued += 1
@@ -274,8 +350,11 @@ class SenderHandle:
             self.state = HandleState.COMPLETING
             if not self._all_issued.is_set():
                 await self.until(self._all_issued.wait(), "every layer to be issued")
+            if self._writer is not None:  # Complete tells the receiver the puts have landed
+                await self.until(self._flush(), "the puts to land")
             # Sent before the data has landed: D acks once both are in, saving a round trip.
-            self._sender.send(self._peer, wire.Complete(self.transfer_id, first_token_id))
+            put = len(self._sent_layers) if self._writer is not None else -1
+            self._sender.send(self._peer, wire.Complete(self.transfer_id, first_token_id, put))
             await self.until(self.complete_ack, "the completion ack")
             # The ack says every byte landed, so no send reads P's blocks any more; the sends'
             # own completions (for the byte count and per-layer times) are normally in already.
@@ -330,6 +409,8 @@ class SenderHandle:
 
     async def _settle_and_notify(self, notify: NotifyPeer) -> None:
         timeout = self._sender.config.settle_timeout_s
+        if self._writer is not None:
+            notify = await self._settle_puts(notify, timeout)
         try:
             await asyncio.wait_for(self._settled.wait(), timeout)
         except TimeoutError:
@@ -350,3 +431,20 @@ class SenderHandle:
         elif notify is NotifyPeer.ACK:
             self._sender.send(self._peer, wire.AbortAck(self.transfer_id, sent))
         self._sender.forget(self)
+
+    async def _settle_puts(self, notify: NotifyPeer, timeout: float) -> NotifyPeer:
+        """Flush before telling the receiver we stopped: it frees the blocks on our word."""
+        if not self._sent_layers or self._settled.is_set():
+            self._settled.set()
+            return notify
+        try:
+            await asyncio.wait_for(self._flush(), timeout)
+            return notify
+        except (TimeoutError, TransferError) as exc:
+            # Unconfirmed puts: say nothing the receiver would free on; the broken connection
+            # (it frees on that, see receiver.py) is the only safe word left.
+            log.warning("transfer %s: puts not confirmed (%r); closing the connection", self.request_id, exc)
+            if self._peer.conn is not None:
+                self._peer.conn.close()
+            self._settled.set()
+            return NotifyPeer.NOTHING

@@ -21,6 +21,21 @@ Who frees (the contract is in ``kv_transfer/__init__.py``): on every failure
 before DONE the receiver, and only after the last in-flight write into those
 blocks has finished, so a freed block is never written by a late message; after
 DONE the decode engine.
+
+One-sided writes (RMA, ``Open.rma``): the sender puts straight into the KV
+tensor, which ``start`` registers once and ``HelloReply`` offers. Nothing is
+posted here, so nothing here can be cancelled: the rule that keeps a freed
+block from being written is that a sender puts only into an Open this side
+has answered with ``Accept``, and after that the blocks are freed only when
+    - the sender's Complete, Abort or AbortAck arrives (each is sent after it
+      flushed its endpoint: no put of the transfer is still in flight), or
+    - the connection broke (the sender died, or its endpoint failed), or
+    - this side gave up waiting for the AbortAck (``settle_timeout_s``), closed
+      the connection, and waited another ``settle_timeout_s``. This is the one
+      case not closed by construction: a sender frozen (not dead) in the middle
+      of a put for longer than that, which then resumes, could finish that put.
+A refused Open (expired, aborted, unknown) gets no Accept, so its sender
+never writes: its blocks may be reused at once.
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ from collections import OrderedDict
 from functools import partial
 from typing import Any
 
+import msgspec
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -103,10 +119,15 @@ class KVReceiver:
         self._ended: OrderedDict[int, tuple[str, TransferError | None]] = OrderedDict()
         self._failing: dict[int, Reservation] = {}  # failed, blocks waiting for in-flight receives
         self._results: dict[str, asyncio.Future[TransferResult]] = {}
+        self._region: wire.RemoteRegion | None = None  # the KV tensor as offered for puts
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
         self._transport = make_transport(self._config)
+        region = self._transport.expose(self._spans.flat)
+        if region is not None:
+            layer_bytes = self._spans.num_blocks * self._spans.block_bytes
+            self._region = msgspec.structs.replace(region, layer_bytes=layer_bytes)
         await self._transport.listen(self._on_connect)
 
     @property
@@ -231,7 +252,19 @@ class KVReceiver:
         elif isinstance(msg, wire.Complete):
             rx = self._by_transfer.get(msg.transfer_id)
             if rx is not None and rx.conn is peer.conn and rx.state is RxState.OPEN:
+                if rx.rma and msg.layers != self._compat.num_layers:
+                    # Layers went missing on the sender's side: like lost tagged data, the
+                    # transfer never completes here, and its deadline ends it.
+                    log.warning(
+                        "transfer %s: Complete after %d of %d layers; waiting for its deadline",
+                        rx.request_id,
+                        msg.layers,
+                        self._compat.num_layers,
+                    )
+                    return
                 rx.first_token_id = msg.first_token_id
+                if rx.rma:  # sent after the sender's flush: every put has landed
+                    self._rma_landed(rx)
                 self._maybe_finish(rx)
         elif isinstance(msg, wire.Abort):
             # Accepted even on a rejected connection: that is how an incompatible sender says so.
@@ -278,7 +311,11 @@ class KVReceiver:
         peer.accepted = not reason
         conn_id = max(peer.conn_id, 0)
         proof = auth.reply_proof(token, msg.nonce, peer.accepted, conn_id) if token else ""
-        reply = wire.HelloReply(ok=peer.accepted, reason=reason, conn_id=conn_id, code=code, proof=proof)
+        region = self._region if peer.accepted and msg.rma else None
+        peer.rma = region is not None
+        reply = wire.HelloReply(
+            ok=peer.accepted, reason=reason, conn_id=conn_id, code=code, proof=proof, rma=region
+        )
         self._send(peer.conn, reply)
 
     def _proven(self, msg: wire.Hello, token: str) -> bool:
@@ -293,6 +330,10 @@ class KVReceiver:
             # the ticket, and opens a refused transfer again only after its AbortAck. Its data
             # cannot be drained safely: drop it all.
             log.warning("closing connection from %s: protocol violation in Open", peer.conn.peer)
+            peer.conn.close()
+            return
+        if msg.rma and not peer.rma:
+            log.warning("closing connection from %s: RMA Open without an offered region", peer.conn.peer)
             peer.conn.close()
             return
         rx = self._by_transfer.get(msg.transfer_id)
@@ -317,6 +358,11 @@ class KVReceiver:
         peer.transfers.add(rx)
         rx.state = RxState.OPEN
         rx.opened_at = loop.time()
+        if msg.rma:
+            rx.rma = True
+            rx.unsettled = 1  # the sender may write the blocks from the Accept until it says it stopped
+            self._send(peer.conn, wire.Accept(rx.transfer_id))
+            return
         num_layers = self._compat.num_layers
         rx.pending = [len(segments)] * num_layers
         base = tag_base(rx.transfer_id, peer.conn_id)
@@ -330,8 +376,10 @@ class KVReceiver:
                 ops.append(recv(dst, base | layer_tag(layer, seg.index), done))
 
     def _refuse(self, peer: PrefillConn, msg: wire.Open, code: FailureReason, reason: str) -> None:
-        """Receive whatever the sender already pushed into scratch memory, then tell it to stop."""
-        self._drains.start(peer, msg.transfer_id, msg.segments)
+        """Receive whatever the sender already pushed into scratch memory, then tell it to stop.
+        An RMA sender pushes nothing before an Accept: there is nothing to drain."""
+        if not msg.rma:
+            self._drains.start(peer, msg.transfer_id, msg.segments)
         self._send(peer.conn, wire.Abort(msg.transfer_id, code.value, f"decode refused: {reason}"))
 
     def _on_close(self, peer: PrefillConn, exc: Exception | None) -> None:
@@ -342,6 +390,14 @@ class KVReceiver:
         self._conn_ids.release(peer.conn_id)
 
     # -- data --------------------------------------------------------------
+    def _rma_landed(self, rx: Reservation) -> None:
+        """The sender's flush covered every put of ``rx``: all layers are in."""
+        nbytes = len(rx.blocks) * self._spans.block_bytes * self._compat.num_layers
+        rx.bytes += nbytes
+        self.metrics.add_bytes(nbytes)
+        rx.layers_done = self._compat.num_layers
+        rx.unsettled = 0
+
     def _landed(self, rx: Reservation, layer: int, n: int, exc: TransferError | None) -> None:
         rx.unsettled -= 1
         if exc is None:
@@ -422,10 +478,15 @@ class KVReceiver:
         self._maybe_free(rx)
 
     def _drain(self, rx: Reservation, sent_layers: tuple[int, ...]) -> None:
-        """Cancel receives for layers never sent; the sent ones land (or fail) by themselves."""
+        """Cancel receives for layers never sent; the sent ones land (or fail) by themselves.
+
+        RMA: the sender's word (or the connection's end) that no put is in flight any more.
+        """
         if rx.drained:
             return
         rx.drained = True
+        if rx.rma:
+            rx.unsettled = 0
         sent = set(sent_layers)
         for layer, ops in rx.ops.items():
             if layer not in sent:
@@ -435,10 +496,28 @@ class KVReceiver:
             rx.grace.cancel()
         if rx.unsettled:
             rx.grace = asyncio.get_running_loop().call_later(self._config.settle_timeout_s, self._force, rx)
+        self._maybe_free(rx)
 
     def _force(self, rx: Reservation) -> None:
         """Settling took too long: cancel everything, and if even that stalls, drop the connection."""
         if rx.state is not RxState.FAILING or not rx.unsettled:
+            return
+        if rx.rma:
+            if rx.conn is not None and rx.conn.alive:
+                log.warning(
+                    "transfer %s: no AbortAck from the RMA sender in %ss; closing the connection and "
+                    "holding its blocks %ss more",
+                    rx.request_id,
+                    self._config.settle_timeout_s,
+                    self._config.settle_timeout_s,
+                )
+                rx.conn.close()
+                rx.grace = asyncio.get_running_loop().call_later(
+                    self._config.settle_timeout_s, self._force, rx
+                )
+            else:
+                self._drain(rx, ())
+                self._maybe_free(rx)
             return
         if not rx.drained:
             self._drain(rx, ())

@@ -73,6 +73,7 @@ class Reservation:
     bytes: int = 0
     drained: bool = False
     grace: asyncio.TimerHandle | None = None
+    rma: bool = False  # accepted as one-sided puts: unsettled 1 while the sender may write
 
 
 @dataclass(eq=False)
@@ -100,6 +101,7 @@ class PrefillConn:
     proven: bool = False  # its Hello proved the cluster token (or the receiver has none)
     conn_id: int = -1  # the id in this connection's data tags, once the handshake is done
     transfers: set[Reservation] = field(default_factory=set)
+    rma: bool = False  # the KV region was offered to it in HelloReply
     drains: dict[int, Drain] = field(default_factory=dict)  # transfer id -> refused Open
 
 

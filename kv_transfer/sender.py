@@ -40,7 +40,7 @@ from pdserve.kv_transfer.handle import HandleState, SenderHandle
 from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
 from pdserve.kv_transfer.metrics import Role, TransferMetrics
 from pdserve.kv_transfer.plan import MAX_LAYERS, build_segments, segment_lengths
-from pdserve.kv_transfer.transport import Connection, Transport, describe
+from pdserve.kv_transfer.transport import Connection, RemoteWriter, Transport, describe
 from pdserve.kv_transfer.transports import make_transport
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class _Peer:
     refusal: str = ""  # a FailureReason value: why the receiver (or we) refused this connection
     handshake: asyncio.Task[None] | None = None
     handles: dict[int, SenderHandle] = field(default_factory=dict)
+    writer: RemoteWriter | None = None  # puts into the receiver's KV tensor, when it offered them
+    region: wire.RemoteRegion | None = None
 
 
 class KVSender:
@@ -139,12 +141,22 @@ class KVSender:
             self.send(peer, wire.Abort(ticket.transfer_id, refused.reason.value, str(refused), ()))
             self.metrics.transfer_failed(refused.reason)
             raise refused
-        handle = SenderHandle(self, peer, ticket, segments, deadline=loop.time() + remaining)
+        handle = SenderHandle(
+            self,
+            peer,
+            ticket,
+            segments,
+            deadline=loop.time() + remaining,
+            writer=peer.writer,
+            region=peer.region,
+        )
         peer.handles[ticket.transfer_id] = handle
         self.metrics.opened()
         lengths = tuple(seg.num_blocks for seg in segments)
         # A failed send shows as the connection breaking, which fails the handle.
-        self.send(peer, wire.Open(ticket.transfer_id, ticket.request_id, lengths))
+        self.send(
+            peer, wire.Open(ticket.transfer_id, ticket.request_id, lengths, rma=peer.writer is not None)
+        )
         return handle
 
     async def connect(self, address: str) -> None:
@@ -195,7 +207,9 @@ class KVSender:
             token, nonce = self.config.cluster_token, auth.new_nonce()
             pv = self.compat.protocol_version
             proof = auth.hello_proof(token, pv, self._hash, self._name, nonce) if token else ""
-            hello = wire.Hello(pv, self._hash, self._name, nonce=nonce if token else "", proof=proof)
+            hello = wire.Hello(
+                pv, self._hash, self._name, nonce=nonce if token else "", proof=proof, rma=self.config.rma
+            )
             conn.post_message(wire.encode_message(hello))
             reply = await asyncio.wait_for(asyncio.shield(peer.hello_reply), timeout)
             if token and not auth.same(auth.reply_proof(token, nonce, reply.ok, reply.conn_id), reply.proof):
@@ -220,6 +234,13 @@ class KVSender:
             peer.ready.exception()  # retrieved here; waiters get it through shield
             return
         peer.accepted, peer.reason, peer.conn_id = reply.ok, reply.reason, reply.conn_id
+        if reply.ok and reply.rma is not None and self.config.rma and peer.conn is not None:
+            # Offered: put into the receiver's tensor. Should unpacking its key fail here, every
+            # Open on this connection says tagged (Open.rma), so the two never mix.
+            if reply.rma.layer_bytes * self.compat.num_layers > reply.rma.length:
+                log.warning("ignoring a malformed KV region from %s", describe(peer.address))
+            else:
+                peer.writer, peer.region = peer.conn.remote_writer(reply.rma), reply.rma
         peer.refusal = reply.code or FailureReason.INCOMPATIBLE.value
         peer.ready.set_result(None)
 
@@ -248,7 +269,10 @@ class KVSender:
                 peer.hello_reply.set_result(msg)
             return
         handle = peer.handles.get(getattr(msg, "transfer_id", -1))
-        if isinstance(msg, wire.CompleteAck):
+        if isinstance(msg, wire.Accept):
+            if handle is not None:
+                handle.on_accept()
+        elif isinstance(msg, wire.CompleteAck):
             if handle is not None and not handle.complete_ack.done():
                 handle.complete_ack.set_result(None)
         elif isinstance(msg, wire.Abort):

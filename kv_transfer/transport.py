@@ -24,6 +24,12 @@ for device memory.
 
 Handlers run on the event loop thread. A broken connection calls ``on_close``
 with the error exactly once and fails every pending operation on it.
+
+One-sided writes (RMA), where a backend has them: the receiving side
+``expose``s its KV bytes once and hands the region to senders in the
+handshake; a sender's ``remote_writer`` puts spans straight into it, and a
+``flush`` says when every put issued before it has landed. Backends without
+them return None from both, and transfers move as tagged data.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdserve.kv_transfer.errors import TransferError
+    from pdserve.kv_transfer.wire import RemoteRegion
 
     Buffer = np.ndarray | torch.Tensor
 
@@ -55,6 +62,17 @@ def describe(address: str) -> str:
 
 class DataOp(Protocol):
     def cancel(self) -> None: ...
+
+
+class RemoteWriter(Protocol):
+    def put(self, buf: Buffer, offset: int) -> None:
+        """Start writing ``buf`` at ``offset`` bytes into the peer's region; raises
+        TransferError when the connection refuses it at once."""
+
+    def flush(self, on_done: DoneCallback) -> None:
+        """``on_done`` (on the loop) once every earlier put landed in the peer's memory, or failed."""
+
+    def close(self) -> None: ...
 
 
 class Connection(Protocol):
@@ -83,6 +101,9 @@ class Connection(Protocol):
     def close(self) -> None:
         """Close abruptly: pending operations fail, the peer sees the connection break."""
 
+    def remote_writer(self, region: RemoteRegion) -> RemoteWriter | None:
+        """Puts into the peer's exposed ``region``, or None when this connection cannot."""
+
 
 class Transport(Protocol):
     @property
@@ -92,6 +113,10 @@ class Transport(Protocol):
     async def listen(self, on_connect: Callable[[Connection], None]) -> None: ...
 
     async def connect(self, address: str) -> Connection: ...
+
+    def expose(self, buf: Buffer) -> RemoteRegion | None:
+        """Register ``buf`` (the whole KV tensor's bytes) for peers' one-sided writes; None when
+        this backend has none. Valid until ``close``."""
 
     def next_transfer_id(self) -> int:
         """A transfer id unique among the receives this process may have posted."""

@@ -15,6 +15,12 @@ Control conversation on one connection (prefill P -> decode D):
     (data: one tagged message per layer and contiguous segment)
     P: Complete       D: CompleteAck       first token id, sent once every layer is issued;
                                            D acks once every layer has also landed
+    With RMA (``Open.rma``), P puts each layer's runs straight into D's registered KV tensor
+    (the region in HelloReply) instead of tagged messages, and sends Complete, Abort and
+    AbortAck only after flushing its endpoint: each of them says no put of the transfer
+    is in flight any more. P puts nothing before D's ``Accept`` of the Open (usually there
+    before the forward has written layer 0): a refused Open's blocks may already be another
+    request's.
     P: Abort(sent layers)                  P gives up; D keeps the receives of sent layers
     D: Abort          P: AbortAck(sent)    D gives up, or refuses an Open (expired, aborted,
                                            unknown, malformed): then D receives whatever P
@@ -33,7 +39,9 @@ from pdserve.kv_transfer.errors import IncompatibleError
 
 # Bump on any change to these messages or to the tag layout (plan.py).
 # 2: data follows Open without waiting for a reply (no OpenReply); connection id in tags.
-PROTOCOL_VERSION = 2
+# 3: one-sided puts (RMA): Hello offers them, HelloReply carries the remote key, Open says which
+#    way the transfer's data moves.
+PROTOCOL_VERSION = 3
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -91,6 +99,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     # The cluster token's proof (auth.py): empty when the sender has no token.
     nonce: str = ""
     proof: str = ""
+    rma: bool = False  # the sender can put into a registered KV tensor (RMA)
 
 
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
@@ -99,17 +108,38 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     conn_id: int = 0  # the receiver's id for this connection, in every data tag (plan.py)
     code: str = ""  # a FailureReason value when refused ("": incompatible, as before)
     proof: str = ""  # the receiver's proof of the cluster token over the Hello's nonce (auth.py)
+    rma: RemoteRegion | None = None  # offered when both sides can: where puts go
+
+
+class RemoteRegion(msgspec.Struct, frozen=True):
+    """The receiver's whole KV tensor, registered with UCX for remote writes."""
+
+    key: bytes  # UCX's packed remote key
+    base: int  # the tensor's address in the receiver
+    length: int  # bytes
+    layer_bytes: int  # one layer's span of the tensor (its block count x block bytes)
 
 
 class Open(msgspec.Struct, frozen=True, tag="open"):
     transfer_id: int
     request_id: str
     segments: tuple[int, ...]  # run lengths in blocks, contiguous on both sides (plan.py)
+    rma: bool = False  # data comes as puts into the blocks, not tagged messages; Complete follows a flush
+
+
+class Accept(msgspec.Struct, frozen=True, tag="accept"):
+    """D took an RMA ``Open``: its blocks are bound to this connection until the transfer ends,
+    so P may put into them now (and not before: a refused Open's blocks may be someone else's)."""
+
+    transfer_id: int
 
 
 class Complete(msgspec.Struct, frozen=True, tag="complete"):
     transfer_id: int
     first_token_id: int
+    # RMA: how many layers were put (the receiver sees no data arrive, so it checks this;
+    # short means lost layers, and it waits as it would for lost tagged data). -1: tagged.
+    layers: int = -1
 
 
 class CompleteAck(msgspec.Struct, frozen=True, tag="complete_ack"):
@@ -133,7 +163,7 @@ class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):
     sent_layers: tuple[int, ...]
 
 
-Message = Hello | HelloReply | Open | Complete | CompleteAck | Abort | AbortAck
+Message = Hello | HelloReply | Open | Accept | Complete | CompleteAck | Abort | AbortAck
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -1,4 +1,5 @@
-"""KV transfer over real UCX between processes on loopback (issue 3, acceptance 1-3).
+"""KV transfer over real UCX between processes on loopback (issue 3, acceptance 1-3; issue 14:
+one-sided puts, which every transfer here uses unless its transport is ``tcp-tagged``).
 
 Peers are spawned processes (kv_transfer.testing.PeerProcess) running uvloop,
 with SmolLM2-135M's KV layout (30 layers, 3 KV heads, head dim 64, block 16).
@@ -23,12 +24,17 @@ CONFIG = TransferConfig(deadline_s=30.0, settle_timeout_s=1.0)
 CALL_S = 60.0  # bound on any single command
 
 
-TRANSPORTS = {"tcp": ("tcp", False), "shm": ("tcp,sm,self", True)}
+# name -> (UCX_TLS, shared-memory data endpoint, one-sided puts)
+TRANSPORTS = {
+    "tcp": ("tcp", False, True),
+    "shm": ("tcp,sm,self", True, True),
+    "tcp-tagged": ("tcp", False, False),
+}
 
 
 def spec(dtype: str = "bfloat16", num_blocks: int = 192, transport: str = "tcp") -> PeerSpec:
-    tls, shm = TRANSPORTS[transport]
-    config = replace(CONFIG, ucx_shared_memory=shm)
+    tls, shm, rma = TRANSPORTS[transport]
+    config = replace(CONFIG, ucx_shared_memory=shm, rma=rma)
     return PeerSpec(dtype=dtype, num_blocks=num_blocks, config=config, env=(("UCX_TLS", tls),))
 
 
@@ -60,9 +66,10 @@ def wait_drained(decode: PeerProcess, within_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def wait_progress(decode: PeerProcess, request_id: str, layers: int) -> None:
+def wait_progress(prefill: PeerProcess, request_id: str, layers: int) -> None:
+    """Until the sender has sent ``layers`` layers (puts leave no count at the receiver)."""
     end = time.monotonic() + 30
-    while decode.call("progress", request_id=request_id) < layers:
+    while prefill.call("sent", request_id=request_id) < layers:
         assert time.monotonic() < end, "the transfer never got going"
         time.sleep(0.02)
 
@@ -172,7 +179,7 @@ def test_kill_sender_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> Non
     decode, prefill = fresh
     ticket = decode.call("reserve", request_id="k", num_tokens=500)
     prefill.submit("transfer", ticket=ticket, seed=1, layer_interval_s=0.1)
-    wait_progress(decode, "k", 3)
+    wait_progress(prefill, "k", 3)
     prefill.kill()
     with pytest.raises(PeerCallError) as err:
         decode.call("wait", request_id="k", timeout=5)  # from UCX's endpoint error: the deadline is 30 s away
@@ -185,7 +192,7 @@ def test_kill_receiver_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> N
     decode, prefill = fresh
     ticket = decode.call("reserve", request_id="k", num_tokens=500)
     call = prefill.submit("transfer", ticket=ticket, seed=1, layer_interval_s=0.1)
-    wait_progress(decode, "k", 3)
+    wait_progress(prefill, "k", 3)
     decode.kill()
     with pytest.raises(PeerCallError) as err:
         prefill.result(call, timeout=5)
@@ -241,7 +248,7 @@ def test_abort_from_decode(bf16: tuple[PeerProcess, ...]) -> None:
     decode, _, prefill = bf16
     ticket = decode.call("reserve", request_id="ab-d", num_tokens=400)
     call = prefill.submit("transfer", ticket=ticket, seed=5, layer_interval_s=0.05)
-    wait_progress(decode, "ab-d", 2)
+    wait_progress(prefill, "ab-d", 2)
     assert decode.call("abort", request_id="ab-d", reason="client cancelled")
     with pytest.raises(PeerCallError) as err:
         prefill.result(call, timeout=CALL_S)
@@ -269,9 +276,10 @@ def test_abort_from_prefill(bf16: tuple[PeerProcess, ...]) -> None:
 
 
 def test_refused_open_with_data_already_pushed(fresh: tuple[PeerProcess, PeerProcess]) -> None:
-    """The sender pushes right after Open (no round trip): when the reservation is already
-    gone, its messages wait in UCX until the receiver refuses and drains them into scratch
-    memory. The sender learns at once (no settle timeout), and no KV block is written."""
+    """Tagged: the sender pushes right after Open (no round trip): when the reservation is
+    already gone, its messages wait in UCX until the receiver refuses and drains them into
+    scratch memory. RMA: it puts nothing before the receiver's Accept, which never comes.
+    Either way the sender learns at once (no settle timeout), and no KV block is written."""
     decode, prefill = fresh
     ticket = decode.call("reserve", request_id="refused", num_tokens=600)
     assert decode.call("abort", request_id="refused", reason="client cancelled")
@@ -292,7 +300,7 @@ def test_second_sender_of_a_ticket_never_writes(bf16: tuple[PeerProcess, ...]) -
     decode, _, prefill = bf16
     ticket = decode.call("reserve", request_id="twice", num_tokens=400)
     first = prefill.submit("transfer", ticket=ticket, seed=10, first_token_id=11, layer_interval_s=0.05)
-    wait_progress(decode, "twice", 2)
+    wait_progress(prefill, "twice", 2)
     with pytest.raises(PeerCallError) as err:
         prefill.call("transfer", ticket=ticket, seed=99, sender_name="second", timeout=CALL_S)
     assert err.value.kind == "RejectedError"
@@ -301,4 +309,31 @@ def test_second_sender_of_a_ticket_never_writes(bf16: tuple[PeerProcess, ...]) -
     assert decode.call("verify", request_id="twice", seed=10), "the second sender's bytes landed"
     assert decode.call("release", request_id="twice")
     wait_drained(decode)
+    assert_no_leak(decode, prefill)
+
+
+def test_aborted_blocks_reused_at_once_hold_none_of_the_old_kv(
+    fresh: tuple[PeerProcess, PeerProcess],
+) -> None:
+    """One-sided writes' danger: a put still in flight after an abort lands in blocks that
+    already belong to the next request. The receiver frees an aborted transfer's blocks only
+    once the sender flushed and said it stopped; the next request, which takes every block
+    (the aborted one's included) at once, then holds its own bytes and nothing else, also
+    after the old sender's forward has gone on pushing layers."""
+    decode, prefill = fresh
+    total = decode.call("blocks")["total"]
+    ticket = decode.call("reserve", request_id="old", num_tokens=500)
+    old = prefill.submit("transfer", ticket=ticket, seed=31, layer_interval_s=0.02)
+    wait_progress(prefill, "old", 4)
+    assert decode.call("abort", request_id="old", reason="client cancelled")
+    wait_free(decode, within_s=5.0)  # at once: the sender's AbortAck follows its flush
+    with pytest.raises(PeerCallError) as err:
+        prefill.result(old, timeout=CALL_S)
+    assert err.value.kind == "AbortedError"
+    new = decode.call("reserve", request_id="new", num_tokens=total * 16)  # every block
+    prefill.call("transfer", ticket=new, seed=32, timeout=CALL_S)
+    decode.call("wait", request_id="new")
+    time.sleep(0.3)  # longer than the old forward's remaining layers would take to be pushed
+    assert decode.call("verify", request_id="new", seed=32), "bytes of the aborted transfer landed"
+    assert decode.call("release", request_id="new")
     assert_no_leak(decode, prefill)

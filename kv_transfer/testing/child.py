@@ -38,6 +38,7 @@ class PeerState:
         self.senders: dict[tuple[int | None, FaultConfig | None, str], KVSender] = {}
         self.raw: Any = None
         self._snapshots: dict[str, tuple[list[int], str]] = {}
+        self._handles: dict[str, Any] = {}  # request id -> its latest SenderHandle
         # Stand-ins for the model's forward thread, started once like the engine's.
         self._forward_threads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-forward")
 
@@ -117,6 +118,12 @@ class PeerState:
         assert self.receiver is not None
         return self.receiver.layers_received(request_id)
 
+    def cmd_sent(self, request_id: str) -> int:
+        """Prefill side: layers of ``request_id`` sent so far (RMA puts leave no trace at the receiver
+        until Complete, so tests follow a transfer's progress here)."""
+        handle = self._handles.get(request_id)
+        return handle.layers_sent if handle is not None else 0
+
     def cmd_blocks(self) -> dict[str, int]:
         self.blocks.check_invariants()
         draining = self.receiver.draining if self.receiver is not None else 0
@@ -170,6 +177,7 @@ class PeerState:
             loop = asyncio.get_running_loop()
             t0 = time.perf_counter()
             handle = await sender.open(t, src)
+            self._handles[t.request_id] = handle
             t1 = time.perf_counter()
             last = self.spec.num_layers if abort_after_layers is None else abort_after_layers
             pushed: asyncio.Future[None] = loop.create_future()

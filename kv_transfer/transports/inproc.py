@@ -121,6 +121,9 @@ class InprocConnection:
         self.owner.post_recv(op)
         return op
 
+    def remote_writer(self, region: Any) -> None:
+        return None  # no one-sided writes here: transfers move as tagged data
+
     def close(self) -> None:
         self._break(PeerDiedError(f"connection to {self.peer} closed locally"))
         if self.remote is not None:
@@ -167,6 +170,9 @@ class InprocTransport:
         server._conns.add(there)
         self.loop.call_soon(server._on_connect, there)
         return here
+
+    def expose(self, buf: Any) -> None:
+        return None
 
     def next_transfer_id(self) -> int:
         return next(self._transfer_ids)

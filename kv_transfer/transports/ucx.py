@@ -25,6 +25,13 @@ per endpoint: a receive matches what the peer sent on any endpoint.
 Closing one side's endpoint does not tell the peer (they are two endpoints),
 so a local close first sends a ``closed`` frame.
 
+One-sided writes (RMA, protocol 3): the decode side maps its KV tensor with
+UCX once (``expose``, ucp_rma.py) and the prefill side unpacks the remote key
+on its data endpoint (``remote_writer``) and puts into it. Measured on one
+host, the receiver's own memory (torch's allocation) works for every
+transport: shared memory reaches it by cross-memory attach, tcp emulates puts
+with active messages, so the KV tensor needs no UCX allocation.
+
 Shared memory: UCX 1.21 leaves posix/cma out of endpoints with peer-failure
 handling, so with ``TransferConfig.ucx_shared_memory`` data moves on a second
 endpoint to D's worker address without error handling. Its peer's death still
@@ -56,6 +63,8 @@ from pdserve.kv_transfer.errors import PeerDiedError, TransferError
 from pdserve.kv_transfer.kvbuf import as_bytes
 from pdserve.kv_transfer.plan import MAX_TRANSFER_ID
 from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler, describe
+from pdserve.kv_transfer.transports import ucp_rma
+from pdserve.kv_transfer.wire import RemoteRegion
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +158,10 @@ class _Runtime:
     def next_transfer_id(self) -> int:
         return next(self._ids) % MAX_TRANSFER_ID + 1
 
+    def context_handle(self) -> int:
+        """The process's ucp_context_h, for memory registration (ucp_rma.py)."""
+        return int(self.ucxx.core._get_ctx().context.handle)
+
     def refill_futures(self) -> None:
         # Every request takes a Python future from a pool of 100 that the notifier
         # thread refills only now and then; a transfer posts hundreds at once, so top
@@ -205,6 +218,47 @@ class _FailedOp:
         pass
 
 
+def _address_of(buf: Any) -> tuple[int, int, int]:
+    """(address, bytes, UCX memory type) of a contiguous uint8 numpy array or torch tensor."""
+    if isinstance(buf, np.ndarray):
+        return buf.ctypes.data, buf.nbytes, ucp_rma.MEMORY_TYPE_HOST
+    kind = ucp_rma.MEMORY_TYPE_CUDA if buf.device.type == "cuda" else ucp_rma.MEMORY_TYPE_HOST
+    return buf.data_ptr(), buf.numel() * buf.element_size(), kind
+
+
+class _RemoteWriter:
+    """Puts on a connection's data endpoint into the peer's exposed region."""
+
+    def __init__(self, conn: UcxConnection, ep: Any, region: RemoteRegion) -> None:
+        self._conn = conn
+        self._handle = ep._ep.handle  # ucp_ep_h
+        self._key = ucp_rma.RemoteKey(self._handle, region.key, region.base, region.length)
+
+    def put(self, buf: Any, offset: int) -> None:
+        if not self._conn.alive:
+            raise PeerDiedError(f"connection to {self._conn.peer} is closed")
+        address, nbytes, _ = _address_of(buf)
+        try:
+            self._key.put(address, nbytes, offset)
+        except TransferError as exc:
+            raise PeerDiedError(f"put to {self._conn.peer}: {exc}") from exc
+
+    def flush(self, on_done: DoneCallback) -> None:
+        if not self._conn.alive:
+            self._conn.loop.call_soon(on_done, PeerDiedError(f"connection to {self._conn.peer} is closed"))
+            return
+        peer = self._conn.peer
+
+        def flushed(status: int) -> None:
+            ok = status == ucp_rma.UCS_OK
+            on_done(None if ok else PeerDiedError(f"flush to {peer}: {ucp_rma.status_text(status)}"))
+
+        ucp_rma.flush(self._handle, flushed)
+
+    def close(self) -> None:
+        self._key.close()
+
+
 class UcxConnection:
     """One side of a connection: its own endpoint to the peer (control, and data unless a
     shared-memory ``data_ep`` is given) and the channel's two control tags."""
@@ -238,6 +292,7 @@ class UcxConnection:
         self._closing: Any = None  # the closed frame's send, until the endpoints are aborted
         # Prefill side, while connecting: the decode side's first (empty) frame resolves it.
         self.accepted: asyncio.Future[None] | None = None
+        self._writers: list[_RemoteWriter] = []
         ep.set_close_callback(self._close_callback)
 
     @property
@@ -377,6 +432,17 @@ class UcxConnection:
             return _FailedOp(self.loop, self.translate(exc), on_done)
         return _UcxOp(self, request, buf, on_done)
 
+    def remote_writer(self, region: RemoteRegion) -> _RemoteWriter | None:
+        if not self._alive:
+            return None
+        try:
+            writer = _RemoteWriter(self, self._data_ep, region)
+        except (TransferError, OSError, AttributeError) as exc:
+            log.warning("no one-sided writes to %s: %s", self._peer, exc)
+            return None
+        self._writers.append(writer)
+        return writer
+
     def close(self) -> None:
         self._broken(PeerDiedError(f"connection to {self._peer} closed locally"))
 
@@ -420,6 +486,9 @@ class UcxConnection:
             return
         self._aborted = True
         self._closing = None
+        for writer in self._writers:  # remote keys go before their endpoint
+            writer.close()
+        self._writers.clear()
         for ep in {id(self._data_ep): self._data_ep, id(self._ep): self._ep}.values():
             try:
                 ep.abort(period=_CLOSE_PERIOD_NS)
@@ -440,6 +509,19 @@ class UcxTransport:
         self._connect_buf = np.empty(_LEN.size + _MAX_CONNECT_BYTES, dtype=np.uint8)
         self._connect_request: Any = None  # the posted receive of the next connect frame
         self._accepting: set[asyncio.Task[None]] = set()
+        self._regions: list[ucp_rma.Registration] = []
+
+    def expose(self, buf: Any) -> RemoteRegion | None:
+        if not self._config.rma:
+            return None
+        address, nbytes, kind = _address_of(buf)
+        try:
+            reg = ucp_rma.Registration(_runtime.context_handle(), address, nbytes, kind)
+        except (TransferError, OSError) as exc:
+            log.warning("KV tensor not registered for one-sided writes (tagged transfers only): %s", exc)
+            return None
+        self._regions.append(reg)
+        return RemoteRegion(key=reg.packed_rkey, base=reg.address, length=nbytes, layer_bytes=0)
 
     @property
     def address(self) -> str:
@@ -557,6 +639,9 @@ class UcxTransport:
         for conn in closing:
             conn.abort()
         await asyncio.sleep(0.01)
+        for reg in self._regions:
+            reg.close()
+        self._regions.clear()
         _runtime.release()
 
 

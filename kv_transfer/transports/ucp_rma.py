@@ -1,0 +1,279 @@
+"""One-sided UCX puts for the KV transfer: a ctypes binding of the few libucp calls ucxx's
+Python API lacks (memory registration, remote keys, ``ucp_put_nbx``, ``ucp_ep_flush_nbx``).
+
+ctypes over the libucp that ucxx already loaded, not a compiled extension: nothing to
+build at first use, and a put is one foreign call (about a microsecond) while a transfer
+makes one per layer and contiguous run. ucxx exposes the raw handles it wraps (its
+context's, worker's and endpoints' ``handle``), and creates its worker thread-safe
+(``UCS_THREAD_MODE_MULTI``), so calls from the event loop thread may run beside its
+progress thread.
+
+- The receiving side maps its KV tensor once (:class:`Registration`) and hands out the
+  packed remote key and the tensor's base address.
+- The sending side unpacks the key once per endpoint (:class:`RemoteKey`), puts each
+  contiguous run straight into the remote tensor (:meth:`RemoteKey.put`), and
+  :func:`flush` es the endpoint: its completion means every put issued before it has
+  landed in the peer's memory.
+
+Completion callbacks run on ucxx's progress thread; :func:`flush` hands them to the
+event loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+
+# ucp.h / ucs/type/status.h constants (UCX >= 1.14 ABI; the wheel pins the library).
+_MEM_MAP_FIELD_ADDRESS = 1 << 0
+_MEM_MAP_FIELD_LENGTH = 1 << 1
+_MEM_MAP_FIELD_FLAGS = 1 << 2
+_MEM_MAP_FIELD_MEMORY_TYPE = 1 << 4
+_MEM_MAP_ALLOCATE = 1 << 1
+_OP_ATTR_FIELD_CALLBACK = 1 << 1
+_OP_ATTR_FIELD_USER_DATA = 1 << 2
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+UCS_OK = 0
+UCS_INPROGRESS = 1
+_UCS_ERR_LAST = -100
+MEMORY_TYPE_HOST = 0
+MEMORY_TYPE_CUDA = 1
+
+
+class _MemMapParams(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    ]
+
+
+_SendCallback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+
+
+class _MemAttr(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("mem_type", ctypes.c_int),
+    ]
+
+
+class _RequestParam(ctypes.Structure):
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", _SendCallback),  # a union of callback pointers: the send one is all we set
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+def _status_of(ptr: int | None) -> int:
+    """``UCS_PTR_STATUS``: UCS_OK for NULL, the (negative) error for an error pointer,
+    UCS_INPROGRESS for a request."""
+    if not ptr:
+        return UCS_OK
+    if ptr >= (1 << 64) + _UCS_ERR_LAST:
+        return ptr - (1 << 64)
+    return UCS_INPROGRESS
+
+
+class _Lib:
+    def __init__(self) -> None:
+        import libucx  # the wheel ucxx loads libucp from; the same soname resolves to the same copy
+
+        path = Path(libucx.__file__).parent / "lib" / "libucp.so"
+        lib = ctypes.CDLL(os.fspath(path), mode=ctypes.RTLD_GLOBAL)
+        vp, sz, i32 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        self.mem_map = _fn(lib.ucp_mem_map, i32, [vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)])
+        self.mem_query = _fn(lib.ucp_mem_query, i32, [vp, ctypes.POINTER(_MemAttr)])
+        self.mem_unmap = _fn(lib.ucp_mem_unmap, i32, [vp, vp])
+        self.rkey_pack = _fn(lib.ucp_rkey_pack, i32, [vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)])
+        self.rkey_buffer_release = _fn(lib.ucp_rkey_buffer_release, None, [vp])
+        self.ep_rkey_unpack = _fn(lib.ucp_ep_rkey_unpack, i32, [vp, ctypes.c_char_p, ctypes.POINTER(vp)])
+        self.rkey_destroy = _fn(lib.ucp_rkey_destroy, None, [vp])
+        self.put_nbx = _fn(
+            lib.ucp_put_nbx, vp, [vp, vp, sz, ctypes.c_uint64, vp, ctypes.POINTER(_RequestParam)]
+        )
+        self.ep_flush_nbx = _fn(lib.ucp_ep_flush_nbx, vp, [vp, ctypes.POINTER(_RequestParam)])
+        self.request_free = _fn(lib.ucp_request_free, None, [vp])
+        self.status_string = (
+            _fn(lib.ucs_status_string, ctypes.c_char_p, [i32]) if hasattr(lib, "ucs_status_string") else None
+        )
+
+
+def _fn(f: Any, restype: Any, argtypes: list[Any]) -> Any:
+    f.restype, f.argtypes = restype, argtypes
+    return f
+
+
+@functools.cache
+def lib() -> _Lib:
+    return _Lib()
+
+
+def status_text(status: int) -> str:
+    fn = lib().status_string
+    if fn is None:
+        return f"UCS status {status}"
+    return f"{fn(status).decode()} ({status})"
+
+
+class Registration:
+    """A memory region mapped with UCX for remote writes, and its packed remote key.
+
+    ``allocate=True`` lets UCX allocate the region (``UCP_MEM_MAP_ALLOCATE``): memory
+    that UCX itself can share with peers on this host (posix shared memory), where a
+    caller's own memory is reachable only by cross-memory attach.
+    """
+
+    def __init__(
+        self,
+        context: int,
+        address: int,
+        length: int,
+        memory_type: int = MEMORY_TYPE_HOST,
+        *,
+        allocate: bool = False,
+    ) -> None:
+        if length <= 0:
+            raise ValueError("cannot register an empty region")
+        self._context = context
+        params = _MemMapParams()
+        params.field_mask = _MEM_MAP_FIELD_LENGTH | _MEM_MAP_FIELD_MEMORY_TYPE
+        params.length = length
+        params.memory_type = memory_type
+        if allocate:
+            params.field_mask |= _MEM_MAP_FIELD_FLAGS
+            params.flags = _MEM_MAP_ALLOCATE
+        else:
+            params.field_mask |= _MEM_MAP_FIELD_ADDRESS
+            params.address = address
+        memh = ctypes.c_void_p()
+        status = lib().mem_map(context, ctypes.byref(params), ctypes.byref(memh))
+        if status != UCS_OK:
+            raise TransferError(f"ucp_mem_map of {length} bytes failed: {status_text(status)}")
+        self._memh: int | None = memh.value
+        buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+        status = lib().rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size))
+        if status != UCS_OK:
+            self.close()
+            raise TransferError(f"ucp_rkey_pack failed: {status_text(status)}")
+        self.packed_rkey = ctypes.string_at(buf, size.value)
+        lib().rkey_buffer_release(buf)
+        self.length = length
+        self.address = address
+        if allocate:  # the region is UCX's: ask where it is
+            attr = _MemAttr()
+            attr.field_mask = 0b11  # UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH
+            status = lib().mem_query(self._memh, ctypes.byref(attr))
+            if status != UCS_OK or not attr.address or attr.length < length:
+                self.close()
+                raise TransferError(f"ucp_mem_query failed: {status_text(status)}")
+            self.address = attr.address
+
+    def close(self) -> None:
+        if self._memh is not None:
+            lib().mem_unmap(self._context, self._memh)
+            self._memh = None
+
+    def __del__(self) -> None:  # a forgotten registration must not pin memory past the context
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class RemoteKey:
+    """A peer's remote key unpacked on one endpoint: puts into the peer's registered region."""
+
+    def __init__(self, ep: int, packed: bytes, base_address: int, length: int) -> None:
+        rkey = ctypes.c_void_p()
+        status = lib().ep_rkey_unpack(ep, packed, ctypes.byref(rkey))
+        if status != UCS_OK:
+            raise TransferError(f"ucp_ep_rkey_unpack failed: {status_text(status)}")
+        self._ep = ep
+        self._rkey: int | None = rkey.value
+        self.base = base_address
+        self.length = length
+        self._param = _RequestParam()  # no callback: an unfinished put's request is freed at once
+
+    def put(self, local_address: int, nbytes: int, offset: int) -> None:
+        """Start writing ``nbytes`` from ``local_address`` at ``offset`` into the remote region.
+
+        Fire and forget: a later :func:`flush` of the endpoint completes it, or fails.
+        Raises PeerDiedError when UCX refuses the put at once (a broken endpoint).
+        """
+        if self._rkey is None:
+            raise PeerDiedError("remote key already released")
+        if offset < 0 or offset + nbytes > self.length:
+            raise ValueError(f"put of {nbytes} bytes at {offset} outside the {self.length}-byte region")
+        ptr = lib().put_nbx(self._ep, local_address, nbytes, self.base + offset, self._rkey, self._param)
+        status = _status_of(ptr)
+        if status == UCS_INPROGRESS:
+            lib().request_free(ptr)  # released by UCX once the put completes
+        elif status != UCS_OK:
+            raise PeerDiedError(f"put refused: {status_text(status)}")
+
+    def close(self) -> None:
+        if self._rkey is not None:
+            lib().rkey_destroy(self._rkey)
+            self._rkey = None
+
+
+# Flush completions: the progress thread calls _on_flushed with a key into this table.
+_pending: dict[int, tuple[asyncio.AbstractEventLoop, Callable[[int], None]]] = {}
+_pending_lock = threading.Lock()
+_next_key = iter(range(1, 1 << 62))
+
+
+@_SendCallback
+def _on_flushed(request: int, status: int, user_data: int) -> None:
+    with _pending_lock:
+        entry = _pending.pop(user_data or 0, None)
+    if request:
+        lib().request_free(request)
+    if entry is not None:
+        loop, done = entry
+        try:
+            loop.call_soon_threadsafe(done, status)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+
+def flush(ep: int, done: Callable[[int], None]) -> None:
+    """Flush ``ep``: ``done(status)`` runs on the running loop once every put issued on it
+    before this call has completed remotely (UCS_OK), or failed."""
+    loop = asyncio.get_running_loop()
+    with _pending_lock:
+        key = next(_next_key)
+        _pending[key] = (loop, done)
+    param = _RequestParam()
+    param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA
+    param.cb = _on_flushed
+    param.user_data = key
+    ptr = lib().ep_flush_nbx(ep, ctypes.byref(param))
+    status = _status_of(ptr)
+    if status != UCS_INPROGRESS:  # finished (or failed) at once: the callback will not run
+        with _pending_lock:
+            _pending.pop(key, None)
+        loop.call_soon(done, status)
