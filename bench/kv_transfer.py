@@ -1,7 +1,12 @@
 """KV transfer benchmark: pdserve's layer-by-layer push against raw ucxx, same bytes, same run.
 
     python -m pdserve.bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
-                                [--ucx-env UCX_KEY=VALUE ...]
+                                [--modes rma,tagged] [--ucx-env UCX_KEY=VALUE ...]
+
+Modes (protocol 3): ``rma``, one-sided puts into the decode worker's registered
+KV tensor, flushed before Complete (the default when both sides offer it);
+``tagged``, one tagged message per layer and contiguous run (``TransferConfig.rma``
+off). Each mode gets its own pair of processes.
 
 For each transport a decode process and a prefill process are spawned (UCX
 settings apply per process, so each transport gets its own pair) and stopped
@@ -72,6 +77,7 @@ SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=
 PAYLOAD = dict(num_layers=1, num_kv_heads=32, head_dim=64, block_size=16, dtype="bfloat16")  # 128 KiB blocks
 PAYLOAD_BYTES = 64 << 20
 TRANSPORTS: dict[str, tuple[str, bool]] = {"tcp": ("tcp", False), "shm": ("tcp,sm,self", True)}
+MODES = ("rma", "tagged")
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -89,8 +95,11 @@ def _machine() -> dict[str, Any]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    from pdserve.engine.cpu_kernels import cpu_isa
+
     return {
         "cpu": cpu,
+        **cpu_isa(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -110,10 +119,11 @@ class _Pair:
         tls: str,
         shm: bool,
         ucx_env: tuple[tuple[str, str], ...] = (),
+        rma: bool = True,
     ) -> None:
         spec = PeerSpec(
             num_blocks=num_blocks,
-            config=TransferConfig(ucx_shared_memory=shm, deadline_s=60.0),
+            config=TransferConfig(ucx_shared_memory=shm, deadline_s=60.0, rma=rma),
             env=(("UCX_TLS", tls), *ucx_env),
             **layout,
         )
@@ -148,7 +158,9 @@ class _Pair:
         )
 
 
-def _row(pair: _Pair, transport: str, tokens: int | None, block_tokens: int, reps: int) -> dict[str, Any]:
+def _row(
+    pair: _Pair, transport: str, tokens: int | None, block_tokens: int, reps: int, mode: str = "rma"
+) -> dict[str, Any]:
     request_tokens = tokens if tokens is not None else block_tokens
     for _ in range(2):  # warm-up: connection, page faults, UCX registration caches
         first = pair.transfer(request_tokens)
@@ -171,6 +183,7 @@ def _row(pair: _Pair, transport: str, tokens: int | None, block_tokens: int, rep
     raw_layer = pair.raw(nbytes // pair.num_layers, 17)[2:]
     return {
         "transport": transport,
+        "mode": mode,
         "tokens": tokens,
         "bytes": nbytes,
         "pdserve_gbps": round(nbytes / pd / 1e9, 3),
@@ -202,20 +215,23 @@ def run(
     reps: int,
     ucx_env: tuple[tuple[str, str], ...] = (),
     tokens: tuple[int, ...] = TOKENS,
+    modes: tuple[str, ...] = MODES,
 ) -> dict[str, Any]:
     rows = []
     for name in transports:
         tls, shm = TRANSPORTS[name]
-        blocks = max(tokens) // SMOLLM2["block_size"] + 8
-        with _Pair(SMOLLM2, blocks, tls, shm, ucx_env) as pair:
-            for n in tokens:
-                rows.append(_row(pair, name, n, n, reps))
+        for mode in modes:
+            rma = mode == "rma"
+            blocks = max(tokens) // SMOLLM2["block_size"] + 8
+            with _Pair(SMOLLM2, blocks, tls, shm, ucx_env, rma) as pair:
+                for n in tokens:
+                    rows.append(_row(pair, name, n, n, reps, mode))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            block_bytes = 2 * PAYLOAD["block_size"] * PAYLOAD["num_kv_heads"] * PAYLOAD["head_dim"] * 2
+            payload_blocks = PAYLOAD_BYTES // block_bytes
+            with _Pair(PAYLOAD, payload_blocks, tls, shm, ucx_env, rma) as pair:
+                rows.append(_row(pair, name, None, payload_blocks * PAYLOAD["block_size"], reps, mode))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        block_bytes = 2 * PAYLOAD["block_size"] * PAYLOAD["num_kv_heads"] * PAYLOAD["head_dim"] * 2
-        payload_blocks = PAYLOAD_BYTES // block_bytes
-        with _Pair(PAYLOAD, payload_blocks, tls, shm, ucx_env) as pair:
-            rows.append(_row(pair, name, None, payload_blocks * PAYLOAD["block_size"], reps))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {
         "machine": _machine(),
         "transports": {
@@ -242,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="a UCX_* setting for both processes (pdserve and raw alike), repeatable",
     )
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of: " + ",".join(MODES))
     parser.add_argument(
         "--tokens", default=",".join(map(str, TOKENS)), help="request sizes in tokens, comma-separated"
     )
@@ -262,7 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(names) - set(TRANSPORTS)
     if unknown:
         parser.error(f"unknown transports: {sorted(unknown)}")
-    report = run(names, args.reps, tuple(ucx_env), tokens)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
+    report = run(names, args.reps, tuple(ucx_env), tokens, modes)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
