@@ -75,12 +75,25 @@ class PrefillLoop:
         self.running = 0  # requests in the forward in progress
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.failure: BaseException | None = None  # why the loop stopped, if it did
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._task.add_done_callback(self._stopped)
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        """The loop must not die quietly: a worker that takes prompts and never prefills them
+        hangs every request sent to it. Fail what is queued; ``submit`` refuses from now on."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failure = task.exception()
+        log.critical("prefill loop stopped: %r; refusing new prompts", self.failure, exc_info=self.failure)
+        while (job := self.sched.pop_queued()) is not None:
+            if not job.payload.result.done():
+                job.payload.result.set_exception(RuntimeError(f"prefill loop stopped: {self.failure!r}"))
 
     async def close(self) -> None:
-        if self._task is not None:
+        if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -94,6 +107,8 @@ class PrefillLoop:
 
         Raises ValueError (nothing queued) when the prompt can never fit this worker's cache.
         """
+        if self.failure is not None:
+            raise RuntimeError(f"prefill loop stopped: {self.failure!r}")
         job = PrefillJob(request_id, prompt)
         self.sched.add(job)
         req = _Req(params, ticket, asyncio.get_running_loop().create_future())

@@ -3,7 +3,7 @@
 A request's stages on a prefill worker:
 
     QUEUED (waiting for KV blocks and a batch slot)
-    -> SCHEDULED (blocks allocated under its id, in the next forward)
+    -> SCHEDULED (blocks allocated to the job, in the next forward)
     -> PUSHING (its KV streams to the decode worker layer by layer during the forward)
     -> DONE (first token sampled, transfer completed; its blocks are freed)
     or CANCELLED at any stage (its blocks, if any, are freed at once)
@@ -12,6 +12,10 @@ A request's stages on a prefill worker:
 tokens fit ``max_batched_tokens`` (a prompt longer than the budget runs alone)
 and while the block manager can hold them. It allocates their blocks and
 returns them; the caller frees each request's blocks when its transfer ends.
+
+Blocks are owned by the job object, not its request id: the router may send a
+request again (a retry after its decode worker died) while this worker is
+still aborting the first attempt's transfer, whose blocks it still holds.
 """
 
 from __future__ import annotations
@@ -81,8 +85,16 @@ class PrefillScheduler:
                 self._queue.remove(job)
             except ValueError:
                 pass
-        self.block_manager.free(job.request_id)
+        self.block_manager.free(job)
         job.stage = Stage.CANCELLED
+
+    def pop_queued(self) -> PrefillJob | None:
+        """Take the oldest queued job off the queue (it never got blocks), or None."""
+        if not self._queue:
+            return None
+        job = self._queue.popleft()
+        job.stage = Stage.CANCELLED
+        return job
 
     def schedule(self) -> list[PrefillJob]:
         batch: list[PrefillJob] = []
@@ -95,7 +107,7 @@ class PrefillScheduler:
             if not bm.can_allocate(job.num_tokens):
                 break  # FIFO: a big prompt waits for blocks rather than being overtaken forever
             self._queue.popleft()
-            job.block_table = bm.allocate(job.request_id, job.num_tokens)
+            job.block_table = bm.allocate(job, job.num_tokens)
             job.stage = Stage.SCHEDULED
             batch.append(job)
             tokens += job.num_tokens
@@ -103,6 +115,6 @@ class PrefillScheduler:
 
     def finish(self, job: PrefillJob) -> None:
         """The job's transfer ended (completed or failed): its blocks go back."""
-        self.block_manager.free(job.request_id)
+        self.block_manager.free(job)
         if job.stage is not Stage.CANCELLED:
             job.stage = Stage.DONE

@@ -90,6 +90,8 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             job, result = loop.submit(rid, prompt, params, ticket)  # ValueError: can never fit the cache
         except (ValueError, IncompatibleError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:  # the prefill loop stopped: another prefill worker should take it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         timeout = request.deadline_unix - time.time() if request.deadline_unix > 0 else None
         try:
             async with asyncio.timeout(timeout):
