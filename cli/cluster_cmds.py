@@ -313,6 +313,8 @@ def cmd_down(args: argparse.Namespace) -> int:
         state = cluster.load_state(args.state_dir) or state
     _stop_all(state, args.timeout)
     prometheus.write_targets(args.state_dir, [])  # an outside Prometheus stops scraping the dead cluster
+    if prometheus.autoscaler_targets_path(args.state_dir).exists():
+        prometheus.write_autoscaler_target(args.state_dir, "")  # (an autoscaler that was killed)
     prometheus.write_expected(args.state_dir, {})  # ... and expects no workers of it
     cluster.remove_state(args.state_dir)
     say(f"stopped the cluster of {args.state_dir}")

@@ -202,6 +202,23 @@ def pressure(config: AutoscaleConfig, pool: Pool, s: PoolSignals) -> tuple[Press
     return Pressure.OK, None, detail
 
 
+# Every (pool, direction, reason) a decision can carry: what ``pressure`` and ``_decide_pool`` return.
+# Exporters create these counter series at zero, so a dashboard shows "no decisions" rather than no data.
+UP_REASONS: Mapping[Pool, tuple[Reason, ...]] = {
+    Pool.PREFILL: (Reason.QUEUED_PREFILL_TOKENS, Reason.TTFT_SLO, Reason.BELOW_MIN),
+    Pool.DECODE: (
+        Reason.KV_USAGE, Reason.RUNNING_BATCH, Reason.ROUTER_QUEUE, Reason.ITL_SLO, Reason.BELOW_MIN,
+    ),
+}  # fmt: skip
+DOWN_REASONS: tuple[Reason, ...] = (Reason.IDLE, Reason.ABOVE_MAX)
+
+
+def possible_decisions() -> list[tuple[Pool, Direction, Reason]]:
+    return [(p, Direction.UP, r) for p in Pool for r in UP_REASONS[p]] + [
+        (p, Direction.DOWN, r) for p in Pool for r in DOWN_REASONS
+    ]
+
+
 def _fmt(lat: float | None) -> str:
     return "-" if lat is None else f"{lat * 1000:.0f}ms"
 

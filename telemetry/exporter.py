@@ -35,7 +35,7 @@ INFO_METRIC = "pdserve_info"
 # 1 once a worker failed to load its model (0 before and after a good load): ``model_load_gauge``.
 MODEL_LOAD_FAILED = "pdserve_model_load_failed"
 # Roles as the ``role`` label spells them: the router, and a worker's ``Role.value``.
-ROLES = ("router", "prefill", "decode", "both")
+ROLES = ("router", "prefill", "decode", "both", "autoscaler")
 _JOIN_TIMEOUT_S = 5.0
 
 

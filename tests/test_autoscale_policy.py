@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.router.autoscale import (
     AutoscaleConfig,
@@ -19,6 +21,7 @@ from pdserve.router.autoscale import (
     PoolSignals,
     Pressure,
     Reason,
+    possible_decisions,
     pressure,
     window_quantile,
 )
@@ -240,3 +243,26 @@ def test_a_standby_worker_is_registered_but_not_routed_to_until_promoted():
     )
     assert reg.get("decode-3").state is State.READY
     assert reg.promote("nobody") is None
+
+
+_SIGNALS = st.builds(
+    PoolSignals,
+    serving=st.integers(0, 4),
+    starting=st.integers(0, 1),
+    draining=st.sampled_from([(), ("w",)]),
+    queued_prefill_tokens=st.integers(0, 5000),
+    kv_usage=st.floats(0.0, 1.0),
+    running_ratio=st.floats(0.0, 1.5),
+    router_waiting=st.integers(0, 3),
+    latency_s=st.one_of(st.none(), st.floats(0.0, 3.0)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_SIGNALS, _SIGNALS), min_size=1, max_size=30))
+def test_every_decision_is_one_the_exporter_creates_a_series_for(ticks):
+    """The autoscaler's counter starts every (pool, direction, reason) at 0 from ``possible_decisions``;
+    a decision outside that list would be a series the dashboard never saw before it happened."""
+    known = set(possible_decisions())
+    for _, d in run(Autoscaler(CFG), ticks, dt=30.0):
+        assert (d.pool, d.direction, d.reason) in known

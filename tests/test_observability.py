@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 
 from pdserve.decode_pool.metrics import DecodeMetrics
 from pdserve.deploy.local import prometheus
+from pdserve.deploy.local.autoscaler import Metrics as AutoscalerMetrics
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.proto import generation_pb2 as g
 from pdserve.router import metrics as rm
@@ -96,7 +97,8 @@ def kv_transfer_registries() -> list[CollectorRegistry]:
 
 
 def exported_names() -> set[str]:
-    """The union of what the router, a prefill, a decode and a colocated worker export (and GPU hosts)."""
+    """The union of what the router, a prefill, a decode and a colocated worker export (and GPU hosts, and
+    the autoscaler of `up --autoscale`)."""
     router = rm.RouterMetrics(process_registry("router", gpu=False))
     router.watch(lambda: 0, lambda: 0, lambda: [])
     prefill = process_registry("prefill", gpu=False)
@@ -105,8 +107,10 @@ def exported_names() -> set[str]:
     DecodeMetrics(decode, "decode")
     gpu = CollectorRegistry()
     assert gpu_metrics.add_gpu_metrics(gpu, "decode", nvml=FakeNvml())
+    autoscaler = process_registry("autoscaler", gpu=False)
+    AutoscalerMetrics(autoscaler)
     names: set[str] = set()
-    for reg in (router.registry, prefill, decode, gpu, *kv_transfer_registries()):
+    for reg in (router.registry, prefill, decode, gpu, autoscaler, *kv_transfer_registries()):
         names |= sample_names(reg)
     return names
 

@@ -1,6 +1,6 @@
 """Acceptance: a real Prometheus scrapes a real 1 prefill + 1 decode cluster under load.
 
-``pdserve up --prometheus`` starts the router, the two workers (the real pools,
+``pdserve up --prometheus --autoscale`` starts the router, the two workers (the real pools,
 SmolLM2 in float32) and Debian's Prometheus (``make prometheus`` unpacks it into
 the virtualenv; the fixture does the same when it is missing, and skips saying
 why only when it cannot). After a load of short prompts (prefilled locally by
@@ -12,7 +12,8 @@ the decode worker) and long ones (prefilled remotely, KV over the transfer):
 - the router's TTFT histogram counted every request, its generation token
   counter equals the tokens the clients received, and the KV transfer moved
   exactly prompt tokens x KV bytes per token for the remote prompts;
-- ``status --json`` lists a serving ``metrics_url`` for the router and each worker.
+- ``status --json`` lists a serving ``metrics_url`` for the router and each worker;
+- the autoscaler (``--autoscale``, held at one worker per pool) is scraped too.
 
 Everything the test starts (cluster and Prometheus) is stopped by the cluster
 harness, even when the test fails; the test ends with its leak check.
@@ -152,6 +153,8 @@ def test_every_dashboard_query_returns_data_from_a_real_cluster(tmp_path, promet
     extra = (
         "--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD), "--block-size", str(BLOCK_SIZE),
         "--prometheus", "--prometheus-port", str(prom_port), "--scrape-interval", str(SCRAPE_S),
+        # An autoscaler held at one worker per pool: its panels have data, the pools stay as they are.
+        "--autoscale", "--prefill-max", "1", "--decode-max", "1", "--autoscale-interval", str(SCRAPE_S),
     )  # fmt: skip
     with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
         prom = f"http://127.0.0.1:{prom_port}"
@@ -163,9 +166,9 @@ def test_every_dashboard_query_returns_data_from_a_real_cluster(tmp_path, promet
                 assert b"pdserve_info" in resp.read()
         # Every process scraped at least once before the load, so rates see the load's increases.
         wait_for(
-            lambda: len([t for t in api(prom, "targets")["activeTargets"] if t["health"] == "up"]) == 3,
+            lambda: len([t for t in api(prom, "targets")["activeTargets"] if t["health"] == "up"]) == 4,
             60,
-            "Prometheus to scrape the router and both workers",
+            "Prometheus to scrape the router, both workers and the autoscaler",
         )
         start = time.time()
         work = requests() * WAVES

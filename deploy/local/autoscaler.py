@@ -20,13 +20,14 @@ first). SIGTERM/SIGINT end it between ticks; the workers stay.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.deploy.local import cluster
+from pdserve.deploy.local import cluster, prometheus
 from pdserve.proto import worker_pb2
 from pdserve.router.autoscale import (
     AutoscaleConfig,
@@ -44,6 +45,7 @@ from pdserve.router.autoscale import (
     Direction,
     Pool,
     PoolSignals,
+    possible_decisions,
     window_quantile,
 )
 from pdserve.worker.role import Role
@@ -112,6 +114,8 @@ class Metrics:
             ["pool", "direction", "reason"],
             registry=registry,
         )
+        for pool, direction, reason in possible_decisions():  # series exist (at 0) before any decision
+            self.decisions.labels(pool.value, direction.value, reason.value)
         self.target = Gauge(
             "pdserve_autoscaler_target_workers",
             "Workers the autoscaler wants per pool.",
@@ -435,16 +439,26 @@ def _buckets(text: str, names: tuple[str, ...]) -> dict[str, dict[float, float]]
     return out
 
 
+@contextlib.contextmanager
+def _scraped(state_dir: Path, url: str) -> Iterator[None]:
+    """Listed in the cluster's Prometheus targets while the block runs."""
+    prometheus.write_autoscaler_target(state_dir, url)
+    try:
+        yield
+    finally:
+        prometheus.write_autoscaler_target(state_dir, "")
+
+
 def run(config: DriverConfig, host: str = "127.0.0.1", metrics_port: int = 0) -> int:
     """Tick until SIGTERM/SIGINT; the workers stay as they are."""
-    from pdserve.telemetry.exporter import serve_metrics
+    from pdserve.telemetry.exporter import process_registry, serve_metrics
 
-    registry = CollectorRegistry()
+    registry = process_registry("autoscaler", gpu=False)  # pdserve_info and process_* like every process
     metrics = Metrics(registry)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    with serve_metrics(registry, host, metrics_port) as endpoint:
+    with serve_metrics(registry, host, metrics_port) as endpoint, _scraped(config.state_dir, endpoint.url):
         driver = Driver(config, metrics, endpoint.url)
         log.info("autoscaler: %s; metrics at %s", config.policy, endpoint.url)
         while not stop.is_set():

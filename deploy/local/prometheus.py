@@ -3,7 +3,9 @@
 ``pdserve up`` and ``pdserve scale`` write ``<state-dir>/prometheus/targets.json``
 (Prometheus' file service discovery format: the router and every worker, by
 the ``metrics_url`` each registered) once the cluster is ready; ``down``
-empties it. Any Prometheus whose config reads that file scrapes the cluster:
+empties it. The autoscaler of ``up --autoscale`` lists itself in
+``targets-autoscaler.json`` beside it while it runs. Any Prometheus whose
+config reads these files scrapes the cluster:
 
 - ``deploy/prometheus/prometheus.yml`` reads it for the default state dir
   (``./.pdserve``, Prometheus started from the repository root);
@@ -40,6 +42,8 @@ from pdserve.proto import worker_pb2
 
 PROMETHEUS_DIR = "prometheus"
 TARGETS_FILE = "targets.json"
+# Written by the autoscaler of `up --autoscale` while it runs (it is no router/worker of the cluster status).
+AUTOSCALER_TARGETS_FILE = "targets-autoscaler.json"
 CONFIG_FILE = "prometheus.yml"
 RULES_FILE = "alerts.yml"
 EXPECTED_FILE = "workers_expected.yml"
@@ -53,6 +57,11 @@ _READY_POLL_S = 0.2
 
 def targets_path(state_dir: Path) -> Path:
     return Path(state_dir) / PROMETHEUS_DIR / TARGETS_FILE
+
+
+def autoscaler_targets_path(state_dir: Path) -> Path:
+    """The autoscaler's own file_sd file, beside ``targets.json`` (the config's glob reads both)."""
+    return Path(state_dir) / PROMETHEUS_DIR / AUTOSCALER_TARGETS_FILE
 
 
 def _host_port(url: str) -> str:
@@ -105,6 +114,14 @@ def write_targets(state_dir: Path, groups: list[dict[str, object]]) -> Path:
     return _atomic_write(targets_path(state_dir), json.dumps(groups, indent=2) + "\n")
 
 
+def write_autoscaler_target(state_dir: Path, metrics_url: str) -> Path:
+    """List the autoscaler (``metrics_url``; "" lists nothing) for Prometheus, atomically."""
+    groups: list[dict[str, object]] = []
+    if metrics_url:
+        groups.append({"targets": [_host_port(metrics_url)], "labels": {"worker": "autoscaler"}})
+    return _atomic_write(autoscaler_targets_path(state_dir), json.dumps(groups, indent=2) + "\n")
+
+
 def _glob(path: str) -> str:
     """``x/name.yml`` -> ``x/name*.yml``: matches the file, and nothing when it is absent."""
     stem, ext = posixpath.splitext(path)
@@ -112,7 +129,8 @@ def _glob(path: str) -> str:
 
 
 def render_config(targets_file: str, scrape_interval_s: float = 5.0, alertmanager: str = "") -> str:
-    """A Prometheus config scraping the cluster listed in ``targets_file`` (relative: to the config),
+    """A Prometheus config scraping the cluster listed in ``targets_file`` (relative: to the config; its
+    glob also reads the autoscaler's ``targets-autoscaler.json`` beside it),
     loading the alert rules beside it, and sending alerts to ``alertmanager`` (host:port) when given."""
     if not scrape_interval_s > 0:
         raise ValueError(f"scrape interval must be > 0, got {scrape_interval_s}")
@@ -143,7 +161,7 @@ def render_config(targets_file: str, scrape_interval_s: float = 5.0, alertmanage
         "scrape_configs:\n"
         f"  - job_name: {JOB_NAME}\n"
         "    file_sd_configs:\n"
-        f"      - files: [{json.dumps(targets_file)}]\n"
+        f"      - files: [{json.dumps(_glob(targets_file))}]\n"
         f"        refresh_interval: {interval}\n"
     )
 
