@@ -41,9 +41,14 @@ Per-layer message latency: a paced run where the fake forward pushes one layer
 every ``layer_interval_ms`` (longer than a layer's transfer, so the link is idle):
 push_layer call to the layer's messages completed on P.
 
-Transports: ``tcp`` is ``UCX_TLS=tcp``; ``shm`` is ``UCX_TLS=tcp,sm,self`` with
-the data on a shared-memory endpoint (``TransferConfig.ucx_shared_memory``)
-and TCP for connection set-up and the control endpoint.
+Transports: ``tcp`` is ``UCX_TLS=tcp`` with ``TransferConfig.same_host`` off
+(pdserve's RMA puts are UCX's, emulated over tcp); ``shm`` is
+``UCX_TLS=tcp,sm,self`` with ``same_host`` on: pdserve's RMA writes go by
+cross-memory attach (transports/cma.py; its tagged mode stays on the
+error-handled tcp endpoint), and the raw baseline moves its data on a UCX
+shared-memory endpoint without error handling (cma/sysv), the fastest UCX
+offers on one host and what pdserve gave up because a peer's death on it
+aborts the process.
 
 Both processes back their KV tensor with transparent huge pages
 (``kvbuf.advise_huge_pages``), as the raw baseline's numpy buffers are. Like
@@ -123,7 +128,7 @@ class _Pair:
     ) -> None:
         spec = PeerSpec(
             num_blocks=num_blocks,
-            config=TransferConfig(ucx_shared_memory=shm, deadline_s=60.0, rma=rma),
+            config=TransferConfig(same_host=shm, deadline_s=60.0, rma=rma),
             env=(("UCX_TLS", tls), *ucx_env),
             **layout,
         )

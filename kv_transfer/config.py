@@ -67,10 +67,12 @@ class TransferConfig:
     blocks when it passes.
     ``settle_timeout_s``: how long a failing side waits for in-flight messages
     to finish before it force-closes the connection (bounds every cleanup).
-    ``ucx_shared_memory``: move data on a second UCX endpoint created from the
-    receiver's worker address without peer-failure handling. UCX only picks
-    shared-memory transports (posix, cma) on such endpoints; peer death is
-    still detected on the control endpoint, which keeps error handling.
+    ``same_host``: a sender writes the host memory of a receiver on its own
+    host (same boot and pid namespace, told by the handshake) by cross-memory attach (``process_vm_writev``,
+    transports/cma.py) when the receiver is on its host and the kernel permits
+    it, else through UCX. (UCX's own shared-memory transports are not used:
+    UCX 1.21 offers them only on endpoints without peer-failure handling, where
+    a peer's death aborts the process.)
     ``rma``: move KV with one-sided UCX puts into the receiver's registered KV
     tensor (protocol 3) when both peers offer it; otherwise, or with False on
     either side, each layer goes as tagged messages. Which one a transfer uses
@@ -86,7 +88,7 @@ class TransferConfig:
     deadline_s: float = 30.0
     connect_timeout_s: float = 5.0
     settle_timeout_s: float = 2.0
-    ucx_shared_memory: bool = False
+    same_host: bool = True
     rma: bool = True
     rma_quarantine_s: float = 2.0
     faults: FaultConfig = field(default_factory=FaultConfig)

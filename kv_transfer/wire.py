@@ -118,6 +118,10 @@ class RemoteRegion(msgspec.Struct, frozen=True):
     base: int  # the tensor's address in the receiver
     length: int  # bytes
     layer_bytes: int  # one layer's span of the tensor (its block count x block bytes)
+    # Host memory: the receiver's pid and host (transports/cma.py): a sender of the same host writes by
+    # cross-memory attach instead of through UCX. 0 / "": not offered (device memory, or switched off).
+    pid: int = 0
+    host: str = ""
 
 
 class Open(msgspec.Struct, frozen=True, tag="open"):

@@ -24,17 +24,17 @@ CONFIG = TransferConfig(deadline_s=30.0, settle_timeout_s=1.0)
 CALL_S = 60.0  # bound on any single command
 
 
-# name -> (UCX_TLS, shared-memory data endpoint, one-sided puts)
+# name -> (UCX_TLS, same_host: one-sided writes by cross-memory attach, one-sided writes at all)
 TRANSPORTS = {
-    "tcp": ("tcp", False, True),
-    "shm": ("tcp,sm,self", True, True),
+    "tcp": ("tcp", False, True),  # UCX's puts (emulated over tcp)
+    "cma": ("tcp,sm,self", True, True),
     "tcp-tagged": ("tcp", False, False),
 }
 
 
 def spec(dtype: str = "bfloat16", num_blocks: int = 192, transport: str = "tcp") -> PeerSpec:
-    tls, shm, rma = TRANSPORTS[transport]
-    config = replace(CONFIG, ucx_shared_memory=shm, rma=rma)
+    tls, same_host, rma = TRANSPORTS[transport]
+    config = replace(CONFIG, same_host=same_host, rma=rma)
     return PeerSpec(dtype=dtype, num_blocks=num_blocks, config=config, env=(("UCX_TLS", tls),))
 
 

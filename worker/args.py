@@ -117,12 +117,10 @@ class WorkerArgs:
 
     def transfer_config(self) -> TransferConfig:
         """KV transfer settings: UCX on the network devices of this worker's host (or ``kv_interface``);
-        shared-memory transports where both workers can share memory (a loopback host)."""
-        local = self.host in ("127.0.0.1", "localhost", "::1")
+        a decode worker on this host is written by cross-memory attach (``same_host``, its default)."""
         return TransferConfig(
             host=self.host,
             interface=self.kv_interface,
-            ucx_shared_memory=local,
             cluster_token=self.cluster_token,
             faults=FaultConfig(delay_s=self.kv_fault_delay_s),
         )

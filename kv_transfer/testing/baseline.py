@@ -93,7 +93,7 @@ class RawBaseline:
             ep = await self._ucxx.create_endpoint(host, port, endpoint_error_handling=True)
             preamble = bytes(await ep.am_recv())
             data_ep = ep
-            if self._config.ucx_shared_memory:
+            if self._config.same_host:
                 worker = self._ucxx.get_ucx_address_from_buffer(preamble)
                 data_ep = await self._ucxx.create_endpoint_from_worker_address(
                     worker, endpoint_error_handling=False

@@ -27,15 +27,17 @@ so a local close first sends a ``closed`` frame.
 
 One-sided writes (RMA, protocol 3): the decode side maps its KV tensor with
 UCX once (``expose``, ucp_rma.py) and the prefill side unpacks the remote key
-on its data endpoint (``remote_writer``) and puts into it. Measured on one
-host, the receiver's own memory (torch's allocation) works for every
-transport: shared memory reaches it by cross-memory attach, tcp emulates puts
-with active messages, so the KV tensor needs no UCX allocation.
+on its endpoint (``remote_writer``) and puts into it. The receiver's own
+memory (torch's allocation) works for every transport, so the KV tensor needs
+no UCX allocation.
 
-Shared memory: UCX 1.21 leaves posix/cma out of endpoints with peer-failure
-handling, so with ``TransferConfig.ucx_shared_memory`` data moves on a second
-endpoint to D's worker address without error handling. Its peer's death still
-shows on the control endpoint, which then aborts the data endpoint.
+One host (``TransferConfig.same_host``): UCX 1.21 never uses its
+shared-memory transports (cma, posix, sysv) on an endpoint with peer-failure
+handling (puts there are emulated over tcp), and on an endpoint without it a
+put or rendezvous read that meets a dead peer aborts the whole process. So
+pdserve keeps every endpoint error-handled, and a sender on the receiver's
+host writes host memory itself by cross-memory attach (cma.py), falling back
+to UCX's puts where the kernel does not permit it.
 
 ucxx runtime: one application context per process, created on first use
 inside the running event loop (its Python futures belong to that loop), with a
@@ -49,6 +51,7 @@ import base64
 import binascii
 import itertools
 import logging
+import os
 import random
 import secrets
 import struct
@@ -63,7 +66,7 @@ from pdserve.kv_transfer.errors import PeerDiedError, TransferError
 from pdserve.kv_transfer.kvbuf import as_bytes
 from pdserve.kv_transfer.plan import MAX_TRANSFER_ID
 from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler, describe
-from pdserve.kv_transfer.transports import ucp_rma
+from pdserve.kv_transfer.transports import cma, ucp_rma
 from pdserve.kv_transfer.wire import RemoteRegion
 
 log = logging.getLogger(__name__)
@@ -260,8 +263,8 @@ class _RemoteWriter:
 
 
 class UcxConnection:
-    """One side of a connection: its own endpoint to the peer (control, and data unless a
-    shared-memory ``data_ep`` is given) and the channel's two control tags."""
+    """One side of a connection: its own endpoint to the peer (control and data, with peer-failure
+    handling) and the channel's two control tags."""
 
     def __init__(
         self,
@@ -271,13 +274,11 @@ class UcxConnection:
         channel: int,
         *,
         prefill_side: bool,
-        data_ep: Any = None,
     ) -> None:
         self.loop = transport.loop
         self._transport = transport
         self._ucxx = transport.ucxx
         self._ep = ep
-        self._data_ep = data_ep if data_ep is not None else ep
         self._peer = peer
         self._send_tag = _CONTROL | channel | (0 if prefill_side else _TO_PREFILL)
         self._recv_tag = _CONTROL | channel | (_TO_PREFILL if prefill_side else 0)
@@ -292,7 +293,7 @@ class UcxConnection:
         self._closing: Any = None  # the closed frame's send, until the endpoints are aborted
         # Prefill side, while connecting: the decode side's first (empty) frame resolves it.
         self.accepted: asyncio.Future[None] | None = None
-        self._writers: list[_RemoteWriter] = []
+        self._writers: list[_RemoteWriter | cma.CmaWriter] = []
         ep.set_close_callback(self._close_callback)
 
     @property
@@ -411,7 +412,7 @@ class UcxConnection:
         ucxx = self._ucxx
         _runtime.refill_futures()
         try:
-            request = self._data_ep._ep.tag_send(_ucx_buffer(ucxx, buf), ucxx.types.Tag(tag))
+            request = self._ep._ep.tag_send(_ucx_buffer(ucxx, buf), ucxx.types.Tag(tag))
         except Exception as exc:  # the endpoint failed under us: same as a failed send
             return _FailedOp(self.loop, self.translate(exc), on_done)
         return _UcxOp(self, request, buf, on_done)
@@ -432,14 +433,22 @@ class UcxConnection:
             return _FailedOp(self.loop, self.translate(exc), on_done)
         return _UcxOp(self, request, buf, on_done)
 
-    def remote_writer(self, region: RemoteRegion) -> _RemoteWriter | None:
+    def remote_writer(self, region: RemoteRegion) -> _RemoteWriter | cma.CmaWriter | None:
         if not self._alive:
             return None
-        try:
-            writer = _RemoteWriter(self, self._data_ep, region)
-        except (TransferError, OSError, AttributeError) as exc:
-            log.warning("no one-sided writes to %s: %s", self._peer, exc)
-            return None
+        writer: _RemoteWriter | cma.CmaWriter | None = None
+        if self._transport.same_host and region.pid:
+            try:
+                writer = cma.CmaWriter.open(region)
+                log.info("KV to %s: one-sided writes by cross-memory attach (pid %d)", self._peer, region.pid)
+            except TransferError as exc:  # another host, or not permitted: UCX's puts instead
+                log.info("no cross-memory writes to %s (%s); UCX puts instead", self._peer, exc)
+        if writer is None:
+            try:
+                writer = _RemoteWriter(self, self._ep, region)
+            except (TransferError, OSError, AttributeError) as exc:
+                log.warning("no one-sided writes to %s: %s", self._peer, exc)
+                return None
         self._writers.append(writer)
         return writer
 
@@ -489,11 +498,10 @@ class UcxConnection:
         for writer in self._writers:  # remote keys go before their endpoint
             writer.close()
         self._writers.clear()
-        for ep in {id(self._data_ep): self._data_ep, id(self._ep): self._ep}.values():
-            try:
-                ep.abort(period=_CLOSE_PERIOD_NS)
-            except Exception as close_exc:
-                log.debug("endpoint abort: %s", close_exc)
+        try:
+            self._ep.abort(period=_CLOSE_PERIOD_NS)
+        except Exception as close_exc:
+            log.debug("endpoint abort: %s", close_exc)
 
 
 class UcxTransport:
@@ -521,7 +529,20 @@ class UcxTransport:
             log.warning("KV tensor not registered for one-sided writes (tagged transfers only): %s", exc)
             return None
         self._regions.append(reg)
-        return RemoteRegion(key=reg.packed_rkey, base=reg.address, length=nbytes, layer_bytes=0)
+        local = self.same_host and kind == ucp_rma.MEMORY_TYPE_HOST
+        return RemoteRegion(
+            key=reg.packed_rkey,
+            base=reg.address,
+            length=nbytes,
+            layer_bytes=0,
+            pid=os.getpid() if local else 0,
+            host=cma.host_identity() if local else "",
+        )
+
+    @property
+    def same_host(self) -> bool:
+        """Peers may share this host: host-memory puts go by cross-memory attach (cma.py)."""
+        return self._config.same_host
 
     @property
     def address(self) -> str:
@@ -591,15 +612,10 @@ class UcxTransport:
         try:
             remote = self.ucxx.get_ucx_address_from_buffer(blob)
             ep = await self.ucxx.create_endpoint_from_worker_address(remote, endpoint_error_handling=True)
-            data_ep = None
-            if self._config.ucx_shared_memory:
-                data_ep = await self.ucxx.create_endpoint_from_worker_address(
-                    remote, endpoint_error_handling=False
-                )
         except Exception as exc:
             raise PeerDiedError(f"cannot connect to {label}: {type(exc).__name__}: {exc}") from exc
         channel = secrets.randbits(_CHANNEL_BITS) or 1
-        conn = UcxConnection(self, ep, peer=label, channel=channel, prefill_side=True, data_ep=data_ep)
+        conn = UcxConnection(self, ep, peer=label, channel=channel, prefill_side=True)
         accepted = conn.accepted = self.loop.create_future()
         self._conns.add(conn)
         conn.start()

@@ -1,0 +1,113 @@
+"""Cross-memory writes (``kv_transfer/transports/cma.py``) into a child process's buffer.
+
+The reason the module exists: a write into a peer that has died must be an error of that write, not
+the end of the writing process (UCX's shared-memory endpoints abort the process). Every child is
+killed by the fixture, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+from pdserve.kv_transfer.transports import cma
+from pdserve.kv_transfer.wire import RemoteRegion
+
+SIZE = 1 << 20
+
+# Holds a buffer, says where it is, then answers each line on stdin with the buffer's checksum.
+_CHILD = f"""
+import ctypes, sys, zlib
+buf = ctypes.create_string_buffer({SIZE})
+print(ctypes.addressof(buf), flush=True)
+for _ in sys.stdin:
+    print(zlib.crc32(buf.raw), flush=True)
+"""
+
+
+class Child:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.proc.stdout is not None
+        self.address = int(self.proc.stdout.readline())
+
+    def region(self, **kw: object) -> RemoteRegion:
+        fields: dict = {"key": b"", "base": self.address, "length": SIZE, "layer_bytes": 0}
+        fields.update(pid=self.proc.pid, host=cma.host_identity())
+        fields.update(kw)
+        return RemoteRegion(**fields)
+
+    def checksum(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+
+
+@pytest.fixture
+def child() -> Iterator[Child]:
+    c = Child()
+    try:
+        yield c
+    finally:
+        c.proc.kill()
+        c.proc.wait(timeout=10)
+
+
+def test_writes_land_in_the_peer_at_the_offsets_given(child: Child) -> None:
+    import zlib
+
+    if not cma.host_identity():
+        pytest.skip("no /proc here: cross-memory writes are off")
+    writer = cma.CmaWriter.open(child.region())
+    expect = bytearray(SIZE)
+    rng = np.random.default_rng(0)
+    for offset, n in ((0, 4096), (SIZE - 100, 100), (12345, 70000)):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        writer.put(data, offset)
+        expect[offset : offset + n] = data.tobytes()
+    assert child.checksum() == zlib.crc32(bytes(expect))
+    with pytest.raises(ValueError):
+        writer.put(np.zeros(2, np.uint8), SIZE - 1)  # past the region's end
+    writer.close()
+
+
+def test_a_dead_peer_is_an_error_of_the_write_not_of_the_writer(child: Child) -> None:
+    if not cma.host_identity():
+        pytest.skip("no /proc here: cross-memory writes are off")
+    writer = cma.CmaWriter.open(child.region())
+    writer.put(np.ones(4096, np.uint8), 0)
+    child.kill()
+    deadline = time.monotonic() + 10
+    while child.proc.poll() is None:  # killed; reaped or not, the next write must fail cleanly
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(PeerDiedError):
+        for _ in range(100):
+            writer.put(np.ones(SIZE, np.uint8), 0)
+    writer.close()
+
+
+def test_open_refuses_another_host_and_a_missing_process(child: Child) -> None:
+    with pytest.raises(TransferError, match="not a process of this host"):
+        cma.CmaWriter.open(child.region(host="another-boot:1"))
+    with pytest.raises(TransferError, match="not a process of this host"):
+        cma.CmaWriter.open(child.region(pid=0))
+    if not cma.host_identity():
+        return
+    child.kill()
+    child.proc.wait(timeout=10)  # reaped: the pid names nothing now
+    with pytest.raises(TransferError):
+        cma.CmaWriter.open(child.region())
