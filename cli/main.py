@@ -371,6 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="network devices the KV transfer (UCX) uses, in UCX_NET_DEVICES syntax, e.g. eth0 or "
         "mlx5_0:1,eth0; 'all': every device (default: $UCX_NET_DEVICES, else the interface carrying --host)",
     )
+    p.add_argument(
+        "--no-kv-cross-memory",
+        dest="kv_cross_memory",
+        action="store_false",
+        help="never write a decode worker of this host by cross-memory attach (process_vm_writev); "
+        "all KV goes through UCX (default: cross-memory writes where the kernel permits them)",
+    )
     _worker_tuning(p)
     _token_arg(p)
     _tls_args(p, server=True)
@@ -477,6 +484,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         metrics_port=args.metrics_port,
         cluster_token=cluster_token(args),
         kv_interface=args.kv_interface,
+        kv_cross_memory=args.kv_cross_memory,
         tls=tls_config(args),
         standby=args.standby,
     )

@@ -40,6 +40,9 @@ pytestmark = pytest.mark.slow
 HOSTS = ("router", "prefill", "decode_a", "decode_b")
 ROUTER_PORT = 50051
 MAX_TOKENS = 48
+# The run whose link is cut streams longer, so that the cut lands mid-stream however fast the machine
+# is; greedy, so its first MAX_TOKENS tokens are the undisturbed run's.
+CUT_RUN_TOKENS = 128
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -152,7 +155,18 @@ def _start(net: Net, state_dir: Path) -> cluster.ClusterState:
     workers = []
     for name, role in (("prefill", Role.PREFILL), ("decode_a", Role.DECODE), ("decode_b", Role.DECODE)):
         h = net.hosts[name]
-        args = ["worker", "--role", role.value, "--host", h.address, "--worker-id", name, *common]
+        # Namespaces share one kernel: without --no-kv-cross-memory the KV would skip the network.
+        args = [
+            "worker",
+            "--role",
+            role.value,
+            "--host",
+            h.address,
+            "--worker-id",
+            name,
+            "--no-kv-cross-memory",
+            *common,
+        ]
         if name == "decode_b":
             args += ["--kv-interface", h.iface]  # the other one derives it from --host
         workers.append(_spawn(net, state_dir, name, args, role))
@@ -213,6 +227,7 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
             a = generation_pb2.GenerateRequest()
             a.CopyFrom(r)
             a.request_id = r.request_id + "-again"
+            a.sampling.max_tokens = CUT_RUN_TOKENS
             again.append(a)
         with c.channel() as ch:
             streams = ThreadedStreams(generation_pb2_grpc.GenerationStub(ch), again, after=4, timeout=120)
@@ -227,7 +242,8 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
             resumed_s = time.monotonic() - cut_at
         assert not streams.errors, streams.errors
         for a, r in zip(again, reqs, strict=True):
-            assert streams.got[a.request_id] == want[r.request_id], a.request_id  # no gap, no duplicate
+            got = streams.got[a.request_id]  # no gap, no duplicate
+            assert len(got) == CUT_RUN_TOKENS and got[:MAX_TOKENS] == want[r.request_id], a.request_id
         migrations = _metric(c.status()["router"]["metrics_url"], "pdserve_router_migrations_total")
         assert migrations >= 1, "the cut-off worker's streams were migrated"
         assert resumed_s < 60, resumed_s

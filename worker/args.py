@@ -58,6 +58,7 @@ class WorkerArgs:
     cluster_token: str = field(default="", repr=False)
     # UCX network devices for the KV transfer (``TransferConfig.interface``): "" derives them from ``host``.
     kv_interface: str = ""
+    kv_cross_memory: bool = True  # write a decode worker of this host by process_vm_writev (kv_transfer/cma)
     # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
     tls: TLSConfig = NO_TLS
     # Decode side: a KV transfer that has started (its Open arrived) and lands nothing for this long fails,
@@ -117,10 +118,11 @@ class WorkerArgs:
 
     def transfer_config(self) -> TransferConfig:
         """KV transfer settings: UCX on the network devices of this worker's host (or ``kv_interface``);
-        a decode worker on this host is written by cross-memory attach (``same_host``, its default)."""
+        a decode worker on this host is written by cross-memory attach unless ``kv_cross_memory`` is off."""
         return TransferConfig(
             host=self.host,
             interface=self.kv_interface,
+            same_host=self.kv_cross_memory,
             cluster_token=self.cluster_token,
             faults=FaultConfig(delay_s=self.kv_fault_delay_s),
         )
