@@ -213,35 +213,7 @@ def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_pat
         assert migrations(c).get("decode_failed", 0) >= 1, "the killed worker's streams were migrated"
 
 
-def test_killed_prefill_worker_requests_are_prefilled_elsewhere_and_lose_nothing(tmp_path):
-    """2 prefill + 1 decode, 8 long prompts, SIGKILL of a prefill worker while prefills queue on it: every
-    request completes with the undisturbed greedy tokens; the survivors hold no KV blocks."""
-    rng = random.Random(5)
-    reqs = []
-    for i in range(8):
-        r = generation_pb2.GenerateRequest(
-            request_id=f"pk-{i}",
-            prompt_token_ids=generation_pb2.TokenIds(
-                ids=[rng.randrange(100, 40000) for _ in range(600 + 40 * i)]
-            ),
-        )
-        r.sampling.max_tokens = 8
-        r.sampling.temperature = 0.0
-        r.sampling.ignore_eos = True
-        reqs.append(r)
-    extra = ("--local-prefill-threshold", "1", "--max-running", "8")
-    with running_cluster(tmp_path, prefill=2, decode=1, extra=extra) as c:
-        want = run_all(c.address, reqs)
-        victim = next(w for w in c.workers() if w["role"] == "prefill")
-        with streaming(c, reqs) as streams:
-            time.sleep(0.5)  # the prompts are queued or prefilling on both prefill workers
-            os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
-        assert not streams.errors, streams.errors
-        for r in reqs:
-            assert streams.got[r.request_id] == want[r.request_id][0], r.request_id
-        c.assert_no_leaks()
-        moved = migrations(c)
-        assert moved.get("prefill_failed", 0) + moved.get("transfer_aborted", 0) >= 1, moved
+# A prefill worker killed while prompts queue or prefill on it: tests/test_faults.py (the fault matrix).
 
 
 def test_scale_decode_up_and_down_under_traffic(tmp_path):
