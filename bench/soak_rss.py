@@ -5,8 +5,11 @@ id, so a replacement's start-up growth is never read as a leak of the one it rep
 judged per series after its own warm-up, counted from when the process was ready (the load's start for
 the first processes, its `pdserve scale` returning for a replacement): ``drift`` is the largest distance
 of a post-warm-up sample from the series' post-warm-up baseline (the median of its first three samples
-after warm-up), as a fraction of that baseline. A series with fewer than ``MIN_SAMPLES`` samples after
-warm-up is reported but not judged (``drift`` None).
+after warm-up), as a fraction of that baseline; ``rise`` is the largest climb of a sample above the lowest
+sample before it (after warm-up), as a fraction of that low. ``rise`` is what is judged: a leak climbs,
+while a one-time fall (the router returning memory when a worker's channel goes) is no leak but would
+count in ``drift`` for the rest of the run. A series with fewer than ``MIN_SAMPLES`` samples after warm-up
+is reported but not judged (both None).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class RssSeries:
             "peak_mib": round(max(r for _, r in self.samples) / MIB, 1) if self.samples else None,
             "baseline_mib": None,
             "max_drift": None,
+            "max_rise": None,
         }
         if not self.samples:
             return out
@@ -55,6 +59,11 @@ class RssSeries:
         out["max_mib"] = round(max(after) / MIB, 1)
         out["end_mib"] = round(after[-1] / MIB, 1)
         out["max_drift"] = round(max(abs(r - base) for r in after) / base, 4)
+        low, rise = after[0], 0.0
+        for r in after:
+            low = min(low, r)
+            rise = max(rise, (r - low) / low)
+        out["max_rise"] = round(rise, 4)
         out["growth"] = round(
             (statistics.median(after[-3:]) - base) / base, 4
         )  # end vs baseline: a leak's sign

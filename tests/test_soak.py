@@ -30,6 +30,19 @@ def test_flatness_is_judged_after_each_process_own_warmup():
     assert RssSeries("x", 2, "router", [(0.0, 1), (1.0, 1)]).flatness(5.0)["max_drift"] is None
 
 
+def test_a_fall_is_not_a_leak_but_a_climb_after_it_is():
+    """The judged ``rise`` counts climbs above the lowest point before them; ``drift`` counts distance."""
+    fell = RssSeries("router", 1, "router", [(float(t), (111 if t < 5 else 97) << 20) for t in range(12)])
+    f = fell.flatness(warmup_s=0.0)
+    assert f["max_rise"] == 0.0 and f["max_drift"] > 0.12
+    climbed = RssSeries(
+        "router", 1, "router", [(float(t), (100 - 10 * (t == 3) + 2 * t) << 20) for t in range(12)]
+    )
+    assert climbed.flatness(warmup_s=0.0)["max_rise"] == round(
+        (122 - 96) / 96, 4
+    )  # from the dip at t=3 (96) to the end
+
+
 def test_consistency_flags_wrong_lengths_and_tokens_of_a_resent_prompt():
     def rec(rid: str, ids: list[int], key: int | None = 0) -> SoakRecord:
         r = SoakRecord(0, rid, "grpc", 5, 3, False, 0.0, outcome=Outcome.COMPLETED.value, tokens=len(ids))
