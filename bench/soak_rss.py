@@ -6,10 +6,12 @@ judged per series after its own warm-up, counted from when the process was ready
 the first processes, its `pdserve scale` returning for a replacement): ``drift`` is the largest distance
 of a post-warm-up sample from the series' post-warm-up baseline (the median of its first three samples
 after warm-up), as a fraction of that baseline; ``rise`` is the largest climb of a sample above the lowest
-sample before it (after warm-up), as a fraction of that low. ``rise`` is what is judged: a leak climbs,
-while a one-time fall (the router returning memory when a worker's channel goes) is no leak but would
-count in ``drift`` for the rest of the run. A series with fewer than ``MIN_SAMPLES`` samples after warm-up
-is reported but not judged (both None).
+sample before it (after warm-up), as a fraction of that low, on the series smoothed by a running median
+of three samples. ``rise`` is what is judged: a leak climbs and stays, while a one-time fall (the router
+returning memory when a worker's channel goes) would count in ``drift`` for the rest of the run, and one
+sample's spike (a prefill worker's activations for one large batch, freed by the next sample) is no
+level the process holds. ``max_rise_raw`` is the same on the unsmoothed samples, reported. A series
+with fewer than ``MIN_SAMPLES`` samples after warm-up is reported but not judged (all None).
 """
 
 from __future__ import annotations
@@ -59,15 +61,23 @@ class RssSeries:
         out["max_mib"] = round(max(after) / MIB, 1)
         out["end_mib"] = round(after[-1] / MIB, 1)
         out["max_drift"] = round(max(abs(r - base) for r in after) / base, 4)
-        low, rise = after[0], 0.0
-        for r in after:
-            low = min(low, r)
-            rise = max(rise, (r - low) / low)
-        out["max_rise"] = round(rise, 4)
+        out["max_rise"] = round(
+            _rise([statistics.median(after[max(i - 1, 0) : i + 2]) for i in range(len(after))]), 4
+        )
+        out["max_rise_raw"] = round(_rise(after), 4)
         out["growth"] = round(
             (statistics.median(after[-3:]) - base) / base, 4
         )  # end vs baseline: a leak's sign
         return out
+
+
+def _rise(values: Sequence[float]) -> float:
+    """The largest climb of a value above the lowest value before it, as a fraction of that low."""
+    low, rise = values[0], 0.0
+    for v in values:
+        low = min(low, v)
+        rise = max(rise, (v - low) / low)
+    return rise
 
 
 class RssSampler:

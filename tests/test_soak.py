@@ -38,9 +38,14 @@ def test_a_fall_is_not_a_leak_but_a_climb_after_it_is():
     climbed = RssSeries(
         "router", 1, "router", [(float(t), (100 - 10 * (t == 3) + 2 * t) << 20) for t in range(12)]
     )
-    assert climbed.flatness(warmup_s=0.0)["max_rise"] == round(
-        (122 - 96) / 96, 4
-    )  # from the dip at t=3 (96) to the end
+    f = climbed.flatness(warmup_s=0.0)  # the dip at t=3 is one sample: smoothed away, kept raw
+    # smoothed: the first point is the median of 100 and 102 (101), the last of 120 and 122 (121)
+    assert f["max_rise"] == round((121 - 101) / 101, 4) and f["max_rise_raw"] == round((122 - 96) / 96, 4)
+    spike = RssSeries(
+        "prefill-8", 2, "prefill", [(float(t), (150 if t == 6 else 100) << 20) for t in range(12)]
+    )
+    f = spike.flatness(warmup_s=0.0)
+    assert f["max_rise"] == 0.0 and f["max_rise_raw"] == 0.5
 
 
 def test_consistency_flags_wrong_lengths_and_tokens_of_a_resent_prompt():
