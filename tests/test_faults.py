@@ -99,72 +99,6 @@ def _check_exact(streams: ThreadedStreams, want: dict) -> None:
         assert streams.got[rid] == tokens, rid
 
 
-HANG_OR_KILL_PROMPTS = {"n": 6, "length": 700, "seed": 1}
-
-
-@pytest.fixture(scope="module")
-def two_prefill(tmp_path_factory):
-    """One 2P+1D cluster for the hang and the kill of a prefill worker mid-prefill (in that order: the
-    hung worker comes back), and the undisturbed greedy tokens of their prompts, by position."""
-    extra = (*REMOTE, "--heartbeat-timeout", "1.5")
-    with running_cluster(tmp_path_factory.mktemp("two-prefill"), prefill=2, decode=1, extra=extra) as c:
-        reqs = _prompts(**HANG_OR_KILL_PROMPTS, prefix="undisturbed")
-        want = run_all(c.address, reqs)
-        yield c, [want[r.request_id] for r in reqs]
-
-
-def _same_prompts(prefix: str, want_by_index: list) -> tuple[list, dict]:
-    """The fixture's prompts under new ids (``prefix``), and their undisturbed tokens by those ids."""
-    reqs = _prompts(**HANG_OR_KILL_PROMPTS, prefix=prefix)
-    return reqs, {r.request_id: w for r, w in zip(reqs, want_by_index, strict=True)}
-
-
-def _moved_of(c: Cluster, prefix: str) -> dict[str, str]:
-    return {rid: to for rid, to in _moved(c).items() if rid.startswith(prefix + "-")}
-
-
-def test_prefill_worker_hung_past_its_deadline(two_prefill):
-    """2P+1D, SIGSTOP of a prefill worker mid-prefill (a hang, not a death): past the heartbeat timeout
-    its requests go to the other prefill worker with the undisturbed tokens; once SIGCONT it comes
-    back, re-registers, and holds nothing."""
-    c, want_by_index = two_prefill
-    reqs, want = _same_prompts("hang", want_by_index)
-    victim, other = sorted((w for w in c.workers() if w["role"] == "prefill"), key=lambda w: w["id"])
-    pid = c.worker_pid(victim["id"])
-    try:
-        with streaming(c, reqs) as streams:
-            _wait_prefilling(c, victim)
-            os.kill(pid, signal.SIGSTOP)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    _check_exact(streams, want)
-    assert set(_moved_of(c, "hang").values()) == {other["id"]}, _moved_of(c, "hang")
-    end = time.monotonic() + 30
-    while victim["id"] not in {w["id"] for w in c.workers() if w["state"] == "ready"}:
-        assert time.monotonic() < end, "the resumed worker did not register again"
-        time.sleep(0.25)
-    c.assert_no_leaks(timeout_s=15)
-    _follow_up(c)
-
-
-def test_prefill_killed_mid_prefill_retries_on_the_other_prefill_worker(two_prefill):
-    """2P+1D, SIGKILL of a prefill worker while it computes: its requests are prefilled by the other one
-    (not locally), with the undisturbed tokens."""
-    c, want_by_index = two_prefill
-    reqs, want = _same_prompts("kill", want_by_index)
-    victim, other = sorted((w for w in c.workers() if w["role"] == "prefill"), key=lambda w: w["id"])
-    before = migrations(c).get("prefill_failed", 0)
-    with streaming(c, reqs) as streams:
-        _wait_prefilling(c, victim)
-        os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
-    _check_exact(streams, want)
-    moved = _moved_of(c, "kill")
-    assert moved and set(moved.values()) == {other["id"]}, moved
-    assert migrations(c).get("prefill_failed", 0) > before
-    c.assert_no_leaks()
-    _follow_up(c)
-
-
 def test_prefill_killed_mid_transfer_moves_at_once(tmp_path):
     """2P+1D with every KV layer sent 3 s late: token 0 reached the clients, the transfers are in flight,
     a prefill worker is SIGKILLed. The decode worker sees its peer die and the router moves the streams
@@ -277,3 +211,70 @@ def test_router_restart_workers_register_again(tmp_path):
             time.sleep(0.25)
         c.assert_no_leaks()
         _follow_up(c)
+
+
+# Last in the module: its 2P+1D cluster stays up from its first test to the module's end.
+HANG_OR_KILL_PROMPTS = {"n": 8, "length": 640, "seed": 1}  # the issue's 8 long prompts
+
+
+@pytest.fixture(scope="module")
+def two_prefill(tmp_path_factory):
+    """One 2P+1D cluster for the hang and the kill of a prefill worker mid-prefill (in that order: the
+    hung worker comes back), and the undisturbed greedy tokens of their prompts, by position."""
+    extra = (*REMOTE, "--heartbeat-timeout", "1.5")
+    with running_cluster(tmp_path_factory.mktemp("two-prefill"), prefill=2, decode=1, extra=extra) as c:
+        reqs = _prompts(**HANG_OR_KILL_PROMPTS, prefix="undisturbed")
+        want = run_all(c.address, reqs)
+        yield c, [want[r.request_id] for r in reqs]
+
+
+def _same_prompts(prefix: str, want_by_index: list) -> tuple[list, dict]:
+    """The fixture's prompts under new ids (``prefix``), and their undisturbed tokens by those ids."""
+    reqs = _prompts(**HANG_OR_KILL_PROMPTS, prefix=prefix)
+    return reqs, {r.request_id: w for r, w in zip(reqs, want_by_index, strict=True)}
+
+
+def _moved_of(c: Cluster, prefix: str) -> dict[str, str]:
+    return {rid: to for rid, to in _moved(c).items() if rid.startswith(prefix + "-")}
+
+
+def test_prefill_worker_hung_past_its_deadline(two_prefill):
+    """2P+1D, SIGSTOP of a prefill worker mid-prefill (a hang, not a death): past the heartbeat timeout
+    its requests go to the other prefill worker with the undisturbed tokens; once SIGCONT it comes
+    back, re-registers, and holds nothing."""
+    c, want_by_index = two_prefill
+    reqs, want = _same_prompts("hang", want_by_index)
+    victim, other = sorted((w for w in c.workers() if w["role"] == "prefill"), key=lambda w: w["id"])
+    pid = c.worker_pid(victim["id"])
+    try:
+        with streaming(c, reqs) as streams:
+            _wait_prefilling(c, victim)
+            os.kill(pid, signal.SIGSTOP)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _check_exact(streams, want)
+    assert set(_moved_of(c, "hang").values()) == {other["id"]}, _moved_of(c, "hang")
+    end = time.monotonic() + 30
+    while victim["id"] not in {w["id"] for w in c.workers() if w["state"] == "ready"}:
+        assert time.monotonic() < end, "the resumed worker did not register again"
+        time.sleep(0.25)
+    c.assert_no_leaks(timeout_s=15)
+    _follow_up(c)
+
+
+def test_prefill_killed_mid_prefill_retries_on_the_other_prefill_worker(two_prefill):
+    """2P+1D, SIGKILL of a prefill worker while it computes: its requests are prefilled by the other one
+    (not locally), with the undisturbed tokens."""
+    c, want_by_index = two_prefill
+    reqs, want = _same_prompts("kill", want_by_index)
+    victim, other = sorted((w for w in c.workers() if w["role"] == "prefill"), key=lambda w: w["id"])
+    before = migrations(c).get("prefill_failed", 0)
+    with streaming(c, reqs) as streams:
+        _wait_prefilling(c, victim)
+        os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
+    _check_exact(streams, want)
+    moved = _moved_of(c, "kill")
+    assert moved and set(moved.values()) == {other["id"]}, moved
+    assert migrations(c).get("prefill_failed", 0) > before
+    c.assert_no_leaks()
+    _follow_up(c)
