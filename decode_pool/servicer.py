@@ -56,6 +56,7 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
     return EngineConfig(
         max_num_seqs=args.max_running,
         max_num_batched_tokens=args.max_batched_tokens,
+        mixed_steps=args.mixed_steps,
         block_size=args.block_size,
         num_blocks=args.kv_blocks or None,
         kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_DECODE_KV_BYTES),

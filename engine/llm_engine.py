@@ -59,7 +59,10 @@ DTYPES: dict[str, torch.dtype] = {
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64  # sequences per decode batch
-    max_num_batched_tokens: int = 2048  # prompt tokens per prefill step; longer prompts are chunked
+    max_num_batched_tokens: int = 2048  # tokens per step (a decode counts one); longer prompts are chunked
+    # One step decodes the running sequences and prefills waiting prompts in what is left of the budget
+    # (``engine.scheduler``); False: a step either prefills or decodes, prefill first.
+    mixed_steps: bool = True
     block_size: int = 16
     num_blocks: int | None = (
         None  # KV blocks; or size the cache by kv_cache_bytes; neither: the runner decides
@@ -175,6 +178,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 eos_token_ids=self.eos_token_ids,
+                mixed_steps=config.mixed_steps,
             ),
             self.block_manager,
         )
@@ -301,16 +305,20 @@ class LLMEngine:
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
+        n_dec = batch.decodes
+        dec = [
+            DecodeItem(it.seq.last_token_id, it.start, bm.block_table(it.seq.seq_id))
+            for it in batch.items[:n_dec]
+        ]
         if batch.kind is BatchKind.DECODE:
-            dec = [
-                DecodeItem(it.seq.last_token_id, it.start, bm.block_table(it.seq.seq_id))
-                for it in batch.items
-            ]
             return self.runner.decode(dec)
-        pre = [PrefillItem(it.token_ids, bm.block_table(it.seq.seq_id), it.start) for it in batch.items]
-        logits = self.runner.prefill(pre)  # [n_items, V]
+        pre = [
+            PrefillItem(it.token_ids, bm.block_table(it.seq.seq_id), it.start) for it in batch.items[n_dec:]
+        ]
+        # [n_items, V]: the decodes' rows, then each prefill chunk's last token
+        logits = self.runner.step(pre, dec) if dec else self.runner.prefill(pre)
         keep = [i for i, it in enumerate(batch.items) if it.sample]
-        return logits if len(keep) == len(pre) else logits[keep]
+        return logits if len(keep) == len(batch.items) else logits[keep]
 
     # -- text ----------------------------------------------------------------
     def _new_text_state(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> _TextState:

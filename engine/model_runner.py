@@ -316,6 +316,68 @@ class ModelRunner:
             hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend)
             return logits(self.weights, self.config, hidden, ops)
 
+    def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> torch.Tensor:
+        """Decode tokens and prefill chunks in one forward: every product reads its weights once for both.
+
+        Returns float32 logits ``[len(decode) + len(prefill), V]``: the decode items' rows, then each
+        prefill item's last token. Attention runs per part, each with its own kernel, so a decode row
+        attends exactly as in ``decode``. On the Triton backend (decode under CUDA graphs) the two parts
+        run as two forwards.
+        """
+        if not prefill:
+            return self.decode(decode)
+        if not decode:
+            return self.prefill(prefill)
+        if self.backend is Backend.TRITON:
+            return torch.cat([self.decode(decode), self.prefill(prefill)])
+        ids: list[int] = []
+        for it in prefill:
+            if len(it.token_ids) == 0:
+                raise ValueError("prefill item has no tokens")
+            if it.start_pos < 0:
+                raise ValueError(f"start_pos must be >= 0, got {it.start_pos}")
+            self._check_positions(it.start_pos + len(it.token_ids) - 1)
+            ids.extend(it.token_ids)
+        for d in decode:
+            if d.position < 0:
+                raise ValueError(f"position must be >= 0, got {d.position}")
+            self._check_positions(d.position)
+        kernels = self.kernels
+        n_dec = len(decode)
+        dmeta = DecodeMeta.build(
+            [(it.position, it.block_table) for it in decode],
+            self.block_size,
+            self.num_blocks,
+            self.device,
+            with_mask=kernels is None,
+        )
+        pmeta = PrefillMeta.build(
+            [(len(it.token_ids), it.block_table, it.start_pos) for it in prefill],
+            self.block_size,
+            self.num_blocks,
+            self.device,
+        )
+        last = self.config.num_layers - 1
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            nxt = self.kv[layer + 1] if layer < last else None
+            out_d = decode_attention(self.kv[layer], dmeta, q[:n_dec], kernels, nxt)
+            out_p = prefill_attention(self.kv[layer], pmeta, q[n_dec:], k[n_dec:], v[n_dec:])
+            return torch.cat([out_d, out_p])
+
+        with torch.inference_mode():
+            token_ids = torch.tensor(
+                [d.token_id for d in decode] + ids, dtype=torch.int64, device=self.device
+            )
+            ops = self._ops(
+                torch.cat([dmeta.positions, pmeta.positions]),
+                torch.cat([dmeta.k_rows, pmeta.k_rows]),
+                torch.cat([dmeta.v_rows, pmeta.v_rows]),
+            )
+            hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend)
+            rows = torch.cat([torch.arange(n_dec, device=self.device), pmeta.last_rows + n_dec])
+            return logits(self.weights, self.config, hidden.index_select(0, rows), ops)
+
     def _prefill_triton(
         self, items: Sequence[PrefillItem], layer_hook: LayerHook | None, all_logits: bool
     ) -> torch.Tensor:

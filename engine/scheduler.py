@@ -3,13 +3,18 @@
 ``schedule()`` returns plain data (a prefill batch or a decode batch) and
 ``postprocess()`` applies the sampled tokens, nano-vllm style.
 
-Policy:
-- Prefill first: while sequences wait, a step prefills them FIFO under the
-  token budget ``max_num_batched_tokens``. A prompt longer than what is left
-  of the budget is chunked (``start`` > 0 on later steps), so any prompt runs;
-  at most one sequence is partially prefilled at a time and it heads the queue.
-- Otherwise a step decodes up to ``max_num_seqs`` running sequences, oldest
-  first. When a sequence needs a block and none is free, the newest sequence
+Policy (``mixed_steps``, the default):
+- Every step decodes up to ``max_num_seqs`` running sequences, oldest first,
+  and fills what is left of the token budget ``max_num_batched_tokens`` (each
+  decode counts one token) with waiting prompts, FIFO: one MIXED batch, so a
+  prefill never stalls the running streams and the step reads the weights once
+  for both. A prompt longer than what is left of the budget is chunked
+  (``start`` > 0 on later steps), so any prompt runs; at most one sequence is
+  partially prefilled at a time and it heads the queue. When the decodes fill
+  the budget, prompts wait for a step with room.
+- Without ``mixed_steps``, prefill first: while sequences wait, a step only
+  prefills; otherwise it only decodes.
+- When a sequence needs a block and none is free, the newest sequence
   holding blocks is preempted (blocks freed, requeued to recompute prompt and
   outputs); with no newer holder the sequence preempts itself. Nothing
   deadlocks because every request fits the cache alone (checked at ``add``).
@@ -44,6 +49,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     eos_token_ids: tuple[int, ...] = ()
+    mixed_steps: bool = True  # decode and prefill in one step (see the module docstring)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -56,6 +62,7 @@ class SchedulerConfig:
 class BatchKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # decode items (one token each) first, then prefill items
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,9 @@ class ScheduledSeq:
 class Batch:
     kind: BatchKind
     items: tuple[ScheduledSeq, ...]
+    decodes: int = (
+        0  # the first ``decodes`` items decode one token each (all of a DECODE batch); the rest prefill
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -192,16 +202,24 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------
     def schedule(self) -> Batch | None:
         """The next step's work, or None when there is nothing to run."""
-        items = self._schedule_prefill()
+        if self.config.mixed_steps:
+            decodes = self._schedule_decode() if self.running else []
+            prefills = self._schedule_prefill(self.config.max_num_batched_tokens - len(decodes))
+            if decodes and prefills:
+                return Batch(BatchKind.MIXED, (*decodes, *prefills), len(decodes))
+            if prefills:
+                return Batch(BatchKind.PREFILL, tuple(prefills))
+            return Batch(BatchKind.DECODE, tuple(decodes), len(decodes)) if decodes else None
+        items = self._schedule_prefill(self.config.max_num_batched_tokens)
         if items:
             return Batch(BatchKind.PREFILL, tuple(items))
         items = self._schedule_decode()
         if items:
-            return Batch(BatchKind.DECODE, tuple(items))
+            return Batch(BatchKind.DECODE, tuple(items), len(items))
         return None
 
-    def _schedule_prefill(self) -> list[ScheduledSeq]:
-        cfg, budget = self.config, self.config.max_num_batched_tokens
+    def _schedule_prefill(self, budget: int) -> list[ScheduledSeq]:
+        cfg = self.config
         items: list[ScheduledSeq] = []
         num_seqs = len(self.running)
         while self.waiting and budget > 0 and num_seqs < cfg.max_num_seqs:

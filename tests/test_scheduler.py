@@ -67,21 +67,24 @@ class FakeRunner:
                 self.cache[slot(p)] = (toks[p], p)
             if it.sample:
                 out.append(next_token([self.cache[slot(p)][0] for p in range(it.start + it.num_tokens)]))
-        if batch.kind is BatchKind.DECODE:
-            self.max_decode = max(self.max_decode, len(batch.items))
-            assert all(it.num_tokens == 1 for it in batch.items)
-        else:
-            self.max_prefill_tokens = max(self.max_prefill_tokens, batch.num_tokens)
+        decodes, prefills = batch.items[: batch.decodes], batch.items[batch.decodes :]
+        assert (batch.kind is BatchKind.DECODE) == (not prefills)
+        assert (batch.kind is BatchKind.PREFILL) == (not decodes)
+        assert all(it.num_tokens == 1 and it.sample for it in decodes)
+        assert batch.num_tokens <= sched.config.max_num_batched_tokens or not prefills
+        self.max_decode = max(self.max_decode, len(decodes))
+        self.max_prefill_tokens = max(self.max_prefill_tokens, sum(it.num_tokens for it in prefills))
         return out
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1000):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1000, mixed=True):
     bm = BlockManager(num_blocks, block_size)
     cfg = SchedulerConfig(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         eos_token_ids=(EOS,),
+        mixed_steps=mixed,
     )
     return Scheduler(cfg, bm), bm, FakeRunner(bm)
 
@@ -125,8 +128,9 @@ def test_prefill_chunks_long_prompts_under_the_token_budget():
     assert bm.num_free == bm.num_blocks
 
 
-def test_budget_packs_several_prompts_and_splits_the_last():
-    sched, _, runner = make(budget=10)
+@pytest.mark.parametrize("mixed", [True, False])
+def test_budget_packs_several_prompts_and_splits_the_last(mixed):
+    sched, _, runner = make(budget=10, mixed=mixed)
     for i, n in enumerate([3, 4, 6]):
         sched.add(i, list(range(1, n + 1)), ignore_eos(2))
     b = sched.schedule()
@@ -136,8 +140,51 @@ def test_budget_packs_several_prompts_and_splits_the_last():
         (2, 0, 3, False),
     ]
     sched.postprocess(b, runner.run(sched, b))
-    b = sched.schedule()  # the partial prefill heads the queue and goes first
-    assert [(it.seq.seq_id, it.start, it.num_tokens) for it in b.items] == [(2, 3, 3)]
+    b = sched.schedule()
+    if mixed:  # the two running streams decode in the same step as the rest of the partial prefill
+        assert b.kind is BatchKind.MIXED and b.decodes == 2
+        assert [(it.seq.seq_id, it.start, it.num_tokens) for it in b.items] == [
+            (0, 3, 1),
+            (1, 4, 1),
+            (2, 3, 3),
+        ]
+    else:  # the partial prefill heads the queue and goes first
+        assert [(it.seq.seq_id, it.start, it.num_tokens) for it in b.items] == [(2, 3, 3)]
+
+
+def test_mixed_steps_keep_streams_decoding_while_a_long_prompt_prefills():
+    """A long prompt chunked over several steps: every step also decodes the running streams, and the
+    decodes count against the token budget."""
+    sched, bm, runner = make(budget=8)
+    sched.add("a", [1, 2], ignore_eos(10))
+    sched.add("b", [3, 4], ignore_eos(10))
+    sched.postprocess(b := sched.schedule(), runner.run(sched, b))  # both prompts, one step
+    sched.add("long", list(range(1, 21)), ignore_eos(2))
+    chunks = []
+    while (b := sched.schedule()).kind is BatchKind.MIXED:
+        assert [it.seq.seq_id for it in b.items[: b.decodes]] == ["a", "b"]
+        assert b.num_tokens <= 8
+        chunks.append([(it.start, it.num_tokens) for it in b.items[b.decodes :]])
+        sched.postprocess(b, runner.run(sched, b))
+    assert chunks == [[(0, 6)], [(6, 6)], [(12, 6)], [(18, 2)]]
+    done = drive(sched, runner)
+    assert done["long"].output_token_ids == reference(list(range(1, 21)), 2)
+    assert done["a"].output_token_ids == reference([1, 2], 10)
+    assert bm.num_free == bm.num_blocks
+
+
+def test_mixed_steps_wait_for_room_when_decodes_fill_the_budget():
+    sched, bm, runner = make(budget=2)
+    sched.add("a", [1], ignore_eos(3))
+    sched.add("b", [2], ignore_eos(3))
+    sched.postprocess(b := sched.schedule(), runner.run(sched, b))
+    sched.add("c", [5, 6], ignore_eos(1))
+    b = sched.schedule()
+    assert b.kind is BatchKind.DECODE and len(b.items) == 2  # no token left for c's prompt
+    sched.postprocess(b, runner.run(sched, b))
+    done = drive(sched, runner)
+    assert done["c"].output_token_ids == reference([5, 6], 1)
+    assert bm.num_free == bm.num_blocks
 
 
 def test_max_num_seqs_bounds_running_and_decode_batches():
@@ -308,9 +355,12 @@ def test_imports_no_torch():
     block_size=st.sampled_from([1, 2, 4, 8]),
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 40),
+    mixed=st.booleans(),
 )
-def test_random_workloads_finish_correctly_without_leaks(data, num_blocks, block_size, max_num_seqs, budget):
-    sched, bm, runner = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=64)
+def test_random_workloads_finish_correctly_without_leaks(
+    data, num_blocks, block_size, max_num_seqs, budget, mixed
+):
+    sched, bm, runner = make(num_blocks, block_size, max_num_seqs, budget, max_model_len=64, mixed=mixed)
     cap = num_blocks * block_size
     n = data.draw(st.integers(1, 8), label="requests")
     expect = {}

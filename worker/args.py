@@ -47,7 +47,8 @@ class WorkerArgs:
     kv_blocks: int = 0  # KV cache size in blocks; 0: from kv_cache_bytes, or the engine's default
     kv_cache_bytes: int = 0
     max_running: int = 64  # decode batch bound (EngineConfig.max_num_seqs)
-    max_batched_tokens: int = 2048  # prefill token budget per step (EngineConfig.max_num_batched_tokens)
+    max_batched_tokens: int = 2048  # token budget per step (EngineConfig.max_num_batched_tokens)
+    mixed_steps: bool = True  # decode and prefill in one step (EngineConfig.mixed_steps)
     cache_dir: Path | None = None  # where model names resolve (None: the engine's default)
     drain_timeout_s: float = 300.0
     # A model that fails to load: keep /metrics up this long before exiting, so the failure is scraped.
