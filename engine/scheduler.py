@@ -3,7 +3,7 @@
 ``schedule()`` returns plain data (a prefill batch or a decode batch) and
 ``postprocess()`` applies the sampled tokens, nano-vllm style.
 
-Policy (``mixed_steps``, the default):
+Policy (``mixed_steps``, off by default: measured slower on CPU, see the README):
 - Every step decodes up to ``max_num_seqs`` running sequences, oldest first,
   and fills what is left of the token budget ``max_num_batched_tokens`` (each
   decode counts one token) with waiting prompts, FIFO: one MIXED batch, so a
@@ -12,8 +12,8 @@ Policy (``mixed_steps``, the default):
   (``start`` > 0 on later steps), so any prompt runs; at most one sequence is
   partially prefilled at a time and it heads the queue. When the decodes fill
   the budget, prompts wait for a step with room.
-- Without ``mixed_steps``, prefill first: while sequences wait, a step only
-  prefills; otherwise it only decodes.
+- Without ``mixed_steps`` (the default), prefill first: while sequences wait,
+  a step only prefills; otherwise it only decodes.
 - When a sequence needs a block and none is free, the newest sequence
   holding blocks is preempted (blocks freed, requeued to recompute prompt and
   outputs); with no newer holder the sequence preempts itself. Nothing
@@ -49,7 +49,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     eos_token_ids: tuple[int, ...] = ()
-    mixed_steps: bool = True  # decode and prefill in one step (see the module docstring)
+    mixed_steps: bool = False  # decode and prefill in one step (see the module docstring)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):

@@ -61,9 +61,9 @@ def test_worker_args_threads_and_router_config():
     assert (w.role, w.router, w.worker_id, w.port) == (Role.DECODE, "r:1", "decode-host-42", 0)
     assert w.threads == 2 and w.kv_cache_bytes == 3 << 20  # a worker alone gets every core
     assert (w.dtype, w.device, w.gpu_memory_utilization) == ("auto", "cpu", 0.9)
-    assert w.mixed_steps and decode_servicer.engine_config(w).mixed_steps
-    a = p.parse_args(["worker", "--role", "both", "--router", "r:1", "--no-mixed-steps"])
-    assert not decode_servicer.engine_config(cli.worker_args(a, "host", 42, cpus=2)).mixed_steps
+    assert not w.mixed_steps and not decode_servicer.engine_config(w).mixed_steps
+    a = p.parse_args(["worker", "--role", "both", "--router", "r:1", "--mixed-steps"])
+    assert decode_servicer.engine_config(cli.worker_args(a, "host", 42, cpus=2)).mixed_steps
     info = w.worker_info("h:5", kv_blocks_total=7, context_length=99, pid=1, dtype="float32", device="cpu")
     assert (info.role, info.dtype, info.device) == (worker_pb2.ROLE_DECODE, "float32", "cpu")
     # Workers sharing the 2 cores get one thread each.

@@ -95,7 +95,8 @@ def test_batch_invariance_greedy_and_seeded(tiny_model_dir):
 
 
 # -- continuous batching -----------------------------------------------------------------------------------
-def test_continuous_batching_chunking_and_preemption_keep_parity(tiny_llama_dir):
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed_steps"])
+def test_continuous_batching_chunking_and_preemption_keep_parity(tiny_llama_dir, mixed):
     # 14 blocks of 8 tokens: far fewer than the batch needs at once, so sequences are preempted
     # and recomputed; a budget of 16 tokens chunks every prompt longer than that.
     llm = LLM(
@@ -105,7 +106,11 @@ def test_continuous_batching_chunking_and_preemption_keep_parity(tiny_llama_dir)
         num_blocks=14,
         max_num_seqs=4,
         max_num_batched_tokens=16,
+        mixed_steps=mixed,
     )
+    runner, mixed_calls = llm.engine.runner, []
+    step = runner.step
+    runner.step = lambda pre, dec: mixed_calls.append(len(dec)) or step(pre, dec)  # type: ignore[method-assign]
     prompts = prompts_of([3, 40, 11, 25, 7, 60], seed=2)
     max_tokens = [30, 12, 45, 20, 50, 8]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -114,6 +119,7 @@ def test_continuous_batching_chunking_and_preemption_keep_parity(tiny_llama_dir)
         assert o.token_ids == hf_greedy(tiny_llama_dir, p, 64)[:m]
         assert o.finish_reason == "length"
     assert llm.engine.stats().num_preemptions > 0
+    assert bool(mixed_calls) == mixed  # decodes rode along with prefill chunks only when asked
     assert_no_leak(llm)
 
 
