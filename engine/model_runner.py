@@ -242,6 +242,34 @@ class ModelRunner:
                 f"position {last_position} exceeds the model context of {self.config.max_position_embeddings}"
             )
 
+    def _prefill_ids(self, items: Sequence[PrefillItem]) -> list[int]:
+        """The items' new tokens flattened in batch order, after checking each item (ValueError)."""
+        ids: list[int] = []
+        for it in items:
+            if len(it.token_ids) == 0:
+                raise ValueError("prefill item has no tokens")
+            if it.start_pos < 0:
+                raise ValueError(f"start_pos must be >= 0, got {it.start_pos}")
+            self._check_positions(it.start_pos + len(it.token_ids) - 1)
+            ids.extend(it.token_ids)
+        return ids
+
+    def _check_decode(self, items: Sequence[DecodeItem]) -> None:
+        for it in items:
+            if it.position < 0:
+                raise ValueError(f"position must be >= 0, got {it.position}")
+            self._check_positions(it.position)
+
+    def _decode_meta(self, items: Sequence[DecodeItem]) -> DecodeMeta:
+        """Index tensors of a decode step (the C kernel needs no mask)."""
+        return DecodeMeta.build(
+            [(it.position, it.block_table) for it in items],
+            self.block_size,
+            self.num_blocks,
+            self.device,
+            with_mask=self.kernels is None,
+        )
+
     def prefill(
         self, items: Sequence[PrefillItem], layer_hook: LayerHook | None = None, all_logits: bool = False
     ) -> torch.Tensor:
@@ -253,14 +281,7 @@ class ModelRunner:
         """
         if not items:
             raise ValueError("prefill needs at least one item")
-        ids: list[int] = []
-        for it in items:
-            if len(it.token_ids) == 0:
-                raise ValueError("prefill item has no tokens")
-            if it.start_pos < 0:
-                raise ValueError(f"start_pos must be >= 0, got {it.start_pos}")
-            self._check_positions(it.start_pos + len(it.token_ids) - 1)
-            ids.extend(it.token_ids)
+        ids = self._prefill_ids(items)
         if self.backend is Backend.TRITON:
             return self._prefill_triton(items, layer_hook, all_logits)
         meta = PrefillMeta.build(
@@ -285,10 +306,7 @@ class ModelRunner:
         """One token per sequence; returns float32 logits ``[n_items, V]``."""
         if not items:
             raise ValueError("decode needs at least one item")
-        for it in items:
-            if it.position < 0:
-                raise ValueError(f"position must be >= 0, got {it.position}")
-            self._check_positions(it.position)
+        self._check_decode(items)
         if self.backend is Backend.TRITON:
             if self._decoder is None:
                 self.prepare_decode(max(64, len(items)), cuda_graphs=False)
@@ -296,13 +314,7 @@ class ModelRunner:
             with torch.inference_mode():
                 return self._decoder.run([(it.token_id, it.position, it.block_table) for it in items])
         kernels = self.kernels
-        meta = DecodeMeta.build(
-            [(it.position, it.block_table) for it in items],
-            self.block_size,
-            self.num_blocks,
-            self.device,
-            with_mask=kernels is None,
-        )
+        meta = self._decode_meta(items)
 
         last = self.config.num_layers - 1
 
@@ -330,27 +342,11 @@ class ModelRunner:
             return self.prefill(prefill)
         if self.backend is Backend.TRITON:
             return torch.cat([self.decode(decode), self.prefill(prefill)])
-        ids: list[int] = []
-        for it in prefill:
-            if len(it.token_ids) == 0:
-                raise ValueError("prefill item has no tokens")
-            if it.start_pos < 0:
-                raise ValueError(f"start_pos must be >= 0, got {it.start_pos}")
-            self._check_positions(it.start_pos + len(it.token_ids) - 1)
-            ids.extend(it.token_ids)
-        for d in decode:
-            if d.position < 0:
-                raise ValueError(f"position must be >= 0, got {d.position}")
-            self._check_positions(d.position)
+        ids = self._prefill_ids(prefill)
+        self._check_decode(decode)
         kernels = self.kernels
         n_dec = len(decode)
-        dmeta = DecodeMeta.build(
-            [(it.position, it.block_table) for it in decode],
-            self.block_size,
-            self.num_blocks,
-            self.device,
-            with_mask=kernels is None,
-        )
+        dmeta = self._decode_meta(decode)
         pmeta = PrefillMeta.build(
             [(len(it.token_ids), it.block_table, it.start_pos) for it in prefill],
             self.block_size,
