@@ -28,21 +28,27 @@ class FaultConfig:
 
     ``drop_layers``: layers that are never sent (the receiver sees a missing layer).
     ``delay_s``: extra delay before sending ``delay_layers`` (every layer when None).
+    ``open_delay_s``: the ``Open`` goes out this much later than usual, while eager RMA puts go
+    out at once (a slow control path: the receiver may end the reservation before Open comes).
+    ``ignore_revokes``: never answer the receiver's revoke of an un-opened reservation (a sender
+    frozen in its event loop), so the receiver's forced path runs.
     """
 
     drop_layers: frozenset[int] = frozenset()
     delay_s: float = 0.0
     delay_layers: frozenset[int] | None = None
+    open_delay_s: float = 0.0
+    ignore_revokes: bool = False
 
     def __post_init__(self) -> None:
-        if self.delay_s < 0:
-            raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
+        if self.delay_s < 0 or self.open_delay_s < 0:
+            raise ValueError(f"delays must be >= 0, got {self.delay_s}, {self.open_delay_s}")
         if any(layer < 0 for layer in self.drop_layers):
             raise ValueError("drop_layers must be non-negative layer indices")
 
     @property
     def active(self) -> bool:
-        return bool(self.drop_layers) or self.delay_s > 0
+        return bool(self.drop_layers) or self.delay_s > 0 or self.open_delay_s > 0 or self.ignore_revokes
 
     def delay_for(self, layer: int) -> float:
         if self.delay_s == 0.0:
@@ -74,12 +80,9 @@ class TransferConfig:
     UCX 1.21 offers them only on endpoints without peer-failure handling, where
     a peer's death aborts the process.)
     ``rma``: move KV with one-sided UCX puts into the receiver's registered KV
-    tensor (protocol 3) when both peers offer it; otherwise, or with False on
+    tensor (protocol 3 and later) when both peers offer it; otherwise, or with False on
     either side, each layer goes as tagged messages. Which one a transfer uses
     is named in its ``Open``: one transfer never mixes them.
-    ``rma_quarantine_s``: with RMA, how long blocks of a reservation that ended
-    before its ``Open`` arrived stay out of use: a sender that opened just
-    before the end may already be writing them (see receiver.py).
     """
 
     backend: Backend = Backend.UCX
@@ -90,7 +93,6 @@ class TransferConfig:
     settle_timeout_s: float = 2.0
     same_host: bool = True
     rma: bool = True
-    rma_quarantine_s: float = 2.0
     faults: FaultConfig = field(default_factory=FaultConfig)
     # The cluster token both ends prove in the handshake (auth.py); "": neither proves nor checks.
     cluster_token: str = field(default="", repr=False)
@@ -102,7 +104,7 @@ class TransferConfig:
             raise ValueError(
                 f"interface must be UCX device names (e.g. eth0,mlx5_0:1), got {self.interface!r}"
             )
-        for name in ("deadline_s", "connect_timeout_s", "settle_timeout_s", "rma_quarantine_s"):
+        for name in ("deadline_s", "connect_timeout_s", "settle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.host:

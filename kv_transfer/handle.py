@@ -13,11 +13,13 @@ Stages (:class:`HandleState`):
     FAILED     aborted, deadline, peer died, refused (the receiver's ``Abort``):
                every wait raises the error
 
-With one-sided writes (``writer``, protocol 3) a layer is a put per contiguous
-run into the receiver's registered tensor instead of tagged sends; puts start
-only once the receiver has answered the Open with ``Accept`` (layers pushed
-before wait here), and Complete, Abort and AbortAck go out only after a flush
-of the endpoint has confirmed that every put landed (receiver.py says why).
+With one-sided writes (``writer``, protocol 3 and later) a layer is a put per
+contiguous run into the receiver's registered tensor instead of tagged sends;
+puts start at once when the ticket is newer than the connection (``eager``: the
+receiver then revokes rather than refuses), otherwise only once the receiver
+has answered the Open with ``Accept`` (layers pushed before wait here), and
+Complete, Abort and AbortAck go out only after a flush of the endpoint has
+confirmed that every put landed (receiver.py says why).
 
 Who frees (the contract is in ``kv_transfer/__init__.py``): P's source blocks
 are the prefill worker's until ``complete`` or ``abort`` has returned or raised;
@@ -61,6 +63,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _READY_POLL_S = 20e-6  # CUDA only: how often to re-check that a layer's writes finished
+_BOOKS_LAG_S = 0.005  # direct writes: how often the loop is woken to book them, at most
 
 
 class HandleState(Enum):
@@ -120,6 +123,7 @@ class SenderHandle:
         deadline: float,
         writer: RemoteWriter | None = None,
         region: wire.RemoteRegion | None = None,
+        eager: bool = False,
     ) -> None:
         self._sender = sender
         self._peer = peer
@@ -155,8 +159,20 @@ class SenderHandle:
         # One-sided writes: the receiver's region, and layers pushed before its Accept came.
         self._writer = writer if region is not None else None
         self._region = region
-        self._accepted = self._writer is None
+        self._accepted = self._writer is None or eager
         self._held: list[tuple[int, float]] = []
+        # A synchronous writer (a memory copy: cma.py) with eager puts writes each layer on the
+        # thread that pushes it: no hop to the loop, and the loop never blocks on the copy.
+        # _write_lock is held across each such write; once _error is set no write starts, so
+        # taking the lock once after that means no write is in progress any more.
+        self._direct = (
+            bool(eager and self._writer is not None and getattr(self._writer, "synchronous", False))
+            and not sender.config.faults.active
+        )
+        self._write_lock = threading.Lock()
+        self._next_wake = 0.0  # perf_counter time after which a direct write wakes the loop again
+        # Direct writes for the loop's books: layer, push to written (s), bytes, error.
+        self._written: list[tuple[int, float, int, TransferError | None]] = []
 
     @property
     def rma(self) -> bool:
@@ -180,6 +196,8 @@ class SenderHandle:
         """
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} outside [0, {self.num_layers})")
+        if self._direct:
+            return self._write_direct(layer)
         marker = ready_marker(self._kv.device)
         with self._lock:
             if layer in self._pushed:
@@ -193,13 +211,49 @@ class SenderHandle:
         if wake:
             self._loop.call_soon_threadsafe(self._drain_incoming)
 
+    def _write_direct(self, layer: int) -> None:
+        """Forward thread: put ``layer`` now with the synchronous writer; the loop does the books."""
+        assert self._writer is not None and self._region is not None
+        pushed_at = time.perf_counter()
+        with self._write_lock:
+            with self._lock:
+                if layer in self._pushed:
+                    raise ValueError(f"layer {layer} pushed twice")
+                self._pushed.add(layer)
+                if self._error is not None:
+                    return
+            nbytes, err = 0, None
+            unit, layer_base = self._spans.block_bytes, layer * self._region.layer_bytes
+            try:
+                for seg in self._segments:
+                    src = self._spans.span(layer, seg.src_start, seg.num_blocks)
+                    self._writer.put(src, layer_base + seg.dst_start * unit)
+                    nbytes += seg.num_blocks * unit
+            except TransferError as exc:
+                err = exc
+        now = time.perf_counter()
+        with self._lock:
+            self._written.append((layer, now - pushed_at, nbytes, err))
+            # The books may lag (complete() and a failure's settling catch up): a wake per layer
+            # has the loop contend with this thread for the GIL (~1 ms of 5 at 1,024 tokens).
+            due = err is not None or len(self._pushed) == self.num_layers or now >= self._next_wake
+            if not due:
+                return
+            self._next_wake = now + _BOOKS_LAG_S
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            self._loop.call_soon_threadsafe(self._drain_incoming)
+
     # -- event loop: sending -----------------------------------------------
     def _drain_incoming(self) -> None:
         with self._lock:
             incoming, self._incoming = self._incoming, []
+            written, self._written = self._written, []
             self._wake_pending = False
         for layer, pushed_at, marker in incoming:
             self._issue(layer, pushed_at, marker)
+        for layer, seconds, nbytes, err in written:
+            self._account_put(layer, seconds, nbytes, err)
 
     def _issue(self, layer: int, pushed_at: float, marker: Any) -> None:
         if self._error is not None:
@@ -254,22 +308,28 @@ class SenderHandle:
             return
         assert self._writer is not None and self._region is not None
         spans, unit, layer_base = self._spans, self._spans.block_bytes, layer * self._region.layer_bytes
-        self._sent_layers.append(layer)  # before the puts: a failed one may have written part
-        self._settled.clear()  # until a flush covers this layer
-        nbytes = 0
+        nbytes, err = 0, None
         try:
             for seg in self._segments:
                 src = spans.span(layer, seg.src_start, seg.num_blocks)
                 self._writer.put(src, layer_base + seg.dst_start * unit)
-                self._op_ids += 1
                 nbytes += seg.num_blocks * unit
         except TransferError as exc:
-            self.fail(exc)
+            err = exc
+        self._account_put(layer, time.perf_counter() - pushed_at, nbytes, err)
+
+    def _account_put(self, layer: int, seconds: float, nbytes: int, err: TransferError | None) -> None:
+        """The loop's books of one layer's puts (issued here or written by the forward thread)."""
+        self._sent_layers.append(layer)  # also after a failed put: it may have written part
+        self._settled.clear()  # until a flush covers this layer
+        self._op_ids += len(self._segments)
+        if err is not None:
+            self.fail(err)
             return
         self._bytes += nbytes
         self._sender.metrics.add_bytes(nbytes)
-        seconds = time.perf_counter() - pushed_at  # issued; the flush at the end says landed
-        self._layer_seconds[layer] = seconds
+        self._layer_seconds[layer] = seconds  # push to issued; the flush at the end says landed
+
         self._sender.metrics.layer_done(seconds)
         self._count_issued()
 
@@ -283,7 +343,9 @@ class SenderHandle:
                 done.set_result(err)
 
         self._writer.flush(flushed)
-        err = await done
+        self._landed(await done)
+
+    def _landed(self, err: TransferError | None) -> None:
         if err is not None:
             raise err
         self._settled.set()
@@ -348,9 +410,13 @@ class SenderHandle:
             if self._error is not None:
                 raise self._error
             self.state = HandleState.COMPLETING
+            if self._direct:
+                self._drain_incoming()  # the forward thread's writes are done: book them now
             if not self._all_issued.is_set():
                 await self.until(self._all_issued.wait(), "every layer to be issued")
-            if self._writer is not None:  # Complete tells the receiver the puts have landed
+            if self._writer is not None and self._writer.synchronous:  # every copy is done: check
+                self._landed(self._writer.check())
+            elif self._writer is not None:  # Complete tells the receiver the puts have landed
                 await self.until(self._flush(), "the puts to land")
             # Sent before the data has landed: D acks once both are in, saving a round trip.
             put = len(self._sent_layers) if self._writer is not None else -1
@@ -386,7 +452,8 @@ class SenderHandle:
     def fail(self, err: TransferError, notify: NotifyPeer = NotifyPeer.ABORT) -> None:
         if self._error is not None or self.state is HandleState.DONE:
             return
-        self._error = err
+        with self._lock:  # from here on no direct write starts (_write_direct checks under it)
+            self._error = err
         self.state = HandleState.FAILED
         self._failed.set_result(None)
         self._sender.metrics.transfer_failed(err.reason)
@@ -434,6 +501,10 @@ class SenderHandle:
 
     async def _settle_puts(self, notify: NotifyPeer, timeout: float) -> NotifyPeer:
         """Flush before telling the receiver we stopped: it frees the blocks on our word."""
+        if self._direct:
+            with self._write_lock:  # a write the forward thread began has ended (no new one starts)
+                pass
+            self._drain_incoming()  # and is in the books
         if not self._sent_layers or self._settled.is_set():
             self._settled.set()
             return notify

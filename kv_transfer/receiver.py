@@ -24,18 +24,32 @@ DONE the decode engine.
 
 One-sided writes (RMA, ``Open.rma``): the sender puts straight into the KV
 tensor, which ``start`` registers once and ``HelloReply`` offers. Nothing is
-posted here, so nothing here can be cancelled: the rule that keeps a freed
-block from being written is that a sender puts only into an Open this side
-has answered with ``Accept``, and after that the blocks are freed only when
-    - the sender's Complete, Abort or AbortAck arrives (each is sent after it
-      flushed its endpoint: no put of the transfer is still in flight), or
-    - the connection broke (the sender died, or its endpoint failed), or
-    - this side gave up waiting for the AbortAck (``settle_timeout_s``), closed
-      the connection, and waited another ``settle_timeout_s``. This is the one
-      case not closed by construction: a sender frozen (not dead) in the middle
-      of a put for longer than that, which then resumes, could finish that put.
-A refused Open (expired, aborted, unknown) gets no Accept, so its sender
-never writes: its blocks may be reused at once.
+posted here, so nothing here can be cancelled. Who may write a reservation's
+blocks, and so who must have stopped before they are freed:
+    - Eager writers. A connection may put into a reservation made after its
+      handshake (ticket ``seq`` > the ``HelloReply``'s) right after its Open,
+      with no round trip first. Nothing says which of them holds the ticket,
+      so when such a reservation ends before an Open came (deadline, abort,
+      shutdown), every one of them is sent a revoke (``Abort`` with the
+      ticket's deadline) and the blocks wait until each has answered
+      (``AbortAck``: sent after its flush when it was writing; a sender not
+      yet writing remembers the revoke and never opens the ticket) or its
+      connection closed. A connection made after the reservation never writes
+      it eagerly: its Open waits for ``Accept``, which a refused Open never gets.
+    - The opener. Once an Open is taken (``Accept`` sent, or eager), the blocks
+      are freed only when the sender's Complete, Abort or AbortAck arrives
+      (each sent after it flushed its endpoint: no put of the transfer is
+      still in flight), or the connection broke (the sender died, or its
+      endpoint failed).
+    - Either wait is bounded: after ``settle_timeout_s`` without an answer this
+      side closes the connection and holds the blocks another
+      ``settle_timeout_s``. This is the one case not closed by construction: a
+      sender frozen (not dead) in the middle of a put for longer than that,
+      which then resumes, could finish that put.
+One ticket is opened by one sender (the router hands each ticket to one
+prefill worker); a second, eager Open of it from another connection fails the
+transfer while it is open, and is logged as an error after it completed (its
+puts may have reached blocks the decode engine already owns).
 """
 
 from __future__ import annotations
@@ -120,6 +134,8 @@ class KVReceiver:
         self._failing: dict[int, Reservation] = {}  # failed, blocks waiting for in-flight receives
         self._results: dict[str, asyncio.Future[TransferResult]] = {}
         self._region: wire.RemoteRegion | None = None  # the KV tensor as offered for puts
+        self._seq = 0  # reservations made so far (TransferTicket.seq)
+        self._rma_peers: set[PrefillConn] = set()  # live connections the region was offered to
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -170,7 +186,17 @@ class KVReceiver:
         blocks = self._blocks.allocate(request_id, num_tokens)
         loop = asyncio.get_running_loop()
         xid = self._transport.next_transfer_id()
-        rx = Reservation(request_id, xid, blocks, num_tokens, loop.create_future())
+        self._seq += 1
+        deadline_unix = time.time() + deadline_s
+        rx = Reservation(
+            request_id,
+            xid,
+            blocks,
+            num_tokens,
+            loop.create_future(),
+            seq=self._seq,
+            deadline_unix=deadline_unix,
+        )
         rx.result.add_done_callback(_retrieve)
         rx.timer = loop.call_later(deadline_s, self._expire, rx, deadline_s)
         self._by_request[request_id] = rx
@@ -185,7 +211,8 @@ class KVReceiver:
             num_tokens=num_tokens,
             protocol_version=self._compat.protocol_version,
             compat_hash=self._hash,
-            deadline_unix=time.time() + deadline_s,
+            deadline_unix=deadline_unix,
+            seq=rx.seq,
         )
 
     async def wait(self, request_id: str) -> TransferResult:
@@ -273,6 +300,8 @@ class KVReceiver:
             if self._drains.on_sent(peer, msg.transfer_id, msg.sent_layers or ()):
                 return
             rx = self._by_transfer.get(msg.transfer_id) or self._failing.get(msg.transfer_id)
+            if rx is not None and peer in rx.revoking:  # sent after its flush: it stopped writing
+                self._revoked_by(rx, peer)
             if rx is not None and rx.conn in (None, peer.conn):
                 err = error_for(msg.code, f"prefill gave up: {msg.reason}")
                 self._fail(rx, err, notify=False, sent_layers=msg.sent_layers or ())
@@ -280,6 +309,8 @@ class KVReceiver:
             if self._drains.on_sent(peer, msg.transfer_id, msg.sent_layers):
                 return
             rx = self._failing.get(msg.transfer_id)
+            if rx is not None and peer in rx.revoking:
+                self._revoked_by(rx, peer)
             if rx is not None and rx.conn is peer.conn:
                 self._drain(rx, msg.sent_layers)
         else:
@@ -313,8 +344,17 @@ class KVReceiver:
         proof = auth.reply_proof(token, msg.nonce, peer.accepted, conn_id) if token else ""
         region = self._region if peer.accepted and msg.rma else None
         peer.rma = region is not None
+        if peer.rma:
+            peer.hello_seq = self._seq
+            self._rma_peers.add(peer)
         reply = wire.HelloReply(
-            ok=peer.accepted, reason=reason, conn_id=conn_id, code=code, proof=proof, rma=region
+            ok=peer.accepted,
+            reason=reason,
+            conn_id=conn_id,
+            code=code,
+            proof=proof,
+            rma=region,
+            seq=self._seq,
         )
         self._send(peer.conn, reply)
 
@@ -341,6 +381,8 @@ class KVReceiver:
             log.warning("closing connection from %s: Open twice for one transfer", peer.conn.peer)
             peer.conn.close()
             return
+        if msg.eager and not self._eager_open_ok(peer, msg, rx):
+            return
         if rx is None or rx.request_id != msg.request_id:
             ended = self._ended.get(msg.transfer_id, ("", None))[1]
             code = ended.reason if ended is not None else FailureReason.REJECTED
@@ -360,8 +402,9 @@ class KVReceiver:
         rx.opened_at = loop.time()
         if msg.rma:
             rx.rma = True
-            rx.unsettled = 1  # the sender may write the blocks from the Accept until it says it stopped
-            self._send(peer.conn, wire.Accept(rx.transfer_id))
+            rx.unsettled = 1  # the sender may write the blocks from now until it says it stopped
+            if not msg.eager:
+                self._send(peer.conn, wire.Accept(rx.transfer_id))
             return
         num_layers = self._compat.num_layers
         rx.pending = [len(segments)] * num_layers
@@ -375,6 +418,37 @@ class KVReceiver:
                 rx.unsettled += 1
                 ops.append(recv(dst, base | layer_tag(layer, seg.index), done))
 
+    def _eager_open_ok(self, peer: PrefillConn, msg: wire.Open, rx: Reservation | None) -> bool:
+        """An eager Open: its puts started before it arrived. False when it was handled here (its
+        transfer refused or failed, or the connection closed) and must not be taken."""
+        target = rx if rx is not None else self._failing.get(msg.transfer_id)
+        if target is None or target.request_id != msg.request_id or not self._eager_writer(peer, target):
+            # Puts into blocks it had no right to: they may already belong to another request.
+            log.error(
+                "closing KV connection from %s: eager Open of transfer %d it may not write",
+                peer.conn.peer,
+                msg.transfer_id,
+            )
+            if target is not None and target.state in (RxState.RESERVED, RxState.OPEN):
+                self._fail(target, RejectedError("written by a sender it was not open to"), notify=True)
+            peer.conn.close()
+            return False
+        if target.state is RxState.RESERVED:
+            return True
+        # Revoked before this Open came, or opened by another sender of the same ticket: this
+        # sender's puts may be landing too, so the blocks wait for its AbortAck as well.
+        state = target.state.value
+        target.revoking.add(peer)
+        peer.revoking.add(target)
+        if target.state is RxState.OPEN:
+            self._fail(target, RejectedError("opened by two senders"), notify=True)
+        self._refuse(peer, msg, FailureReason.REJECTED, f"transfer already {state}")
+        return False
+
+    def _eager_writer(self, peer: PrefillConn, rx: Reservation) -> bool:
+        """``peer`` may put into ``rx``'s blocks before an Accept (its handshake came first)."""
+        return peer.rma and 0 <= peer.hello_seq < rx.seq
+
     def _refuse(self, peer: PrefillConn, msg: wire.Open, code: FailureReason, reason: str) -> None:
         """Receive whatever the sender already pushed into scratch memory, then tell it to stop.
         An RMA sender pushes nothing before an Accept: there is nothing to drain."""
@@ -383,9 +457,13 @@ class KVReceiver:
         self._send(peer.conn, wire.Abort(msg.transfer_id, code.value, f"decode refused: {reason}"))
 
     def _on_close(self, peer: PrefillConn, exc: Exception | None) -> None:
+        self._rma_peers.discard(peer)
         for rx in list(peer.transfers):
             self._fail(rx, PeerDiedError(f"prefill peer died: {exc}"), notify=False)
         peer.transfers.clear()
+        if not peer.forced:  # closed by this side for not answering a revoke: _force holds on
+            for rx in list(peer.revoking):
+                self._revoked_by(rx, peer)
         self._drains.close(peer)
         self._conn_ids.release(peer.conn_id)
 
@@ -465,6 +543,7 @@ class KVReceiver:
         rx.result.set_exception(err)
         log.info("transfer %s failed: %s", rx.request_id, err)
         if not was_open:
+            self._revoke(rx, err)
             self._maybe_free(rx)
             return
         self._failing[rx.transfer_id] = rx
@@ -475,6 +554,26 @@ class KVReceiver:
             rx.grace = asyncio.get_running_loop().call_later(self._config.settle_timeout_s, self._force, rx)
         else:
             self._drain(rx, ())
+        self._maybe_free(rx)
+
+    def _revoke(self, rx: Reservation, err: TransferError) -> None:
+        """``rx`` ended before any Open: every connection that may be putting into it eagerly is
+        told, and the blocks wait until each has answered or closed (bounded by ``_force``)."""
+        writers = [p for p in self._rma_peers if p.conn.alive and self._eager_writer(p, rx)]
+        if not writers:
+            return
+        rx.revoking.update(writers)
+        self._failing[rx.transfer_id] = rx
+        revoke = wire.Abort(rx.transfer_id, err.reason.value, str(err), deadline_unix=rx.deadline_unix)
+        for peer in writers:
+            peer.revoking.add(rx)
+            self._send(peer.conn, revoke)
+        rx.grace = asyncio.get_running_loop().call_later(self._config.settle_timeout_s, self._force, rx)
+
+    def _revoked_by(self, rx: Reservation, peer: PrefillConn) -> None:
+        """``peer`` will not put into ``rx`` any more (it answered, or its connection is gone)."""
+        rx.revoking.discard(peer)
+        peer.revoking.discard(rx)
         self._maybe_free(rx)
 
     def _drain(self, rx: Reservation, sent_layers: tuple[int, ...]) -> None:
@@ -494,13 +593,39 @@ class KVReceiver:
                     op.cancel()
         if rx.grace is not None:
             rx.grace.cancel()
-        if rx.unsettled:
+        if rx.unsettled or rx.revoking:
             rx.grace = asyncio.get_running_loop().call_later(self._config.settle_timeout_s, self._force, rx)
         self._maybe_free(rx)
 
     def _force(self, rx: Reservation) -> None:
         """Settling took too long: cancel everything, and if even that stalls, drop the connection."""
-        if rx.state is not RxState.FAILING or not rx.unsettled:
+        if rx.state is not RxState.FAILING:
+            return
+        if rx.revoking:
+            if not rx.revoke_forced:
+                rx.revoke_forced = True
+                log.warning(
+                    "transfer %s: %d connections did not answer its revoke in %ss; closing them and "
+                    "holding its blocks %ss more",
+                    rx.request_id,
+                    len(rx.revoking),
+                    self._config.settle_timeout_s,
+                    self._config.settle_timeout_s,
+                )
+                for peer in list(rx.revoking):
+                    peer.forced = True
+                    peer.conn.close()
+                rx.grace = asyncio.get_running_loop().call_later(
+                    self._config.settle_timeout_s, self._force, rx
+                )
+                return
+            for peer in list(rx.revoking):
+                peer.revoking.discard(rx)
+            rx.revoking.clear()
+            if not rx.unsettled:
+                self._maybe_free(rx)
+                return
+        if not rx.unsettled:
             return
         if rx.rma:
             if rx.conn is not None and rx.conn.alive:
@@ -529,7 +654,7 @@ class KVReceiver:
             rx.conn.close()
 
     def _maybe_free(self, rx: Reservation) -> None:
-        if rx.state is not RxState.FAILING or rx.unsettled:
+        if rx.state is not RxState.FAILING or rx.unsettled or rx.revoking:
             return
         rx.state = RxState.FREED
         if rx.grace is not None:

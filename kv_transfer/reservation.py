@@ -74,6 +74,12 @@ class Reservation:
     drained: bool = False
     grace: asyncio.TimerHandle | None = None
     rma: bool = False  # accepted as one-sided puts: unsettled 1 while the sender may write
+    seq: int = 0  # the receiver's reservation count when made (TransferTicket.seq)
+    deadline_unix: float = 0.0  # the ticket's
+    # Ended before any Open: the connections that may hold the ticket and put into the blocks
+    # without an Accept, until each answers the revoke (or closes). The blocks wait for them.
+    revoking: set[PrefillConn] = field(default_factory=set)
+    revoke_forced: bool = False  # the laggards' connections were closed by this side: hold on
 
 
 @dataclass(eq=False)
@@ -103,6 +109,11 @@ class PrefillConn:
     transfers: set[Reservation] = field(default_factory=set)
     rma: bool = False  # the KV region was offered to it in HelloReply
     drains: dict[int, Drain] = field(default_factory=dict)  # transfer id -> refused Open
+    # The receiver's reservation count at its HelloReply: newer reservations (larger seq) are
+    # written eagerly by this connection, and revoked on it when they end un-opened. -1: no RMA.
+    hello_seq: int = -1
+    revoking: set[Reservation] = field(default_factory=set)  # revokes it has not answered yet
+    forced: bool = False  # closed by the receiver for not answering a revoke
 
 
 class ConnIds:

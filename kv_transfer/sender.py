@@ -11,6 +11,14 @@ they are pushed, without waiting for the receiver to answer ``Open`` (it
 answers only a refusal, with ``Abort``), so no round trip sits before the first
 layer. An incompatible ticket or peer raises IncompatibleError and tells the
 receiver, which frees its reservation at once rather than at its deadline.
+
+One-sided writes go out eagerly too, on tickets newer than the connection
+(``TransferTicket.seq`` > ``HelloReply.seq``). The receiver's revoke of such a
+ticket (an ``Abort`` for a transfer with no handle here) is answered with
+``AbortAck`` and remembered until the ticket's deadline: an ``open`` of it
+later is refused here, before anything is written. Should revokes pile up past
+``_MAX_REVOKED`` unexpired ones, the connection stops writing eagerly (every
+later RMA Open waits for ``Accept``) rather than forget one.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ from pdserve.kv_transfer.transports import make_transport
 
 log = logging.getLogger(__name__)
 
+_MAX_REVOKED = 65536  # unexpired revokes remembered per connection before it stops writing eagerly
+
 
 @dataclass(eq=False)
 class _Peer:
@@ -60,6 +70,27 @@ class _Peer:
     handles: dict[int, SenderHandle] = field(default_factory=dict)
     writer: RemoteWriter | None = None  # puts into the receiver's KV tensor, when it offered them
     region: wire.RemoteRegion | None = None
+    hello_seq: int = -1  # the receiver's reservation count at the handshake; -1: never eager
+    revoked: dict[int, wire.Abort] = field(default_factory=dict)  # transfer id -> the revoke
+
+    def eager(self, ticket: wire.TransferTicket) -> bool:
+        """Puts for ``ticket`` may start before the receiver's Accept (it revokes, not refuses)."""
+        return self.writer is not None and 0 <= self.hello_seq < ticket.seq
+
+    def remember_revoke(self, msg: wire.Abort) -> None:
+        if self.hello_seq < 0:
+            return
+        if len(self.revoked) >= _MAX_REVOKED:
+            now = time.time()
+            self.revoked = {xid: m for xid, m in self.revoked.items() if m.deadline_unix > now}
+            if len(self.revoked) >= _MAX_REVOKED:
+                log.warning(
+                    "%d unexpired revokes from %s: no more eager puts on it", len(self.revoked), self.address
+                )
+                self.hello_seq = -1
+                self.revoked.clear()
+                return
+        self.revoked[msg.transfer_id] = msg
 
 
 class KVSender:
@@ -136,11 +167,18 @@ class KVSender:
             refused = error_for(peer.refusal, peer.reason)
         if ticket.transfer_id in peer.handles:  # its tags would collide with the live transfer's
             raise ValueError(f"ticket of {ticket.request_id!r} is already being transferred")
+        revoke = peer.revoked.get(ticket.transfer_id)
+        if refused is None and revoke is not None and peer.eager(ticket):
+            # The receiver ended it before we opened, and freed the blocks on our AbortAck.
+            revoked = error_for(revoke.code, f"aborted by decode: {revoke.reason}")
+            self.metrics.transfer_failed(revoked.reason)
+            raise revoked
         if refused is not None:
             # Nothing was sent; the receiver can free now instead of at its deadline.
             self.send(peer, wire.Abort(ticket.transfer_id, refused.reason.value, str(refused), ()))
             self.metrics.transfer_failed(refused.reason)
             raise refused
+        eager = peer.eager(ticket)
         handle = SenderHandle(
             self,
             peer,
@@ -149,14 +187,19 @@ class KVSender:
             deadline=loop.time() + remaining,
             writer=peer.writer,
             region=peer.region,
+            eager=eager,
         )
         peer.handles[ticket.transfer_id] = handle
         self.metrics.opened()
         lengths = tuple(seg.num_blocks for seg in segments)
+        rma = peer.writer is not None
         # A failed send shows as the connection breaking, which fails the handle.
-        self.send(
-            peer, wire.Open(ticket.transfer_id, ticket.request_id, lengths, rma=peer.writer is not None)
-        )
+        opening = wire.Open(ticket.transfer_id, ticket.request_id, lengths, rma=rma, eager=eager)
+        delay = self.config.faults.open_delay_s
+        if delay:  # unless the handle failed meanwhile: its AbortAck must not precede its Open
+            loop.call_later(delay, self._send_open, handle, peer, opening)
+        else:
+            self.send(peer, opening)
         return handle
 
     async def connect(self, address: str) -> None:
@@ -241,8 +284,14 @@ class KVSender:
                 log.warning("ignoring a malformed KV region from %s", describe(peer.address))
             else:
                 peer.writer, peer.region = peer.conn.remote_writer(reply.rma), reply.rma
+                if peer.writer is not None:
+                    peer.hello_seq = reply.seq
         peer.refusal = reply.code or FailureReason.INCOMPATIBLE.value
         peer.ready.set_result(None)
+
+    def _send_open(self, handle: SenderHandle, peer: _Peer, opening: wire.Open) -> None:
+        if handle.error is None:
+            self.send(peer, opening)
 
     def send(self, peer: _Peer, msg: wire.Message) -> None:
         """Fire-and-forget control message (failures surface as the connection breaking)."""
@@ -276,6 +325,11 @@ class KVSender:
             if handle is not None and not handle.complete_ack.done():
                 handle.complete_ack.set_result(None)
         elif isinstance(msg, wire.Abort):
+            if msg.deadline_unix:  # a revoke: never open this ticket now
+                if self.config.faults.ignore_revokes:
+                    log.warning("fault injection: ignoring the revoke of transfer %d", msg.transfer_id)
+                    return
+                peer.remember_revoke(msg)
             if handle is not None:
                 handle.on_peer_abort(msg)
             else:  # nothing of this transfer is in flight from here

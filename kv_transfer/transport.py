@@ -65,12 +65,18 @@ class DataOp(Protocol):
 
 
 class RemoteWriter(Protocol):
+    # True: ``put`` is a copy done when it returns, callable from any thread; ``flush`` is a check.
+    synchronous: bool
+
     def put(self, buf: Buffer, offset: int) -> None:
         """Start writing ``buf`` at ``offset`` bytes into the peer's region; raises
         TransferError when the connection refuses it at once."""
 
     def flush(self, on_done: DoneCallback) -> None:
         """``on_done`` (on the loop) once every earlier put landed in the peer's memory, or failed."""
+
+    def check(self) -> TransferError | None:
+        """Synchronous writers only: ``flush``'s answer, now."""
 
     def close(self) -> None: ...
 

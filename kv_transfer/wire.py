@@ -18,11 +18,15 @@ Control conversation on one connection (prefill P -> decode D):
     With RMA (``Open.rma``), P puts each layer's runs straight into D's registered KV tensor
     (the region in HelloReply) instead of tagged messages, and sends Complete, Abort and
     AbortAck only after flushing its endpoint: each of them says no put of the transfer
-    is in flight any more. P puts nothing before D's ``Accept`` of the Open (usually there
-    before the forward has written layer 0): a refused Open's blocks may already be another
-    request's.
+    is in flight any more. P puts right after Open, without waiting (``Open.eager``), into
+    reservations D made after this connection's handshake (``TransferTicket.seq`` >
+    ``HelloReply.seq``): D frees such a reservation, when it ends before any Open came,
+    only once every connection that may hold it has answered its ``Abort`` (revoke) with
+    ``AbortAck`` or closed. An older reservation (or a sender that lost track of revokes)
+    waits for D's ``Accept`` of the Open: a refused Open's blocks may be another request's.
     P: Abort(sent layers)                  P gives up; D keeps the receives of sent layers
-    D: Abort          P: AbortAck(sent)    D gives up, or refuses an Open (expired, aborted,
+    D: Abort          P: AbortAck(sent)    D gives up, revokes an un-opened reservation, or
+                                           refuses an Open (expired, aborted,
                                            unknown, malformed): then D receives whatever P
                                            pushed into scratch memory, never into KV blocks.
                                            P stops and says what it had sent, so D knows
@@ -41,7 +45,9 @@ from pdserve.kv_transfer.errors import IncompatibleError
 # 2: data follows Open without waiting for a reply (no OpenReply); connection id in tags.
 # 3: one-sided puts (RMA): Hello offers them, HelloReply carries the remote key, Open says which
 #    way the transfer's data moves.
-PROTOCOL_VERSION = 3
+# 4: RMA puts start at Open (no wait for Accept) on reservations newer than the connection; the
+#    receiver revokes an un-opened one on every such connection before reusing its blocks.
+PROTOCOL_VERSION = 4
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -80,6 +86,9 @@ class TransferTicket(msgspec.Struct, frozen=True):
     protocol_version: int
     compat_hash: str
     deadline_unix: float
+    # The receiver's count of reservations when it made this one: a connection whose handshake
+    # came earlier (HelloReply.seq < seq) may put into the blocks without waiting for Accept.
+    seq: int = 0
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -109,6 +118,8 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     code: str = ""  # a FailureReason value when refused ("": incompatible, as before)
     proof: str = ""  # the receiver's proof of the cluster token over the Hello's nonce (auth.py)
     rma: RemoteRegion | None = None  # offered when both sides can: where puts go
+    # The receiver's reservation count now: tickets with a larger seq may be written before Accept.
+    seq: int = 0
 
 
 class RemoteRegion(msgspec.Struct, frozen=True):
@@ -129,11 +140,13 @@ class Open(msgspec.Struct, frozen=True, tag="open"):
     request_id: str
     segments: tuple[int, ...]  # run lengths in blocks, contiguous on both sides (plan.py)
     rma: bool = False  # data comes as puts into the blocks, not tagged messages; Complete follows a flush
+    eager: bool = False  # RMA: the sender is putting already (the ticket is newer than the connection)
 
 
 class Accept(msgspec.Struct, frozen=True, tag="accept"):
-    """D took an RMA ``Open``: its blocks are bound to this connection until the transfer ends,
-    so P may put into them now (and not before: a refused Open's blocks may be someone else's)."""
+    """D took an RMA ``Open`` that was not eager: its blocks are bound to this connection until the
+    transfer ends, so P may put into them now (and not before: a refused Open's blocks may be
+    someone else's)."""
 
     transfer_id: int
 
@@ -151,15 +164,17 @@ class CompleteAck(msgspec.Struct, frozen=True, tag="complete_ack"):
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
-    """Either side gives up (D also refuses an Open this way).
+    """Either side gives up (D also refuses an Open, or revokes an un-opened reservation, this way).
 
-    From P, ``sent_layers`` lists layers whose data was sent.
+    From P, ``sent_layers`` lists layers whose data was sent. From D, ``deadline_unix`` is the
+    ticket's: P refuses to open a revoked ticket until then (after it, P refuses it as expired).
     """
 
     transfer_id: int
     code: str  # FailureReason value
     reason: str
     sent_layers: tuple[int, ...] | None = None
+    deadline_unix: float = 0.0
 
 
 class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):

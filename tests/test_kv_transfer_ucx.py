@@ -17,6 +17,7 @@ import pytest
 
 from pdserve.kv_transfer.config import FaultConfig, TransferConfig
 from pdserve.kv_transfer.testing import PeerCallError, PeerProcess, PeerSpec
+from pdserve.kv_transfer.wire import TransferTicket
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -275,11 +276,16 @@ def test_abort_from_prefill(bf16: tuple[PeerProcess, ...]) -> None:
     assert 'pdserve_kv_transfer_failures_total{reason="aborted",role="decode"}' in metrics
 
 
-def test_refused_open_with_data_already_pushed(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+def test_refused_open_with_data_already_pushed(
+    fresh: tuple[PeerProcess, PeerProcess], request: pytest.FixtureRequest
+) -> None:
     """Tagged: the sender pushes right after Open (no round trip): when the reservation is
     already gone, its messages wait in UCX until the receiver refuses and drains them into
-    scratch memory. RMA: it puts nothing before the receiver's Accept, which never comes.
-    Either way the sender learns at once (no settle timeout), and no KV block is written."""
+    scratch memory, and no KV block is written. RMA: the ticket is newer than the connection,
+    so the sender puts at once too; the receiver revoked it and holds its blocks until the
+    sender's AbortAck (after its flush), so whatever landed landed in blocks nobody else had
+    (test_aborted_blocks_reused_at_once_hold_none_of_the_old_kv checks the reuse).
+    Either way the sender learns at once (no settle timeout)."""
     decode, prefill = fresh
     ticket = decode.call("reserve", request_id="refused", num_tokens=600)
     assert decode.call("abort", request_id="refused", reason="client cancelled")
@@ -288,7 +294,9 @@ def test_refused_open_with_data_already_pushed(fresh: tuple[PeerProcess, PeerPro
         prefill.call("transfer", ticket=ticket, seed=8, timeout=CALL_S)
     assert err.value.kind == "AbortedError" and "client cancelled" in str(err.value)
     assert time.monotonic() - t0 < CONFIG.settle_timeout_s, "the refused sends waited for a timeout"
-    assert decode.call("untouched", request_id="refused")
+    if not TRANSPORTS[request.node.callspec.params["fresh"]][2]:
+        assert decode.call("untouched", request_id="refused")
+    wait_free(decode, within_s=CONFIG.settle_timeout_s)
     wait_drained(decode)
     assert_no_leak(decode, prefill)
     transfer(decode, prefill, "after-refused", 600, seed=9)  # the connection is still good
@@ -336,4 +344,71 @@ def test_aborted_blocks_reused_at_once_hold_none_of_the_old_kv(
     time.sleep(0.3)  # longer than the old forward's remaining layers would take to be pushed
     assert decode.call("verify", request_id="new", seed=32), "bytes of the aborted transfer landed"
     assert decode.call("release", request_id="new")
+    assert_no_leak(decode, prefill)
+
+
+def test_revoke_waits_for_a_sender_that_does_not_answer(bf16: tuple[PeerProcess, ...]) -> None:
+    """A reservation that ends before any Open is revoked on every connection older than it (each
+    may be putting into it already, without an Accept). Here one is: its Open is delayed, and it
+    ignores the revoke and goes on putting. The receiver closes that connection after the settle
+    timeout and holds the blocks one more; a request that then takes every block holds its own
+    bytes only."""
+    decode, _, prefill = bf16
+    probe = decode.call("reserve", request_id="rv-probe", num_tokens=16)
+    address = TransferTicket.decode(probe).address
+    assert decode.call("abort", request_id="rv-probe")
+    wait_free(decode, within_s=5.0)
+    total = decode.call("blocks")["total"]
+    frozen = FaultConfig(ignore_revokes=True, open_delay_s=30.0)
+    prefill.call("connect", address=address, faults=frozen, sender_name="frozen", timeout=CALL_S)
+    ticket = decode.call("reserve", request_id="rv", num_tokens=300)
+    old = prefill.submit(
+        "transfer", ticket=ticket, seed=41, faults=frozen, sender_name="frozen", layer_interval_s=0.05
+    )
+    wait_progress(prefill, "rv", 2)
+    t0 = time.monotonic()
+    assert decode.call("abort", request_id="rv", reason="client cancelled")
+    wait_free(decode, within_s=4 * CONFIG.settle_timeout_s + 5.0)
+    held = time.monotonic() - t0
+    assert held >= 2 * CONFIG.settle_timeout_s * 0.95, f"freed after {held:.2f}s, before the sender stopped"
+    with pytest.raises(PeerCallError) as err:
+        prefill.result(old, timeout=CALL_S)
+    assert err.value.kind == "PeerDiedError"  # its connection was closed under it
+    new = decode.call("reserve", request_id="rv-new", num_tokens=total * 16)  # every block
+    prefill.call("transfer", ticket=new, seed=42, timeout=CALL_S)
+    decode.call("wait", request_id="rv-new")
+    assert decode.call("verify", request_id="rv-new", seed=42), "bytes of the revoked transfer landed"
+    assert decode.call("release", request_id="rv-new")
+    assert_no_leak(decode, prefill)
+
+
+@pytest.mark.parametrize("fresh", ["tcp", "cma"], indirect=True)
+def test_revoked_while_eager_puts_land_then_reused_at_once(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+    """The race eager puts open: the sender is putting into a reservation whose Open has not
+    reached the receiver (delayed here) when the receiver aborts it. The revoke reaches the
+    sender, which stops, flushes and acks; only then are the blocks freed, so a request that
+    takes every block at once holds its own bytes only, also after the old forward pushed on."""
+    decode, prefill = fresh
+    total = decode.call("blocks")["total"]
+    address = TransferTicket.decode(decode.call("reserve", request_id="race-probe", num_tokens=16)).address
+    assert decode.call("abort", request_id="race-probe")
+    wait_free(decode, within_s=5.0)
+    slow = FaultConfig(open_delay_s=0.5)
+    prefill.call("connect", address=address, faults=slow, sender_name="slow-open", timeout=CALL_S)
+    ticket = decode.call("reserve", request_id="race", num_tokens=500)
+    old = prefill.submit(
+        "transfer", ticket=ticket, seed=51, faults=slow, sender_name="slow-open", layer_interval_s=0.02
+    )
+    wait_progress(prefill, "race", 4)
+    assert decode.call("abort", request_id="race", reason="client cancelled")
+    with pytest.raises(PeerCallError) as err:
+        prefill.result(old, timeout=CALL_S)
+    assert err.value.kind == "AbortedError"
+    wait_free(decode, within_s=5.0)
+    new = decode.call("reserve", request_id="race-new", num_tokens=total * 16)  # every block
+    prefill.call("transfer", ticket=new, seed=52, timeout=CALL_S)
+    decode.call("wait", request_id="race-new")
+    time.sleep(0.3)  # longer than the old forward's remaining layers would take to be pushed
+    assert decode.call("verify", request_id="race-new", seed=52), "bytes of the revoked transfer landed"
+    assert decode.call("release", request_id="race-new")
     assert_no_leak(decode, prefill)

@@ -136,6 +136,24 @@ class PeerState:
         return "".join(parts)
 
     # -- prefill side ------------------------------------------------------
+    def _sender(self, protocol_version: int | None, faults: FaultConfig | None, sender_name: str) -> KVSender:
+        key = (protocol_version, faults, sender_name)
+        sender = self.senders.get(key)
+        if sender is None:
+            compat = self.compat
+            if protocol_version is not None:
+                compat = msgspec.structs.replace(compat, protocol_version=protocol_version)
+            config = self.spec.config if faults is None else replace(self.spec.config, faults=faults)
+            sender = self.senders[key] = KVSender(self.kv, compat, config)
+        return sender
+
+    async def cmd_connect(
+        self, address: str, faults: FaultConfig | None = None, sender_name: str = ""
+    ) -> None:
+        """Connect ``transfer``'s sender for (``faults``, ``sender_name``) now: tickets reserved after
+        this are newer than its connection (eager puts, revokes)."""
+        await self._sender(None, faults, sender_name).connect(address)
+
     async def cmd_transfer(
         self,
         ticket: bytes,
@@ -157,14 +175,7 @@ class PeerState:
         blocks as they are (the benchmark: the fill writes every byte right
         before the timed part, which the raw baseline's buffers never get).
         """
-        key = (protocol_version, faults, sender_name)
-        sender = self.senders.get(key)
-        if sender is None:
-            compat = self.compat
-            if protocol_version is not None:
-                compat = msgspec.structs.replace(compat, protocol_version=protocol_version)
-            config = self.spec.config if faults is None else replace(self.spec.config, faults=faults)
-            sender = self.senders[key] = KVSender(self.kv, compat, config)
+        sender = self._sender(protocol_version, faults, sender_name)
         t = TransferTicket.decode(ticket)
         seq = f"src-{sender_name}-{t.request_id}"  # two senders may hold the same ticket
         if keep_every:

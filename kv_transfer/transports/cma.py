@@ -76,7 +76,13 @@ def _call(fn: Any, pid: int, local: int, remote: int, nbytes: int) -> int:
 
 
 class CmaWriter:
-    """Writes into a peer process's exposed region (``RemoteRegion`` with ``pid`` and ``host``)."""
+    """Writes into a peer process's exposed region (``RemoteRegion`` with ``pid`` and ``host``).
+
+    ``put`` is a plain copy, done when it returns, and may be called from any thread (the
+    forward thread writes each layer itself: handle.py); ``close`` may race with it.
+    """
+
+    synchronous = True
 
     def __init__(self, region: RemoteRegion, pidfd: int | None) -> None:
         self.base = region.base
@@ -112,7 +118,10 @@ class CmaWriter:
             return False
         if self._pidfd is None:
             return True
-        readable, _, _ = select.select([self._pidfd], [], [], 0)  # a pidfd reads ready once it exits
+        try:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)  # a pidfd reads ready once it exits
+        except (OSError, ValueError):  # closed by another thread meanwhile
+            return False
         return not readable
 
     def put(self, buf: Any, offset: int) -> None:
@@ -143,12 +152,15 @@ class CmaWriter:
                 raise TransferError(f"write into peer process {self._pid} made no progress")
             done += n
 
+    def check(self) -> TransferError | None:
+        """What ``flush`` reports, now: every write has landed when it returned."""
+        return None if self._alive() else PeerDiedError(f"peer process {self._pid} has exited")
+
     def flush(self, on_done: Any) -> None:
         """Every write has landed when it returned; report at once (on the running loop)."""
         import asyncio
 
-        err = None if self._alive() else PeerDiedError(f"peer process {self._pid} has exited")
-        asyncio.get_running_loop().call_soon(on_done, err)
+        asyncio.get_running_loop().call_soon(on_done, self.check())
 
     def close(self) -> None:
         if self._closed:

@@ -230,7 +230,12 @@ def _address_of(buf: Any) -> tuple[int, int, int]:
 
 
 class _RemoteWriter:
-    """Puts on a connection's data endpoint into the peer's exposed region."""
+    """Puts on a connection's data endpoint into the peer's exposed region (event loop thread only)."""
+
+    synchronous = False
+
+    def check(self) -> TransferError | None:
+        raise NotImplementedError("puts complete asynchronously: flush")
 
     def __init__(self, conn: UcxConnection, ep: Any, region: RemoteRegion) -> None:
         self._conn = conn
