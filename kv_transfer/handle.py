@@ -200,10 +200,7 @@ class SenderHandle:
             return self._write_direct(layer)
         marker = ready_marker(self._kv.device)
         with self._lock:
-            if layer in self._pushed:
-                raise ValueError(f"layer {layer} pushed twice")
-            self._pushed.add(layer)
-            if self._error is not None:
+            if not self._claim(layer):
                 return
             self._incoming.append((layer, time.perf_counter(), marker))
             # One wake-up per burst: layers pushed before the loop gets the GIL go together.
@@ -211,16 +208,20 @@ class SenderHandle:
         if wake:
             self._loop.call_soon_threadsafe(self._drain_incoming)
 
+    def _claim(self, layer: int) -> bool:
+        """Under ``_lock``: mark ``layer`` pushed; False when the transfer already failed."""
+        if layer in self._pushed:
+            raise ValueError(f"layer {layer} pushed twice")
+        self._pushed.add(layer)
+        return self._error is None
+
     def _write_direct(self, layer: int) -> None:
         """Forward thread: put ``layer`` now with the synchronous writer; the loop does the books."""
         assert self._writer is not None and self._region is not None
         pushed_at = time.perf_counter()
         with self._write_lock:
             with self._lock:
-                if layer in self._pushed:
-                    raise ValueError(f"layer {layer} pushed twice")
-                self._pushed.add(layer)
-                if self._error is not None:
+                if not self._claim(layer):
                     return
             nbytes, err = 0, None
             unit, layer_base = self._spans.block_bytes, layer * self._region.layer_bytes

@@ -128,6 +128,20 @@ def transfer(
     assert decode.call("release", request_id=rid)
 
 
+def assert_every_block_holds_only_new_bytes(
+    decode: PeerProcess, prefill: PeerProcess, rid: str, total: int, seed: int
+) -> None:
+    """A request taking every block of ``decode`` (an ended transfer's included) gets exactly its own
+    bytes, also once an old sender's forward had time to push its remaining layers; then no leak."""
+    ticket = decode.call("reserve", request_id=rid, num_tokens=total * 16)
+    prefill.call("transfer", ticket=ticket, seed=seed, timeout=CALL_S)
+    decode.call("wait", request_id=rid)
+    time.sleep(0.3)  # longer than an old forward's remaining layers would take to be pushed
+    assert decode.call("verify", request_id=rid, seed=seed), "bytes of an ended transfer landed"
+    assert decode.call("release", request_id=rid)
+    assert_no_leak(decode, prefill)
+
+
 _BLOCK_BYTES = {"bfloat16": 2 * 16 * 3 * 64 * 2, "float32": 2 * 16 * 3 * 64 * 4}
 
 
@@ -338,13 +352,7 @@ def test_aborted_blocks_reused_at_once_hold_none_of_the_old_kv(
     with pytest.raises(PeerCallError) as err:
         prefill.result(old, timeout=CALL_S)
     assert err.value.kind == "AbortedError"
-    new = decode.call("reserve", request_id="new", num_tokens=total * 16)  # every block
-    prefill.call("transfer", ticket=new, seed=32, timeout=CALL_S)
-    decode.call("wait", request_id="new")
-    time.sleep(0.3)  # longer than the old forward's remaining layers would take to be pushed
-    assert decode.call("verify", request_id="new", seed=32), "bytes of the aborted transfer landed"
-    assert decode.call("release", request_id="new")
-    assert_no_leak(decode, prefill)
+    assert_every_block_holds_only_new_bytes(decode, prefill, "new", total, seed=32)
 
 
 def test_revoke_waits_for_a_sender_that_does_not_answer(bf16: tuple[PeerProcess, ...]) -> None:
@@ -374,12 +382,7 @@ def test_revoke_waits_for_a_sender_that_does_not_answer(bf16: tuple[PeerProcess,
     with pytest.raises(PeerCallError) as err:
         prefill.result(old, timeout=CALL_S)
     assert err.value.kind == "PeerDiedError"  # its connection was closed under it
-    new = decode.call("reserve", request_id="rv-new", num_tokens=total * 16)  # every block
-    prefill.call("transfer", ticket=new, seed=42, timeout=CALL_S)
-    decode.call("wait", request_id="rv-new")
-    assert decode.call("verify", request_id="rv-new", seed=42), "bytes of the revoked transfer landed"
-    assert decode.call("release", request_id="rv-new")
-    assert_no_leak(decode, prefill)
+    assert_every_block_holds_only_new_bytes(decode, prefill, "rv-new", total, seed=42)
 
 
 @pytest.mark.parametrize("fresh", ["tcp", "cma"], indirect=True)
@@ -405,10 +408,4 @@ def test_revoked_while_eager_puts_land_then_reused_at_once(fresh: tuple[PeerProc
         prefill.result(old, timeout=CALL_S)
     assert err.value.kind == "AbortedError"
     wait_free(decode, within_s=5.0)
-    new = decode.call("reserve", request_id="race-new", num_tokens=total * 16)  # every block
-    prefill.call("transfer", ticket=new, seed=52, timeout=CALL_S)
-    decode.call("wait", request_id="race-new")
-    time.sleep(0.3)  # longer than the old forward's remaining layers would take to be pushed
-    assert decode.call("verify", request_id="race-new", seed=52), "bytes of the revoked transfer landed"
-    assert decode.call("release", request_id="race-new")
-    assert_no_leak(decode, prefill)
+    assert_every_block_holds_only_new_bytes(decode, prefill, "race-new", total, seed=52)
