@@ -16,7 +16,12 @@ Stages:
    output_len``, ``--max-concurrency``), then guidellm as a subprocess
    (synthetic text of ``input_len`` tokens by the same tokenizer,
    ``ignore_eos``, ``max_tokens``, ``concurrent`` profile). Each tool's first
-   ``concurrency`` requests of a round are warmup, not measured.
+   ``concurrency`` requests of a round are warmup, not measured. guidellm also
+   sends ``concurrency`` more after the measured ones (a tail, not measured):
+   guidellm 0.8 can end its run before the update of the last request to finish
+   reaches its report (its collector stops on a poll timeout once the scheduler
+   counts every request processed, a race that shows on a loaded machine), so
+   the last requests are the ones it may leave out.
 3. per-request samples from both: TTFT, and ITL as the request's mean gap
    between tokens (guidellm's definition; ``pdserve bench``'s per-gap ITL
    averaged per request, the same number when each message carries one token).
@@ -75,6 +80,7 @@ class Samples:
     prompt_tokens: tuple[int, ...]
     output_tokens: tuple[int, ...]
     failed: int = 0
+    unreported: int = 0  # sent, but in none of the tool's report's lists (guidellm's end-of-run race)
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,11 @@ def agreement(
 # ---- guidellm -----------------------------------------------------------------------------------------
 
 
+def guidellm_requests(w: Workload) -> int:
+    """What guidellm is asked to send: warmup, the measured requests, then a tail of ``concurrency``."""
+    return w.concurrency + w.num_prompts + w.concurrency
+
+
 def guidellm_argv(
     exe: str, http_url: str, model: str, tokenizer_dir: Path, w: Workload, out: Path, seed: int
 ) -> list[str]:
@@ -169,7 +180,7 @@ def guidellm_argv(
         "--data",
         data,
         "--constraint",
-        f"kind=max_requests,count={w.num_prompts + w.concurrency}",
+        f"kind=max_requests,count={guidellm_requests(w)}",
         "--tokenizer",
         f"kind=hf_auto,model={tokenizer_dir}",
         "--seed",
@@ -180,18 +191,26 @@ def guidellm_argv(
     ]
 
 
-def guidellm_samples(doc: dict[str, Any], warmup: int) -> Samples:
-    """Per-request figures from guidellm's JSON report; its ``warmup`` earliest-started requests dropped."""
+def guidellm_samples(doc: dict[str, Any], warmup: int, measured: int, sent: int | None = None) -> Samples:
+    """Per-request figures from guidellm's JSON report.
+
+    By start time: the ``warmup`` earliest requests are dropped, the next ``measured`` kept, the rest
+    (the tail) dropped. ``sent``: how many guidellm was asked for; any it reported in none of its lists
+    are counted as ``unreported`` (not as failed: the server answered them; see the module's note).
+    """
     (benchmark,) = doc["benchmarks"]
     requests = benchmark["requests"]
-    ok = sorted(requests["successful"], key=lambda r: r["request_start_time"])[warmup:]
+    successful = requests["successful"] or []
+    ok = sorted(successful, key=lambda r: r["request_start_time"])[warmup : warmup + measured]
     failed = len(requests.get("errored") or []) + len(requests.get("incomplete") or [])
+    reported = len(successful) + failed
     return Samples(
         ttft_ms=tuple(float(r["time_to_first_token_ms"]) for r in ok),
         itl_ms=tuple(float(r["inter_token_latency_ms"]) for r in ok),
         prompt_tokens=tuple(int(r["prompt_tokens"]) for r in ok),
         output_tokens=tuple(int(r["output_tokens"]) for r in ok),
         failed=failed,
+        unreported=max(0, sent - reported) if sent is not None else 0,
     )
 
 
@@ -204,13 +223,13 @@ def find_guidellm() -> str:
     return found
 
 
-def run_guidellm(argv: list[str], out: Path, warmup: int, timeout_s: float) -> Samples:
+def run_guidellm(argv: list[str], out: Path, w: Workload, timeout_s: float) -> Samples:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the tokenizer is a local directory; never reach a hub
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
         raise RuntimeError(f"guidellm failed (exit {proc.returncode}):\n{tail}")
-    return guidellm_samples(json.loads(out.read_text()), warmup)
+    return guidellm_samples(json.loads(out.read_text()), w.concurrency, w.num_prompts, guidellm_requests(w))
 
 
 # ---- pdserve bench ------------------------------------------------------------------------------------
@@ -268,7 +287,7 @@ def compare(target: Target, w: Workload, guidellm: str, timeout_s: float = 600.0
                 )
 
             def http_run(argv: list[str] = argv, out: Path = out) -> Samples:
-                return run_guidellm(argv, out, w.concurrency, timeout_s)
+                return run_guidellm(argv, out, w, timeout_s)
 
             first, second = (grpc_run, http_run) if i % 2 == 0 else (http_run, grpc_run)
             results = {f: f() for f in (first, second)}
@@ -307,7 +326,11 @@ def format_report(doc: dict[str, Any]) -> str:
         )
     n_a, n_b = doc["agreement"][0]["n_a"], doc["agreement"][0]["n_b"]
     failed = [sum(r["failed"] for r in doc[tool]) for tool in ("pdserve_bench", "guidellm")]
-    lines.append(f"requests measured: {n_a} and {n_b}; failed: {failed[0]} and {failed[1]}")
+    unreported = sum(r.get("unreported", 0) for r in doc["guidellm"])
+    lines.append(
+        f"requests measured: {n_a} and {n_b}; failed: {failed[0]} and {failed[1]}"
+        + (f"; left out of guidellm's report: {unreported}" if unreported else "")
+    )
     lines.append("noise: the larger of the difference's 95% interval and the gap between one tool's rounds")
     return "\n".join(lines)
 

@@ -40,13 +40,13 @@ def test_workload_bounds():
         Workload(concurrency=0)
 
 
-def test_guidellm_command_and_report_parsing_drop_the_warmup():
+def test_guidellm_command_and_report_parsing_drop_the_warmup_and_the_tail():
     w = Workload(input_len=64, output_len=8, num_prompts=3, concurrency=2)
     argv = guidellm_argv("guidellm", "http://h:1", "smol", Path("/m"), w, Path("/o.json"), seed=5)
     joined = " ".join(argv)
     assert "kind=openai_http,target=http://h:1,model=smol,request_format=/v1/completions" in joined
     assert "kind=synthetic_text,prompt_tokens=64,output_tokens=8" in joined
-    assert "kind=concurrent,streams=2" in joined and "kind=max_requests,count=5" in joined  # 3 + 2 warmup
+    assert "kind=concurrent,streams=2" in joined and "kind=max_requests,count=7" in joined  # 2 + 3 + 2
     assert "kind=hf_auto,model=/m" in joined and "kind=static,value=5" in joined
 
     def req(start: float, ttft: float) -> dict:
@@ -62,16 +62,25 @@ def test_guidellm_command_and_report_parsing_drop_the_warmup():
         "benchmarks": [
             {
                 "requests": {
-                    "successful": [req(3.0, 30.0), req(1.0, 10.0), req(2.0, 20.0), req(4.0, 40.0)],
+                    # started 1..5; the tail's last request is missing from every list
+                    "successful": [
+                        req(3.0, 30.0),
+                        req(1.0, 10.0),
+                        req(5.0, 50.0),
+                        req(2.0, 20.0),
+                        req(4.0, 40.0),
+                    ],
                     "errored": [{}],
                     "incomplete": [],
                 }
             }
         ]
     }
-    s = guidellm_samples(doc, warmup=2)
-    assert s.ttft_ms == (30.0, 40.0) and s.itl_ms == (3.0, 4.0) and s.failed == 1  # the 2 earliest dropped
+    s = guidellm_samples(doc, warmup=2, measured=2, sent=7)
+    assert s.ttft_ms == (30.0, 40.0) and s.itl_ms == (3.0, 4.0)  # the 2 earliest and the tail dropped
     assert s.prompt_tokens == (64, 64) and s.output_tokens == (8, 8)
+    assert s.failed == 1 and s.unreported == 1  # 7 sent: 5 successful, 1 errored, 1 in no list
+    assert guidellm_samples(doc, warmup=2, measured=9).ttft_ms == (30.0, 40.0, 50.0)  # no more than there is
 
 
 def test_bench_samples_average_itl_per_request_and_count_failures():
