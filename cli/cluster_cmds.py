@@ -106,6 +106,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
     module += ["--mixed-steps"] if args.mixed_steps else []
+    module += ["--kv-interface", args.kv_interface] if args.kv_interface else []
+    module += [] if args.kv_cross_memory else ["--no-kv-cross-memory"]
     http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
     # TLS files (worker.tls), checked here: every process gets them, and this command calls the router.
     tls_config = TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)

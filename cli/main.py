@@ -229,6 +229,19 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         help="seconds a started KV transfer may receive nothing before the decode worker fails it "
         "(default %(default)s)",
     )
+    p.add_argument(
+        "--kv-interface",
+        default="",
+        help="network devices the KV transfer (UCX) uses, in UCX_NET_DEVICES syntax, e.g. eth0 or "
+        "mlx5_0:1,eth0; 'all': every device (default: $UCX_NET_DEVICES, else the interface carrying --host)",
+    )
+    p.add_argument(
+        "--no-kv-cross-memory",
+        dest="kv_cross_memory",
+        action="store_false",
+        help="never write a decode worker of this host by cross-memory attach (process_vm_writev); "
+        "all KV goes through UCX (default: cross-memory writes where the kernel permits them)",
+    )
     p.add_argument("--kv-fault-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     p.add_argument(
         "--worker-module",
@@ -377,19 +390,6 @@ def build_parser() -> argparse.ArgumentParser:
         "Prometheus sees pdserve_model_load_failed (default: exit at once)",
     )
     p.add_argument("--metrics-port", type=_nonneg, default=0, help="the worker's /metrics port (0: any free)")
-    p.add_argument(
-        "--kv-interface",
-        default="",
-        help="network devices the KV transfer (UCX) uses, in UCX_NET_DEVICES syntax, e.g. eth0 or "
-        "mlx5_0:1,eth0; 'all': every device (default: $UCX_NET_DEVICES, else the interface carrying --host)",
-    )
-    p.add_argument(
-        "--no-kv-cross-memory",
-        dest="kv_cross_memory",
-        action="store_false",
-        help="never write a decode worker of this host by cross-memory attach (process_vm_writev); "
-        "all KV goes through UCX (default: cross-memory writes where the kernel permits them)",
-    )
     _worker_tuning(p)
     _token_arg(p)
     _tls_args(p, server=True)

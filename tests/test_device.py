@@ -301,6 +301,20 @@ def test_up_on_cpu_passes_auto_and_the_default_share(launcher, capsys):
     assert cli.main(["up", "--prefill", "0", "--decode", "1", "--model", "m", "--port", "50998", *sd]) == 0
     w = parsed_worker(launcher.argvs["decode-1"])
     assert (w.device, w.dtype, w.gpu_memory_utilization) == ("cpu", "auto", 0.9)
+    assert w.kv_cross_memory and w.kv_interface == ""
+
+
+def test_up_hands_the_kv_transfer_flags_to_every_worker_scale_starts_too(launcher):
+    sd = ["--state-dir", str(launcher.state_dir)]
+    kv = ["--no-kv-cross-memory", "--kv-interface", "lo"]
+    assert (
+        cli.main(["up", "--prefill", "1", "--decode", "1", "--model", "m", "--port", "50997", *kv, *sd]) == 0
+    )
+    assert cli.main(["scale", "--decode", "2", *sd]) == 0
+    for wid in ("prefill-1", "decode-2", "decode-3"):
+        w = parsed_worker(launcher.argvs[wid])
+        assert (w.kv_cross_memory, w.kv_interface) == (False, "lo"), wid
+        assert not w.transfer_config().same_host, wid
 
 
 def test_an_old_state_file_reads_as_a_cpu_cluster(tmp_path):
