@@ -27,6 +27,12 @@ it does when a decode worker hands out its ticket. Raw: one ucxx tagged send of
 the same number of bytes answered by a one-byte ack, over the same kind of
 endpoint, timed from the send to the ack, alternating with the pdserve runs.
 
+``landed`` times the other end, on the host's one monotonic clock: from the
+same starts to the decode side having every byte and knowing it (pdserve: its
+``wait`` resolves, i.e. Complete arrived after the writes; raw: its receive
+completes). It shows where a gap comes from: before the data and Complete are
+in, or on the way back.
+
 Every number is a median over ``--reps`` runs (``best``: the fastest runs, as
 noise on a shared machine only adds time); ``ratio`` is raw time / pdserve
 time, so 1.0 means pdserve moves the bytes as fast as plain ucxx.
@@ -148,19 +154,29 @@ class _Pair:
     def transfer(self, tokens: int, layer_interval_s: float = 0.0) -> dict[str, Any]:
         self._n += 1
         rid = f"bench-{self._n}"
-        ticket = self.decode.call("reserve", request_id=rid, num_tokens=tokens, snapshot=False)
+        ticket = self.decode.call("reserve", request_id=rid, num_tokens=tokens, snapshot=False, track=True)
         stats = self.prefill.call(
             "transfer", ticket=ticket, seed=self._n, layer_interval_s=layer_interval_s, fill=False
         )
-        self.decode.call("wait", request_id=rid)
+        done = self.decode.call("wait", request_id=rid)
         self.decode.call("release", request_id=rid)
-        return stats
+        # The decode side has every byte and knows it (its ``wait`` resolved): one clock on one host.
+        return {**stats, "landed_seconds": done["landed_at"] - stats["started_at"]}
 
     def raw(self, nbytes: int, reps: int, count: int = 1) -> list[float]:
+        """Send to ack, per round."""
+        return self.raw_timed(nbytes, reps, count)[0]
+
+    def raw_timed(self, nbytes: int, reps: int, count: int = 1) -> tuple[list[float], list[float]]:
+        """Per round: send to ack, and send to the receiver having every byte."""
         address = self.decode.call("raw_serve", nbytes=nbytes, count=count)
-        return self.prefill.call(
+        self.decode.call("raw_landings")  # clear: earlier rounds
+        times = self.prefill.call(
             "raw_run", address=address, nbytes=nbytes, reps=reps, count=count, timeout=300
         )
+        starts = self.prefill.call("raw_starts")
+        landed = self.decode.call("raw_landings")
+        return times, [b - a for a, b in zip(starts, landed, strict=True)]
 
 
 def _row(
@@ -172,12 +188,17 @@ def _row(
     nbytes = first["bytes"]
     pair.raw(nbytes, 2)  # warm-up, same as pdserve's
     pd_times, raw_times, messages = [], [], []
+    pd_landed, raw_landed = [], []
     for _ in range(reps):  # alternate, so both see the same machine noise
         stats = pair.transfer(request_tokens)
         pd_times.append(stats["wall_seconds"])
+        pd_landed.append(stats["landed_seconds"])
         messages.append(stats["messages"])
-        raw_times.extend(pair.raw(nbytes, 1))
+        times, landed = pair.raw_timed(nbytes, 1)
+        raw_times.extend(times)
+        raw_landed.extend(landed)
     pd, raw = statistics.median(pd_times), statistics.median(raw_times)
+    pd_in, raw_in = statistics.median(pd_landed), statistics.median(raw_landed)
     count = round(statistics.median(messages))
     split = statistics.median(pair.raw(nbytes, reps + 1, count)[1:]) if count > 1 else raw
     # Paced run: layers slower than their transfer, so latency is the message's own.
@@ -197,6 +218,16 @@ def _row(
         "pdserve_ms": round(pd * 1e3, 3),
         "raw_ms": round(raw * 1e3, 3),
         "messages": count,
+        # Start to the decode side having every byte and knowing it (pdserve: its wait resolves,
+        # after Complete; raw: its receive completes), read on the host's one monotonic clock.
+        # The ratio above times the sender until the answer comes back (pdserve: CompleteAck;
+        # raw: its ack), one control message more for pdserve: a one-sided write needs Complete
+        # to tell the decode side, where raw's data message itself does.
+        "landed": {
+            "pdserve_ms": round(pd_in * 1e3, 3),
+            "raw_ms": round(raw_in * 1e3, 3),
+            "ratio": round(raw_in / pd_in, 3),
+        },
         "raw_same_messages_ms": round(split * 1e3, 3),
         # Noise on a shared machine only ever adds time: the fastest runs are the other view.
         "best": {

@@ -120,10 +120,13 @@ def fresh(request: pytest.FixtureRequest) -> Iterator[tuple[PeerProcess, PeerPro
 def transfer(
     decode: PeerProcess, prefill: PeerProcess, rid: str, tokens: int, seed: int, **kw: object
 ) -> None:
-    ticket = decode.call("reserve", request_id=rid, num_tokens=tokens, keep_every=kw.pop("decode_keep", 0))
+    keep = kw.pop("decode_keep", 0)
+    ticket = decode.call("reserve", request_id=rid, num_tokens=tokens, keep_every=keep, track=True)
     out = prefill.call("transfer", ticket=ticket, seed=seed, first_token_id=seed + 1, timeout=CALL_S, **kw)
     assert out["bytes"] == 30 * -(-tokens // 16) * decode_block_bytes(decode)
-    assert decode.call("wait", request_id=rid)["first_token_id"] == seed + 1
+    done = decode.call("wait", request_id=rid)
+    assert done["first_token_id"] == seed + 1
+    assert done["landed_at"] > out["started_at"]  # one clock on one host (the benchmark subtracts them)
     assert decode.call("verify", request_id=rid, seed=seed), "received KV differs from the source"
     assert decode.call("release", request_id=rid)
 

@@ -50,6 +50,8 @@ class RawBaseline:
         self._clients: dict[str, tuple[Any, Any]] = {}  # address -> (control ep, data ep)
         self._server_eps: list[Any] = []
         self._buffers: dict[tuple[str, int], np.ndarray] = {}
+        self.starts: list[float] = []  # the last run's round starts (perf_counter)
+        self.landed: list[float] = []  # served rounds: when every byte had arrived (perf_counter)
 
     def _buffer(self, side: str, nbytes: int) -> np.ndarray:
         buf = self._buffers.get((side, nbytes))
@@ -79,6 +81,7 @@ class RawBaseline:
                         else:
                             pairs = zip(parts, data_tags, strict=True)
                             await asyncio.gather(*(ep.recv(b, tag=t, force_tag=True) for b, t in pairs))
+                        self.landed.append(time.perf_counter())
                         await ep.send(ack, tag=ack_tag, force_tag=True)
                 except Exception:  # the client went away: this baseline is over
                     return
@@ -108,9 +111,11 @@ class RawBaseline:
         parts = _split(src, count)
         ack = np.zeros(1, dtype=np.uint8)
         data_tags, ack_tag = _tags(nbytes, count)
-        times = []
+        times: list[float] = []
+        self.starts = []
         for _ in range(reps):
             t0 = time.perf_counter()
+            self.starts.append(t0)
             if count == 1:
                 await data_ep.send(src, tag=data_tags[0], force_tag=True)
             else:

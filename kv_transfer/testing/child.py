@@ -39,6 +39,9 @@ class PeerState:
         self.raw: Any = None
         self._snapshots: dict[str, tuple[list[int], str]] = {}
         self._handles: dict[str, Any] = {}  # request id -> its latest SenderHandle
+        # reserve(track=True): a task awaiting the transfer, and when it resolved (perf_counter:
+        # one clock for every process of the host, so the benchmark can subtract P's start).
+        self._landings: dict[str, asyncio.Task[tuple[Any, float]]] = {}
         # Stand-ins for the model's forward thread, started once like the engine's.
         self._forward_threads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fake-forward")
 
@@ -50,6 +53,9 @@ class PeerState:
         return await result if asyncio.iscoroutine(result) else result
 
     async def close(self) -> None:
+        for task in self._landings.values():
+            task.cancel()
+        self._landings.clear()
         for obj in (*self.senders.values(), self.receiver, self.raw):
             if obj is not None:
                 await obj.close()
@@ -70,8 +76,10 @@ class PeerState:
         deadline_s: float | None = None,
         keep_every: int = 0,
         snapshot: bool = True,
+        track: bool = False,
     ) -> bytes:
-        """Reserve; ``snapshot`` records the blocks' digest for ``untouched`` (reads every byte)."""
+        """Reserve; ``snapshot`` records the blocks' digest for ``untouched`` (reads every byte);
+        ``track``: ``wait`` also says when the transfer resolved here (``landed_at``)."""
         assert self.receiver is not None
         if keep_every:  # fragment the free list so the reservation gets scattered block ids
             fillers = [f"__filler_{request_id}_{i}" for i in range(self.blocks.num_free)]
@@ -87,6 +95,11 @@ class PeerState:
                     self.blocks.free(f)
         else:
             ticket = self.receiver.reserve(request_id, num_tokens, deadline_s)
+        if track:
+            task = self._landings[request_id] = asyncio.get_running_loop().create_task(
+                self._landing(request_id)
+            )
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
         blocks = list(ticket.block_ids)
         digest = fingerprint(self.kv_bytes[:, blocks]) if snapshot else ""
         self._snapshots[request_id] = (blocks, digest)
@@ -94,8 +107,23 @@ class PeerState:
 
     async def cmd_wait(self, request_id: str, timeout: float = 30.0) -> dict[str, Any]:
         assert self.receiver is not None
-        res = await asyncio.wait_for(self.receiver.wait(request_id), timeout)
-        return {"first_token_id": res.first_token_id, "block_ids": list(res.block_ids), "bytes": res.bytes}
+        landing = self._landings.pop(request_id, None)
+        landed_at = None
+        if landing is None:
+            res = await asyncio.wait_for(self.receiver.wait(request_id), timeout)
+        else:
+            res, landed_at = await asyncio.wait_for(asyncio.shield(landing), timeout)
+        return {
+            "first_token_id": res.first_token_id,
+            "block_ids": list(res.block_ids),
+            "bytes": res.bytes,
+            "landed_at": landed_at,
+        }
+
+    async def _landing(self, request_id: str) -> tuple[Any, float]:
+        assert self.receiver is not None
+        res = await self.receiver.wait(request_id)
+        return res, time.perf_counter()
 
     def cmd_verify(self, request_id: str, seed: int) -> bool:
         blocks, _ = self._snapshots[request_id]
@@ -213,6 +241,7 @@ class PeerState:
             stats = await handle.complete(first_token_id)
             t3 = time.perf_counter()
             return {
+                "started_at": t0,
                 "wall_seconds": t3 - t0,
                 "open_seconds": t1 - t0,
                 "push_seconds": t2 - t1,
@@ -239,3 +268,14 @@ class PeerState:
         if self.raw is None:
             self.raw = RawBaseline(self.spec.config)
         return await self.raw.run(address, nbytes, reps, count)
+
+    def cmd_raw_starts(self) -> list[float]:
+        """perf_counter times at which the last ``raw_run``'s rounds began (the sender)."""
+        return list(self.raw.starts) if self.raw is not None else []
+
+    def cmd_raw_landings(self) -> list[float]:
+        """perf_counter times at which served rounds' data had all arrived (the receiver); cleared."""
+        if self.raw is None:
+            return []
+        landed, self.raw.landed = self.raw.landed, []
+        return landed
