@@ -165,15 +165,15 @@ class _Pair:
 
     def raw(self, nbytes: int, reps: int, count: int = 1) -> list[float]:
         """Send to ack, per round."""
-        return self.raw_timed(nbytes, reps, count)[0]
-
-    def raw_timed(self, nbytes: int, reps: int, count: int = 1) -> tuple[list[float], list[float]]:
-        """Per round: send to ack, and send to the receiver having every byte."""
         address = self.decode.call("raw_serve", nbytes=nbytes, count=count)
-        self.decode.call("raw_landings")  # clear: earlier rounds
-        times = self.prefill.call(
+        return self.prefill.call(
             "raw_run", address=address, nbytes=nbytes, reps=reps, count=count, timeout=300
         )
+
+    def raw_timed(self, nbytes: int, reps: int) -> tuple[list[float], list[float]]:
+        """Per round of one message: send to ack, and send to the receiver having every byte."""
+        self.decode.call("raw_landings")  # clear: earlier rounds (warm-up, other views)
+        times = self.raw(nbytes, reps)
         starts = self.prefill.call("raw_starts")
         landed = self.decode.call("raw_landings")
         return times, [b - a for a, b in zip(starts, landed, strict=True)]
