@@ -155,12 +155,17 @@ class SenderHandle:
         self._settled = asyncio.Event()
         self._settled.set()
         self.complete_ack: asyncio.Future[None] = self._loop.create_future()
+        self._waiting: set[asyncio.Future[Any]] = set()  # futures ``until`` awaits: fail() fails them
         self._cleanup: asyncio.Task[None] | None = None
         # One-sided writes: the receiver's region, and layers pushed before its Accept came.
         self._writer = writer if region is not None else None
         self._region = region
         self._accepted = self._writer is None or eager
         self._held: list[tuple[int, float]] = []
+        # Each layer's runs, in bytes from the layer's start on either side: (source, destination, length).
+        unit = self._spans.block_bytes
+        self._runs = [(seg.src_start * unit, seg.dst_start * unit, seg.num_blocks * unit) for seg in segments]
+        self._run_bytes = sum(run[2] for run in self._runs)
         # A synchronous writer (a memory copy: cma.py) with eager puts writes each layer on the
         # thread that pushes it: no hop to the loop, and the loop never blocks on the copy.
         # _write_lock is held across each such write; once _error is set no write starts, so
@@ -170,7 +175,7 @@ class SenderHandle:
             and not sender.config.faults.active
         )
         self._write_lock = threading.Lock()
-        self._next_wake = 0.0  # perf_counter time after which a direct write wakes the loop again
+        self._next_wake = time.perf_counter() + _BOOKS_LAG_S  # after which a direct write wakes the loop
         # Direct writes for the loop's books: layer, push to written (s), bytes, error.
         self._written: list[tuple[int, float, int, TransferError | None]] = []
 
@@ -223,15 +228,7 @@ class SenderHandle:
             with self._lock:
                 if not self._claim(layer):
                     return
-            nbytes, err = 0, None
-            unit, layer_base = self._spans.block_bytes, layer * self._region.layer_bytes
-            try:
-                for seg in self._segments:
-                    src = self._spans.span(layer, seg.src_start, seg.num_blocks)
-                    self._writer.put(src, layer_base + seg.dst_start * unit)
-                    nbytes += seg.num_blocks * unit
-            except TransferError as exc:
-                err = exc
+            nbytes, err = self._write_runs(layer)
         now = time.perf_counter()
         with self._lock:
             self._written.append((layer, now - pushed_at, nbytes, err))
@@ -307,17 +304,19 @@ class SenderHandle:
     def _put_layer(self, layer: int, pushed_at: float) -> None:
         if self._error is not None:
             return
-        assert self._writer is not None and self._region is not None
-        spans, unit, layer_base = self._spans, self._spans.block_bytes, layer * self._region.layer_bytes
-        nbytes, err = 0, None
-        try:
-            for seg in self._segments:
-                src = spans.span(layer, seg.src_start, seg.num_blocks)
-                self._writer.put(src, layer_base + seg.dst_start * unit)
-                nbytes += seg.num_blocks * unit
-        except TransferError as exc:
-            err = exc
+        nbytes, err = self._write_runs(layer)
         self._account_put(layer, time.perf_counter() - pushed_at, nbytes, err)
+
+    def _write_runs(self, layer: int) -> tuple[int, TransferError | None]:
+        """Write ``layer``'s runs into the receiver's region: (bytes, error). A write that failed
+        may have written part (the books count the layer as sent either way)."""
+        assert self._writer is not None and self._region is not None
+        local = self._spans.address + layer * self._spans.layer_bytes
+        try:
+            self._writer.write_runs(local, layer * self._region.layer_bytes, self._runs)
+        except TransferError as exc:
+            return 0, exc
+        return self._run_bytes, None
 
     def _account_put(self, layer: int, seconds: float, nbytes: int, err: TransferError | None) -> None:
         """The loop's books of one layer's puts (issued here or written by the forward thread)."""
@@ -379,8 +378,10 @@ class SenderHandle:
             if asyncio.iscoroutine(aw):
                 aw.close()
             raise self._error
-        if isinstance(aw, asyncio.Future) and aw.done():  # common on the fast path: skip the wait
-            return aw.result()
+        if isinstance(aw, asyncio.Future):
+            if aw.done():  # common on the fast path: skip the wait
+                return aw.result()
+            return await self._until_future(aw, what)
         target: asyncio.Future[Any] = asyncio.ensure_future(aw)
         timeout = max(self._deadline - self._loop.time(), 0.0)
         done, _ = await asyncio.wait(
@@ -395,6 +396,22 @@ class SenderHandle:
             assert self._error is not None
             raise self._error
         return target.result()
+
+    async def _until_future(self, fut: asyncio.Future[T], what: str) -> T:
+        """``until`` for a future: awaited itself (``asyncio.wait`` costs two more loop iterations,
+        and the completion ack is on every transfer's critical path); a failure or the deadline
+        ends the wait by failing it (``fail`` sets the error on every future waited for)."""
+        timer = self._loop.call_at(self._deadline, self._deadline_passed, what)
+        self._waiting.add(fut)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+            self._waiting.discard(fut)
+
+    def _deadline_passed(self, what: str) -> None:
+        if self._error is None:
+            self.fail(DeadlineError(f"transfer of {self.request_id!r}: deadline passed waiting for {what}"))
 
     async def complete(self, first_token_id: int) -> SendStats:
         """Send the completion with the first sampled token; return once the receiver acknowledged.
@@ -457,6 +474,9 @@ class SenderHandle:
             self._error = err
         self.state = HandleState.FAILED
         self._failed.set_result(None)
+        for fut in self._waiting:
+            if not fut.done():
+                fut.set_exception(err)
         self._sender.metrics.transfer_failed(err.reason)
         self._sender.metrics.closed()
         log.info("transfer %s failed: %s", self.request_id, err)

@@ -66,8 +66,10 @@ class KVSpans:
             raise ValueError("KV tensor must be contiguous")
         self.num_blocks = kv.shape[1]
         self.block_bytes = block_bytes(kv)
+        self.layer_bytes = self.num_blocks * self.block_bytes
         flat = as_bytes(kv)  # [L * N * block_bytes]
         self.flat: Any = flat.numpy() if kv.device.type == "cpu" else flat
+        self.address: int = flat.data_ptr()  # of block 0 of layer 0, for one-sided writes by address
 
     def span(self, layer: int, first_block: int, num_blocks: int) -> Any:
         """The bytes of ``kv[layer, first_block : first_block + num_blocks]``."""

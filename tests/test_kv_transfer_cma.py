@@ -111,3 +111,44 @@ def test_open_refuses_another_host_and_a_missing_process(child: Child) -> None:
     child.proc.wait(timeout=10)  # reaped: the pid names nothing now
     with pytest.raises(TransferError):
         cma.CmaWriter.open(child.region())
+
+
+@pytest.mark.parametrize("max_iov", [1024, 2], ids=["one-call", "run-by-run"])
+def test_write_runs_lands_every_run_at_its_offset(
+    child: Child, max_iov: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's scattered runs go in one vectored call; past the kernel's iovec limit, run by run."""
+    import zlib
+
+    if not cma.host_identity():
+        pytest.skip("no /proc here: cross-memory writes are off")
+    monkeypatch.setattr(cma, "_MAX_IOV", max_iov)
+    writer = cma.CmaWriter.open(child.region())
+    src = np.random.default_rng(1).integers(0, 256, 200_000, dtype=np.uint8)
+    # (source offset, destination offset, length): out of order, of uneven sizes, one at the region's end
+    runs = [(0, 50_000, 4096), (4096, 0, 100), (10_000, SIZE - 1777, 777), (20_000, 9_000, 150_000)]
+    writer.write_runs(src.ctypes.data, 1000, runs)  # 1000: where the layer starts in the region
+    expect = bytearray(SIZE)
+    for s, d, n in runs:
+        expect[1000 + d : 1000 + d + n] = src[s : s + n].tobytes()
+    assert child.checksum() == zlib.crc32(bytes(expect))
+    with pytest.raises(ValueError):  # one run past the region's end: nothing is written
+        writer.write_runs(src.ctypes.data, 0, [(0, 0, 10), (0, SIZE - 50, 100)])
+    assert child.checksum() == zlib.crc32(bytes(expect))
+    writer.close()
+
+
+def test_write_runs_reports_a_fault_after_the_runs_before_it_landed(child: Child) -> None:
+    """The kernel stops a vectored write at a run it cannot reach: the runs before it land, and the
+    rest are retried one by one, so the error says what went wrong."""
+    import zlib
+
+    if not cma.host_identity():
+        pytest.skip("no /proc here: cross-memory writes are off")
+    far = 1 << 40  # nothing is mapped a terabyte past a small heap buffer
+    writer = cma.CmaWriter.open(child.region(length=far + SIZE))
+    src = np.full(8192, 7, dtype=np.uint8)
+    with pytest.raises(TransferError, match="write into peer process"):
+        writer.write_runs(src.ctypes.data, 0, [(0, 0, 4096), (4096, far, 4096)])
+    assert child.checksum() == zlib.crc32(bytes(src[:4096]) + bytes(SIZE - 4096))
+    writer.close()

@@ -204,6 +204,14 @@ def test_kill_sender_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> Non
     assert err.value.kind == "PeerDiedError"
     wait_free(decode, within_s=5.0)
     assert_no_leak(decode)
+    wait_no_control_requests(decode)  # the dead sender's connection: its posted receive was cancelled
+
+
+def wait_no_control_requests(peer: PeerProcess, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := peer.call("control_requests")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == 0, f"{left} control-frame requests of a broken connection were never freed"
 
 
 def test_kill_receiver_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> None:
@@ -216,6 +224,7 @@ def test_kill_receiver_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> N
         prefill.result(call, timeout=5)
     assert err.value.kind == "PeerDiedError"
     assert_no_leak(prefill)
+    wait_no_control_requests(prefill)
 
 
 @pytest.mark.parametrize("mismatch", ["hash", "version"])

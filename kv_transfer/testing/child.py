@@ -157,6 +157,12 @@ class PeerState:
         draining = self.receiver.draining if self.receiver is not None else 0
         return {"free": self.blocks.num_free, "total": self.blocks.num_blocks, "draining": draining}
 
+    def cmd_control_requests(self) -> int:
+        """UCX requests of control frames not yet freed: one posted receive per live connection."""
+        from pdserve.kv_transfer.transports import ucp_tag
+
+        return ucp_tag.pending()
+
     def cmd_metrics(self) -> str:
         parts = [
             generate_latest(x.metrics.registry).decode() for x in (self.receiver, *self.senders.values()) if x

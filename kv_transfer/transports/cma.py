@@ -25,6 +25,7 @@ import errno
 import functools
 import os
 import select
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from pdserve.kv_transfer.wire import RemoteRegion
 
 # Larger writes go in pieces: one call copies at most this much (keeps each call short).
 _MAX_WRITE = 1 << 30
+# The kernel's limit on iovecs per side of one call (UIO_MAXIOV).
+_MAX_IOV = 1024
 
 
 class _IoVec(ctypes.Structure):
@@ -151,6 +154,46 @@ class CmaWriter:
             if n == 0:
                 raise TransferError(f"write into peer process {self._pid} made no progress")
             done += n
+
+    def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Copy each run ``(source, destination, nbytes)`` from address ``local + source`` to
+        ``base + offset + destination``, in one system call where the kernel's limits allow (a
+        layer of a request whose blocks are scattered is one call, not one per run)."""
+        n = len(runs)
+        total = 0
+        for _, dst, nbytes in runs:
+            if offset + dst < 0 or offset + dst + nbytes > self.length:
+                raise ValueError(
+                    f"a run of {nbytes} bytes at {offset + dst} is outside the {self.length}-byte region"
+                )
+            total += nbytes
+        if n == 0:
+            return
+        if n > _MAX_IOV or total > _MAX_WRITE:
+            for src, dst, nbytes in runs:
+                self.write(local + src, nbytes, offset + dst)
+            return
+        if not self._alive():
+            raise PeerDiedError(f"peer process {self._pid} has exited")
+        liov, riov = (_IoVec * n)(), (_IoVec * n)()
+        remote = self.base + offset
+        for i, (src, dst, nbytes) in enumerate(runs):
+            liov[i].iov_base, liov[i].iov_len = local + src, nbytes
+            riov[i].iov_base, riov[i].iov_len = remote + dst, nbytes
+        got = _libc().process_vm_writev(self._pid, liov, n, riov, n, 0)
+        if got == total:
+            return
+        if got < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ESRCH, errno.EPERM):
+                raise PeerDiedError(f"write into peer process {self._pid}: {os.strerror(err)}")
+            raise TransferError(f"write into peer process {self._pid}: {os.strerror(err)}")
+        # A short write (the kernel stops at a run it cannot reach): the rest run by run, which says why.
+        for src, dst, nbytes in runs:
+            done = min(max(got, 0), nbytes)
+            got -= nbytes
+            if done < nbytes:
+                self.write(local + src + done, nbytes - done, offset + dst + done)
 
     def check(self) -> TransferError | None:
         """What ``flush`` reports, now: every write has landed when it returned."""

@@ -60,7 +60,7 @@ class _MemMapParams(ctypes.Structure):
     ]
 
 
-_SendCallback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+SendCallback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
 
 
 class _MemAttr(ctypes.Structure):
@@ -72,22 +72,45 @@ class _MemAttr(ctypes.Structure):
     ]
 
 
-class _RequestParam(ctypes.Structure):
-    _fields_ = [
+def _request_param_fields(callback: Any) -> list[tuple[str, Any]]:
+    """``ucp_request_param_t``'s fields; ``cb`` is a union of callback pointers, typed as the one set."""
+    vp = ctypes.c_void_p
+    return [
         ("op_attr_mask", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
-        ("request", ctypes.c_void_p),
-        ("cb", _SendCallback),  # a union of callback pointers: the send one is all we set
+        ("request", vp),
+        ("cb", callback),
         ("datatype", ctypes.c_uint64),
-        ("user_data", ctypes.c_void_p),
-        ("reply_buffer", ctypes.c_void_p),
+        ("user_data", vp),
+        ("reply_buffer", vp),
         ("memory_type", ctypes.c_int),
-        ("recv_info", ctypes.c_void_p),
-        ("memh", ctypes.c_void_p),
+        ("recv_info", vp),
+        ("memh", vp),
     ]
 
 
-def _status_of(ptr: int | None) -> int:
+class RequestParam(ctypes.Structure):
+    """For sends, puts and flushes."""
+
+    _fields_ = _request_param_fields(SendCallback)
+
+
+class TagRecvInfo(ctypes.Structure):
+    _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
+
+
+RecvCallback = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(TagRecvInfo), ctypes.c_void_p
+)
+
+
+class RecvRequestParam(ctypes.Structure):
+    """For tagged receives."""
+
+    _fields_ = _request_param_fields(RecvCallback)
+
+
+def status_of(ptr: int | None) -> int:
     """``UCS_PTR_STATUS``: UCS_OK for NULL, the (negative) error for an error pointer,
     UCS_INPROGRESS for a request."""
     if not ptr:
@@ -112,10 +135,21 @@ class _Lib:
         self.ep_rkey_unpack = _fn(lib.ucp_ep_rkey_unpack, i32, [vp, ctypes.c_char_p, ctypes.POINTER(vp)])
         self.rkey_destroy = _fn(lib.ucp_rkey_destroy, None, [vp])
         self.put_nbx = _fn(
-            lib.ucp_put_nbx, vp, [vp, vp, sz, ctypes.c_uint64, vp, ctypes.POINTER(_RequestParam)]
+            lib.ucp_put_nbx, vp, [vp, vp, sz, ctypes.c_uint64, vp, ctypes.POINTER(RequestParam)]
         )
-        self.ep_flush_nbx = _fn(lib.ucp_ep_flush_nbx, vp, [vp, ctypes.POINTER(_RequestParam)])
+        self.ep_flush_nbx = _fn(lib.ucp_ep_flush_nbx, vp, [vp, ctypes.POINTER(RequestParam)])
         self.request_free = _fn(lib.ucp_request_free, None, [vp])
+        # Tagged messages (ucp_tag.py): the control frames' fast path.
+        self.tag_send_nbx = _fn(
+            lib.ucp_tag_send_nbx, vp, [vp, vp, sz, ctypes.c_uint64, ctypes.POINTER(RequestParam)]
+        )
+        self.tag_recv_nbx = _fn(
+            lib.ucp_tag_recv_nbx,
+            vp,
+            [vp, vp, sz, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(RecvRequestParam)],
+        )
+        self.request_cancel = _fn(lib.ucp_request_cancel, None, [vp, vp])
+        self.worker_signal = _fn(lib.ucp_worker_signal, i32, [vp])
         self.status_string = (
             _fn(lib.ucs_status_string, ctypes.c_char_p, [i32]) if hasattr(lib, "ucs_status_string") else None
         )
@@ -215,7 +249,7 @@ class RemoteKey:
         self._rkey: int | None = rkey.value
         self.base = base_address
         self.length = length
-        self._param = _RequestParam()  # no callback: an unfinished put's request is freed at once
+        self._param = RequestParam()  # no callback: an unfinished put's request is freed at once
 
     def put(self, local_address: int, nbytes: int, offset: int) -> None:
         """Start writing ``nbytes`` from ``local_address`` at ``offset`` into the remote region.
@@ -228,7 +262,7 @@ class RemoteKey:
         if offset < 0 or offset + nbytes > self.length:
             raise ValueError(f"put of {nbytes} bytes at {offset} outside the {self.length}-byte region")
         ptr = lib().put_nbx(self._ep, local_address, nbytes, self.base + offset, self._rkey, self._param)
-        status = _status_of(ptr)
+        status = status_of(ptr)
         if status == UCS_INPROGRESS:
             lib().request_free(ptr)  # released by UCX once the put completes
         elif status != UCS_OK:
@@ -246,7 +280,7 @@ _pending_lock = threading.Lock()
 _next_key = iter(range(1, 1 << 62))
 
 
-@_SendCallback
+@SendCallback
 def _on_flushed(request: int, status: int, user_data: int) -> None:
     with _pending_lock:
         entry = _pending.pop(user_data or 0, None)
@@ -267,12 +301,12 @@ def flush(ep: int, done: Callable[[int], None]) -> None:
     with _pending_lock:
         key = next(_next_key)
         _pending[key] = (loop, done)
-    param = _RequestParam()
+    param = RequestParam()
     param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA
     param.cb = _on_flushed
     param.user_data = key
     ptr = lib().ep_flush_nbx(ep, ctypes.byref(param))
-    status = _status_of(ptr)
+    status = status_of(ptr)
     if status != UCS_INPROGRESS:  # finished (or failed) at once: the callback will not run
         with _pending_lock:
             _pending.pop(key, None)

@@ -17,8 +17,11 @@ channel id and P's own worker address; the decode side D makes its endpoint
 back from that address and answers with an empty frame on the channel.
 
 Control messages are tagged messages on the channel's two tags (``_tag``),
-framed with their length and received into one buffer per connection, posted
-on the receiving side's own endpoint so that closing it cancels them. KV data
+framed with their length and received into one buffer per connection. They go
+straight on libucp (ucp_tag.py: completions reach the loop in one hop, where
+ucxx's notifier thread takes two hops and three loop iterations); a UCX receive
+is the worker's, not an endpoint's, so breaking a connection cancels its
+posted receive. KV data
 uses tagged messages posted straight into the KV tensor (rendezvous above
 ``UCX_RNDV_THRESH``, so no staging copy). Tag matching is per UCX worker, not
 per endpoint: a receive matches what the peer sent on any endpoint.
@@ -55,7 +58,7 @@ import os
 import random
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -66,7 +69,7 @@ from pdserve.kv_transfer.errors import PeerDiedError, TransferError
 from pdserve.kv_transfer.kvbuf import as_bytes
 from pdserve.kv_transfer.plan import MAX_TRANSFER_ID
 from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler, describe
-from pdserve.kv_transfer.transports import cma, ucp_rma
+from pdserve.kv_transfer.transports import cma, ucp_rma, ucp_tag
 from pdserve.kv_transfer.wire import RemoteRegion
 
 log = logging.getLogger(__name__)
@@ -251,6 +254,16 @@ class _RemoteWriter:
         except TransferError as exc:
             raise PeerDiedError(f"put to {self._conn.peer}: {exc}") from exc
 
+    def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
+        if not self._conn.alive:
+            raise PeerDiedError(f"connection to {self._conn.peer} is closed")
+        put = self._key.put
+        try:
+            for src, dst, nbytes in runs:
+                put(local + src, nbytes, offset + dst)
+        except TransferError as exc:
+            raise PeerDiedError(f"put to {self._conn.peer}: {exc}") from exc
+
     def flush(self, on_done: DoneCallback) -> None:
         if not self._conn.alive:
             self._conn.loop.call_soon(on_done, PeerDiedError(f"connection to {self._conn.peer} is closed"))
@@ -293,9 +306,9 @@ class UcxConnection:
         self._on_close: CloseHandler | None = None
         self._backlog: list[bytes] = []
         self._rbuf = np.empty(_LEN.size + MAX_CONTROL_BYTES, dtype=np.uint8)
-        self._recv_request: Any = None  # the posted receive of the next control frame
-        self._outbox: dict[int, tuple[Any, np.ndarray]] = {}
-        self._closing: Any = None  # the closed frame's send, until the endpoints are aborted
+        self._recv_op: ucp_tag.Op | None = None  # the posted receive of the next control frame
+        self._ep_handle = int(ep._ep.handle)  # ucp_ep_h, for the control frames (ucp_tag.py)
+        self._worker_handle = int(_runtime.worker.handle)
         # Prefill side, while connecting: the decode side's first (empty) frame resolves it.
         self.accepted: asyncio.Future[None] | None = None
         self._writers: list[_RemoteWriter | cma.CmaWriter] = []
@@ -322,37 +335,40 @@ class UcxConnection:
         for payload in backlog:
             on_message(payload)
 
-    # Control frames are read with a callback, not a reader task: a task costs one more
-    # loop iteration per message, and Open and CompleteAck sit on a transfer's critical path.
+    # Control frames are read with a callback, not a reader task: a task costs one more loop
+    # iteration per message, and Open and CompleteAck sit on a transfer's critical path. They go
+    # straight on libucp (ucp_tag.py), not through ucxx's notifier thread.
     def _post_recv(self) -> None:
-        ucxx = self._ucxx
-        _runtime.refill_futures()
         try:
-            self._recv_request = self._ep._ep.tag_recv(
-                ucxx._lib.arr.Array(self._rbuf), ucxx.types.Tag(self._recv_tag), ucxx.types.TagMaskFull
-            )
+            self._recv_op = ucp_tag.recv(self._worker_handle, self._rbuf, self._recv_tag, self._received)
         except Exception as exc:
             self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"), tell_peer=False)
-            return
-        self._recv_request.future.add_done_callback(self._received)
 
-    def _received(self, fut: asyncio.Future[Any]) -> None:
-        self._recv_request = None
-        exc = TransferError("cancelled") if fut.cancelled() else fut.exception()  # retrieved either way
+    def _received(self, status: int, length: int) -> None:
+        self._recv_op = None
         if not self._alive:
             return
-        if exc is not None:
-            self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"))
+        if status != ucp_rma.UCS_OK:
+            why = ucp_rma.status_text(status)
+            self._broken(PeerDiedError(f"connection to {self._peer} broke: {why}"))
             return
-        (n,) = _LEN.unpack_from(self._rbuf.data)
+        n = _LEN.unpack_from(self._rbuf.data)[0] if length >= _LEN.size else -1
         if n == _CLOSED:
             self._broken(PeerDiedError(f"{self._peer} closed the connection"), tell_peer=False)
             return
-        if n > MAX_CONTROL_BYTES:
-            self._broken(PeerDiedError(f"{self._peer} sent a malformed frame ({n} bytes)"))
+        if not 0 <= n <= min(MAX_CONTROL_BYTES, length - _LEN.size):
+            self._broken(PeerDiedError(f"{self._peer} sent a malformed frame ({length} bytes)"))
             return
         payload = bytes(self._rbuf[_LEN.size : _LEN.size + n])  # copied out before the buffer is reused
-        self._post_recv()
+        # The message first, the next receive after: an answer (CompleteAck to Complete) goes out
+        # sooner, and a frame arriving meanwhile waits in UCX's unexpected queue, in order.
+        try:
+            self._dispatch(payload)
+        finally:
+            if self._alive:
+                self._post_recv()
+
+    def _dispatch(self, payload: bytes) -> None:
         if self.accepted is not None:  # the prefill side's first frame: the accept, empty
             accepted, self.accepted = self.accepted, None
             if payload:
@@ -395,21 +411,15 @@ class UcxConnection:
         """Submit one frame now (not in a task: a control message is often on the critical path,
         Complete -> CompleteAck, and a task costs a loop iteration)."""
         buf = np.frombuffer(frame, dtype=np.uint8)
-        _runtime.refill_futures()
         try:
-            request = self._ep._ep.tag_send(self._ucxx._lib.arr.Array(buf), self._ucxx.types.Tag(tag))
+            ucp_tag.send(self._ep_handle, self._worker_handle, buf, tag, self._message_sent)
         except Exception as exc:
             self._broken(self.translate(exc), tell_peer=False)
-            return
-        key = id(request)
-        self._outbox[key] = (request, buf)  # alive until sent
-        request.future.add_done_callback(partial(self._message_sent, key))
 
-    def _message_sent(self, key: int, fut: asyncio.Future[Any]) -> None:
-        self._outbox.pop(key, None)
-        exc = TransferError("cancelled") if fut.cancelled() else fut.exception()
-        if exc is not None:
-            self._broken(PeerDiedError(f"control message to {self._peer} failed: {exc}"), tell_peer=False)
+    def _message_sent(self, status: int) -> None:
+        if status != ucp_rma.UCS_OK:
+            why = ucp_rma.status_text(status)
+            self._broken(PeerDiedError(f"control message to {self._peer} failed: {why}"), tell_peer=False)
 
     def send_data(self, buf: Any, tag: int, on_done: DoneCallback) -> _UcxOp | _FailedOp:
         if not self._alive:
@@ -466,40 +476,42 @@ class UcxConnection:
         if not self._alive:
             return
         self._alive = False
-        self._recv_request = None  # dropping it cancels the receive
+        if self._recv_op is not None:  # its on_done still comes (and frees the request)
+            self._recv_op.cancel()
+            self._recv_op = None
         if self.accepted is not None and not self.accepted.done():
             self.accepted.set_exception(exc if isinstance(exc, TransferError) else PeerDiedError(str(exc)))
             self.accepted.exception()  # retrieved: connect() may have stopped waiting
-        closing = None
+        sent = False
         if tell_peer:
             try:
-                closing = self._ep._ep.tag_send(
-                    self._ucxx._lib.arr.Array(_CLOSED_FRAME), self._ucxx.types.Tag(self._send_tag)
+                ucp_tag.send(
+                    self._ep_handle,
+                    self._worker_handle,
+                    _CLOSED_FRAME,
+                    self._send_tag,
+                    self._closed_frame_sent,
                 )
+                sent = True
             except Exception as send_exc:
                 log.debug("closed frame to %s: %s", self._peer, send_exc)
-        if closing is None:
+        if not sent:
             self.abort()
         else:
             # Aborting now would cancel the frame: abort once it is out, or after the close period.
-            self._closing = closing
-            closing.future.add_done_callback(self._closed_frame_sent)
             self.loop.call_later(_CLOSE_PERIOD_S, self.abort)
         self._transport.forget(self)
         if self._on_close is not None:
             self.loop.call_soon(self._on_close, exc)
 
-    def _closed_frame_sent(self, fut: asyncio.Future[Any]) -> None:
-        if not fut.cancelled():
-            fut.exception()  # retrieved: a peer that is gone already is no news
-        self.abort()
+    def _closed_frame_sent(self, status: int) -> None:
+        self.abort()  # whatever the status: a peer that is gone already is no news
 
     def abort(self) -> None:
         """Abort both endpoints (once): cancels every request still in flight on them."""
         if self._aborted:
             return
         self._aborted = True
-        self._closing = None
         for writer in self._writers:  # remote keys go before their endpoint
             writer.close()
         self._writers.clear()
@@ -660,6 +672,11 @@ class UcxTransport:
         for conn in closing:
             conn.abort()
         await asyncio.sleep(0.01)
+        # Cancelled and failed control requests are freed on this loop: let them be, before the
+        # worker can go (bounded: a request UCX never completes is left to the process's end).
+        end = self.loop.time() + _CLOSE_PERIOD_S
+        while ucp_tag.pending() and self.loop.time() < end:
+            await asyncio.sleep(0.002)
         for reg in self._regions:
             reg.close()
         self._regions.clear()

@@ -1,0 +1,153 @@
+"""Tagged messages straight on libucp (ctypes), for the KV transfer's control frames.
+
+Why not ucxx's requests: each completion of one reaches the event loop through ucxx's notifier
+thread, which wakes, takes the GIL, schedules a coroutine with ``run_coroutine_threadsafe``, whose
+Task sets the request's future, whose done callback runs one loop iteration later: two thread hops
+and three loop iterations. Measured between two processes on one 2-core host, a control frame took
+120-270 us from send to handler that way, and a transfer waits on two of them (Complete, then
+CompleteAck). Here the completion callback runs on ucxx's progress thread and hands the result to
+the loop with one ``call_soon_threadsafe``; a send is submitted from the loop thread at once (ucxx
+creates its worker thread-safe, ``UCS_THREAD_MODE_MULTI``). KV data in tagged transfers stays on
+ucxx (ucx.py): it is large, and its completions are not latency-bound.
+
+Ownership of a request: the callback never frees it (a cancel from the loop thread could meet a
+freed request); it tells the loop, and the loop frees it and calls ``on_done``. A receive is
+cancelled with ``Op.cancel``; its ``on_done`` still comes, with ``UCS_ERR_CANCELED`` (or the
+message, when it matched first). Buffers stay referenced until ``on_done``. :func:`pending` counts
+requests not yet freed, so that a closing transport can wait for them before the worker goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pdserve.kv_transfer.transports import ucp_rma
+from pdserve.kv_transfer.transports.ucp_rma import UCS_INPROGRESS, UCS_OK, lib, status_of
+
+log = logging.getLogger(__name__)
+
+UCS_ERR_CANCELED = -16
+_FIELD_CALLBACK = 1 << 1
+_FIELD_USER_DATA = 1 << 2
+_NO_IMMEDIATE = 1 << 16  # UCP_OP_ATTR_FLAG_NO_IMM_CMPL: a receive always completes by callback
+
+SendDone = Callable[[int], None]  # status
+RecvDone = Callable[[int, int], None]  # status, bytes received
+
+
+class Op:
+    """One request in flight: what its completion needs, and the buffer it must keep alive."""
+
+    __slots__ = ("key", "loop", "worker", "buf", "on_done", "request", "finished")
+
+    def __init__(self, key: int, loop: asyncio.AbstractEventLoop, worker: int, buf: np.ndarray, on_done: Any):
+        self.key = key
+        self.loop = loop
+        self.worker = worker
+        self.buf: np.ndarray | None = buf
+        self.on_done = on_done
+        self.request = 0  # the ucp request, once the post returned it
+        self.finished = False  # its callback ran (the request is complete, not yet freed)
+
+    def cancel(self) -> None:
+        """Receives only: stop waiting. ``on_done`` still comes (cancelled, or the message)."""
+        if self.request and not self.finished and _ops.get(self.key) is self:
+            lib().request_cancel(self.worker, self.request)
+
+
+_ops: dict[int, Op] = {}  # by key (the request's user data); touched under the GIL only
+_keys = itertools.count(1)
+
+
+def pending() -> int:
+    """Requests not yet freed (their completion has not reached the loop yet)."""
+    return len(_ops)
+
+
+def _finish(key: int, request: int, status: int, length: int) -> None:
+    """On the loop: free the request, then report."""
+    op = _ops.pop(key, None)
+    if request:
+        lib().request_free(request)
+    if op is None:
+        return
+    op.buf = None
+    if length < 0:
+        op.on_done(status)
+    else:
+        op.on_done(status, length)
+
+
+def _hand_over(key: int, request: int, status: int, length: int) -> None:
+    """From the callback (the progress thread, or the posting thread itself): to the loop."""
+    op = _ops.get(key)
+    if op is None:
+        return
+    op.finished = True
+    try:
+        op.loop.call_soon_threadsafe(_finish, key, request, status, length)
+    except RuntimeError:  # the loop is closed: nobody waits; the worker goes with the process
+        _ops.pop(key, None)
+
+
+@ucp_rma.SendCallback
+def _on_sent(request: int, status: int, user_data: int) -> None:
+    _hand_over(user_data or 0, request or 0, status, -1)
+
+
+@ucp_rma.RecvCallback
+def _on_received(request: int, status: int, info: Any, user_data: int) -> None:
+    length = info.contents.length if status == UCS_OK and info else 0
+    _hand_over(user_data or 0, request or 0, status, length)
+
+
+def send(ep: int, worker: int, buf: np.ndarray, tag: int, on_done: SendDone) -> None:
+    """Send ``buf`` (contiguous host bytes) with ``tag`` on endpoint ``ep``; ``on_done(status)``
+    runs on the running loop once UCX is done with the buffer (never inside this call)."""
+    loop = asyncio.get_running_loop()
+    key = next(_keys)
+    op = _ops[key] = Op(key, loop, worker, buf, on_done)
+    param = ucp_rma.RequestParam()
+    param.op_attr_mask = _FIELD_CALLBACK | _FIELD_USER_DATA
+    param.cb = _on_sent
+    param.user_data = key
+    ptr = lib().tag_send_nbx(ep, buf.ctypes.data, buf.nbytes, tag, ctypes.byref(param))
+    status = status_of(ptr)
+    if status != UCS_INPROGRESS:  # done (or refused) at once: no callback will come
+        _ops.pop(key, None)
+        loop.call_soon(on_done, status)
+        return
+    op.request = ptr or 0
+    # The progress thread may be asleep in epoll with this send queued behind others: wake it.
+    lib().worker_signal(worker)
+
+
+def recv(worker: int, buf: np.ndarray, tag: int, on_done: RecvDone) -> Op:
+    """Post a receive of the message with exactly ``tag`` into ``buf``; ``on_done(status, nbytes)``
+    runs on the running loop when it arrived, failed or was cancelled (never inside this call)."""
+    loop = asyncio.get_running_loop()
+    key = next(_keys)
+    op = _ops[key] = Op(key, loop, worker, buf, on_done)
+    param = ucp_rma.RecvRequestParam()
+    param.op_attr_mask = _FIELD_CALLBACK | _FIELD_USER_DATA | _NO_IMMEDIATE
+    param.cb = _on_received
+    param.user_data = key
+    ptr = lib().tag_recv_nbx(worker, buf.ctypes.data, buf.nbytes, tag, (1 << 64) - 1, ctypes.byref(param))
+    status = status_of(ptr)
+    if status != UCS_INPROGRESS:  # refused at once
+        _ops.pop(key, None)
+        loop.call_soon(on_done, status, 0)
+        return op
+    op.request = ptr or 0
+    return op
+
+
+def canceled(status: int) -> bool:
+    return status == UCS_ERR_CANCELED
