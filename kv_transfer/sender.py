@@ -135,7 +135,7 @@ class KVSender:
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for {len(ticket.block_ids)} reserved blocks"
             )
-        if any(not 0 <= b < self.kv.shape[1] for b in src_block_ids):
+        if min(src_block_ids) < 0 or max(src_block_ids) >= self.spans.num_blocks:
             raise ValueError("source block id outside the KV tensor")
         segments = build_segments(
             segment_lengths(src_block_ids, ticket.block_ids), src_block_ids, ticket.block_ids

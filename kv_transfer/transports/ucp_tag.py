@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -108,15 +109,31 @@ def _on_received(request: int, status: int, info: Any, user_data: int) -> None:
     _hand_over(user_data or 0, request or 0, status, length)
 
 
+# One parameter block each, filled once: UCX reads it during the call only, and calls come from the
+# event loop thread only (a loop per process, ucx.py).
+@functools.cache
+def _send_param() -> ucp_rma.RequestParam:
+    param = ucp_rma.RequestParam()
+    param.op_attr_mask = _FIELD_CALLBACK | _FIELD_USER_DATA
+    param.cb = _on_sent
+    return param
+
+
+@functools.cache
+def _recv_param() -> ucp_rma.RecvRequestParam:
+    param = ucp_rma.RecvRequestParam()
+    param.op_attr_mask = _FIELD_CALLBACK | _FIELD_USER_DATA | _NO_IMMEDIATE
+    param.cb = _on_received
+    return param
+
+
 def send(ep: int, worker: int, buf: np.ndarray, tag: int, on_done: SendDone) -> None:
     """Send ``buf`` (contiguous host bytes) with ``tag`` on endpoint ``ep``; ``on_done(status)``
     runs on the running loop once UCX is done with the buffer (never inside this call)."""
     loop = asyncio.get_running_loop()
     key = next(_keys)
     op = _ops[key] = Op(key, loop, worker, buf, on_done)
-    param = ucp_rma.RequestParam()
-    param.op_attr_mask = _FIELD_CALLBACK | _FIELD_USER_DATA
-    param.cb = _on_sent
+    param = _send_param()
     param.user_data = key
     ptr = lib().tag_send_nbx(ep, buf.ctypes.data, buf.nbytes, tag, ctypes.byref(param))
     status = status_of(ptr)
@@ -135,9 +152,7 @@ def recv(worker: int, buf: np.ndarray, tag: int, on_done: RecvDone) -> Op:
     loop = asyncio.get_running_loop()
     key = next(_keys)
     op = _ops[key] = Op(key, loop, worker, buf, on_done)
-    param = ucp_rma.RecvRequestParam()
-    param.op_attr_mask = _FIELD_CALLBACK | _FIELD_USER_DATA | _NO_IMMEDIATE
-    param.cb = _on_received
+    param = _recv_param()
     param.user_data = key
     ptr = lib().tag_recv_nbx(worker, buf.ctypes.data, buf.nbytes, tag, (1 << 64) - 1, ctypes.byref(param))
     status = status_of(ptr)
