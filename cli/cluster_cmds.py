@@ -139,18 +139,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     # Written before any wait, so `down` finds whatever was started even if `up` dies.
     cluster.save_state(state_dir, state)
-    for role, n in counts.items():
-        state = cluster.spawn_workers(state_dir, state, role, n)
-    for role, n in warm.items():
-        state = cluster.spawn_workers(state_dir, state, role, n, standby=True)
-    cluster.save_state(state_dir, state)
-    pinned = "".join(f"; {w.id} on cpu {cluster.format_cpu_list(w.cpus)}" for w in state.workers if w.cpus)
-    gpu = f" on {device} ({util:.2f} of its memory each)" if device != "cpu" else ""
-    say(
-        f"started router (pid {router.pid}) and {len(state.workers)} workers{gpu}, {threads} thread(s) each"
-        f"{pinned}; logs in {state_dir / 'logs'}"
-    )
     try:
+        for role, n in counts.items():
+            state = cluster.spawn_workers(state_dir, state, role, n)
+            cluster.save_state(state_dir, state)
+        for role, n in warm.items():
+            state = cluster.spawn_workers(state_dir, state, role, n, standby=True)
+            cluster.save_state(state_dir, state)
+        pinned = "".join(
+            f"; {w.id} on cpu {cluster.format_cpu_list(w.cpus)}" for w in state.workers if w.cpus
+        )
+        gpu = f" on {device} ({util:.2f} of its memory each)" if device != "cpu" else ""
+        say(
+            f"started router (pid {router.pid}) and {len(state.workers)} workers{gpu}, {threads} thread(s) "
+            f"each{pinned}; logs in {state_dir / 'logs'}"
+        )
         cluster.wait_ready(state, {w.id for w in state.workers}, args.timeout, say)
         write_targets(state_dir, state)
         am_listen = ""
@@ -167,8 +170,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if policy is not None:
             state = start_autoscaler(state_dir, state, args)
             cluster.save_state(state_dir, state)
-    except (cluster.ClusterError, KeyboardInterrupt):
-        say("start failed; stopping what was started")
+    except BaseException as exc:  # whatever failed (a worker that could not start, Ctrl-C, a bug)
+        say(f"start failed ({type(exc).__name__}: {exc}); stopping what was started")
         _stop_all(state, drain_timeout_s=0.0)
         cluster.remove_state(state_dir)
         raise

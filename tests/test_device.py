@@ -317,6 +317,58 @@ def test_up_hands_the_kv_transfer_flags_to_every_worker_scale_starts_too(launche
         assert not w.transfer_config().same_host, wid
 
 
+def test_an_up_that_fails_starting_a_worker_stops_everything_it_started(monkeypatch, tmp_path, capsys):
+    """Not only a failed wait: a worker that cannot be started (here the third process) takes the router
+    and the workers started before it down with it, and leaves no state file behind."""
+    started: list[cluster.ProcessEntry] = []
+    real_spawn = cluster.spawn
+
+    def spawn(entry_id, argv, log_path, env, role=None, cpus=()):
+        if len(started) == 2:
+            raise OSError(f"cannot start {entry_id}")
+        entry = real_spawn(entry_id, ["sleep", "120"], log_path, env, role, cpus)
+        started.append(entry)
+        return entry
+
+    monkeypatch.setattr(cluster, "spawn", spawn)
+    monkeypatch.setattr(cluster, "wait_ready", lambda *a, **k: None)
+    try:
+        with pytest.raises(OSError, match="cannot start decode-2"):
+            cli.main(["up", "--prefill", "1", "--decode", "2", "--model", "m", "--port", "50996",
+                      "--state-dir", str(tmp_path)])  # fmt: skip
+        assert [e.id for e in started] == ["router", "prefill-1"]
+        assert not any(cluster.alive(e) for e in started)
+        assert cluster.load_state(tmp_path) is None
+        assert (
+            "start failed (OSError: cannot start decode-2); stopping what was started"
+            in capsys.readouterr().err
+        )
+    finally:
+        cluster.stop_processes(started, term_timeout_s=5.0)
+
+
+def test_spawn_workers_stops_its_own_batch_when_one_cannot_start(monkeypatch, tmp_path):
+    started: list[cluster.ProcessEntry] = []
+    real_spawn = cluster.spawn
+
+    def spawn(entry_id, argv, log_path, env, role=None, cpus=()):
+        if len(started) == 2:
+            raise OSError("no more processes")
+        entry = real_spawn(entry_id, ["sleep", "120"], log_path, env, role, cpus)
+        started.append(entry)
+        return entry
+
+    monkeypatch.setattr(cluster, "spawn", spawn)
+    router = cluster.ProcessEntry(id="router", pid=1, start=-1, log="r.log")
+    state = cluster.ClusterState("127.0.0.1:1", router, model="m", dtype="float32", threads=1, host="h")
+    try:
+        with pytest.raises(OSError):
+            cluster.spawn_workers(tmp_path, state, Role.DECODE, 3)
+        assert len(started) == 2 and not any(cluster.alive(e) for e in started)
+    finally:
+        cluster.stop_processes(started, term_timeout_s=5.0)
+
+
 def test_an_old_state_file_reads_as_a_cpu_cluster(tmp_path):
     import json
 

@@ -430,6 +430,25 @@ def spawn_workers(
     device = state.device if device is None else device
     util = state.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
     new: list[ProcessEntry] = []
+    try:
+        index = _spawn_each(state_dir, state, role, count, device, util, standby, new)
+    except BaseException:  # the state returned never lists these: stop them, not leave them running
+        stop_processes(new, term_timeout_s=10.0)
+        raise
+    return msgspec.structs.replace(state, workers=(*state.workers, *new), next_index=index)
+
+
+def _spawn_each(
+    state_dir: Path,
+    state: ClusterState,
+    role: Role,
+    count: int,
+    device: str,
+    util: float,
+    standby: bool,
+    new: list[ProcessEntry],
+) -> int:
+    """``spawn_workers``' loop: appends each started worker to ``new``; returns the next index."""
     index = state.next_index
     for _ in range(count):
         wid = f"{role.value}-{index}"
@@ -469,7 +488,7 @@ def spawn_workers(
         new.append(
             msgspec.structs.replace(entry, device=device, gpu_memory_utilization=util, standby=standby)
         )
-    return msgspec.structs.replace(state, workers=(*state.workers, *new), next_index=index)
+    return index
 
 
 def remove_workers(
