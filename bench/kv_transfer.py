@@ -134,7 +134,7 @@ class _Pair:
     ) -> None:
         spec = PeerSpec(
             num_blocks=num_blocks,
-            config=TransferConfig(same_host=shm, deadline_s=60.0, rma=rma),
+            config=TransferConfig(same_host=shm, deadline_s=60.0, rma=rma, rma_over_tcp=rma),
             env=(("UCX_TLS", tls), *ucx_env),
             **layout,
         )

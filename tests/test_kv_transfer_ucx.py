@@ -35,7 +35,7 @@ TRANSPORTS = {
 
 def spec(dtype: str = "bfloat16", num_blocks: int = 192, transport: str = "tcp") -> PeerSpec:
     tls, same_host, rma = TRANSPORTS[transport]
-    config = replace(CONFIG, same_host=same_host, rma=rma)
+    config = replace(CONFIG, same_host=same_host, rma=rma, rma_over_tcp=rma)  # puts also over tcp
     return PeerSpec(dtype=dtype, num_blocks=num_blocks, config=config, env=(("UCX_TLS", tls),))
 
 
@@ -212,6 +212,36 @@ def wait_no_control_requests(peer: PeerProcess, within_s: float = 5.0) -> None:
     while (left := peer.call("control_requests")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left == 0, f"{left} control-frame requests of a broken connection were never freed"
+
+
+@pytest.mark.parametrize(
+    ("tls", "same_host", "rma_over_tcp", "puts"),
+    [("tcp", False, False, False), ("tcp", False, True, True), ("tcp,sm,self", True, False, True)],
+    ids=["tcp-default-tagged", "tcp-puts-opted-in", "one-host-cma"],
+)
+def test_puts_only_where_they_are_not_tcp_fragments_unless_asked(
+    tls: str, same_host: bool, rma_over_tcp: bool, puts: bool
+) -> None:
+    """By default a connection whose every UCX lane is tcp moves KV as tagged messages (UCX would send
+    each put as 8 KB fragments, measured slower); cross-memory writes on one host are unaffected."""
+    config = replace(CONFIG, same_host=same_host, rma=True, rma_over_tcp=rma_over_tcp)
+    peers = [
+        PeerProcess(PeerSpec(num_blocks=96, config=config, env=(("UCX_TLS", tls),)), n)
+        for n in ("decode-m", "prefill-m")
+    ]
+    try:
+        decode, prefill = peers
+        decode.call("start_receiver", timeout=120)
+        ticket = decode.call("reserve", request_id="m", num_tokens=200)
+        out = prefill.call("transfer", ticket=ticket, seed=5, first_token_id=6, timeout=CALL_S)
+        assert out["rma"] is puts
+        assert decode.call("wait", request_id="m")["first_token_id"] == 6
+        assert decode.call("verify", request_id="m", seed=5), "received KV differs from the source"
+        assert decode.call("release", request_id="m")
+        assert_no_leak(decode, prefill)
+    finally:
+        for p in peers:
+            p.stop()
 
 
 def test_kill_receiver_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> None:

@@ -255,6 +255,7 @@ class PeerState:
                 "seconds": stats.seconds,
                 "bytes": stats.bytes,
                 "messages": stats.messages,
+                "rma": handle.rma,
                 "layer_seconds": list(stats.layer_seconds),
             }
         finally:

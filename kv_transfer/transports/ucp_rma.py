@@ -110,6 +110,46 @@ class RecvRequestParam(ctypes.Structure):
     _fields_ = _request_param_fields(RecvCallback)
 
 
+class _TransportEntry(ctypes.Structure):
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class _Transports(ctypes.Structure):
+    _fields_ = [
+        ("entries", ctypes.POINTER(_TransportEntry)),
+        ("num_entries", ctypes.c_uint),
+        ("entry_size", ctypes.c_size_t),
+    ]
+
+
+class _EpAttr(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("name", ctypes.c_char * 32),  # UCP_ENTITY_NAME_MAX
+        ("local_sockaddr", ctypes.c_uint64 * 16),  # struct sockaddr_storage: 128 bytes, 8-aligned
+        ("remote_sockaddr", ctypes.c_uint64 * 16),
+        ("transports", _Transports),
+        ("user_data", ctypes.c_void_p),
+    ]
+
+
+_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+
+
+def endpoint_transports(ep: int) -> list[tuple[str, str]]:
+    """(transport, device) of each lane of endpoint ``ep`` (``ucp_ep_query``); [] if UCX cannot say."""
+    entries = (_TransportEntry * 32)()
+    attr = _EpAttr()
+    attr.field_mask = _EP_ATTR_FIELD_TRANSPORTS
+    attr.transports.entries = entries
+    attr.transports.num_entries = len(entries)
+    attr.transports.entry_size = ctypes.sizeof(_TransportEntry)
+    if lib().ep_query is None or lib().ep_query(ep, ctypes.byref(attr)) != UCS_OK:
+        return []
+    lanes = entries[: min(attr.transports.num_entries, len(entries))]
+    return [((e.transport_name or b"").decode(), (e.device_name or b"").decode()) for e in lanes]
+
+
 def status_of(ptr: int | None) -> int:
     """``UCS_PTR_STATUS``: UCS_OK for NULL, the (negative) error for an error pointer,
     UCS_INPROGRESS for a request."""
@@ -150,6 +190,7 @@ class _Lib:
         )
         self.request_cancel = _fn(lib.ucp_request_cancel, None, [vp, vp])
         self.worker_signal = _fn(lib.ucp_worker_signal, i32, [vp])
+        self.ep_query: Any = _fn(lib.ucp_ep_query, i32, [vp, vp]) if hasattr(lib, "ucp_ep_query") else None
         self.status_string = (
             _fn(lib.ucs_status_string, ctypes.c_char_p, [i32]) if hasattr(lib, "ucs_status_string") else None
         )

@@ -94,6 +94,9 @@ _CONNECT_TAG = _CONTROL
 _LEN = struct.Struct("<I")
 _CLOSED = 0xFFFFFFFF
 MAX_CONTROL_BYTES = 1 << 20
+# Transports whose puts UCX carries as messages (no one-sided hardware path between processes):
+# an endpoint made only of these moves KV as tagged messages (TransferConfig.rma_over_tcp).
+_NO_RMA_HARDWARE = frozenset({"tcp", "cuda_copy", "rocm_copy"})
 _CLOSED_FRAME = np.frombuffer(_LEN.pack(_CLOSED), dtype=np.uint8)
 # A connect frame's payload: the channel id, then the prefill side's UCX worker address.
 _CHANNEL = struct.Struct("<Q")
@@ -458,6 +461,13 @@ class UcxConnection:
                 log.info("KV to %s: one-sided writes by cross-memory attach (pid %d)", self._peer, region.pid)
             except TransferError as exc:  # another host, or not permitted: UCX's puts instead
                 log.info("no cross-memory writes to %s (%s); UCX puts instead", self._peer, exc)
+        if writer is None and not self._transport.rma_over_tcp:
+            lanes = ucp_rma.endpoint_transports(self._ep_handle)
+            if lanes and all(tl in _NO_RMA_HARDWARE for tl, _ in lanes):
+                log.info(
+                    "KV to %s: tagged messages, not puts (every UCX lane is %s)", self._peer, lanes[0][0]
+                )
+                return None
         if writer is None:
             try:
                 writer = _RemoteWriter(self, self._ep, region)
@@ -555,6 +565,10 @@ class UcxTransport:
             pid=os.getpid() if local else 0,
             host=cma.host_identity() if local else "",
         )
+
+    @property
+    def rma_over_tcp(self) -> bool:
+        return self._config.rma_over_tcp
 
     @property
     def same_host(self) -> bool:
