@@ -68,14 +68,11 @@ class RemoteWriter(Protocol):
     # True: ``put`` is a copy done when it returns, callable from any thread; ``flush`` is a check.
     synchronous: bool
 
-    def put(self, buf: Buffer, offset: int) -> None:
-        """Start writing ``buf`` at ``offset`` bytes into the peer's region; raises
-        TransferError when the connection refuses it at once."""
-
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
         """Start writing each run ``(source, destination, nbytes)``: ``nbytes`` at local address
         ``local + source`` to ``offset + destination`` bytes into the peer's region (a layer's runs
-        in one call, so that a writer may batch them); raises TransferError like ``put``."""
+        in one call, so that a writer may batch them); raises TransferError when the connection
+        refuses it at once."""
 
     def flush(self, on_done: DoneCallback) -> None:
         """``on_done`` (on the loop) once every earlier put landed in the peer's memory, or failed."""

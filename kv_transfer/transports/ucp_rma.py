@@ -11,22 +11,18 @@ progress thread.
 - The receiving side maps its KV tensor once (:class:`Registration`) and hands out the
   packed remote key and the tensor's base address.
 - The sending side unpacks the key once per endpoint (:class:`RemoteKey`), puts each
-  contiguous run straight into the remote tensor (:meth:`RemoteKey.put`), and
-  :func:`flush` es the endpoint: its completion means every put issued before it has
-  landed in the peer's memory.
+  contiguous run straight into the remote tensor (:meth:`RemoteKey.put`), and flushes the
+  endpoint (``ucp_tag.flush``): its completion means every put issued before it has landed
+  in the peer's memory.
 
-Completion callbacks run on ucxx's progress thread; :func:`flush` hands them to the
-event loop with ``call_soon_threadsafe``.
+Requests whose completion the event loop waits for (control frames, flushes) are ucp_tag.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import functools
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +34,8 @@ _MEM_MAP_FIELD_LENGTH = 1 << 1
 _MEM_MAP_FIELD_FLAGS = 1 << 2
 _MEM_MAP_FIELD_MEMORY_TYPE = 1 << 4
 _MEM_MAP_ALLOCATE = 1 << 1
-_OP_ATTR_FIELD_CALLBACK = 1 << 1
-_OP_ATTR_FIELD_USER_DATA = 1 << 2
-_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+OP_ATTR_FIELD_CALLBACK = 1 << 1
+OP_ATTR_FIELD_USER_DATA = 1 << 2
 UCS_OK = 0
 UCS_INPROGRESS = 1
 _UCS_ERR_LAST = -100
@@ -313,42 +308,3 @@ class RemoteKey:
         if self._rkey is not None:
             lib().rkey_destroy(self._rkey)
             self._rkey = None
-
-
-# Flush completions: the progress thread calls _on_flushed with a key into this table.
-_pending: dict[int, tuple[asyncio.AbstractEventLoop, Callable[[int], None]]] = {}
-_pending_lock = threading.Lock()
-_next_key = iter(range(1, 1 << 62))
-
-
-@SendCallback
-def _on_flushed(request: int, status: int, user_data: int) -> None:
-    with _pending_lock:
-        entry = _pending.pop(user_data or 0, None)
-    if request:
-        lib().request_free(request)
-    if entry is not None:
-        loop, done = entry
-        try:
-            loop.call_soon_threadsafe(done, status)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-
-def flush(ep: int, done: Callable[[int], None]) -> None:
-    """Flush ``ep``: ``done(status)`` runs on the running loop once every put issued on it
-    before this call has completed remotely (UCS_OK), or failed."""
-    loop = asyncio.get_running_loop()
-    with _pending_lock:
-        key = next(_next_key)
-        _pending[key] = (loop, done)
-    param = RequestParam()
-    param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA
-    param.cb = _on_flushed
-    param.user_data = key
-    ptr = lib().ep_flush_nbx(ep, ctypes.byref(param))
-    status = status_of(ptr)
-    if status != UCS_INPROGRESS:  # finished (or failed) at once: the callback will not run
-        with _pending_lock:
-            _pending.pop(key, None)
-        loop.call_soon(done, status)

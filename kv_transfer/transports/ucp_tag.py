@@ -1,4 +1,5 @@
-"""Tagged messages straight on libucp (ctypes), for the KV transfer's control frames.
+"""Tagged messages straight on libucp (ctypes), for the KV transfer's control frames, and every
+other request whose completion the event loop waits for (endpoint flushes after puts).
 
 Why not ucxx's requests: each completion of one reaches the event loop through ucxx's notifier
 thread, which wakes, takes the GIL, schedules a coroutine with ``run_coroutine_threadsafe``, whose
@@ -23,7 +24,6 @@ import asyncio
 import ctypes
 import functools
 import itertools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -32,11 +32,9 @@ import numpy as np
 from pdserve.kv_transfer.transports import ucp_rma
 from pdserve.kv_transfer.transports.ucp_rma import UCS_INPROGRESS, UCS_OK, lib, status_of
 
-log = logging.getLogger(__name__)
-
 UCS_ERR_CANCELED = -16
-_FIELD_CALLBACK = 1 << 1
-_FIELD_USER_DATA = 1 << 2
+_FIELD_CALLBACK = ucp_rma.OP_ATTR_FIELD_CALLBACK
+_FIELD_USER_DATA = ucp_rma.OP_ATTR_FIELD_USER_DATA
 _NO_IMMEDIATE = 1 << 16  # UCP_OP_ATTR_FLAG_NO_IMM_CMPL: a receive always completes by callback
 
 SendDone = Callable[[int], None]  # status
@@ -48,7 +46,9 @@ class Op:
 
     __slots__ = ("key", "loop", "worker", "buf", "on_done", "request", "finished")
 
-    def __init__(self, key: int, loop: asyncio.AbstractEventLoop, worker: int, buf: np.ndarray, on_done: Any):
+    def __init__(
+        self, key: int, loop: asyncio.AbstractEventLoop, worker: int, buf: np.ndarray | None, on_done: Any
+    ):
         self.key = key
         self.loop = loop
         self.worker = worker
@@ -127,42 +127,50 @@ def _recv_param() -> ucp_rma.RecvRequestParam:
     return param
 
 
+def _new_op(worker: int, buf: np.ndarray | None, on_done: Any) -> Op:
+    key = next(_keys)
+    op = _ops[key] = Op(key, asyncio.get_running_loop(), worker, buf, on_done)
+    return op
+
+
+def _posted(op: Op, ptr: int | None, *at_once: Any) -> bool:
+    """After the call that posted ``op``: True when in flight (its callback will come); otherwise it
+    finished or was refused at once, and ``on_done(status, *at_once)`` is scheduled on the loop."""
+    status = status_of(ptr)
+    if status != UCS_INPROGRESS:
+        _ops.pop(op.key, None)
+        op.loop.call_soon(op.on_done, status, *at_once)
+        return False
+    op.request = ptr or 0
+    return True
+
+
 def send(ep: int, worker: int, buf: np.ndarray, tag: int, on_done: SendDone) -> None:
     """Send ``buf`` (contiguous host bytes) with ``tag`` on endpoint ``ep``; ``on_done(status)``
     runs on the running loop once UCX is done with the buffer (never inside this call)."""
-    loop = asyncio.get_running_loop()
-    key = next(_keys)
-    op = _ops[key] = Op(key, loop, worker, buf, on_done)
+    op = _new_op(worker, buf, on_done)
     param = _send_param()
-    param.user_data = key
-    ptr = lib().tag_send_nbx(ep, buf.ctypes.data, buf.nbytes, tag, ctypes.byref(param))
-    status = status_of(ptr)
-    if status != UCS_INPROGRESS:  # done (or refused) at once: no callback will come
-        _ops.pop(key, None)
-        loop.call_soon(on_done, status)
-        return
-    op.request = ptr or 0
-    # The progress thread may be asleep in epoll with this send queued behind others: wake it.
-    lib().worker_signal(worker)
+    param.user_data = op.key
+    if _posted(op, lib().tag_send_nbx(ep, buf.ctypes.data, buf.nbytes, tag, ctypes.byref(param))):
+        # The progress thread may be asleep in epoll with this send queued behind others: wake it.
+        lib().worker_signal(worker)
 
 
 def recv(worker: int, buf: np.ndarray, tag: int, on_done: RecvDone) -> Op:
     """Post a receive of the message with exactly ``tag`` into ``buf``; ``on_done(status, nbytes)``
     runs on the running loop when it arrived, failed or was cancelled (never inside this call)."""
-    loop = asyncio.get_running_loop()
-    key = next(_keys)
-    op = _ops[key] = Op(key, loop, worker, buf, on_done)
+    op = _new_op(worker, buf, on_done)
     param = _recv_param()
-    param.user_data = key
+    param.user_data = op.key
     ptr = lib().tag_recv_nbx(worker, buf.ctypes.data, buf.nbytes, tag, (1 << 64) - 1, ctypes.byref(param))
-    status = status_of(ptr)
-    if status != UCS_INPROGRESS:  # refused at once
-        _ops.pop(key, None)
-        loop.call_soon(on_done, status, 0)
-        return op
-    op.request = ptr or 0
+    _posted(op, ptr, 0)
     return op
 
 
-def canceled(status: int) -> bool:
-    return status == UCS_ERR_CANCELED
+def flush(ep: int, worker: int, on_done: SendDone) -> None:
+    """Flush ``ep``: ``on_done(status)`` runs on the running loop once every put issued on it before
+    this call has completed remotely (UCS_OK), or failed (never inside this call)."""
+    op = _new_op(worker, None, on_done)
+    param = _send_param()
+    param.user_data = op.key
+    _posted(op, lib().ep_flush_nbx(ep, ctypes.byref(param)))

@@ -248,15 +248,6 @@ class _RemoteWriter:
         self._handle = ep._ep.handle  # ucp_ep_h
         self._key = ucp_rma.RemoteKey(self._handle, region.key, region.base, region.length)
 
-    def put(self, buf: Any, offset: int) -> None:
-        if not self._conn.alive:
-            raise PeerDiedError(f"connection to {self._conn.peer} is closed")
-        address, nbytes, _ = _address_of(buf)
-        try:
-            self._key.put(address, nbytes, offset)
-        except TransferError as exc:
-            raise PeerDiedError(f"put to {self._conn.peer}: {exc}") from exc
-
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
         if not self._conn.alive:
             raise PeerDiedError(f"connection to {self._conn.peer} is closed")
@@ -277,7 +268,7 @@ class _RemoteWriter:
             ok = status == ucp_rma.UCS_OK
             on_done(None if ok else PeerDiedError(f"flush to {peer}: {ucp_rma.status_text(status)}"))
 
-        ucp_rma.flush(self._handle, flushed)
+        ucp_tag.flush(self._handle, self._conn.worker_handle, flushed)
 
     def close(self) -> None:
         self._key.close()
@@ -311,7 +302,7 @@ class UcxConnection:
         self._rbuf = np.empty(_LEN.size + MAX_CONTROL_BYTES, dtype=np.uint8)
         self._recv_op: ucp_tag.Op | None = None  # the posted receive of the next control frame
         self._ep_handle = int(ep._ep.handle)  # ucp_ep_h, for the control frames (ucp_tag.py)
-        self._worker_handle = int(_runtime.worker.handle)
+        self.worker_handle = int(_runtime.worker.handle)
         # Prefill side, while connecting: the decode side's first (empty) frame resolves it.
         self.accepted: asyncio.Future[None] | None = None
         self._writers: list[_RemoteWriter | cma.CmaWriter] = []
@@ -343,7 +334,7 @@ class UcxConnection:
     # straight on libucp (ucp_tag.py), not through ucxx's notifier thread.
     def _post_recv(self) -> None:
         try:
-            self._recv_op = ucp_tag.recv(self._worker_handle, self._rbuf, self._recv_tag, self._received)
+            self._recv_op = ucp_tag.recv(self.worker_handle, self._rbuf, self._recv_tag, self._received)
         except Exception as exc:
             self._broken(PeerDiedError(f"connection to {self._peer} broke: {exc}"), tell_peer=False)
 
@@ -415,7 +406,7 @@ class UcxConnection:
         Complete -> CompleteAck, and a task costs a loop iteration)."""
         buf = np.frombuffer(frame, dtype=np.uint8)
         try:
-            ucp_tag.send(self._ep_handle, self._worker_handle, buf, tag, self._message_sent)
+            ucp_tag.send(self._ep_handle, self.worker_handle, buf, tag, self._message_sent)
         except Exception as exc:
             self._broken(self.translate(exc), tell_peer=False)
 
@@ -497,7 +488,7 @@ class UcxConnection:
             try:
                 ucp_tag.send(
                     self._ep_handle,
-                    self._worker_handle,
+                    self.worker_handle,
                     _CLOSED_FRAME,
                     self._send_tag,
                     self._closed_frame_sent,
