@@ -33,6 +33,15 @@ One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch t
   threads, best of 5, the highest rate seen) / weight bytes one decode step reads (every layer and the
   LM head). ``ratio`` = pdserve batch-1 decode / bound.
 
+``--quantizations none,int8`` repeats every pdserve row with weight-only int8 (``engine.quant``); rows
+carry ``quantization``, and int8 rows ``vs_unquantized`` (their tok/s over the same row unquantised, in
+the same run; transformers runs unquantised only). Each int8 dtype also gets a ``quality`` row: the
+unquantised runner's greedy continuations (``--quality-tokens``) of ``QUALITY_PROMPTS`` (chat-formatted)
+are teacher-forced through both models, and ``top1_agreement`` is the share of those positions where the
+int8 model's argmax is the same token, ``kl_from_unquantized`` the mean KL divergence of int8's next-token
+distribution from the unquantised one there (``exact_continuations``: prompts whose whole greedy
+continuation from int8 is identical).
+
 The ``machine`` block names the CPU, its instruction set (``isa``, ``flags``: what ``-march=native`` and
 oneDNN dispatch on), the read bandwidth and the FMA peak.
 
@@ -44,6 +53,7 @@ transformers for prefill and decode; pdserve / bound for floor, bound, linear an
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -60,9 +70,21 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench import engine_cuda
-from pdserve.bench.engine_steps import runner_decode_steps
+from pdserve.bench.engine_steps import greedy_tokens, runner_decode_steps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZATIONS = ("none", "int8")
+# Natural-language prompts for the int8 quality row (a model's own greedy text, teacher-forced).
+QUALITY_PROMPTS = (
+    "What is the capital of France, and what is it known for?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about the sea.",
+    "How do I reverse a list in Python?",
+    "Give me three tips for sleeping better.",
+    "What is the difference between a virus and a bacterium?",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "Why do cats purr?",
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,8 @@ class BenchConfig:
     prefill_reps: int
     skip_transformers: bool
     seed: int
+    quantizations: tuple[str, ...] = ("none",)
+    quality_tokens: int = 48
 
 
 def _best(fn: Callable[[], Any], reps: int) -> float:
@@ -296,6 +320,47 @@ def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
     }
 
 
+def quality(model_dir: Path, dtype: torch.dtype, runners: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """How close int8 stays to the unquantised model on ``QUALITY_PROMPTS`` (see the module doc)."""
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.model_runner import PrefillItem
+    from pdserve.engine.tokenizer import Tokenizer
+
+    base, quant = runners["none"], runners["int8"]
+    try:
+        tok = Tokenizer.from_dir(model_dir)
+        chats = [tok.render_chat([{"role": "user", "content": q}]) for q in QUALITY_PROMPTS]
+        prompts, source = [tok.encode(text, False) for text in chats], "chat"
+    except FileNotFoundError:  # a model without a tokenizer (the tests' tiny ones): random token ids
+        prompts, source = _prompts(len(QUALITY_PROMPTS), 16, base.config.vocab_size, 0), "random-ids"
+    # One prompt at a time: the runners' caches are sized for the decode rows, not for this.
+    conts = [greedy_tokens(base, [p], new_tokens)[0] for p in prompts]
+    agree = total = 0
+    kl = 0.0
+    for prompt, cont in zip(prompts, conts, strict=True):
+        seq = prompt + cont
+        logp = []
+        for runner in (base, quant):
+            bm = BlockManager(runner.num_blocks, runner.block_size)
+            logits = runner.prefill([PrefillItem(seq, bm.allocate(0, len(seq)))], all_logits=True)
+            logp.append(logits[len(prompt) - 1 : -1].float().log_softmax(-1))  # predicting cont's tokens
+        agree += int((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
+        kl += float((logp[0].exp() * (logp[0] - logp[1])).sum())
+        total += len(cont)
+    exact = sum(c == greedy_tokens(quant, [p], new_tokens)[0] for p, c in zip(prompts, conts, strict=True))
+    return {
+        "phase": "quality",
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantization": "int8",
+        "prompts": len(prompts),
+        "prompt_source": source,
+        "tokens": total,
+        "top1_agreement": round(agree / total, 4),
+        "kl_from_unquantized": round(kl / total, 5),  # mean KL(unquantised || int8) per position, nats
+        "exact_continuations": exact,
+    }
+
+
 def run(cfg: BenchConfig) -> dict[str, Any]:
     from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
     from pdserve.engine.model_runner import ModelRunner
@@ -312,78 +377,85 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     max_batch = max(cfg.batches)
     for dname in cfg.dtypes:
         dtype = DTYPES[dname]
-        tokens = max(cfg.prefill_len, max_batch * (cfg.prompt_len + cfg.new_tokens))
-        runner = ModelRunner(model_dir, dtype=dtype, num_blocks=tokens // 16 + 2 * max_batch + 1)
-        c = runner.config
-        info[dname] = {
-            "backend": "cpu_kernels" if runner.kernels is not None else "torch",
-            "linear": str(runner.linear_kind),
-            "decode_weight_bytes": runner.weights.decode_bytes(),
-        }
-        llm = None
-        if cfg.engine == "llm":
-            from pdserve.engine import LLM
-
-            llm = LLM(
-                str(model_dir),
-                dtype=dname,
-                threads=cfg.threads,
-                max_num_seqs=max_batch,
-                num_blocks=runner.num_blocks,
-            )
         hf = None
         if not cfg.skip_transformers:
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
             hf.generation_config.eos_token_id = None  # always generate the full length
+        rate: dict[tuple[str, int, str], float] = {}  # (phase, batch, quantization) -> pdserve tok/s
+        runners: dict[str, Any] = {}
+        for quant in cfg.quantizations:
+            tokens = max(cfg.prefill_len, max_batch * (cfg.prompt_len + cfg.new_tokens))
+            runner = ModelRunner(
+                model_dir, dtype=dtype, num_blocks=tokens // 16 + 2 * max_batch + 1, quantization=quant
+            )
+            runners[quant] = runner
+            c = runner.config
+            key = dname if quant == "none" else f"{dname}/{quant}"
+            info[key] = {
+                "backend": "cpu_kernels" if runner.kernels is not None else "torch",
+                "linear": str(runner.linear_kind),
+                "quantization": quant,
+                "decode_weight_bytes": runner.weights.decode_bytes(),
+            }
+            with_hf = hf if quant == "none" else None
 
-        prefill_prompt = _prompts(1, cfg.prefill_len, c.vocab_size, cfg.seed)[0]
-        p_tok = pdserve_prefill(runner, prefill_prompt, cfg.prefill_reps)
-        h_tok = hf_prefill(hf, prefill_prompt, cfg.prefill_reps) if hf is not None else None
-        rows.append(_row("prefill", 1, dname, p_tok, h_tok, tokens=cfg.prefill_len))
-        _log(rows[-1])
+            row = functools.partial(_add_row, rows, rate, dname, quant)
 
-        decode_rate: dict[int, float] = {}
-        for batch in cfg.batches:
-            prompts = _prompts(batch, cfg.prompt_len, c.vocab_size, cfg.seed + batch)
-            extra: dict[str, Any] = {"prompt_tokens": cfg.prompt_len, "new_tokens": cfg.new_tokens}
-            if llm is not None:
-                p_tok = batch * (cfg.new_tokens - 1) / llm_decode_time(llm, prompts, cfg.new_tokens)
-            else:
-                runner_decode_steps(runner, prompts, 4)  # warm-up at this batch
-                p_tok, extra["pdserve_median_tok_s"] = _rate(
-                    batch, runner_decode_steps(runner, prompts, cfg.new_tokens)
+            llm = None
+            if cfg.engine == "llm":
+                from pdserve.engine import LLM
+
+                llm = LLM(
+                    str(model_dir),
+                    dtype=dname,
+                    threads=cfg.threads,
+                    max_num_seqs=max_batch,
+                    num_blocks=runner.num_blocks,
+                    quantization=quant,
                 )
-            h_tok = None
-            if hf is not None:
-                hf_generate(hf, prompts, 4)  # warm-up at this batch
-                h_tok, extra["transformers_median_tok_s"] = _rate(
-                    batch, hf_generate(hf, prompts, cfg.new_tokens)
-                )
-            decode_rate[batch] = p_tok
-            rows.append(_row("decode", batch, dname, p_tok, h_tok, **extra))
-            _log(rows[-1])
 
-        for batch in cfg.batches:
-            floor = linear_floor(c, dtype, batch)
-            rows.append(_row("floor", batch, dname, decode_rate[batch], None, bound_tok_s=floor))
-            _log(rows[-1])
-        wbytes = runner.weights.decode_bytes()
-        flops_per_token = 2 * matmul_params(c)
-        for batch in cfg.batches:
-            # The hardware bound of a decode step: every weight read once, every product at the FMA peak.
-            steps_s = read_bps / wbytes
-            if peak is not None:
-                steps_s = min(steps_s, peak / (flops_per_token * batch))
-            rows.append(_row("bound", batch, dname, decode_rate[batch], None, bound_tok_s=batch * steps_s))
-            _log(rows[-1])
-            t = product_pass(runner.weights, c, batch)
-            rows.append(
-                _row(
+            prefill_prompt = _prompts(1, cfg.prefill_len, c.vocab_size, cfg.seed)[0]
+            p_tok = pdserve_prefill(runner, prefill_prompt, cfg.prefill_reps)
+            h_tok = hf_prefill(with_hf, prefill_prompt, cfg.prefill_reps) if with_hf is not None else None
+            row("prefill", 1, p_tok, h_tok, tokens=cfg.prefill_len)
+
+            decode_rate: dict[int, float] = {}
+            for batch in cfg.batches:
+                prompts = _prompts(batch, cfg.prompt_len, c.vocab_size, cfg.seed + batch)
+                extra: dict[str, Any] = {"prompt_tokens": cfg.prompt_len, "new_tokens": cfg.new_tokens}
+                if llm is not None:
+                    p_tok = batch * (cfg.new_tokens - 1) / llm_decode_time(llm, prompts, cfg.new_tokens)
+                else:
+                    runner_decode_steps(runner, prompts, 4)  # warm-up at this batch
+                    p_tok, extra["pdserve_median_tok_s"] = _rate(
+                        batch, runner_decode_steps(runner, prompts, cfg.new_tokens)
+                    )
+                h_tok = None
+                if with_hf is not None:
+                    hf_generate(with_hf, prompts, 4)  # warm-up at this batch
+                    h_tok, extra["transformers_median_tok_s"] = _rate(
+                        batch, hf_generate(with_hf, prompts, cfg.new_tokens)
+                    )
+                decode_rate[batch] = p_tok
+                row("decode", batch, p_tok, h_tok, **extra)
+
+            if quant == "none":  # stock F.linear at this dtype: not a quantised product
+                for batch in cfg.batches:
+                    row("floor", batch, decode_rate[batch], None, bound_tok_s=linear_floor(c, dtype, batch))
+            wbytes = runner.weights.decode_bytes()
+            flops_per_token = 2 * matmul_params(c)
+            for batch in cfg.batches:
+                # The hardware bound of a decode step: every weight read once, every product at the FMA peak.
+                steps_s = read_bps / wbytes
+                if peak is not None:
+                    steps_s = min(steps_s, peak / (flops_per_token * batch))
+                row("bound", batch, decode_rate[batch], None, bound_tok_s=batch * steps_s)
+                t = product_pass(runner.weights, c, batch)
+                row(
                     "linear",
                     batch,
-                    dname,
                     batch / t,
                     None,
                     bound_tok_s=batch * steps_s,
@@ -391,26 +463,44 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                     gbps=wbytes / t / 1e9,
                     linear=str(runner.linear_kind),
                 )
-            )
-            _log(rows[-1])
-        bound = read_bps / runner.weights.decode_bytes()
-        rows.append(
-            _row(
+            row(
                 "membw",
                 1,
-                dname,
                 decode_rate.get(1),
                 None,
-                bound_tok_s=bound,
-                weight_bytes_per_step=runner.weights.decode_bytes(),
+                bound_tok_s=read_bps / wbytes,
+                weight_bytes_per_step=wbytes,
             )
-        )
-        _log(rows[-1])
-        del runner, hf, llm
+            del llm
+            gc.collect()
+        if {"none", "int8"} <= runners.keys():
+            rows.append(quality(model_dir, dtype, runners, cfg.quality_tokens))
+            _log(rows[-1])
+        del runners, hf
         gc.collect()
     machine = machine_info(cfg, bw)
     machine["fma_peak_gflops"] = None if peak is None else round(peak / 1e9, 1)
     return {"machine": {**machine, "pdserve": info}, "config": cfg.__dict__, "rows": rows}
+
+
+def _add_row(
+    rows: list[dict[str, Any]],
+    rate: dict[tuple[str, int, str], float],
+    dtype: str,
+    quant: str,
+    phase: str,
+    batch: int,
+    pdserve: float | None,
+    transformers: float | None,
+    **extra: Any,
+) -> None:
+    """Append (and log) one row of ``dtype``/``quant``; int8 rows of a rated phase get ``vs_unquantized``."""
+    if pdserve is not None and phase in ("prefill", "decode", "linear"):
+        rate[(phase, batch, quant)] = pdserve
+        if quant != "none" and (phase, batch, "none") in rate:
+            extra["vs_unquantized"] = pdserve / rate[(phase, batch, "none")]  # _row rounds it
+    rows.append(_row(phase, batch, dtype, pdserve, transformers, quantization=quant, **extra))
+    _log(rows[-1])
 
 
 def _row(
@@ -466,10 +556,24 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, Path | N
     p.add_argument("--prefill-reps", type=int, default=3, help="prefill runs (best kept)")
     p.add_argument("--skip-transformers", action="store_true", help="pdserve and the bounds only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantizations",
+        default="none",
+        help="comma-separated, among none,int8: int8 repeats pdserve's rows with int8 weights and adds a "
+        "quality row",
+    )
+    p.add_argument(
+        "--quality-tokens", type=int, default=48, help="greedy tokens per prompt of the int8 quality row"
+    )
     a = p.parse_args(argv)
     dtypes = tuple(a.dtypes.split(","))
     if not set(dtypes) <= set(DTYPES):
         p.error(f"--dtypes must be among {sorted(DTYPES)}")
+    quantizations = tuple(dict.fromkeys(a.quantizations.split(",")))
+    if not set(quantizations) <= set(QUANTIZATIONS):
+        p.error(f"--quantizations must be among {', '.join(QUANTIZATIONS)}")
+    if a.quality_tokens < 1:
+        p.error("--quality-tokens must be >= 1")
     if a.new_tokens < 3 or a.prompt_len < 1 or a.threads < 1:
         p.error("--new-tokens must be >= 3, --prompt-len and --threads >= 1")
     cfg = BenchConfig(
@@ -484,6 +588,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, Path | N
         prefill_reps=a.prefill_reps,
         skip_transformers=a.skip_transformers,
         seed=a.seed,
+        quantizations=quantizations,
+        quality_tokens=a.quality_tokens,
     )
     return cfg, a.out
 

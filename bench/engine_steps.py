@@ -26,3 +26,21 @@ def runner_decode_steps(runner: Any, prompts: list[list[int]], new_tokens: int) 
         next_ids = runner.decode(dec).argmax(-1).tolist()
         steps.append(time.perf_counter() - t0)
     return steps
+
+
+def greedy_tokens(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """``new_tokens`` greedy tokens for each prompt (any lengths), decoded together; no early stop."""
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.model_runner import DecodeItem, PrefillItem
+
+    bm = BlockManager(runner.num_blocks, runner.block_size)
+    items = [PrefillItem(p, bm.allocate(i, len(p) + new_tokens)) for i, p in enumerate(prompts)]
+    out = [[t] for t in runner.prefill(items).argmax(-1).tolist()]
+    for s in range(new_tokens - 1):
+        dec = [
+            DecodeItem(o[-1], len(p) + s, it.block_table)
+            for o, p, it in zip(out, prompts, items, strict=True)
+        ]
+        for o, t in zip(out, runner.decode(dec).argmax(-1).tolist(), strict=True):
+            o.append(t)
+    return out

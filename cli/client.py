@@ -47,6 +47,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "model": info.model,
                 "device": info.device or "cpu",  # a worker from before the field runs on the CPU
                 "dtype": info.dtype,
+                "quantization": info.quantization or "none",
                 "pid": info.pid,
                 "heartbeat_age_s": round(max(now_unix - e.last_heartbeat_unix, 0.0), 3),
             }
@@ -68,6 +69,12 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
         "http_url": status.http_url,  # the OpenAI-compatible API's base URL; empty: off
     }
     return {"router": router, "workers": workers, "totals": totals}
+
+
+def _dtype_cell(w: dict[str, Any]) -> str:
+    """``float32``, or ``float32/int8`` for a worker with quantised weights."""
+    quant = w.get("quantization", "none")
+    return (w["dtype"] or "-") + ("" if quant == "none" else f"/{quant}")
 
 
 def status_table(doc: dict[str, Any]) -> str:
@@ -95,7 +102,8 @@ def status_table(doc: dict[str, Any]) -> str:
             w["role"],
             w["state"],
             w["device"],
-            w["dtype"] or "-",
+            (w["dtype"] or "-")
+            + ("" if w.get("quantization", "none") == "none" else f"/{w['quantization']}"),
             w["address"],
             str(w["running"]),
             str(w["queued"]),

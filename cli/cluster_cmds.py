@@ -47,6 +47,7 @@ _WORKER_FLAGS = (
     "max_batched_tokens",
     "kv_stall_timeout",
     "kv_fault_delay",
+    "quantization",
 )
 
 

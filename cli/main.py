@@ -27,6 +27,7 @@ from pdserve.engine.device import (
     check_device,
     check_gpu_memory_utilization,
 )
+from pdserve.engine.quant import QUANTIZATIONS
 from pdserve.router.config import DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, RouterConfig
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.role import Role
@@ -63,7 +64,8 @@ def _fraction(text: str) -> float:
 
 
 def _device_args(p: argparse.ArgumentParser, command: str) -> None:
-    """--device, --gpu-memory-utilization and (not on scale) --dtype; ``command``: up | scale | worker."""
+    """--device, --gpu-memory-utilization and (not on scale) --dtype and --quantization; ``command``: up |
+    scale | worker (scale's workers take the cluster's)."""
     if command != "scale":
         p.add_argument(
             "--dtype",
@@ -71,6 +73,13 @@ def _device_args(p: argparse.ArgumentParser, command: str) -> None:
             default="auto",
             help="auto (default): bfloat16 on CUDA and on CPUs with native bf16 dot products "
             "(AVX512-BF16, AMX), float32 elsewhere",
+        )
+        p.add_argument(
+            "--quantization",
+            choices=QUANTIZATIONS,
+            default="none",
+            help="int8: weight-only int8 with per-row scales (a quarter of float32's weight bytes; "
+            "activations and the KV cache keep --dtype); none (default): weights in --dtype",
         )
     if command == "scale":
         device_help = f"where the new workers run: {DEVICE_HELP} (default: as the cluster was started)"
@@ -480,6 +489,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         port=args.port,
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         threads=args.threads or cluster.default_threads(1, cpus),

@@ -35,6 +35,7 @@ from pdserve.decode_pool.metrics import DecodeMetrics
 from pdserve.decode_pool.remote import RemotePrefill, blocks_freed
 from pdserve.decode_pool.stream import relay_deltas
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.quant import kv_model_id
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import TransferConfig, compat_for
 from pdserve.proto import worker_pb2, worker_pb2_grpc
@@ -61,6 +62,7 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
         num_blocks=args.kv_blocks or None,
         kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_DECODE_KV_BYTES),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         threads=args.threads,
@@ -184,7 +186,7 @@ class DecodePool:
         self.loop.on_step(self.metrics.observe_step)
         self.loop.start()
         if self.args.role is Role.DECODE:
-            compat = compat_for(engine.runner.kv, model_dir.name)
+            compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
             self.remote = RemotePrefill(
                 self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
             )

@@ -263,39 +263,76 @@ class CpuKernels:
         )
         return out
 
+    def panel_width(self) -> int:
+        """P: output columns per panel of ``pack_linear_weight``'s layout (two vectors)."""
+        return int(self.lib.linear_panel_width())
+
     def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` -> the panel layout ``linear`` streams: ``[ceil(N / P), K, P]`` in its dtype
-        (P = ``linear_panel_width()``, two vectors of output columns), zero-padded."""
-        if weight.dim() != 2 or weight.dtype not in _DTYPE_CODES:
+        (P = ``panel_width()``), zero-padded. int8 weights (``engine.quant``) pack the same way."""
+        if weight.dim() != 2 or (weight.dtype not in _DTYPE_CODES and weight.dtype != torch.int8):
             got = f"{weight.dtype} {tuple(weight.shape)}"
-            raise ValueError(f"pack_linear_weight: need a 2-D float weight, not {got}")
+            raise ValueError(f"pack_linear_weight: need a 2-D float or int8 weight, not {got}")
         w = weight.contiguous()
         n, k = w.shape
-        p = int(self.lib.linear_panel_width())
+        p = self.panel_width()
         out = torch.empty(-(-n // p), k, p, dtype=w.dtype)
         _check(self.lib.pack_linear_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size()), "pack")
         return out
 
+    def pack_int8_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """``scales [N, G]`` float32 (``engine.quant.quantize_int8``) -> the layout ``linear`` reads beside
+        int8 panels: ``[ceil(N / P), G, P]``, zero-padded."""
+        n, g = scales.shape
+        p = self.panel_width()
+        padded = torch.zeros(-(-n // p) * p, g, dtype=torch.float32)
+        padded[:n] = scales
+        return padded.view(-1, p, g).transpose(1, 2).contiguous()
+
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        scales: torch.Tensor | None = None,
+        group: int = 0,
     ) -> torch.Tensor:
-        """``x [M, K] @ weight.T + bias`` -> ``[M, n]`` from ``packed = pack_linear_weight(weight)``."""
+        """``x [M, K] @ weight.T + bias`` -> ``[M, n]`` from ``packed = pack_linear_weight(weight)``.
+
+        int8 ``packed``: ``weight[n, k] = q[n, k] * scale(n, k // group)``, ``scales =
+        pack_int8_scales(...)``."""
         x = x.contiguous()
         m, k = x.shape
-        if packed.shape[1] != k or x.dtype != packed.dtype:
+        quantized = packed.dtype == torch.int8
+        if packed.shape[1] != k or (x.dtype != packed.dtype and not quantized):
             raise ValueError(
                 f"linear: x {tuple(x.shape)} {x.dtype} vs packed {tuple(packed.shape)} {packed.dtype}"
             )
+        if quantized and (
+            scales is None
+            or group < 1
+            or scales.dtype != torch.float32
+            or not scales.is_contiguous()
+            or tuple(scales.shape) != (packed.shape[0], -(-k // group), packed.shape[2])
+        ):
+            raise ValueError(
+                "linear: int8 weights need float32 scales in pack_int8_scales' layout and a group"
+            )
+        if bias is not None and bias.dtype != x.dtype:
+            raise ValueError(f"linear: bias {bias.dtype} vs x {x.dtype}")
         y = torch.empty(m, n, dtype=x.dtype)
         _check(
             self.lib.linear_packed(
                 x.data_ptr(),
                 packed.data_ptr(),
+                scales.data_ptr() if quantized and scales is not None else None,
                 None if bias is None else bias.data_ptr(),
                 y.data_ptr(),
                 m,
                 k,
                 n,
+                group if quantized else k,
                 _DTYPE_CODES[x.dtype],
                 torch.get_num_threads(),
             ),
@@ -366,7 +403,7 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
         "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
         "fma_peak": [i64, i32, ptr],
-        "linear_packed": [ptr] * 4 + [i64] * 3 + [i32, i32],
+        "linear_packed": [ptr] * 5 + [i64] * 4 + [i32, i32],
         "pack_linear_weight": [ptr, ptr, i64, i64, i64],
         "linear_panel_width": [],
     }

@@ -12,7 +12,7 @@ Kernels (all return 0, or < 0 for unsupported shapes):
 - ``rope_store``: RoPE on the q and k heads of ``qkv`` in place, then K and V rows into the cache.
 - ``silu_mul``: ``silu(gate) * up`` from the fused gate_up output.
 - ``linear_packed`` (+ ``pack_linear_weight``): ``x @ w.T`` for decode-sized batches from weights packed
-  into contiguous column panels at load.
+  into contiguous column panels at load, in the activations' dtype or as int8 with per-column scales.
 - ``fma_peak``: a probe, not a kernel: the float32 FMA rate the cores sustain (``bench.engine``'s bound).
 """
 
@@ -22,8 +22,10 @@ SOURCE = r"""
 #include <math.h>
 #include <stdlib.h>
 #include <omp.h>
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_BF16_DOT 1
 #endif
 
@@ -41,6 +43,7 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef _Float16 vhf __attribute__((vector_size(W * 2)));
+typedef int8_t vb __attribute__((vector_size(W)));
 
 static inline vf ld(const char* p, const int dt) {
     vf f;
@@ -558,34 +561,67 @@ int silu_mul(const void* gu, void* out, int64_t T, int64_t I, int dt, int num_th
 #define LM_ROWS 6
 
 /* rows x LP outputs of one panel. With few rows the FMA chains alone would wait on each other (latency x
-   ports needs ~8 independent chains), so k is split over `splits` accumulator sets, summed at the end. */
+   ports needs ~8 independent chains), so k is split over `splits` accumulator sets, summed at the end.
+   wq: the panel holds int8 weights in groups of `group` k (1 byte each), and `scales` this panel's
+   [ceil(K / group)][LP] float32 scales: each weight is widened and multiplied by its group's scale, so
+   the kernel multiplies by exactly the float32 weights q * scale stand for. */
+static inline vf ldq(const char* p) {  /* W int8 -> W floats (GCC's vector conversion goes lane by lane) */
+    vf f;
+#if W == 16 && defined(__AVX512F__)
+    const __m512 r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    memcpy(&f, &r, sizeof f);
+#elif W == 8 && defined(__AVX2__)
+    const __m256 r = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    memcpy(&f, &r, sizeof f);
+#else
+    vb b; memcpy(&b, p, sizeof b);
+    f = __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+#endif
+    return f;
+}
+
+#define WT_I8 3  /* weight type code of int8 panels (0-2: the float dtype codes) */
+
 static inline __attribute__((always_inline)) void linear_tile(
-    const char* x, const char* wp, const char* bias, char* y, int64_t K, int64_t N, int64_t n0, int64_t nn,
-    const int rows, const int splits, const int dt)
+    const char* x, const char* wp, const float* scales, int64_t group, const char* bias, char* y, int64_t K,
+    int64_t N, int64_t n0, int64_t nn, const int rows, const int splits, const int dt, const int wt)
 {
-    const int64_t esz = dt == 0 ? 4 : 2;
+    const int wq = wt == WT_I8;
+    const int64_t esz = dt == 0 ? 4 : 2, wsz = wq ? 1 : wt == 0 ? 4 : 2, G = wq ? group : K;
     vf acc[4][LM_ROWS][2];
     for (int sp = 0; sp < splits; sp++)
         for (int r = 0; r < rows; r++) { acc[sp][r][0] = (vf){0}; acc[sp][r][1] = (vf){0}; }
-    const int64_t kmain = K / splits * splits;
-    for (int64_t k0 = 0; k0 < kmain; k0 += splits) {
-        for (int sp = 0; sp < splits; sp++) {
-            const int64_t k = k0 + sp;
-            const vf w0 = ld(wp + (k * LP) * esz, dt), w1 = ld(wp + (k * LP + W) * esz, dt);
-            for (int r = 0; r < rows; r++) {
-                const vf xb = (vf){0} + ld1(x + (r * K + k) * esz, dt);
-                acc[sp][r][0] += xb * w0;
-                acc[sp][r][1] += xb * w1;
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        const int64_t g1 = K - g0 < G ? K : g0 + G;
+        vf s0 = (vf){0} + 1.f, s1 = s0;
+        if (wq) {
+            memcpy(&s0, scales + (g0 / G) * LP, sizeof s0);
+            memcpy(&s1, scales + (g0 / G) * LP + W, sizeof s1);
+        }
+#define LOAD_W(k) \
+        vf w0 = wq ? ldq(wp + (k) * LP) * s0 : ld(wp + ((k) * LP) * wsz, wt); \
+        vf w1 = wq ? ldq(wp + (k) * LP + W) * s1 : ld(wp + ((k) * LP + W) * wsz, wt);
+        const int64_t kmain = g0 + (g1 - g0) / splits * splits;
+        for (int64_t k0 = g0; k0 < kmain; k0 += splits) {
+            for (int sp = 0; sp < splits; sp++) {
+                const int64_t k = k0 + sp;
+                LOAD_W(k)
+                for (int r = 0; r < rows; r++) {
+                    const vf xb = (vf){0} + ld1(x + (r * K + k) * esz, dt);
+                    acc[sp][r][0] += xb * w0;
+                    acc[sp][r][1] += xb * w1;
+                }
             }
         }
-    }
-    for (int64_t k = kmain; k < K; k++) {
-        const vf w0 = ld(wp + (k * LP) * esz, dt), w1 = ld(wp + (k * LP + W) * esz, dt);
-        for (int r = 0; r < rows; r++) {
-            const vf xb = (vf){0} + ld1(x + (r * K + k) * esz, dt);
-            acc[0][r][0] += xb * w0;
-            acc[0][r][1] += xb * w1;
+        for (int64_t k = kmain; k < g1; k++) {
+            LOAD_W(k)
+            for (int r = 0; r < rows; r++) {
+                const vf xb = (vf){0} + ld1(x + (r * K + k) * esz, dt);
+                acc[0][r][0] += xb * w0;
+                acc[0][r][1] += xb * w1;
+            }
         }
+#undef LOAD_W
     }
     for (int sp = 1; sp < splits; sp++)
         for (int r = 0; r < rows; r++) { acc[0][r][0] += acc[sp][r][0]; acc[0][r][1] += acc[sp][r][1]; }
@@ -606,39 +642,88 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
 }
 
-static inline __attribute__((always_inline)) void linear_panel(
-    const char* x, const char* wp, const char* bias, char* y, int64_t M, int64_t K, int64_t N, int64_t p,
-    const int dt)
-{
-    const int64_t esz = dt == 0 ? 4 : 2, n0 = p * LP, nn = N - n0 < LP ? N - n0 : LP;
-    const char* w = wp + p * K * LP * esz;
-    for (int64_t m0 = 0; m0 < M; m0 += LM_ROWS) {
-        const char* xm = x + m0 * K * esz;
-        char* ym = y + m0 * N * esz;
-        switch (M - m0 < LM_ROWS ? (int)(M - m0) : LM_ROWS) {  /* constant row counts: registers */
-            case 1: linear_tile(xm, w, bias, ym, K, N, n0, nn, 1, 4, dt); break;
-            case 2: linear_tile(xm, w, bias, ym, K, N, n0, nn, 2, 2, dt); break;
-            case 3: linear_tile(xm, w, bias, ym, K, N, n0, nn, 3, 2, dt); break;
-            case 4: linear_tile(xm, w, bias, ym, K, N, n0, nn, 4, 1, dt); break;
-            case 5: linear_tile(xm, w, bias, ym, K, N, n0, nn, 5, 1, dt); break;
-            default: linear_tile(xm, w, bias, ym, K, N, n0, nn, LM_ROWS, 1, dt); break;
+/* int8 panel [K][LP] -> float32 [K][LP] in buf: each weight times its group's scale (as linear_tile does in
+   registers), so the row tiles that follow re-read floats from cache instead of converting again. */
+static void dequantize_panel(const char* w, const float* scales, int64_t group, int64_t K, float* buf) {
+    for (int64_t g0 = 0; g0 < K; g0 += group) {
+        const int64_t g1 = K - g0 < group ? K : g0 + group;
+        vf s0, s1;
+        memcpy(&s0, scales + (g0 / group) * LP, sizeof s0);
+        memcpy(&s1, scales + (g0 / group) * LP + W, sizeof s1);
+        for (int64_t k = g0; k < g1; k++) {
+            const vf w0 = ldq(w + k * LP) * s0, w1 = ldq(w + k * LP + W) * s1;
+            memcpy(buf + k * LP, &w0, sizeof w0);
+            memcpy(buf + k * LP + W, &w1, sizeof w1);
         }
     }
 }
 
-/* x [M, K], y [M, N] contiguous in dtype dt; wp from pack_linear_weight; bias [N] or NULL. */
-int linear_packed(const void* x, const void* wp, const void* bias, void* y, int64_t M, int64_t K, int64_t N,
-                  int dt, int num_threads) {
-    if (dt < 0 || dt > 2 || M < 0 || K < 1 || N < 1) return -1;
+static inline __attribute__((always_inline)) void linear_rows(
+    const char* x, const char* w, const float* s, int64_t group, const char* bias, char* y, int64_t M,
+    int64_t K, int64_t N, int64_t n0, int64_t nn, const int dt, const int wt)
+{
+    for (int64_t m0 = 0; m0 < M; m0 += LM_ROWS) {
+        const char* xm = x + m0 * K * (dt == 0 ? 4 : 2);
+        char* ym = y + m0 * N * (dt == 0 ? 4 : 2);
+        switch (M - m0 < LM_ROWS ? (int)(M - m0) : LM_ROWS) {  /* constant row counts: registers */
+            case 1: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 1, 4, dt, wt); break;
+            case 2: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 2, 2, dt, wt); break;
+            case 3: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 3, 2, dt, wt); break;
+            case 4: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 4, 1, dt, wt); break;
+            case 5: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 5, 1, dt, wt); break;
+            default: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, LM_ROWS, 1, dt, wt); break;
+        }
+    }
+}
+
+/* One panel for all M rows. int8 panels with more than two tiles of rows are dequantised once into buf
+   (K * LP floats) and multiplied as float32 weights; with one tile they are widened in registers. */
+static inline __attribute__((always_inline)) void linear_panel(
+    const char* x, const char* wp, const float* scales, int64_t group, const char* bias, char* y, int64_t M,
+    int64_t K, int64_t N, int64_t p, const int dt, const int wq, float* buf)
+{
+    const int64_t wsz = wq ? 1 : dt == 0 ? 4 : 2, n0 = p * LP, nn = N - n0 < LP ? N - n0 : LP;
+    const char* w = wp + p * K * LP * wsz;
+    if (!wq) { linear_rows(x, w, NULL, K, bias, y, M, K, N, n0, nn, dt, dt); return; }
+    const float* s = scales + p * ((K + group - 1) / group) * LP;
+    if (M > 2 * LM_ROWS && buf) {
+        dequantize_panel(w, s, group, K, buf);
+        linear_rows(x, (const char*)buf, NULL, K, bias, y, M, K, N, n0, nn, dt, 0);
+    } else {
+        linear_rows(x, w, s, group, bias, y, M, K, N, n0, nn, dt, WT_I8);
+    }
+}
+
+/* x [M, K], y [M, N] contiguous in dtype dt; wp from pack_linear_weight; bias [N] or NULL.
+   scales NULL: wp holds weights in dtype dt. Else wp holds int8 weights (pack_linear_weight with esz 1)
+   and scales [ceil(N / LP)][ceil(K / group)][LP] float32: weight[n, k] = q[n, k] * scale(n, k / group). */
+int linear_packed(const void* x, const void* wp, const void* scales, const void* bias, void* y, int64_t M,
+                  int64_t K, int64_t N, int64_t group, int dt, int num_threads) {
+    if (dt < 0 || dt > 2 || M < 0 || K < 1 || N < 1 || (scales && group < 1)) return -1;
     const int64_t panels = (N + LP - 1) / LP;
     const char *xc = (const char*)x, *wc = (const char*)wp, *bc = (const char*)bias;
-    #pragma omp parallel for num_threads(num_threads) if (panels >= 2 * num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        switch (dt) {
-            case 0: linear_panel(xc, wc, bc, (char*)y, M, K, N, p, 0); break;
-            case 1: linear_panel(xc, wc, bc, (char*)y, M, K, N, p, 1); break;
-            default: linear_panel(xc, wc, bc, (char*)y, M, K, N, p, 2); break;
+    const float* sc = (const float*)scales;
+    const int scratch = sc && M > 2 * LM_ROWS;
+    #pragma omp parallel num_threads(num_threads) if (panels >= 2 * num_threads)
+    {
+        float* buf = scratch ? (float*)aligned_alloc(64, ((size_t)K * LP * sizeof(float) + 63) / 64 * 64) : NULL;
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (sc) {
+                switch (dt) {
+                    case 0: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 0, 1, buf); break;
+                    case 1: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 1, 1, buf); break;
+                    default: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 2, 1, buf); break;
+                }
+            } else {
+                switch (dt) {
+                    case 0: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 0, 0, NULL); break;
+                    case 1: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 1, 0, NULL); break;
+                    default: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 2, 0, NULL); break;
+                }
+            }
         }
+        free(buf);
     }
     return 0;
 }

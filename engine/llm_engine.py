@@ -36,6 +36,7 @@ from pdserve.engine.device import (
 )
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from pdserve.engine.quant import check_quantization
 from pdserve.engine.sampler import Sampler, SampleRow
 from pdserve.engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
 from pdserve.engine.sequence import FinishReason
@@ -72,6 +73,9 @@ class EngineConfig:
     # As asked: "auto" (bfloat16 on CUDA and on CPUs with native bf16 dot products, float32 elsewhere),
     # "float32", "bfloat16" or "float16". What the engine runs in is ``resolved_dtype``.
     dtype: str = "auto"
+    # "none" or "int8": weight-only int8 with per-row scales (``engine.quant``); activations, KV cache and
+    # sums stay in dtype / float32.
+    quantization: str = "none"
     device: str = "cpu"  # cpu | cuda | cuda:N as asked; ``resolved_device`` is the one it runs on (cuda:N)
     # Share of the GPU's memory the engine may use (weights, activations and the KV cache), as vLLM
     # means it; sizes the cache when neither num_blocks nor kv_cache_bytes is given. Ignored on CPU.
@@ -93,6 +97,7 @@ class EngineConfig:
             names = {v: k for k, v in DTYPES.items()}
             object.__setattr__(self, "dtype", names.get(self.dtype, str(self.dtype)))
         check_dtype(self.dtype)
+        check_quantization(self.quantization)
         check_device(self.device)
         check_gpu_memory_utilization(self.gpu_memory_utilization)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -162,6 +167,7 @@ class LLMEngine:
                 num_blocks=config.num_blocks,
                 kv_cache_bytes=config.kv_cache_bytes,
                 gpu_memory_utilization=config.gpu_memory_utilization,
+                quantization=config.quantization,
             )
         self.tokenizer = tokenizer
         mc = self.runner.config
@@ -188,11 +194,12 @@ class LLMEngine:
         self._text: dict[Hashable, _TextState] = {}
         self.num_steps = 0  # batches run since start
         log.info(
-            "engine: %s on %s in %s (dtype %s asked), %d KV blocks of %d tokens",
+            "engine: %s on %s in %s (dtype %s asked)%s, %d KV blocks of %d tokens",
             self.runner.model_dir.name,
             self.device,
             self.dtype,
             config.dtype,
+            "" if config.quantization == "none" else f", {config.quantization} weights",
             self.runner.num_blocks,
             self.runner.block_size,
         )

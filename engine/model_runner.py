@@ -39,6 +39,7 @@ from pdserve.engine.model import (
     forward_hidden,
     logits,
 )
+from pdserve.engine.quant import check_quantization
 from pdserve.engine.weights import ModelWeights, choose_linear
 
 if TYPE_CHECKING:
@@ -111,19 +112,22 @@ class ModelRunner:
         kv_cache_bytes: int | None = None,
         backend: Backend | str = Backend.AUTO,
         gpu_memory_utilization: float | None = None,
+        quantization: str = "none",
     ) -> None:
         """Load the model and allocate the KV cache.
 
         Cache size: ``num_blocks`` wins; else as many blocks as fit in ``kv_cache_bytes``; else, on CUDA,
         what ``gpu_memory_utilization`` (default 0.9) of the device's memory leaves once the weights and
         ``CUDA_ACTIVATION_RESERVE`` are counted (as vLLM's flag); else ``DEFAULT_CACHE_SEQUENCES`` (8)
-        sequences of ``max_position_embeddings`` tokens. ``backend``: see ``Backend``.
+        sequences of ``max_position_embeddings`` tokens. ``backend``: see ``Backend``. ``quantization``:
+        ``none`` or ``int8`` (weight-only, ``engine.quant``).
         """
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         backend = Backend(backend)
+        self.quantization = check_quantization(quantization)
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
         self.dtype = dtype
@@ -173,8 +177,10 @@ class ModelRunner:
             )
 
         t0 = time.perf_counter()
-        self.linear_kind = choose_linear(dtype, self.device, lib)
-        self.weights = ModelWeights.load(self.model_dir, c, dtype, self.device, self.linear_kind, lib)
+        self.linear_kind = choose_linear(dtype, self.device, lib, quantization=quantization)
+        self.weights = ModelWeights.load(
+            self.model_dir, c, dtype, self.device, self.linear_kind, lib, quantization
+        )
         self.rope = RopeTables.build(c, dtype, self.device)
         self._phase_s["model_load"] = time.perf_counter() - t0
         t0 = time.perf_counter()

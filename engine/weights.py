@@ -36,6 +36,7 @@ from safetensors import safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import CpuKernels
 from pdserve.engine.env import EngineEnv
+from pdserve.engine.quant import INT8_GROUP, dequantize_int8, quantize_int8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -98,10 +99,17 @@ def onednn_runs(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def choose_linear(
-    dtype: torch.dtype, device: torch.device, kernels: CpuKernels | None, env: EngineEnv | None = None
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: CpuKernels | None,
+    env: EngineEnv | None = None,
+    quantization: str = "none",
 ) -> LinearKind:
     """The matmul path for a model: ``PDSERVE_LINEAR`` when set (ValueError if it cannot run here), else
     by measurement on the hosts we have (bench/results/cpu_engine_avx2):
+
+    - ``quantization="int8"``: PANELS where the C kernels are built (they read int8 panels), else PLAIN
+      (``Linear`` dequantises per call: correct, slow). oneDNN's pre-packed path has no int8 weights.
 
     - CPU, float32, C kernels built: PANELS. On an AVX2 EPYC, a step's products took 0.71 / 0.74 / 0.84 /
       0.93 of oneDNN's time at 1 / 8 / 32 / 256 rows (one thread, weights streamed as in a step), and
@@ -114,6 +122,8 @@ def choose_linear(
     env = EngineEnv.from_environ() if env is None else env
     if env.linear is not None and env.linear != "auto":
         kind = LinearKind(env.linear)
+        if kind is LinearKind.ONEDNN and quantization != "none":
+            raise ValueError(f"PDSERVE_LINEAR=onednn cannot run --quantization {quantization}")
         if kind is LinearKind.ONEDNN and not onednn_runs(dtype, device):
             raise ValueError(f"PDSERVE_LINEAR=onednn: oneDNN does not run {dtype} on {device} here")
         if kind is LinearKind.PANELS and (kernels is None or device.type != "cpu"):
@@ -121,6 +131,8 @@ def choose_linear(
         return kind
     if device.type != "cpu":
         return LinearKind.PLAIN
+    if quantization != "none":
+        return LinearKind.PANELS if kernels is not None else LinearKind.PLAIN
     if dtype != torch.float32 and onednn_runs(dtype, device):
         return LinearKind.ONEDNN
     if kernels is not None:
@@ -131,13 +143,17 @@ def choose_linear(
 @dataclass(frozen=True)
 class Linear:
     """``y = x @ weight.T + bias``. ``weight`` is in the layout of ``kind`` (``[out, in]`` only for PLAIN):
-    use it only through ``__call__``."""
+    use it only through ``__call__``. Quantised (``scales`` set): ``weight`` holds int8 and the weights it
+    stands for are ``q * scale`` per output row and group of ``group`` inputs (``engine.quant``)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None  # [out]
     kind: LinearKind = LinearKind.PLAIN
     n_out: int = 0  # out features (PANELS pads its layout)
     kernels: CpuKernels | None = None  # PANELS
+    # int8 weights: float32 scales, [out, groups] (PLAIN) or CpuKernels.pack_int8_scales' layout (PANELS)
+    scales: torch.Tensor | None = None
+    group: int = 0  # int8 weights: inputs per scale
 
     @classmethod
     def build(
@@ -146,9 +162,22 @@ class Linear:
         bias: torch.Tensor | None = None,
         kind: LinearKind = LinearKind.PLAIN,
         kernels: CpuKernels | None = None,
+        quantization: str = "none",
     ) -> Linear:
-        """From a plain ``weight [out, in]``: repacked for ``kind`` (a copy unless PLAIN)."""
+        """From a plain ``weight [out, in]``: quantised when asked (``engine.quant``), repacked for ``kind``
+        (a copy unless PLAIN and unquantised)."""
         n = int(weight.shape[0])
+        if quantization == "int8":
+            q, scales = quantize_int8(weight, INT8_GROUP)
+            if kind is LinearKind.PLAIN:
+                return cls(q, bias, kind, n, scales=scales, group=INT8_GROUP)
+            if kind is not LinearKind.PANELS or kernels is None:
+                raise ValueError(f"int8 weights need PANELS (with the CPU kernels) or PLAIN, not {kind}")
+            b = None if bias is None else bias.contiguous()
+            packed, packed_scales = kernels.pack_linear_weight(q), kernels.pack_int8_scales(scales)
+            return cls(packed, b, kind, n, kernels, packed_scales, INT8_GROUP)
+        if quantization != "none":
+            raise ValueError(f"unknown quantization {quantization!r}")
         if kind is LinearKind.ONEDNN:
             return cls(torch.ops.mkldnn._reorder_linear_weight(weight), bias, kind, n)
         if kind is LinearKind.PANELS:
@@ -174,13 +203,17 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind is LinearKind.PANELS:
             assert self.kernels is not None
-            return self.kernels.linear(x, self.weight, self.n_out, self.bias)
+            return self.kernels.linear(x, self.weight, self.n_out, self.bias, self.scales, self.group)
         if self.kind is LinearKind.ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.scales is not None:  # the portable int8 path: dequantise, then multiply as the reference does
+            return F.linear(x, dequantize_int8(self.weight, self.scales, self.group).to(x.dtype), self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def num_bytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
+        if self.scales is not None:
+            n += self.scales.numel() * self.scales.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
@@ -208,13 +241,16 @@ class ModelWeights:
         config: ModelConfig,
         kind: LinearKind = LinearKind.PLAIN,
         kernels: CpuKernels | None = None,
+        quantization: str = "none",
     ) -> ModelWeights:
         """Consume ``sd`` (entries are popped so unfused copies are freed as we go).
 
-        ``kind``: the matmul layout (``choose_linear``); PANELS needs ``kernels``."""
+        ``kind``: the matmul layout (``choose_linear``); PANELS needs ``kernels``. ``quantization``:
+        ``none`` or ``int8`` (``engine.quant``: every matmul weight, the LM head included; not the
+        embedding table)."""
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear.build(weight, bias, kind, kernels)
+            return Linear.build(weight, bias, kind, kernels, quantization)
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -275,8 +311,9 @@ class ModelWeights:
         device: str | torch.device,
         kind: LinearKind = LinearKind.PLAIN,
         kernels: CpuKernels | None = None,
+        quantization: str = "none",
     ) -> ModelWeights:
-        return cls.from_state_dict(load_state_dict(path, dtype, device), config, kind, kernels)
+        return cls.from_state_dict(load_state_dict(path, dtype, device), config, kind, kernels, quantization)
 
     def decode_bytes(self) -> int:
         """Weight bytes one decode step reads: every layer, the final norm and the LM head (not the embedding

@@ -21,6 +21,7 @@ from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.llm_engine import DTYPES
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.params import validate_prompt_token_ids
+from pdserve.engine.quant import kv_model_id
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import IncompatibleError, KVSender, TransferError, TransferTicket, compat_for
@@ -137,6 +138,7 @@ class PrefillPool:
             num_blocks=args.kv_blocks or None,
             kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_PREFILL_KV_BYTES),
             gpu_memory_utilization=args.gpu_memory_utilization,
+            quantization=args.quantization,
         )
         eos = list(runner.config.eos_token_ids)
         try:
@@ -146,7 +148,7 @@ class PrefillPool:
         sampler = Sampler(tuple(eos), device=runner.kv.device)
         self.sender = KVSender(
             runner.kv,
-            compat_for(runner.kv, model_dir.name),
+            compat_for(runner.kv, kv_model_id(model_dir.name, args.quantization)),
             args.transfer_config(),
             self.registry,
             name=args.worker_id,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from pdserve.bench import engine as bench
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
@@ -43,6 +45,30 @@ def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
         assert lin["gflops"] > 0 and lin["gbps"] > 0 and lin["bound_tok_s"] == bound["bound_tok_s"]
         assert rows[("decode", batch)]["pdserve_tok_s"] > 0
     assert rows[("membw", 1)]["weight_bytes_per_step"] > 0
+
+
+def test_engine_bench_int8_rows_and_quality(tiny_llama_dir) -> None:
+    cfg, _ = bench.parse_args(
+        [
+            "--model", str(tiny_llama_dir), "--dtypes", "float32", "--batches", "1,2",
+            "--prompt-len", "4", "--new-tokens", "3", "--prefill-len", "8", "--prefill-reps", "1",
+            "--skip-transformers", "--threads", "1", "--quantizations", "none,int8", "--quality-tokens", "5",
+        ]
+    )  # fmt: skip
+    result = bench.run(cfg)
+    rows = {(r["phase"], r["batch"], r["quantization"]): r for r in result["rows"] if r["phase"] != "quality"}
+    for batch in (1, 2):
+        q8, fp = rows[("decode", batch, "int8")], rows[("decode", batch, "none")]
+        assert q8["vs_unquantized"] == pytest.approx(q8["pdserve_tok_s"] / fp["pdserve_tok_s"], abs=6e-3)
+        assert "vs_unquantized" not in fp
+    assert ("floor", 1, "none") in rows and ("floor", 1, "int8") not in rows
+    info = result["machine"]["pdserve"]
+    assert info["float32/int8"]["decode_weight_bytes"] < info["float32"]["decode_weight_bytes"] / 2
+    q = next(r for r in result["rows"] if r["phase"] == "quality")
+    assert q["tokens"] == 8 * 5 and 0 <= q["top1_agreement"] <= 1 and 0 <= q["exact_continuations"] <= 8
+    assert q["prompt_source"] == "random-ids" and q["kl_from_unquantized"] >= 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quantizations", "int4"])
 
 
 # ---- the GPU suite (bench.engine_cuda), run on CPU with a tiny model -------------------------------------

@@ -157,9 +157,9 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         with grpc.insecure_channel(address) as channel:
             reg = worker_pb2_grpc.RegistryStub(channel)
             # d1 runs on a GPU; p1 registers no device, as a worker from before the field did (the CPU).
-            for wid, role, used, device, dtype in (
-                ("d1", worker_pb2.ROLE_DECODE, 3, "cuda:0", "bfloat16"),
-                ("p1", worker_pb2.ROLE_PREFILL, 0, "", "float32"),
+            for wid, role, used, device, dtype, quant in (
+                ("d1", worker_pb2.ROLE_DECODE, 3, "cuda:0", "bfloat16", ""),
+                ("p1", worker_pb2.ROLE_PREFILL, 0, "", "float32", "int8"),
             ):
                 reg.Register(
                     worker_pb2.WorkerInfo(
@@ -173,6 +173,7 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
                         model="m",
                         dtype=dtype,
                         device=device,
+                        quantization=quant,
                     ),
                     timeout=5,
                     metadata=meta,
@@ -211,9 +212,9 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
             3,
         )
         assert by_id["p1"]["role"] == "prefill" and by_id["d1"]["metrics_url"] == "http://127.0.0.1:9/d1"
-        assert [(by_id[w]["device"], by_id[w]["dtype"]) for w in ("d1", "p1")] == [
-            ("cuda:0", "bfloat16"),
-            ("cpu", "float32"),
+        assert [(by_id[w]["device"], by_id[w]["dtype"], by_id[w]["quantization"]) for w in ("d1", "p1")] == [
+            ("cuda:0", "bfloat16", "none"),  # a worker from before the field has unquantised weights
+            ("cpu", "float32", "int8"),
         ]
         t = doc["totals"]
         assert (t["workers"], t["running"], t["queued"], t["kv_blocks_used"], t["kv_blocks_total"]) == (
@@ -227,7 +228,9 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         table = capsys.readouterr().out
         assert "d1" in table and "p1" in table and "3/10" in table
         [d1_row] = [line for line in table.splitlines() if line.startswith("d1 ")]
-        assert "DEVICE" in table and "cuda:0" in d1_row and "bfloat16" in d1_row
+        assert "DEVICE" in table and "cuda:0" in d1_row and "bfloat16 " in d1_row
+        [p1_row] = [line for line in table.splitlines() if line.startswith("p1 ")]
+        assert "float32/int8" in p1_row
     finally:
         assert cli.main(["down", "--state-dir", str(state_dir)]) == 0
     assert cluster.wait_exit([state.router], 10) == []

@@ -21,6 +21,7 @@ from pdserve.deploy.local import cluster
 from pdserve.engine import device as dev
 from pdserve.engine import llm_engine
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine, engine_config_fields
+from pdserve.engine.quant import kv_model_id
 from pdserve.telemetry import gpu as gpu_metrics
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import add_device_metrics
@@ -473,3 +474,41 @@ def test_chat_takes_device_and_dtype():
         [sys.executable, "-m", "pdserve.engine.chat", "--dtype", "int4"], capture_output=True, text=True
     )
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_quantization_reaches_every_worker_up_and_scale_start(launcher, capsys):
+    """``up --quantization int8`` hands it to each worker it starts, and ``scale`` reuses it (a cluster
+    keeps one quantization: KV from an int8 prefill is refused by an unquantised decode worker)."""
+    from pdserve.decode_pool.servicer import engine_config
+
+    sd = ["--state-dir", str(launcher.state_dir)]
+    up = [
+        "up",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--model",
+        "m",
+        "--port",
+        "50998",
+        "--quantization",
+        "int8",
+    ]
+    assert cli.main([*up, *sd]) == 0
+    assert cli.main(["scale", "--decode", "2", *sd]) == 0
+    for wid in ("prefill-1", "decode-2", "decode-3"):
+        w = parsed_worker(launcher.argvs[wid])
+        assert w.quantization == "int8" and engine_config(w).quantization == "int8"
+    assert (
+        parsed_worker(launcher.argvs["prefill-1"])
+        .worker_info("h:1", kv_blocks_total=1, context_length=1, pid=1, dtype="float32", device="cpu")
+        .quantization
+        == "int8"
+    )
+    p = cli.build_parser()
+    assert p.parse_args(["worker", "--role", "decode", "--router", "r:1"]).quantization == "none"
+    for bad in (["up", "--quantization", "int4"], ["scale", "--quantization", "int8"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    assert kv_model_id("m", "none") == "m" and kv_model_id("m", "int8") == "m+int8"

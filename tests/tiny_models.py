@@ -73,3 +73,24 @@ def load_reference(path: Path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     return model
+
+
+def load_int8_reference(path: Path):
+    """The oracle of ``--quantization int8``: the transformers model of ``path`` with every matrix the engine
+    quantises replaced by its dequantised weights (``engine.quant.dequantize_state_dict``), LM head untied
+    from the (unquantised) embedding."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.quant import dequantize_state_dict
+
+    model = load_reference(path)
+    config = copy.deepcopy(model.config)
+    sd = dequantize_state_dict(model.state_dict(), bool(config.tie_word_embeddings))
+    config.tie_word_embeddings = False
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ref.load_state_dict(sd, strict=True)
+    ref.eval()
+    return ref

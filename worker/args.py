@@ -16,6 +16,7 @@ from pdserve.engine.device import (
     check_gpu_memory_utilization,
     device_index,
 )
+from pdserve.engine.quant import check_quantization
 from pdserve.kv_transfer.config import FaultConfig, TransferConfig
 from pdserve.kv_transfer.netif import interfaces_for_host
 from pdserve.proto import worker_pb2
@@ -40,6 +41,7 @@ class WorkerArgs:
     port: int = 0  # 0: pick a free port (the address registered with the router is the bound one)
     model: str = "smollm2-135m-instruct"  # a registry name or a model directory
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: resolved by the engine, engine.device)
+    quantization: str = "none"  # none | int8: weight-only int8 (engine.quant)
     device: str = "cpu"  # cpu | cuda | cuda:N
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # the GPU's share this worker may use
     threads: int = 1
@@ -77,6 +79,7 @@ class WorkerArgs:
         if not self.router or not self.worker_id:
             raise ValueError("router and worker_id must not be empty")
         check_dtype(self.dtype)
+        check_quantization(self.quantization)
         check_device(self.device)
         check_gpu_memory_utilization(self.gpu_memory_utilization)
         for name in ("threads", "block_size", "max_running", "max_batched_tokens"):
@@ -155,4 +158,5 @@ class WorkerArgs:
             max_running=self.max_running,
             context_length=context_length,
             standby=self.standby,
+            quantization=self.quantization,
         )

@@ -107,13 +107,15 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 await _linger(args.load_failure_linger_s)
                 raise
             log.info(
-                "%s worker %s: model %s on %s in %s (--dtype %s), %d KV blocks of %d tokens, context %d",
+                "%s worker %s: model %s on %s in %s (--dtype %s, --quantization %s), %d KV blocks of %d "
+                "tokens, context %d",
                 args.role.value,
                 args.worker_id,
                 model_dir.name,
                 capacity.device,
                 capacity.dtype,
                 args.dtype,
+                args.quantization,
                 capacity.kv_blocks_total,
                 args.block_size,
                 capacity.context_length,
