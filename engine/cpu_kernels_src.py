@@ -706,7 +706,9 @@ int linear_packed(const void* x, const void* wp, const void* scales, const void*
     const int scratch = sc && M > 2 * LM_ROWS;
     #pragma omp parallel num_threads(num_threads) if (panels >= 2 * num_threads)
     {
-        float* buf = scratch ? (float*)aligned_alloc(64, ((size_t)K * LP * sizeof(float) + 63) / 64 * 64) : NULL;
+        /* NULL (no scratch, or no memory): the int8 panels are widened in registers instead */
+        const size_t bytes = ((size_t)K * LP * sizeof(float) + 63) / 64 * 64;
+        float* buf = scratch ? (float*)aligned_alloc(64, bytes) : NULL;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             if (sc) {
