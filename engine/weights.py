@@ -20,6 +20,9 @@ bf16/fp16 instructions), or oneDNN's blocked layout (half precision on CPUs
 that have them: the kernel ``F.linear`` ends up in, bitwise equal, minus the
 per-call weight reorder). Results differ from ``F.linear``'s by summation
 order only (the parity tests bound them).
+
+With ``quantization="int8"`` (``engine.quant``) the same matrices are stored as int8 with a scale per row
+and 64 inputs: column panels for the C kernels, or ``[out, in]`` dequantised per call where there are none.
 """
 
 from __future__ import annotations
