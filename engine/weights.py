@@ -39,7 +39,7 @@ from safetensors import safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import CpuKernels
 from pdserve.engine.env import EngineEnv
-from pdserve.engine.quant import INT8_GROUP, dequantize_int8, quantize_int8
+from pdserve.engine.quant import INT8_GROUP, check_quantization, dequantize_int8, quantize_int8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -170,7 +170,7 @@ class Linear:
         """From a plain ``weight [out, in]``: quantised when asked (``engine.quant``), repacked for ``kind``
         (a copy unless PLAIN and unquantised)."""
         n = int(weight.shape[0])
-        if quantization == "int8":
+        if check_quantization(quantization) == "int8":
             q, scales = quantize_int8(weight, INT8_GROUP)
             if kind is LinearKind.PLAIN:
                 return cls(q, bias, kind, n, scales=scales, group=INT8_GROUP)
@@ -179,8 +179,6 @@ class Linear:
             b = None if bias is None else bias.contiguous()
             packed, packed_scales = kernels.pack_linear_weight(q), kernels.pack_int8_scales(scales)
             return cls(packed, b, kind, n, kernels, packed_scales, INT8_GROUP)
-        if quantization != "none":
-            raise ValueError(f"unknown quantization {quantization!r}")
         if kind is LinearKind.ONEDNN:
             return cls(torch.ops.mkldnn._reorder_linear_weight(weight), bias, kind, n)
         if kind is LinearKind.PANELS:

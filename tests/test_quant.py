@@ -11,16 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.engine_steps import greedy_tokens
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.env import EngineEnv
 from pdserve.engine.llm_engine import EngineConfig
-from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+from pdserve.engine.model_runner import ModelRunner, PrefillItem
 from pdserve.engine.quant import INT8_GROUP, check_quantization, dequantize_int8, quantize_int8
 from pdserve.engine.weights import Linear, LinearKind, choose_linear
+from tests.test_linear_pack import _case, _close
 from tests.tiny_models import load_int8_reference, load_reference
 
 CPU = torch.device("cpu")
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def test_quantize_int8_rounds_each_group_to_its_own_scale() -> None:
@@ -59,23 +60,10 @@ def test_quantize_rejects_what_it_cannot_quantise() -> None:
         EngineConfig(quantization="int4")
 
 
-def _case(n: int, k: int, rows: int, dtype: torch.dtype, bias: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed + rows)
-    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    x = torch.randn(rows, k, generator=g).to(dtype)
-    return w, b, x
-
-
 def _reference(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """float32 product with the dequantised weights, rounded once to x's dtype: what the kernel promises."""
     deq = dequantize_int8(*quantize_int8(w))
     return F.linear(x.float(), deq, None if b is None else b.float()).to(x.dtype)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    scale = max(1.0, want.float().abs().max().item())
-    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=TOL[dtype] * scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -148,20 +136,7 @@ def test_int8_runner_matches_transformers_on_dequantised_weights(
         want = torch.cat([int8_reference(torch.tensor([p])).logits[0].float() for p in prompts])
     assert (got - want).abs().max().item() <= 1e-4
 
-    next_ids = runner.prefill(items).argmax(-1).tolist()
-    tokens: list[list[int]] = [[] for _ in prompts]
-    for _ in range(DECODE_STEPS):
-        step = []
-        for i, p in enumerate(prompts):
-            tokens[i].append(next_ids[i])
-            pos = len(p) + len(tokens[i]) - 1
-            bm.grow(i, pos + 1)
-            step.append(DecodeItem(next_ids[i], pos, bm.block_table(i)))
-        next_ids = runner.decode(step).argmax(-1).tolist()
-    for i in range(len(prompts)):
-        tokens[i].append(next_ids[i])
-        bm.free(i)
-    assert bm.num_free == bm.num_blocks
+    tokens = greedy_tokens(runner, prompts, DECODE_STEPS + 1)  # token 0 from prefill, then 64 decode steps
 
     int8_reference.generation_config.eos_token_id = None
     for p, toks in zip(prompts, tokens, strict=True):
