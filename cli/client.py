@@ -48,6 +48,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "device": info.device or "cpu",  # a worker from before the field runs on the CPU
                 "dtype": info.dtype,
                 "quantization": info.quantization or "none",
+                "kv_layout": info.kv_layout,
                 "pid": info.pid,
                 "heartbeat_age_s": round(max(now_unix - e.last_heartbeat_unix, 0.0), 3),
             }

@@ -78,8 +78,8 @@ def _device_args(p: argparse.ArgumentParser, command: str) -> None:
             "--quantization",
             choices=QUANTIZATIONS,
             default="none",
-            help="int8: weight-only int8 with per-row scales (a quarter of float32's weight bytes; "
-            "activations and the KV cache keep --dtype); none (default): weights in --dtype",
+            help="int8: weight-only int8 with a scale per row and 64 inputs (about a quarter of float32's "
+            "weight bytes; activations and the KV cache keep --dtype); none (default): weights in --dtype",
         )
     if command == "scale":
         device_help = f"where the new workers run: {DEVICE_HELP} (default: as the cluster was started)"

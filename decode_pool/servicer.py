@@ -185,8 +185,9 @@ class DecodePool:
         self.loop = EngineLoop(engine, asyncio.get_running_loop())
         self.loop.on_step(self.metrics.observe_step)
         self.loop.start()
+        # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
+        compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
         if self.args.role is Role.DECODE:
-            compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
             self.remote = RemotePrefill(
                 self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
             )
@@ -198,6 +199,7 @@ class DecodePool:
             engine.dtype,
             engine.device,
             engine.runner.startup_seconds,
+            compat.describe(),
         )
 
     async def close(self) -> None:

@@ -73,8 +73,8 @@ class EngineConfig:
     # As asked: "auto" (bfloat16 on CUDA and on CPUs with native bf16 dot products, float32 elsewhere),
     # "float32", "bfloat16" or "float16". What the engine runs in is ``resolved_dtype``.
     dtype: str = "auto"
-    # "none" or "int8": weight-only int8 with per-row scales (``engine.quant``); activations, KV cache and
-    # sums stay in dtype / float32.
+    # "none" or "int8": weight-only int8 with a scale per row and 64 inputs (``engine.quant``);
+    # activations, KV cache and sums stay in dtype / float32.
     quantization: str = "none"
     device: str = "cpu"  # cpu | cuda | cuda:N as asked; ``resolved_device`` is the one it runs on (cuda:N)
     # Share of the GPU's memory the engine may use (weights, activations and the KV cache), as vLLM

@@ -70,6 +70,13 @@ class KVCompat(msgspec.Struct, frozen=True):
         """Stable hex digest of every field (msgpack of the struct, fields in declaration order)."""
         return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
 
+    def describe(self) -> str:
+        """Every field, for people: what a worker registers and what a refusal quotes."""
+        return (
+            f"{self.model_id}, {self.dtype}, {self.num_layers} layers x {self.num_kv_heads} KV heads x "
+            f"{self.head_dim}, block {self.block_size}, protocol {self.protocol_version}"
+        )
+
 
 class TransferTicket(msgspec.Struct, frozen=True):
     """A decode worker's reservation, as the prefill worker needs it.

@@ -146,9 +146,10 @@ class PrefillPool:
         except FileNotFoundError:
             pass
         sampler = Sampler(tuple(eos), device=runner.kv.device)
+        compat = compat_for(runner.kv, kv_model_id(model_dir.name, args.quantization))
         self.sender = KVSender(
             runner.kv,
-            compat_for(runner.kv, kv_model_id(model_dir.name, args.quantization)),
+            compat,
             args.transfer_config(),
             self.registry,
             name=args.worker_id,
@@ -157,7 +158,12 @@ class PrefillPool:
         self.loop.start()
         self.servicer.attach(self.loop)
         return Capacity(
-            runner.num_blocks, runner.config.max_position_embeddings, dtype, device, runner.startup_seconds
+            runner.num_blocks,
+            runner.config.max_position_embeddings,
+            dtype,
+            device,
+            runner.startup_seconds,
+            compat.describe(),
         )
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ that may free capacity wakes the requests waiting in admission.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -31,6 +32,8 @@ _STATES = {
 }
 _STATE_TO_PROTO = {v: k for k, v in _STATES.items()}
 
+log = logging.getLogger(__name__)
+
 
 def _check_info(info: worker_pb2.WorkerInfo) -> str | None:
     """Why a registration is unusable, or None."""
@@ -48,6 +51,29 @@ def _check_info(info: worker_pb2.WorkerInfo) -> str | None:
     return None
 
 
+def _incompatible(info: worker_pb2.WorkerInfo, router: Router) -> str | None:
+    """Why a registration's KV cache cannot join this cluster's, or None.
+
+    Every worker registers its KV compatibility record (``WorkerInfo.kv_layout``); one that differs from
+    a registered worker's is refused at registration, so that a worker started with another --dtype or
+    --quantization fails at start-up instead of failing every transfer (or, colocated, answering with
+    another model's tokens). A worker that registers no record (older, or a test double) is not checked.
+    """
+    if not info.kv_layout:
+        return None
+    for w in router.registry:
+        other = router.infos.get(w.worker_id)
+        if w.worker_id == info.worker_id or other is None or not other.kv_layout:
+            continue
+        if other.kv_layout != info.kv_layout:
+            return (
+                f"{info.worker_id}'s KV cache is [{info.kv_layout}] but {w.worker_id}'s is "
+                f"[{other.kv_layout}]: every worker of a cluster needs the same --model, --dtype, "
+                "--quantization and --block-size"
+            )
+    return None
+
+
 class RegistryService(worker_pb2_grpc.RegistryServicer):
     def __init__(self, router: Router) -> None:
         self._router = router
@@ -57,6 +83,10 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         router = self._router
+        mismatch = _incompatible(info, router)
+        if mismatch is not None:
+            log.error("refused registration: %s", mismatch)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         w = Worker(
             worker_id=info.worker_id,
             role=_ROLES[info.role],

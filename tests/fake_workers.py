@@ -109,8 +109,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         block_size: int = 4,
         max_running: int = 8,
         context_length: int = 0,
+        kv_layout: str = "",
     ) -> None:
         self.worker_id = worker_id
+        self.kv_layout = kv_layout
         self.role = role
         self.tokens = list(tokens)
         self.finish = finish
@@ -249,6 +251,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             max_running=self.max_running,
             pid=os.getpid(),
             context_length=self.context_length,
+            kv_layout=self.kv_layout,
         )
         self.agent = RouterAgent(
             AgentConfig(router_address, **agent_kw), info, self.load, self.shell.begin_drain

@@ -30,6 +30,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.detok import Detokenizer
 from pdserve.router.server import RouterServer
 from pdserve.router.validate import ModelLimits
+from pdserve.worker.agent import RegistrationError
 from pdserve.worker.role import Role
 from tests.fake_workers import CONTEXT, EOS, ID, FakeWorker, Transfers, ids, make_model_dir
 
@@ -465,6 +466,46 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
         finally:
             await w.stop()
             await server.stop(grace_s=0)
+
+    run(main())
+
+
+def test_a_worker_with_another_kv_layout_is_refused_and_the_cluster_keeps_serving(model_dir):
+    """The router compares every registration's KV record with the registered workers': a mismatch is
+    FAILED_PRECONDITION naming both records and the flags, and the worker never joins."""
+    same = "m, float32, 2 layers x 1 KV heads x 8, block 4, protocol 4"
+    other = "m+int8, float32, 2 layers x 1 KV heads x 8, block 4, protocol 4"
+
+    async def main():
+        transfers = Transfers()  # the fakes' stand-in for KV transfer, shared by every worker
+        prefill = FakeWorker("p1", Role.PREFILL, ids("hello world"), kv_layout=same, transfers=transfers)
+        decode = FakeWorker("d1", Role.DECODE, ids("hello world"), kv_layout=same, transfers=transfers)
+        async with cluster(model_dir, [prefill, decode], local_prefill_threshold=1) as (server, stub):
+            late = [
+                FakeWorker("d2", Role.DECODE, ids("cat"), kv_layout=other, transfers=transfers),
+                FakeWorker("b3", Role.BOTH, ids("cat"), kv_layout=other, transfers=transfers),
+                FakeWorker("d4", Role.DECODE, ids("hello world"), kv_layout=same, transfers=transfers),
+                FakeWorker(
+                    "d5", Role.DECODE, ids("hello world"), transfers=transfers
+                ),  # no record: not checked
+            ]
+            try:
+                for w in late[:2]:
+                    with pytest.raises(RegistrationError, match="FAILED_PRECONDITION") as info:
+                        await w.start(server.address, register_timeout_s=5)
+                    msg = str(info.value)
+                    assert f"{w.worker_id}'s KV cache is [{other}]" in msg and f"[{same}]" in msg, msg
+                    assert "--dtype" in msg and "--quantization" in msg, msg
+                for w in late[2:]:
+                    await w.start(server.address)
+                assert {w.worker_id for w in server.router.registry} == {"p1", "d1", "d4", "d5"}
+                for _ in range(4):
+                    tokens, _, _ = await collect(stub.Generate(request("the cat", max_tokens=2)))
+                    assert tokens == ids("hello world")
+                assert not late[0].started and not late[1].started
+            finally:
+                for w in late:
+                    await w.stop()
 
     run(main())
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -51,10 +53,10 @@ def _requests() -> list[generation_pb2.GenerateRequest]:
     return reqs
 
 
-def _offline(reqs) -> dict[str, tuple[list[int], str]]:
+def _offline(reqs, quantization: str = "none") -> dict[str, tuple[list[int], str]]:
     from pdserve.engine import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", kv_cache_bytes=256 << 20, threads=2)
+    llm = LLM(dtype="float32", kv_cache_bytes=256 << 20, threads=2, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     out = {}
     for r in reqs:
@@ -96,6 +98,51 @@ def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(tmp_pat
             assert got[rid][0] == ids, rid
             assert got[rid][1] == text, rid
         _first_token_before_admission(c)
+        c.assert_no_leaks()
+
+
+def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(tmp_path):
+    """`up --quantization int8`, 1P+1D: every request crosses the KV transfer and gives offline int8's
+    tokens and text. A decode worker started by hand without --quantization is refused by the router at
+    registration (its KV record differs) and exits, saying which flag to match; the cluster is untouched."""
+    from pdserve.deploy.local import cluster as local
+
+    reqs = _requests()
+    want = _offline(reqs, quantization="int8")
+    extra = ("--local-prefill-threshold", "1", "--quantization", "int8")
+    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+        got = run_all(c.address, reqs)
+        for rid, (ids, text) in want.items():
+            assert got[rid][0] == ids, rid
+            assert got[rid][1] == text, rid
+        layouts = {w["id"]: w["kv_layout"] for w in c.workers()}
+        assert len(set(layouts.values())) == 1 and "+int8, float32" in next(iter(layouts.values())), layouts
+
+        state = local.load_state(c.state_dir)
+        assert state is not None
+        stray = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "worker",
+                "--role",
+                "decode",
+                "--router",
+                state.router_address,
+            ]
+            + ["--cluster-token-file", state.token_file, "--dtype", "float32", "--kv-cache-mib", "32"]
+            + ["--worker-id", "float-decode", "--threads", "1"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            stdin=subprocess.DEVNULL,
+        )
+        assert stray.returncode != 0, stray.stderr[-2000:]
+        assert "FAILED_PRECONDITION" in stray.stderr and "--quantization" in stray.stderr, stray.stderr[
+            -2000:
+        ]
+        assert set(layouts) == {w["id"] for w in c.workers()}
         c.assert_no_leaks()
 
 

@@ -141,9 +141,11 @@ class WorkerArgs:
         dtype: str,
         device: str,
         metrics_url: str = "",
+        kv_layout: str = "",
     ) -> worker_pb2.WorkerInfo:
         """The registration message for this worker once its server is bound and its model loaded:
-        ``dtype`` and ``device`` are what the engine runs on (``--dtype auto`` resolved)."""
+        ``dtype`` and ``device`` are what the engine runs on (``--dtype auto`` resolved); ``kv_layout``
+        its KV cache's compatibility record (``KVCompat.describe``), which the router checks."""
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id,
             role=ROLE_TO_PROTO[self.role],
@@ -159,4 +161,5 @@ class WorkerArgs:
             context_length=context_length,
             standby=self.standby,
             quantization=self.quantization,
+            kv_layout=kv_layout,
         )

@@ -60,6 +60,9 @@ class Capacity:
     device: str  # cpu | cuda:N
     # Seconds of the engine's start-up phases (``ModelRunner.startup_seconds``); empty: not measured.
     startup_seconds: Mapping[str, float] = field(default_factory=dict)
+    # The KV cache's compatibility record in words (``KVCompat.describe``): every worker of a cluster
+    # must register the same one.
+    kv_layout: str = ""
 
 
 class Pool(Protocol):
@@ -134,6 +137,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                     dtype=capacity.dtype,
                     device=capacity.device,
                     metrics_url=endpoint.url,
+                    kv_layout=capacity.kv_layout,
                 ),
                 load=pool.servicer.load,
                 on_drain=shell.begin_drain,
