@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.cli import client, cluster_cmds
+from pdserve.cli import client, cluster_cmds, lifeline
 from pdserve.deploy.local import cluster
 from pdserve.engine.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -667,6 +667,8 @@ COMMANDS = {
     "worker": cmd_worker,
     "bench": cmd_bench,
 }
+# Commands that run until stopped: they stop with the process PDSERVE_EXIT_WITH_PID names (cli.lifeline).
+LONG_RUNNING = ("router", "worker", "autoscale")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -675,6 +677,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("router", "worker"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in LONG_RUNNING:
+        try:
+            parent = lifeline.exit_with_pid()
+        except ValueError as e:
+            cluster_cmds.say(f"pdserve {args.command}: {e}")
+            return 2
+        if parent is not None:
+            lifeline.start_lifeline(parent, what=f"pdserve {args.command}")
     try:
         if args.command in ("router", "worker"):
             cluster_token(args)  # a bad token file fails here, in one line, before anything starts

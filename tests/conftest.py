@@ -14,6 +14,10 @@ if not os.environ.get("TRITON_INTERPRET"):
 
 from tests.tiny_models import KINDS, make_tiny_model
 
+# Every router, worker and autoscaler a test starts (directly or through `pdserve up`) inherits this and
+# stops once this pytest process is gone, so a killed run leaves no cluster behind (cli.lifeline).
+os.environ["PDSERVE_EXIT_WITH_PID"] = str(os.getpid())
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _torch_threads():
