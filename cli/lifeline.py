@@ -17,7 +17,8 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
+
+from pdserve.deploy.local import cluster
 
 EXIT_WITH_PID_ENV = "PDSERVE_EXIT_WITH_PID"
 
@@ -40,17 +41,8 @@ def exit_with_pid(environ: Mapping[str, str] | None = None) -> int | None:
 
 def process_gone(pid: int) -> bool:
     """True once ``pid`` has exited: no such process, or a zombie waiting to be reaped."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # it exists, under another user
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False  # no /proc: signal 0 is all there is
-    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
+    stat = cluster.proc_stat(pid)
+    return stat is None or stat[0] == "Z"
 
 
 def start_lifeline(

@@ -167,7 +167,7 @@ def available_cpus() -> tuple[int, ...]:
 # ---- processes ----------------------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
+def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) of a process, or None when there is none."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
@@ -195,7 +195,7 @@ def spawn(
             env=env,
             start_new_session=True,
         )
-    stat = _stat(proc.pid)
+    stat = proc_stat(proc.pid)
     return ProcessEntry(
         id=entry_id, pid=proc.pid, start=stat[1] if stat else 0, log=str(log_path), role=role, cpus=cpus
     )
@@ -207,7 +207,7 @@ def alive(p: ProcessEntry) -> bool:
         os.waitpid(p.pid, os.WNOHANG)  # reaps it when it is our own exited child
     except ChildProcessError:
         pass
-    stat = _stat(p.pid)
+    stat = proc_stat(p.pid)
     return stat is not None and stat[0] != "Z" and stat[1] == p.start
 
 
