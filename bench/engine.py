@@ -480,6 +480,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         gc.collect()
     machine = machine_info(cfg, bw)
     machine["fma_peak_gflops"] = None if peak is None else round(peak / 1e9, 1)
+    machine["kernel_isa"] = None if kernels is None else kernels.isa  # PDSERVE_KERNEL_ISA: native unless set
     return {"machine": {**machine, "pdserve": info}, "config": cfg.__dict__, "rows": rows}
 
 

@@ -49,7 +49,7 @@ import platformdirs
 import torch
 
 from pdserve.engine.cpu_kernels_src import SOURCE
-from pdserve.engine.env import EngineEnv
+from pdserve.engine.env import KERNEL_ISAS, EngineEnv
 
 log = logging.getLogger(__name__)
 
@@ -88,17 +88,67 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _cflags() -> tuple[str, ...]:
-    return CFLAGS + (X86_CFLAGS if platform.machine() in ("x86_64", "AMD64") else ())
+def _is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
 
 
-def _build(cc: str, out: Path) -> None:
+def _simde_include() -> str | None:
+    """SIMDe's header folder (the ``simde-py`` package, in the test extras), or None."""
+    try:
+        import simde_py  # type: ignore[import-not-found, import-untyped, unused-ignore]
+    except ImportError:
+        return None
+    return str(simde_py.get_include())
+
+
+def _isa_cflags(isa: str) -> tuple[str, ...]:
+    """Compiler flags of one build (``EngineEnv.kernel_isa``). Every build runs on the host that compiles it:
+    ``native`` uses all its extensions; ``avx2`` caps them below AVX-512 and ``generic`` below AVX2 (the
+    plain vector-extension code, as on a CPU without them), so an AVX-512 host can test the narrower paths;
+    ``simde-avx512`` compiles the AVX-512 and AVX512-BF16 paths with SIMDe's emulation of their intrinsics,
+    so a host without them can test those."""
+    if isa not in KERNEL_ISAS:
+        raise ValueError(f"unknown kernel ISA {isa!r}: one of {', '.join(KERNEL_ISAS)}")
+    if isa == "native":
+        return CFLAGS + (X86_CFLAGS if _is_x86() else ())
+    if not _is_x86():
+        raise ValueError(f"kernel ISA {isa!r} is an x86-64 build; this is {platform.machine()}")
+    if isa == "avx2":
+        return CFLAGS + ("-mno-avx512f",)
+    if isa == "generic":
+        return CFLAGS + ("-mno-avx2", "-mno-avx512f")
+    include = _simde_include()
+    if include is None:
+        raise ValueError(
+            f"kernel ISA {isa!r} needs SIMDe's headers: pip install simde-py (pdserve's test extras)"
+        )
+    return CFLAGS + X86_CFLAGS + ("-DPDSERVE_SIMDE_AVX512", "-I", include)
+
+
+def kernel_isas_to_check() -> list[str]:
+    """The builds that run different code paths on this host, native first: each of them is checked against
+    the torch oracle by the tests (``avx2`` only where AVX-512 exists, ``simde-avx512`` only where AVX512-BF16
+    does not and SIMDe is installed)."""
+    if not _is_x86():
+        return ["native"]
+    flags = set(cpu_isa()["flags"])  # type: ignore[call-overload]
+    isas = ["native"]
+    if "avx512f" in flags:
+        isas.append("avx2")
+    if "avx2" in flags or "avx512f" in flags:
+        isas.append("generic")
+    if "avx512_bf16" not in flags and _simde_include() is not None:
+        isas.append("simde-avx512")
+    return isas
+
+
+def _build(cc: str, out: Path, cflags: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as tmp:
         src = Path(tmp) / "paged_attention.c"
         src.write_text(SOURCE)
         so = Path(tmp) / "paged_attention.so"
         subprocess.run(
-            [cc, *_cflags(), "-o", str(so), str(src), "-lm"],
+            [cc, *cflags, "-o", str(so), str(src), "-lm"],
             check=True,
             capture_output=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -120,6 +170,7 @@ class CpuKernels:
 
     lib: ctypes.CDLL
     path: Path
+    isa: str = "native"  # which build (EngineEnv.kernel_isa)
 
     def decode_attention(
         self,
@@ -371,8 +422,13 @@ def kernel_cache_dir(env: EngineEnv | None = None) -> Path:
     return base / "kernels"
 
 
-def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
-    """Build (once per cache) and load the kernel library; None when that is not possible here."""
+def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | None:
+    """Build (once per cache) and load the kernel library; None when that is not possible here. ``isa``: which
+    build (default: ``PDSERVE_KERNEL_ISA``, else native); a build this host cannot make is a ValueError."""
+    isa = isa or EngineEnv.from_environ().kernel_isa or "native"
+    cflags = _isa_cflags(isa)
+    if isa != "native":
+        log.warning("CPU kernels: the %s build (PDSERVE_KERNEL_ISA), a test build, not the fastest here", isa)
     cc = _compiler()
     if cc is None:
         log.info("no C compiler found: decode attention uses the torch path")
@@ -381,12 +437,12 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
         version = subprocess.run(
             [cc, "--version"], check=True, capture_output=True, text=True, timeout=30
         ).stdout
-        key = hashlib.sha256(
-            "\0".join([SOURCE, *_cflags(), version, _cpu_flags(), platform.machine()]).encode()
-        )
+        key = hashlib.sha256("\0".join([SOURCE, *cflags, version, _cpu_flags(), platform.machine()]).encode())
         path = cache_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
+        if isa != "native":
+            path = path.with_name(f"paged_attention-{isa}-{key.hexdigest()[:16]}.so")
         if not path.is_file():
-            _build(cc, path)
+            _build(cc, path, cflags)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
@@ -411,4 +467,4 @@ def load_cpu_kernels(cache_dir: Path) -> CpuKernels | None:
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_double if name == "fma_peak" else ctypes.c_int
-    return CpuKernels(lib=lib, path=path)
+    return CpuKernels(lib=lib, path=path, isa=isa)

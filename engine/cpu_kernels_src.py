@@ -22,17 +22,31 @@ SOURCE = r"""
 #include <math.h>
 #include <stdlib.h>
 #include <omp.h>
+/* HAVE_AVX512F / HAVE_BF16_DOT select the AVX-512 paths. PDSERVE_SIMDE_AVX512 (the tests' "simde-avx512"
+   build, engine.cpu_kernels.KERNEL_ISAS) compiles them on a CPU without AVX-512 through SIMDe, which
+   implements the intrinsics with narrower vectors: slow, but the same code, so its logic can be checked
+   against the torch oracle on any x86 host. */
+#if defined(PDSERVE_SIMDE_AVX512)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define HAVE_AVX512F 1
+#define HAVE_BF16_DOT 1
+#else
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+#define HAVE_AVX512F 1
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_BF16_DOT 1
+#endif
 #endif
 
 /* Floats per vector: the register width where AVX-512 exists, else 8 (two 128-bit or one 256-bit
    register: AVX2, NEON). 16-float vectors on AVX2 would be register pairs, and the 16-vector transposes of
    the attention kernel would spill; on an AVX2 EPYC the 8-float build ran decode attention ~2x faster. */
-#if defined(__AVX512F__)
+#if defined(HAVE_AVX512F)
 #define W 16
 #else
 #define W 8
@@ -44,6 +58,20 @@ typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef _Float16 vhf __attribute__((vector_size(W * 2)));
 typedef int8_t vb __attribute__((vector_size(W)));
+
+#if defined(PDSERVE_SIMDE_AVX512) && !defined(__AVX512BF16__)
+/* SIMDe 0.8 has no _mm512_cvtneps_pbh: float32 -> bfloat16, nearest even, NaN kept quiet, as the
+   instruction does. */
+static inline __m256bh pd_cvtneps_pbh(__m512 a) {
+    vu u; memcpy(&u, &a, sizeof u);
+    const vu is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const vu r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~is_nan) | (((u >> 16) | 0x40u) & is_nan);
+    const vh h = __builtin_convertvector(r, vh);
+    __m256bh out; memcpy(&out, &h, sizeof out); return out;
+}
+#undef _mm512_cvtneps_pbh
+#define _mm512_cvtneps_pbh pd_cvtneps_pbh
+#endif
 
 static inline vf ld(const char* p, const int dt) {
     vf f;
@@ -567,7 +595,7 @@ int silu_mul(const void* gu, void* out, int64_t T, int64_t I, int dt, int num_th
    the kernel multiplies by exactly the float32 weights q * scale stand for. */
 static inline vf ldq(const char* p) {  /* W int8 -> W floats (GCC's vector conversion goes lane by lane) */
     vf f;
-#if W == 16 && defined(__AVX512F__)
+#if W == 16 && defined(__AVX512F__)  /* SIMDe 0.8 lacks this one: its build widens as below */
     const __m512 r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     memcpy(&f, &r, sizeof f);
 #elif W == 8 && defined(__AVX2__)
@@ -750,7 +778,7 @@ int linear_panel_width(void) { return LP; }
    chains on the widest native vectors (enough chains to cover FMA latency times the FMA ports of current
    x86 and Arm cores). a = a * m + c stays near c / (1 - m), so no value grows or turns subnormal.
    *sink receives a sum of the results, so the loop cannot be removed. */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__)  /* the native width: an emulated AVX-512 build measures nothing real */
 #define PEAK_BYTES 64
 #else
 #define PEAK_BYTES 32

@@ -14,6 +14,9 @@ from pathlib import Path
 CACHE_DIR_VAR = "PDSERVE_CACHE_DIR"
 LINEAR_VAR = "PDSERVE_LINEAR"
 LINEAR_KINDS = ("auto", "plain", "onednn", "panels")
+KERNEL_ISA_VAR = "PDSERVE_KERNEL_ISA"
+# Builds of the C kernels (engine.cpu_kernels._isa_cflags says what each compiles with).
+KERNEL_ISAS = ("native", "avx2", "generic", "simde-avx512")
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class EngineEnv:
     # PDSERVE_LINEAR=auto|plain|onednn|panels: the matmul path (engine.weights.choose_linear); benchmarks
     # compare them.
     linear: str | None = None
+    # PDSERVE_KERNEL_ISA=native|avx2|generic|simde-avx512: which build of the C kernels to load (the
+    # default, native, is the only one for serving; the others let the tests run every ISA path here).
+    kernel_isa: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> EngineEnv:
@@ -34,4 +40,11 @@ class EngineEnv:
         if linear and linear not in LINEAR_KINDS:
             kinds = ", ".join(LINEAR_KINDS)
             raise ValueError(f"{LINEAR_VAR} must be one of {kinds} (or unset), got {linear!r}")
-        return cls(cache_dir=Path(raw).expanduser() if raw else None, linear=linear or None)
+        isa = env.get(KERNEL_ISA_VAR, "").strip().lower()
+        if isa and isa not in KERNEL_ISAS:
+            raise ValueError(
+                f"{KERNEL_ISA_VAR} must be one of {', '.join(KERNEL_ISAS)} (or unset), got {isa!r}"
+            )
+        return cls(
+            cache_dir=Path(raw).expanduser() if raw else None, linear=linear or None, kernel_isa=isa or None
+        )

@@ -113,6 +113,7 @@ class ModelRunner:
         backend: Backend | str = Backend.AUTO,
         gpu_memory_utilization: float | None = None,
         quantization: str = "none",
+        kernel_isa: str | None = None,
     ) -> None:
         """Load the model and allocate the KV cache.
 
@@ -120,7 +121,8 @@ class ModelRunner:
         what ``gpu_memory_utilization`` (default 0.9) of the device's memory leaves once the weights and
         ``CUDA_ACTIVATION_RESERVE`` are counted (as vLLM's flag); else ``DEFAULT_CACHE_SEQUENCES`` (8)
         sequences of ``max_position_embeddings`` tokens. ``backend``: see ``Backend``. ``quantization``:
-        ``none`` or ``int8`` (weight-only, ``engine.quant``).
+        ``none`` or ``int8`` (weight-only, ``engine.quant``). ``kernel_isa``: which build of the CPU kernels
+        (``EngineEnv.kernel_isa``; default ``PDSERVE_KERNEL_ISA``, else native): tests run every ISA path.
         """
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -153,7 +155,7 @@ class ModelRunner:
         # Seconds of each start-up phase (a worker exports them: pdserve_worker_startup_seconds).
         self._phase_s: dict[str, float] = {}
         t0 = time.perf_counter()
-        lib = load_cpu_kernels(kernel_cache_dir()) if self.device.type == "cpu" else None
+        lib = load_cpu_kernels(kernel_cache_dir(), kernel_isa) if self.device.type == "cpu" else None
         self._phase_s["kernel_build"] = time.perf_counter() - t0
         self.kernels: CpuKernels | None = None
         if backend is not Backend.TORCH:

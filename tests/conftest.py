@@ -38,12 +38,24 @@ def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-single"))
 
 
-@pytest.fixture(scope="session")
-def kernels():
-    """The C kernel library built for this host (``engine.cpu_kernels``); skips where none can be built."""
+def _kernel_isas() -> list[str]:
+    from pdserve.engine.cpu_kernels import kernel_isas_to_check
+
+    return kernel_isas_to_check()
+
+
+KERNEL_ISAS = _kernel_isas()
+
+
+@pytest.fixture(scope="session", params=KERNEL_ISAS)
+def kernels(request):
+    """The C kernel library, once per build whose code paths differ on this host
+    (``engine.cpu_kernels.kernel_isas_to_check``: native, then e.g. the generic build and SIMDe's AVX-512 on
+    an AVX2 CPU, or the AVX2 and generic builds on an AVX-512 one), so every ISA path meets the torch oracle
+    on every host; skips where none can be built."""
     from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
 
-    k = load_cpu_kernels(kernel_cache_dir())
+    k = load_cpu_kernels(kernel_cache_dir(), request.param)
     if k is None:
         pytest.skip("no C compiler here: the engine runs its torch path and oneDNN or F.linear")
     return k

@@ -1,7 +1,9 @@
-"""The matmul paths of ``engine.weights`` (``LinearKind``) against the torch oracle, on this host's ISA.
+"""The matmul paths of ``engine.weights`` (``LinearKind``) against the torch oracle, on every ISA path.
 
-The C kernels are built with ``-march=native`` (8-float vectors on AVX2/NEON, 16 on AVX-512) and oneDNN
-dispatches on the CPU it finds, so whichever paths this host takes are the ones tested here.
+The C kernels are built with ``-march=native`` (8-float vectors on AVX2/NEON, 16 on AVX-512) and, through
+the ``kernels`` fixture, once more per other build whose paths differ here (``kernel_isas_to_check``: the
+AVX2 and generic builds on an AVX-512 host; the generic build and SIMDe's AVX-512 on an AVX2 one). oneDNN
+dispatches on the CPU it finds.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.cpu_kernels import cpu_isa
-from pdserve.engine.env import EngineEnv
+from pdserve.engine import cpu_kernels
+from pdserve.engine.cpu_kernels import cpu_isa, kernel_isas_to_check
+from pdserve.engine.env import KERNEL_ISAS, EngineEnv
 from pdserve.engine.weights import Linear, LinearKind, choose_linear, onednn_runs
 
 CPU = torch.device("cpu")
@@ -98,3 +101,35 @@ def test_linear_env_switch() -> None:
     assert EngineEnv.from_environ({"PDSERVE_LINEAR": " Panels "}).linear == "panels"
     with pytest.raises(ValueError, match="PDSERVE_LINEAR"):
         EngineEnv.from_environ({"PDSERVE_LINEAR": "fast"})
+
+
+def test_kernel_builds_run_the_vector_width_they_stand_for(kernels) -> None:
+    """Panels are two vectors wide: 16-float vectors (P = 32) in native AVX-512 builds and SIMDe's, else 8."""
+    wide = kernels.isa == "simde-avx512" or (kernels.isa == "native" and "avx512f" in cpu_isa()["flags"])
+    assert kernels.panel_width() == (32 if wide else 16)
+
+
+def test_kernel_isas_to_check_follow_the_host(monkeypatch) -> None:
+    isas = kernel_isas_to_check()
+    assert isas[0] == "native" and len(set(isas)) == len(isas) and set(isas) <= set(KERNEL_ISAS)
+    flags = set(cpu_isa()["flags"])  # type: ignore[call-overload]
+    if cpu_isa()["machine"] == "x86_64":
+        assert ("avx2" in isas) == ("avx512f" in flags)
+        assert "generic" in isas
+        # The test extras install SIMDe, so a host without AVX512-BF16 always checks those paths.
+        assert ("simde-avx512" in isas) == ("avx512_bf16" not in flags)
+    monkeypatch.setattr(cpu_kernels, "_simde_include", lambda: None)
+    assert "simde-avx512" not in kernel_isas_to_check()
+
+
+def test_kernel_isa_switch(monkeypatch) -> None:
+    assert EngineEnv.from_environ({}).kernel_isa is None
+    assert EngineEnv.from_environ({"PDSERVE_KERNEL_ISA": " SIMDe-AVX512 "}).kernel_isa == "simde-avx512"
+    with pytest.raises(ValueError, match="PDSERVE_KERNEL_ISA must be one of native, avx2"):
+        EngineEnv.from_environ({"PDSERVE_KERNEL_ISA": "avx1024"})
+    with pytest.raises(ValueError, match="unknown kernel ISA"):
+        cpu_kernels.load_cpu_kernels(cpu_kernels.kernel_cache_dir(), "avx1024")
+    monkeypatch.setattr(cpu_kernels, "_simde_include", lambda: None)
+    if cpu_isa()["machine"] == "x86_64":
+        with pytest.raises(ValueError, match="pip install simde-py"):
+            cpu_kernels.load_cpu_kernels(cpu_kernels.kernel_cache_dir(), "simde-avx512")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
+from pdserve.engine.cpu_kernels import kernel_cache_dir, kernel_isas_to_check, load_cpu_kernels
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from tests.tiny_models import load_reference
 
@@ -30,11 +30,18 @@ def _interpreted(backend: str, runner: ModelRunner) -> bool:
     return backend == "triton" and runner.device.type == "cpu"
 
 
-@pytest.fixture(scope="session", params=["torch", "cpu_kernels", "triton"])
+# The C kernels once per build whose code paths differ here ("cpu_kernels" is the native one; e.g.
+# "cpu_kernels/simde-avx512" runs the AVX-512 paths through SIMDe on a CPU without them).
+_CPU_KERNEL_BUILDS = [
+    "cpu_kernels" if isa == "native" else f"cpu_kernels/{isa}" for isa in kernel_isas_to_check()
+]
+
+
+@pytest.fixture(scope="session", params=["torch", *_CPU_KERNEL_BUILDS, "triton"])
 def backend(request) -> str:
-    """Every implementation of the non-matmul ops: portable torch, the C kernels, and the CUDA backend's
-    Triton kernels (on the GPU when there is one, else in Triton's interpreter on CPU)."""
-    if request.param == "cpu_kernels" and load_cpu_kernels(kernel_cache_dir()) is None:
+    """Every implementation of the non-matmul ops: portable torch, the C kernels (each ISA build), and the
+    CUDA backend's Triton kernels (on the GPU when there is one, else in Triton's interpreter on CPU)."""
+    if request.param.startswith("cpu_kernels") and load_cpu_kernels(kernel_cache_dir()) is None:
         pytest.skip("no C compiler here: the engine runs its torch path")
     if request.param == "triton":
         pytest.importorskip("triton", reason="Triton is not installed")
@@ -43,7 +50,8 @@ def backend(request) -> str:
 
 def make_runner(model_dir, backend: str, **kw) -> ModelRunner:
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    return ModelRunner(model_dir, backend=backend, device=device, **kw)
+    backend, _, isa = backend.partition("/")
+    return ModelRunner(model_dir, backend=backend, device=device, kernel_isa=isa or None, **kw)
 
 
 def _prompts(lens: tuple[int, ...], seed: int, vocab: int = 512) -> list[list[int]]:

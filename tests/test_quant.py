@@ -125,7 +125,14 @@ def test_int8_runner_matches_transformers_on_dequantised_weights(
     tiny_model_dir, int8_reference, backend, kernels
 ) -> None:
     """Prefill logits within 1e-4, then >= 64 greedy steps of a mixed-length batch token for token."""
-    runner = ModelRunner(tiny_model_dir, backend=backend, block_size=4, num_blocks=256, quantization="int8")
+    runner = ModelRunner(
+        tiny_model_dir,
+        backend=backend,
+        block_size=4,
+        num_blocks=256,
+        quantization="int8",
+        kernel_isa=kernels.isa,
+    )
     assert runner.quantization == "int8" and runner.weights.lm_head.weight.dtype == torch.int8
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
