@@ -49,6 +49,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "dtype": info.dtype,
                 "quantization": info.quantization or "none",
                 "kv_layout": info.kv_layout,
+                "tokenizer_digest": info.tokenizer_digest,
                 "pid": info.pid,
                 "heartbeat_age_s": round(max(now_unix - e.last_heartbeat_unix, 0.0), 3),
             }

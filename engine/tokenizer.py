@@ -11,6 +11,8 @@ encoded without adding special tokens, since the template wrote them.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -102,6 +104,16 @@ class Tokenizer:
             chat_roles=tuple(config.get(CHAT_ROLES_KEY, DEFAULT_CHAT_ROLES)),
             name=str(path),
         )
+
+    @functools.cached_property
+    def vocab_digest(self) -> str:
+        """A short digest of the vocabulary: every id and its token string, added tokens included. Two
+        tokenizers with the same digest turn the same ids into the same pieces of text, whatever files they
+        were loaded from; the router refuses a worker whose model's digest is not its own."""
+        h = hashlib.sha256()
+        for token, i in sorted(self._backend.get_vocab(with_added_tokens=True).items(), key=lambda t: t[1]):
+            h.update(b"%d\0%s\0" % (i, token.encode()))
+        return h.hexdigest()[:16]
 
     @property
     def backend(self) -> _Backend:

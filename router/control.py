@@ -74,6 +74,24 @@ def _incompatible(info: worker_pb2.WorkerInfo, router: Router) -> str | None:
     return None
 
 
+def _other_vocabulary(info: worker_pb2.WorkerInfo, router: Router) -> str | None:
+    """Why a worker's token ids would not mean what the router's tokenizer says they mean, or None.
+
+    The router turns every worker's token ids into text with its own tokenizer (``--model``), so a worker
+    of another model (one whose vocabulary digest differs: ``Tokenizer.vocab_digest``) would stream
+    another model's tokens as this one's text, with no error anywhere. The KV record does not catch it: it
+    names the model directory, not its contents. Not checked when either side has no digest.
+    """
+    mine = getattr(router.tokenizer, "vocab_digest", "")
+    if not info.tokenizer_digest or not mine or info.tokenizer_digest == mine:
+        return None
+    return (
+        f"{info.worker_id} runs model {info.model!r}, whose vocabulary (digest {info.tokenizer_digest}) is "
+        f"not the router's (--model {router.config.model!r}, digest {mine}): the router would turn its "
+        "tokens into another model's text; start the worker with the router's --model"
+    )
+
+
 class RegistryService(worker_pb2_grpc.RegistryServicer):
     def __init__(self, router: Router) -> None:
         self._router = router
@@ -83,7 +101,10 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         router = self._router
-        mismatch = _incompatible(info, router)
+        if info.tokenizer_digest and router.tokenizer is None:
+            # Checked against the router's tokenizer, which loads at start-up: the worker's agent retries.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is still loading its tokenizer")
+        mismatch = _incompatible(info, router) or _other_vocabulary(info, router)
         if mismatch is not None:
             log.error("refused registration: %s", mismatch)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)

@@ -51,7 +51,9 @@ def load_frontend(model: str, cache_dir=None) -> tuple[RouterTokenizer, ModelLim
     from pdserve.engine.tokenizer import Tokenizer
 
     path = resolve_model(model, cache_dir, progress=False)
-    return Tokenizer.from_dir(path), ModelLimits.from_model_dir(path)
+    tokenizer = Tokenizer.from_dir(path)
+    _ = tokenizer.vocab_digest  # computed here, off the loop: registration compares workers' digests with it
+    return tokenizer, ModelLimits.from_model_dir(path)
 
 
 class RouterServer:

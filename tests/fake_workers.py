@@ -110,9 +110,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         max_running: int = 8,
         context_length: int = 0,
         kv_layout: str = "",
+        tokenizer_digest: str = "",
     ) -> None:
         self.worker_id = worker_id
         self.kv_layout = kv_layout
+        self.tokenizer_digest = tokenizer_digest
         self.role = role
         self.tokens = list(tokens)
         self.finish = finish
@@ -252,6 +254,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             pid=os.getpid(),
             context_length=self.context_length,
             kv_layout=self.kv_layout,
+            tokenizer_digest=self.tokenizer_digest,
         )
         self.agent = RouterAgent(
             AgentConfig(router_address, **agent_kw), info, self.load, self.shell.begin_drain

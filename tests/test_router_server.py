@@ -510,6 +510,49 @@ def test_a_worker_with_another_kv_layout_is_refused_and_the_cluster_keeps_servin
     run(main())
 
 
+def test_a_worker_of_another_vocabulary_is_refused_and_one_registering_early_waits_for_the_tokenizer(
+    model_dir, tmp_path
+):
+    """The router checks every worker's vocabulary digest against its own tokenizer's: another model's is
+    FAILED_PRECONDITION naming both digests and --model; a worker that registers before the router has
+    loaded its tokenizer is told UNAVAILABLE, retries, and joins once it has."""
+    from tokenizers import Tokenizer as Backend
+
+    mine = Tokenizer.from_dir(model_dir).vocab_digest
+    other_dir = make_model_dir(tmp_path / "other")
+    backend = Backend.from_file(str(other_dir / "tokenizer.json"))
+    backend.add_tokens(["<one-more>"])
+    backend.save(str(other_dir / "tokenizer.json"))
+    theirs = Tokenizer.from_dir(other_dir).vocab_digest
+    assert theirs != mine
+
+    async def main():
+        early = FakeWorker("b1", Role.BOTH, ids("hello world"), tokenizer_digest=mine)
+        stranger = FakeWorker("b2", Role.BOTH, ids("cat"), tokenizer_digest=theirs)
+        async with cluster(model_dir, [], frontend=False) as (server, stub):
+            joining = asyncio.ensure_future(early.start(server.address, retry_interval_s=0.05))
+            try:
+                await asyncio.sleep(0.3)  # several attempts, each told to retry
+                assert not joining.done() and server.router.registry.get("b1") is None
+                await server.set_frontend(
+                    Tokenizer.from_dir(model_dir), ModelLimits.from_model_dir(model_dir)
+                )
+                await asyncio.wait_for(joining, 10)
+                with pytest.raises(RegistrationError, match="FAILED_PRECONDITION") as info:
+                    await stranger.start(server.address, register_timeout_s=5)
+                msg = str(info.value)
+                assert f"digest {theirs}" in msg and f"digest {mine}" in msg and "--model" in msg, msg
+                assert not stranger.started
+                assert {w.worker_id for w in server.router.registry} == {"b1"}
+                tokens, _, _ = await collect(stub.Generate(request("the cat", max_tokens=2)))
+                assert tokens == ids("hello world")
+            finally:
+                await early.stop()
+                await stranger.stop()
+
+    run(main())
+
+
 class WriterWorker(FakeWorker):
     """Generate in the context.write style (a coroutine, not an async generator)."""
 

@@ -104,7 +104,8 @@ def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(tmp_pat
 def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(tmp_path):
     """`up --quantization int8`, 1P+1D: every request crosses the KV transfer and gives offline int8's
     tokens and text. A decode worker started by hand without --quantization is refused by the router at
-    registration (its KV record differs) and exits, saying which flag to match; the cluster is untouched."""
+    registration (its KV record differs) and exits, saying which flag to match; so is one whose KV record
+    matches but whose model has another vocabulary; the cluster is untouched."""
     from pdserve.deploy.local import cluster as local
 
     reqs = _requests()
@@ -142,8 +143,62 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
         assert "FAILED_PRECONDITION" in stray.stderr and "--quantization" in stray.stderr, stray.stderr[
             -2000:
         ]
+
+        # The same model directory name, shape and flags (so the same KV record), another vocabulary: the
+        # KV check cannot tell; the router's vocabulary check refuses it.
+        other = _other_vocabulary_copy(tmp_path / "other-vocab")
+        stranger = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "worker",
+                "--role",
+                "decode",
+                "--router",
+                state.router_address,
+            ]
+            + ["--cluster-token-file", state.token_file, "--dtype", "float32", "--kv-cache-mib", "32"]
+            + [
+                "--worker-id",
+                "other-vocab",
+                "--threads",
+                "1",
+                "--quantization",
+                "int8",
+                "--model",
+                str(other),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            stdin=subprocess.DEVNULL,
+        )
+        assert stranger.returncode != 0, stranger.stderr[-2000:]
+        assert "FAILED_PRECONDITION" in stranger.stderr and "vocabulary" in stranger.stderr, stranger.stderr[
+            -2000:
+        ]
         assert set(layouts) == {w["id"] for w in c.workers()}
         c.assert_no_leaks()
+
+
+def _other_vocabulary_copy(parent):
+    """The default model's converted directory, same name, weights linked, with one token added to its
+    vocabulary."""
+    from tokenizers import Tokenizer as Backend
+
+    from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
+
+    src = resolve_model(DEFAULT_MODEL, progress=False)
+    dst = parent / src.name
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name != "tokenizer.json":
+            (dst / f.name).symlink_to(f)
+    backend = Backend.from_file(str(src / "tokenizer.json"))
+    backend.add_tokens(["<one-more>"])
+    backend.save(str(dst / "tokenizer.json"))
+    return dst
 
 
 def _first_token_before_admission(c) -> None:

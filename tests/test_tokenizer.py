@@ -226,3 +226,22 @@ def test_missing_chat_template_is_a_value_error(tiny_tok_dir):
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer.from_dir(tiny_tok_dir).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_vocab_digest_names_the_vocabulary_not_the_files(ours, reference, smollm2_dir, tmp_path):
+    """What the router compares at registration (``Tokenizer.vocab_digest``): the same for the same model
+    however it was loaded or saved, different once one token differs."""
+    # transformers' own loading of the packaged GGUF: the same ids and strings, so the same digest
+    assert Tokenizer(reference.backend_tokenizer, special_tokens={}).vocab_digest == ours.vocab_digest
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("tokenizer_config.json", "config.json"):
+        shutil.copy(smollm2_dir / name, copy / name)
+    ours.backend.save(str(copy / "tokenizer.json"), pretty=False)  # other bytes, same vocabulary
+    assert (copy / "tokenizer.json").read_bytes() != (smollm2_dir / "tokenizer.json").read_bytes()
+    assert Tokenizer.from_dir(copy).vocab_digest == ours.vocab_digest
+    backend = ours.backend.__class__.from_file(str(copy / "tokenizer.json"))
+    backend.add_tokens(["<one-more>"])
+    backend.save(str(copy / "tokenizer.json"))
+    assert Tokenizer.from_dir(copy).vocab_digest != ours.vocab_digest
+    assert len(ours.vocab_digest) == 16 and int(ours.vocab_digest, 16) >= 0

@@ -142,10 +142,12 @@ class WorkerArgs:
         device: str,
         metrics_url: str = "",
         kv_layout: str = "",
+        tokenizer_digest: str = "",
     ) -> worker_pb2.WorkerInfo:
         """The registration message for this worker once its server is bound and its model loaded:
         ``dtype`` and ``device`` are what the engine runs on (``--dtype auto`` resolved); ``kv_layout``
-        its KV cache's compatibility record (``KVCompat.describe``), which the router checks."""
+        its KV cache's compatibility record (``KVCompat.describe``) and ``tokenizer_digest`` its model's
+        vocabulary (``Tokenizer.vocab_digest``), both of which the router checks."""
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id,
             role=ROLE_TO_PROTO[self.role],
@@ -162,4 +164,5 @@ class WorkerArgs:
             standby=self.standby,
             quantization=self.quantization,
             kv_layout=kv_layout,
+            tokenizer_digest=tokenizer_digest,
         )

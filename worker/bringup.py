@@ -100,6 +100,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 model_dir = await asyncio.to_thread(resolve_model, args.model, args.cache_dir)
                 t1 = time.perf_counter()
                 capacity = await pool.load(model_dir)
+                digest = await asyncio.to_thread(vocab_digest, model_dir)
                 t2 = time.perf_counter()
             except Exception:
                 load_failed.set(1)
@@ -138,6 +139,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                     device=capacity.device,
                     metrics_url=endpoint.url,
                     kv_layout=capacity.kv_layout,
+                    tokenizer_digest=digest,
                 ),
                 load=pool.servicer.load,
                 on_drain=shell.begin_drain,
@@ -148,6 +150,17 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
     finally:
         endpoint.close()
         log.info("%s worker %s stopped", args.role.value, args.worker_id)
+
+
+def vocab_digest(model_dir: Path) -> str:
+    """The model's vocabulary digest (``Tokenizer.vocab_digest``) the router checks at registration; ""
+    (not checked) for a model without a tokenizer, which only token-id prompts can use."""
+    from pdserve.engine.tokenizer import Tokenizer
+
+    try:
+        return Tokenizer.from_dir(model_dir).vocab_digest
+    except FileNotFoundError:
+        return ""
 
 
 def startup_gauge(registry: CollectorRegistry, role: str) -> Gauge:
