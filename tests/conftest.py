@@ -61,6 +61,15 @@ def kernels(request):
     return k
 
 
+def pytest_report_header(config):
+    """Say on which CPU the suite runs and which kernel builds it checks there (the log of a CI run)."""
+    from pdserve.engine.cpu_kernels import cpu_isa
+
+    info = cpu_isa()
+    flags = ", ".join(info["flags"]) or "none"  # type: ignore[arg-type]
+    return f"pdserve: CPU ISA {info['isa']} ({flags}); C kernel builds checked: {', '.join(KERNEL_ISAS)}"
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests skip cleanly where torch sees no CUDA device (CI, this project's CPU hosts)."""
     import torch
