@@ -29,7 +29,7 @@ from pdserve.engine.device import (
 )
 from pdserve.engine.quant import QUANTIZATIONS
 from pdserve.router.config import DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, RouterConfig
-from pdserve.worker.args import WorkerArgs
+from pdserve.worker.args import KV_PUTS, WorkerArgs
 from pdserve.worker.role import Role
 from pdserve.worker.tls import TLSConfig, TLSError
 
@@ -250,6 +250,15 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="never write a decode worker of this host by cross-memory attach (process_vm_writev); "
         "all KV goes through UCX (default: cross-memory writes where the kernel permits them)",
+    )
+    p.add_argument(
+        "--kv-puts",
+        choices=KV_PUTS,
+        default="auto",
+        help="how KV reaches a decode worker: auto (one-sided writes where they are one-sided: RDMA, CUDA "
+        "IPC, cross-memory on one host; tagged messages where every UCX lane is tcp, measured faster there), "
+        "always (UCX puts over tcp too), never (tagged messages only, cross-memory writes off as well); "
+        "both ends must allow puts for a transfer to use them (default %(default)s)",
     )
     p.add_argument("--kv-fault-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     p.add_argument(
@@ -508,6 +517,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         cluster_token=cluster_token(args),
         kv_interface=args.kv_interface,
         kv_cross_memory=args.kv_cross_memory,
+        kv_puts=args.kv_puts,
         tls=tls_config(args),
         standby=args.standby,
     )

@@ -38,6 +38,10 @@ _LAYER_BUCKETS = (
 )  # fmt: skip
 
 
+# How a transfer's KV moves (pdserve_kv_transfer_opened_total's path label; the sender knows it at open).
+TRANSFER_PATHS = ("puts", "cross_memory", "tagged")
+
+
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -75,6 +79,13 @@ class _Families:
             buckets=_LAYER_BUCKETS,
             registry=registry,
         )
+        self.paths = Counter(
+            "pdserve_kv_transfer_opened_total",
+            "Transfers opened, by how their KV moves: puts (one-sided UCX puts into the decode worker's "
+            "KV cache), cross_memory (one-sided writes on one host, process_vm_writev), tagged (messages).",
+            ["role", "path"],
+            registry=registry,
+        )
         self.inflight = Gauge(
             "pdserve_kv_transfer_inflight",
             "Transfers currently reserved or open.",
@@ -105,6 +116,7 @@ class TransferMetrics:
         # Create every reason's series up front so dashboards see zeros, not gaps.
         for reason in FailureReason:
             self._failures.labels(role=role.value, reason=reason.value)
+        self._paths = {path: fam.paths.labels(role=role.value, path=path) for path in TRANSFER_PATHS}
 
     def add_bytes(self, n: int) -> None:
         self._bytes.inc(n)
@@ -118,8 +130,11 @@ class TransferMetrics:
     def layer_done(self, seconds: float) -> None:
         self._layer.observe(seconds)
 
-    def opened(self) -> None:
+    def opened(self, path: str | None = None) -> None:
+        """A transfer opened; ``path`` (one of ``TRANSFER_PATHS``) where this side knows how it moves."""
         self._inflight.inc()
+        if path is not None:
+            self._paths[path].inc()
 
     def closed(self) -> None:
         self._inflight.dec()

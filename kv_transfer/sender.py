@@ -190,9 +190,9 @@ class KVSender:
             eager=eager,
         )
         peer.handles[ticket.transfer_id] = handle
-        self.metrics.opened()
-        lengths = tuple(seg.num_blocks for seg in segments)
         rma = peer.writer is not None
+        self.metrics.opened(peer.writer.path if peer.writer is not None else "tagged")
+        lengths = tuple(seg.num_blocks for seg in segments)
         # A failed send shows as the connection breaking, which fails the handle.
         opening = wire.Open(ticket.transfer_id, ticket.request_id, lengths, rma=rma, eager=eager)
         delay = self.config.faults.open_delay_s

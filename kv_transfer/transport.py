@@ -67,6 +67,8 @@ class DataOp(Protocol):
 class RemoteWriter(Protocol):
     # True: ``put`` is a copy done when it returns, callable from any thread; ``flush`` is a check.
     synchronous: bool
+    # How it writes, for the metrics (``TransferMetrics.opened``): "puts" or "cross_memory".
+    path: str
 
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
         """Start writing each run ``(source, destination, nbytes)``: ``nbytes`` at local address

@@ -307,15 +307,33 @@ def test_up_on_cpu_passes_auto_and_the_default_share(launcher, capsys):
 
 def test_up_hands_the_kv_transfer_flags_to_every_worker_scale_starts_too(launcher):
     sd = ["--state-dir", str(launcher.state_dir)]
-    kv = ["--no-kv-cross-memory", "--kv-interface", "lo"]
+    kv = ["--no-kv-cross-memory", "--kv-interface", "lo", "--kv-puts", "always"]
     assert (
         cli.main(["up", "--prefill", "1", "--decode", "1", "--model", "m", "--port", "50997", *kv, *sd]) == 0
     )
     assert cli.main(["scale", "--decode", "2", *sd]) == 0
     for wid in ("prefill-1", "decode-2", "decode-3"):
         w = parsed_worker(launcher.argvs[wid])
-        assert (w.kv_cross_memory, w.kv_interface) == (False, "lo"), wid
-        assert not w.transfer_config().same_host, wid
+        assert (w.kv_cross_memory, w.kv_interface, w.kv_puts) == (False, "lo", "always"), wid
+        config = w.transfer_config()
+        assert not config.same_host and config.rma and config.rma_over_tcp, wid
+
+
+def test_kv_puts_picks_puts_or_tagged_messages(launcher, capsys):
+    """--kv-puts maps onto the transfer's two switches; the default leaves puts to where they are
+    one-sided; a bad value is a usage error naming the choices."""
+    sd = ["--state-dir", str(launcher.state_dir)]
+    assert cli.main(["up", "--prefill", "1", "--decode", "1", "--model", "m", "--port", "50996", *sd]) == 0
+    w = parsed_worker(launcher.argvs["decode-2"])
+    assert w.kv_puts == "auto" and "--kv-puts" not in launcher.argvs["decode-2"]
+    assert (w.transfer_config().rma, w.transfer_config().rma_over_tcp) == (True, False)
+    never = dataclasses.replace(w, kv_puts="never").transfer_config()
+    assert (never.rma, never.rma_over_tcp) == (False, False)
+    with pytest.raises(ValueError, match="kv_puts must be one of auto, always, never"):
+        dataclasses.replace(w, kv_puts="sometimes")
+    with pytest.raises(SystemExit):
+        cli.main(["worker", "--role", "decode", "--kv-puts", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
 def test_an_up_that_fails_starting_a_worker_stops_everything_it_started(monkeypatch, tmp_path, capsys):

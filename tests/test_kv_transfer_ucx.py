@@ -215,16 +215,22 @@ def wait_no_control_requests(peer: PeerProcess, within_s: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize(
-    ("tls", "same_host", "rma_over_tcp", "puts"),
-    [("tcp", False, False, False), ("tcp", False, True, True), ("tcp,sm,self", True, False, True)],
-    ids=["tcp-default-tagged", "tcp-puts-opted-in", "one-host-cma"],
+    ("tls", "same_host", "rma", "rma_over_tcp", "path"),
+    [
+        ("tcp", False, True, False, "tagged"),
+        ("tcp", False, True, True, "puts"),
+        ("tcp,sm,self", True, True, False, "cross_memory"),
+        ("tcp,sm,self", True, False, False, "tagged"),
+    ],
+    ids=["tcp-default-tagged", "tcp-puts-opted-in", "one-host-cma", "one-host-no-puts"],
 )
 def test_puts_only_where_they_are_not_tcp_fragments_unless_asked(
-    tls: str, same_host: bool, rma_over_tcp: bool, puts: bool
+    tls: str, same_host: bool, rma: bool, rma_over_tcp: bool, path: str
 ) -> None:
     """By default a connection whose every UCX lane is tcp moves KV as tagged messages (UCX would send
-    each put as 8 KB fragments, measured slower); cross-memory writes on one host are unaffected."""
-    config = replace(CONFIG, same_host=same_host, rma=True, rma_over_tcp=rma_over_tcp)
+    each put as 8 KB fragments, measured slower); cross-memory writes on one host are unaffected; with
+    rma off (a worker's --kv-puts never) everything is tagged. The sender's metrics say which path ran."""
+    config = replace(CONFIG, same_host=same_host, rma=rma, rma_over_tcp=rma_over_tcp)
     peers = [
         PeerProcess(PeerSpec(num_blocks=96, config=config, env=(("UCX_TLS", tls),)), n)
         for n in ("decode-m", "prefill-m")
@@ -234,7 +240,11 @@ def test_puts_only_where_they_are_not_tcp_fragments_unless_asked(
         decode.call("start_receiver", timeout=120)
         ticket = decode.call("reserve", request_id="m", num_tokens=200)
         out = prefill.call("transfer", ticket=ticket, seed=5, first_token_id=6, timeout=CALL_S)
-        assert out["rma"] is puts
+        assert out["rma"] is (path != "tagged")
+        metrics = prefill.call("metrics")
+        for p in ("puts", "cross_memory", "tagged"):
+            want = 1.0 if p == path else 0.0
+            assert f'pdserve_kv_transfer_opened_total{{path="{p}",role="prefill"}} {want}' in metrics, metrics
         assert decode.call("wait", request_id="m")["first_token_id"] == 6
         assert decode.call("verify", request_id="m", seed=5), "received KV differs from the source"
         assert decode.call("release", request_id="m")

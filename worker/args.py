@@ -26,6 +26,10 @@ from pdserve.worker.role import Role
 from pdserve.worker.shell import ShellConfig
 from pdserve.worker.tls import NO_TLS, TLSConfig
 
+# --kv-puts: when KV moves by one-sided writes (UCX puts, or cross-memory writes on one host) rather than
+# tagged messages.
+KV_PUTS = ("auto", "always", "never")
+
 
 @dataclass(frozen=True)
 class WorkerArgs:
@@ -62,6 +66,9 @@ class WorkerArgs:
     # UCX network devices for the KV transfer (``TransferConfig.interface``): "" derives them from ``host``.
     kv_interface: str = ""
     kv_cross_memory: bool = True  # write a decode worker of this host by process_vm_writev (kv_transfer/cma)
+    # One-sided UCX puts for KV (KV_PUTS): auto where they are one-sided (RDMA, CUDA IPC), tagged messages on
+    # plain tcp (TransferConfig.rma_over_tcp); always: puts over tcp too; never: tagged messages always.
+    kv_puts: str = "auto"
     # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
     tls: TLSConfig = NO_TLS
     # Decode side: a KV transfer that has started (its Open arrived) and lands nothing for this long fails,
@@ -87,6 +94,8 @@ class WorkerArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
+        if self.kv_puts not in KV_PUTS:
+            raise ValueError(f"kv_puts must be one of {', '.join(KV_PUTS)}, got {self.kv_puts!r}")
         if self.kv_stall_timeout_s <= 0 or self.kv_fault_delay_s < 0:
             raise ValueError("kv_stall_timeout_s must be > 0 and kv_fault_delay_s >= 0")
         if self.load_failure_linger_s < 0:
@@ -122,11 +131,14 @@ class WorkerArgs:
 
     def transfer_config(self) -> TransferConfig:
         """KV transfer settings: UCX on the network devices of this worker's host (or ``kv_interface``);
-        a decode worker on this host is written by cross-memory attach unless ``kv_cross_memory`` is off."""
+        a decode worker on this host is written by cross-memory attach unless ``kv_cross_memory`` is off;
+        ``kv_puts`` picks between one-sided puts and tagged messages elsewhere."""
         return TransferConfig(
             host=self.host,
             interface=self.kv_interface,
             same_host=self.kv_cross_memory,
+            rma=self.kv_puts != "never",
+            rma_over_tcp=self.kv_puts == "always",
             cluster_token=self.cluster_token,
             faults=FaultConfig(delay_s=self.kv_fault_delay_s),
         )

@@ -24,6 +24,7 @@ KV_TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
 KV_TRANSFER_FAILURES = "pdserve_kv_transfer_failures_total"
 KV_TRANSFER_LAYER_SECONDS = "pdserve_kv_transfer_layer_seconds"
 KV_TRANSFER_INFLIGHT = "pdserve_kv_transfer_inflight"
+KV_TRANSFER_OPENED = "pdserve_kv_transfer_opened_total"
 AUTOSCALER_DECISIONS = "pdserve_autoscaler_decisions_total"  # deploy.local.autoscaler
 AUTOSCALER_TARGET = "pdserve_autoscaler_target_workers"
 AUTOSCALER_CURRENT = "pdserve_autoscaler_current_workers"
@@ -245,6 +246,13 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                     "the prefill time means the transfer hides behind the forward.",
                     "s",
                     quantiles(KV_TRANSFER_LAYER_SECONDS),
+                ),
+                PanelSpec(
+                    "KV transfer paths",
+                    "Transfers opened per second by how their KV moves: one-sided puts, cross-memory writes "
+                    "on one host, or tagged messages (--kv-puts; tagged where every UCX lane is tcp).",
+                    "reqps",
+                    (Query(rate(KV_TRANSFER_OPENED, "path"), "{{path}}"),),
                 ),
                 PanelSpec(
                     "KV transfers in flight",

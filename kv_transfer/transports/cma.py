@@ -86,6 +86,7 @@ class CmaWriter:
     """
 
     synchronous = True
+    path = "cross_memory"
 
     def __init__(self, region: RemoteRegion, pidfd: int | None) -> None:
         self.base = region.base

@@ -239,6 +239,7 @@ class _RemoteWriter:
     """Puts on a connection's data endpoint into the peer's exposed region (event loop thread only)."""
 
     synchronous = False
+    path = "puts"
 
     def check(self) -> TransferError | None:
         raise NotImplementedError("puts complete asynchronously: flush")
