@@ -255,8 +255,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
         raise cluster.ClusterError(f"no cluster in {args.state_dir}")
     if state.autoscaler is not None and cluster.alive(state.autoscaler):
         raise cluster.ClusterError(
-            f"the autoscaler (pid {state.autoscaler.pid}) sizes this cluster's pools; its bounds were "
-            "given to `up --autoscale`"
+            f"the autoscaler (pid {state.autoscaler.pid}) sizes this cluster's pools (`up --autoscale` or "
+            "`pdserve autoscale`): stop it to scale by hand, or restart it with other bounds"
         )
     state, gone = cluster.live_workers(state)
     for w in gone:
@@ -457,7 +457,20 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
         raise cluster.ClusterError(f"an autoscaler already runs for this cluster (pid {other.pid})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = autoscaler_mod.DriverConfig(args.state_dir, autoscale_config(args), args.autoscale_drain_timeout)
-    return autoscaler_mod.run(config, state.host, args.metrics_port)
+    me = None
+    if other is None or other.pid != os.getpid():
+        # Run by hand (`up --autoscale` lists its own): into the state file like the background one, so
+        # `scale` refuses while it owns the pools, `status` shows it and `down` stops it first.
+        stat = cluster.proc_stat(os.getpid())
+        assert stat is not None
+        me = cluster.ProcessEntry(id="autoscaler", pid=os.getpid(), start=stat[1], log="")
+        cluster.save_state(args.state_dir, msgspec.structs.replace(state, autoscaler=me))
+    try:
+        return autoscaler_mod.run(config, state.host, args.metrics_port)
+    finally:
+        now = cluster.load_state(args.state_dir) if me is not None else None
+        if now is not None and now.autoscaler == me:  # (gone after `down`)
+            cluster.save_state(args.state_dir, msgspec.structs.replace(now, autoscaler=None))
 
 
 def autoscaler_status(state: cluster.ClusterState, state_dir: Path) -> dict[str, Any] | None:

@@ -186,3 +186,89 @@ def test_each_pool_grows_under_its_load_and_shrinks_back_by_draining(tmp_path):
         assert status["autoscaler"]["pools"]["decode"]["serving"] == 1
         assert any(w["state"] == "standby" for w in status["workers"])
         c.assert_no_leaks()
+
+
+def test_an_autoscaler_run_by_hand_owns_the_pools_like_a_background_one(tmp_path):
+    """`pdserve autoscale` in the foreground (fake workers, bounds = the current sizes, so it changes
+    nothing) puts itself in the state file: `scale` refuses while it runs, `status --json` shows it, and
+    `down` stops it first. One stopped by its own SIGTERM takes itself out again, and `scale` works."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from pdserve.deploy.local import cluster
+    from tests.cluster_harness import ROOT, Cluster, free_port, stop_cluster
+    from tests.fake_workers import make_model_dir
+
+    state_dir = tmp_path / "state"
+    cli = [sys.executable, "-m", "pdserve.cli"]
+    sd = ["--state-dir", str(state_dir)]
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*cli, *argv, *sd],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def by_hand() -> subprocess.Popen:
+        bounds = ["--prefill-min", "1", "--prefill-max", "1", "--decode-min", "1", "--decode-max", "1"]
+        proc = subprocess.Popen(
+            [*cli, "autoscale", *bounds, "--autoscale-interval", "0.3", *sd],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+        _wait(
+            lambda: (
+                (s := cluster.load_state(state_dir)) is not None
+                and s.autoscaler is not None
+                and s.autoscaler.pid == proc.pid
+            ),
+            30,
+            "the autoscaler run by hand never appeared in the state file",
+        )
+        return proc
+
+    model = make_model_dir(tmp_path / "model")
+    up = run(
+        "up", "--prefill", "1", "--decode", "1", "--colocated", "0", "--model", str(model),
+        "--port", str(free_port()), "--worker-module", "tests.fake_workers", "--timeout", "60",
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr[-2000:]
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(by_hand())
+        refused = run("scale", "--decode", "2")
+        assert refused.returncode != 0 and "sizes this cluster's pools" in refused.stderr, refused.stderr
+        status = run("status", "--json")
+        assert status.returncode == 0 and json.loads(status.stdout)["autoscaler"]["pid"] == procs[0].pid
+
+        os.kill(procs[0].pid, signal.SIGTERM)
+        assert procs[0].wait(timeout=30) == 0
+        state = cluster.load_state(state_dir)
+        assert state is not None and state.autoscaler is None
+        scaled = run("scale", "--decode", "2")
+        assert scaled.returncode == 0, scaled.stderr[-2000:]
+
+        procs.append(by_hand())
+        state = cluster.load_state(state_dir)
+        assert state is not None
+        Cluster(state_dir, state.router_address).assert_no_leaks()
+        down = run("down")
+        assert down.returncode == 0, down.stderr[-2000:]
+        assert procs[1].wait(timeout=30) == 0  # stopped by `down`, before the workers
+        assert cluster.load_state(state_dir) is None
+        assert not any(cluster.alive(p) for p in (state.router, *state.workers))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop_cluster(state_dir)

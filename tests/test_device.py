@@ -530,3 +530,20 @@ def test_quantization_reaches_every_worker_up_and_scale_start(launcher, capsys):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
     assert kv_model_id("m", "none") == "m" and kv_model_id("m", "int8") == "m+int8"
+
+
+def test_a_worker_without_a_loadable_tokenizer_registers_no_vocabulary_digest(tmp_path, caplog):
+    """The digest the router checks (``worker.bringup.vocab_digest``): none without tokenizer files, none
+    (with a warning, the worker still starts) when they do not parse; the tokenizer's own otherwise."""
+    from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.worker.bringup import vocab_digest
+    from tests.fake_workers import make_model_dir
+
+    good = make_model_dir(tmp_path / "good")
+    assert vocab_digest(good) == Tokenizer.from_dir(good).vocab_digest != ""
+    assert vocab_digest(tmp_path) == ""
+    broken = make_model_dir(tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert vocab_digest(broken) == ""
+    assert "no vocabulary digest" in caplog.text

@@ -154,12 +154,18 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
 
 def vocab_digest(model_dir: Path) -> str:
     """The model's vocabulary digest (``Tokenizer.vocab_digest``) the router checks at registration; ""
-    (not checked) for a model without a tokenizer, which only token-id prompts can use."""
+    (not checked) for a model without a tokenizer, which only token-id prompts can use, or one whose
+    tokenizer files do not load here (the worker itself needs only the weights: it serves, unchecked)."""
     from pdserve.engine.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_dir(model_dir).vocab_digest
     except FileNotFoundError:
+        return ""
+    except Exception as exc:  # a broken tokenizer.json must not stop a worker that never reads it
+        log.warning(
+            "no vocabulary digest for %s (%s): the router cannot check this worker's model", model_dir, exc
+        )
         return ""
 
 
