@@ -26,7 +26,9 @@ version and CPU flags (``-march=native``), and written by atomic rename so
 concurrent processes never see a partial file.
 
 Numerics: float32 arithmetic for every dtype, rounded once on store, so
-results differ from torch's by rounding only (the tests bound it). OpenMP
+results differ from torch's by rounding only (the tests bound it). Loading the
+library leaves the process's floating-point environment as it was (no
+flush-to-zero: see ``_build``). OpenMP
 comes from the same ``libgomp`` torch loads; the thread count is passed per
 call (``torch.get_num_threads()``).
 """
@@ -57,6 +59,9 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
 # 512-bit vectors where AVX-512 exists (GCC otherwise prefers 256-bit ones on x86); other CPUs ignore it.
 X86_CFLAGS = ("-mprefer-vector-width=512",)
 COMPILE_TIMEOUT_S = 120
+# Bumped when _build changes how it compiles or links (part of the cache key). 2: compile, then link
+# without -ffast-math.
+BUILD_RECIPE = "2"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -146,13 +151,16 @@ def _build(cc: str, out: Path, cflags: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as tmp:
         src = Path(tmp) / "paged_attention.c"
         src.write_text(SOURCE)
+        obj = Path(tmp) / "paged_attention.o"
         so = Path(tmp) / "paged_attention.so"
-        subprocess.run(
-            [cc, *cflags, "-o", str(so), str(src), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=COMPILE_TIMEOUT_S,
-        )
+        # Compiled and linked apart: a link with -ffast-math adds GCC's crtfastmath.o, whose constructor
+        # turns on flush-to-zero and denormals-are-zero for the whole process the library loads into, so
+        # torch and numpy there would silently lose subnormals (tests/test_cpu_kernels.py checks they do not).
+        for argv in (
+            [cc, *(f for f in cflags if f != "-shared"), "-c", "-o", str(obj), str(src)],
+            [cc, "-shared", "-fopenmp", "-o", str(so), str(obj), "-lm"],
+        ):
+            subprocess.run(argv, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
         out.parent.mkdir(parents=True, exist_ok=True)
         staged = out.parent / f".{out.name}.{os.getpid()}.tmp"
         shutil.copyfile(so, staged)
@@ -437,7 +445,8 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         version = subprocess.run(
             [cc, "--version"], check=True, capture_output=True, text=True, timeout=30
         ).stdout
-        key = hashlib.sha256("\0".join([SOURCE, *cflags, version, _cpu_flags(), platform.machine()]).encode())
+        recipe = [SOURCE, *cflags, BUILD_RECIPE, version, _cpu_flags(), platform.machine()]
+        key = hashlib.sha256("\0".join(recipe).encode())
         path = cache_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
         if isa != "native":
             path = path.with_name(f"paged_attention-{isa}-{key.hexdigest()[:16]}.so")
