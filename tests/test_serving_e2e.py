@@ -121,24 +121,7 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
 
         state = local.load_state(c.state_dir)
         assert state is not None
-        stray = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "worker",
-                "--role",
-                "decode",
-                "--router",
-                state.router_address,
-            ]
-            + ["--cluster-token-file", state.token_file, "--dtype", "float32", "--kv-cache-mib", "32"]
-            + ["--worker-id", "float-decode", "--threads", "1"],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            stdin=subprocess.DEVNULL,
-        )
+        stray = _decode_worker_by_hand(state, "--worker-id", "float-decode")
         assert stray.returncode != 0, stray.stderr[-2000:]
         assert "FAILED_PRECONDITION" in stray.stderr and "--quantization" in stray.stderr, stray.stderr[
             -2000:
@@ -147,32 +130,8 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
         # The same model directory name, shape and flags (so the same KV record), another vocabulary: the
         # KV check cannot tell; the router's vocabulary check refuses it.
         other = _other_vocabulary_copy(tmp_path / "other-vocab")
-        stranger = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "worker",
-                "--role",
-                "decode",
-                "--router",
-                state.router_address,
-            ]
-            + ["--cluster-token-file", state.token_file, "--dtype", "float32", "--kv-cache-mib", "32"]
-            + [
-                "--worker-id",
-                "other-vocab",
-                "--threads",
-                "1",
-                "--quantization",
-                "int8",
-                "--model",
-                str(other),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            stdin=subprocess.DEVNULL,
+        stranger = _decode_worker_by_hand(
+            state, "--worker-id", "other-vocab", "--quantization", "int8", "--model", str(other)
         )
         assert stranger.returncode != 0, stranger.stderr[-2000:]
         assert "FAILED_PRECONDITION" in stranger.stderr and "vocabulary" in stranger.stderr, stranger.stderr[
@@ -180,6 +139,20 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
         ]
         assert set(layouts) == {w["id"] for w in c.workers()}
         c.assert_no_leaks()
+
+
+def _decode_worker_by_hand(state, *flags: str) -> subprocess.CompletedProcess:
+    """`pdserve worker --role decode` joining the cluster of ``state`` as an operator would start one (one
+    thread, a small cache, float32), run to its exit (bounded)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "worker", "--role", "decode", "--router", state.router_address]
+        + ["--cluster-token-file", state.token_file, "--dtype", "float32", "--kv-cache-mib", "32"]
+        + ["--threads", "1", *flags],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _other_vocabulary_copy(parent):
