@@ -235,8 +235,9 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         "--kv-stall-timeout",
         type=float,
         default=WorkerArgs.kv_stall_timeout_s,
-        help="seconds a started KV transfer may receive nothing before the decode worker fails it "
-        "(default %(default)s)",
+        help="seconds a started KV transfer may receive nothing before the decode worker fails it; with "
+        "one-sided writes (puts, cross-memory) nothing is seen until the last layer, so it bounds the whole "
+        "prefill of one prompt: raise it for prompts that take longer to prefill (default %(default)s)",
     )
     p.add_argument(
         "--kv-interface",
