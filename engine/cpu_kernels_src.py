@@ -59,14 +59,20 @@ typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef _Float16 vhf __attribute__((vector_size(W * 2)));
 typedef int8_t vb __attribute__((vector_size(W)));
 
+/* float32 -> bfloat16, round to nearest even as torch does; NaN stays a (quiet) NaN. */
+static inline vh to_bf16(vf r) {
+    vu u; memcpy(&u, &r, sizeof u);
+    const vu is_nan = (u & 0x7fffffffu) > 0x7f800000u;  /* all-ones lanes where NaN */
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu quiet = (u >> 16) | 0x40u;
+    return __builtin_convertvector((rounded & ~is_nan) | (quiet & is_nan), vh);
+}
+
 #if defined(PDSERVE_SIMDE_AVX512) && !defined(__AVX512BF16__)
-/* SIMDe 0.8 has no _mm512_cvtneps_pbh: float32 -> bfloat16, nearest even, NaN kept quiet, as the
-   instruction does. */
+/* SIMDe 0.8 has no _mm512_cvtneps_pbh: to_bf16 rounds as the instruction does. */
 static inline __m256bh pd_cvtneps_pbh(__m512 a) {
-    vu u; memcpy(&u, &a, sizeof u);
-    const vu is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-    const vu r = (((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & ~is_nan) | (((u >> 16) | 0x40u) & is_nan);
-    const vh h = __builtin_convertvector(r, vh);
+    vf f; memcpy(&f, &a, sizeof f);
+    const vh h = to_bf16(f);
     __m256bh out; memcpy(&out, &h, sizeof out); return out;
 }
 #undef _mm512_cvtneps_pbh
@@ -86,12 +92,7 @@ static inline vf ld(const char* p, const int dt) {
 static inline void st(char* p, vf r, const int dt) {
     if (dt == 0) { memcpy(p, &r, sizeof r); return; }
     if (dt == 2) { vhf h = __builtin_convertvector(r, vhf); memcpy(p, &h, sizeof h); return; }
-    /* bfloat16: round to nearest even as torch does; NaN stays a (quiet) NaN. */
-    vu u; memcpy(&u, &r, sizeof u);
-    const vu is_nan = (u & 0x7fffffffu) > 0x7f800000u;  /* all-ones lanes where NaN */
-    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const vu quiet = (u >> 16) | 0x40u;
-    vh h = __builtin_convertvector((rounded & ~is_nan) | (quiet & is_nan), vh);
+    const vh h = to_bf16(r);
     memcpy(p, &h, sizeof h);
 }
 
