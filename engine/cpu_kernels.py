@@ -326,9 +326,15 @@ class CpuKernels:
         """P: output columns per panel of ``pack_linear_weight``'s layout (two vectors)."""
         return int(self.lib.linear_panel_width())
 
+    def bf16_pairs(self, k: int) -> bool:
+        """Whether this build packs bfloat16 weights of ``k`` inputs in pairs (``[K / 2, P, 2]`` per panel,
+        multiplied by AVX512-BF16 dot products): builds with those instructions, even ``k``."""
+        return bool(self.lib.linear_bf16_pairs(k))
+
     def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` -> the panel layout ``linear`` streams: ``[ceil(N / P), K, P]`` in its dtype
-        (P = ``panel_width()``), zero-padded. int8 weights (``engine.quant``) pack the same way."""
+        (P = ``panel_width()``), zero-padded. int8 weights (``engine.quant``) pack the same way. bfloat16
+        where ``bf16_pairs(K)``: the same shape, each panel's rows in pairs ``[K / 2, P, 2]``."""
         if weight.dim() != 2 or (weight.dtype not in _DTYPE_CODES and weight.dtype != torch.int8):
             got = f"{weight.dtype} {tuple(weight.shape)}"
             raise ValueError(f"pack_linear_weight: need a 2-D float or int8 weight, not {got}")
@@ -336,7 +342,10 @@ class CpuKernels:
         n, k = w.shape
         p = self.panel_width()
         out = torch.empty(-(-n // p), k, p, dtype=w.dtype)
-        _check(self.lib.pack_linear_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size()), "pack")
+        pairs = int(w.dtype == torch.bfloat16 and self.bf16_pairs(k))
+        _check(
+            self.lib.pack_linear_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size(), pairs), "pack"
+        )
         return out
 
     def pack_int8_scales(self, scales: torch.Tensor) -> torch.Tensor:
@@ -469,7 +478,8 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
         "fma_peak": [i64, i32, ptr],
         "linear_packed": [ptr] * 5 + [i64] * 4 + [i32, i32],
-        "pack_linear_weight": [ptr, ptr, i64, i64, i64],
+        "pack_linear_weight": [ptr, ptr, i64, i64, i64, i32],
+        "linear_bf16_pairs": [i64],
         "linear_panel_width": [],
     }
     for name, argtypes in signatures.items():

@@ -12,7 +12,8 @@ Kernels (all return 0, or < 0 for unsupported shapes):
 - ``rope_store``: RoPE on the q and k heads of ``qkv`` in place, then K and V rows into the cache.
 - ``silu_mul``: ``silu(gate) * up`` from the fused gate_up output.
 - ``linear_packed`` (+ ``pack_linear_weight``): ``x @ w.T`` for decode-sized batches from weights packed
-  into contiguous column panels at load, in the activations' dtype or as int8 with per-column scales.
+  into contiguous column panels at load, in the activations' dtype or as int8 with per-column scales;
+  bfloat16 with AVX512-BF16 in k pairs, multiplied by dot products (``linear_bf16_pairs``).
 - ``fma_peak``: a probe, not a kernel: the float32 FMA rate the cores sustain (``bench.engine``'s bound).
 """
 
@@ -671,6 +672,93 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
 }
 
+#ifdef HAVE_BF16_DOT
+#define LB_ROWS 8  /* rows per tile: 2 * LB_ROWS accumulators of AVX-512's 32 registers (measured: 6 and
+                     12 were slower or no faster at 8-64 rows on a Zen 5 EPYC) */
+/* bfloat16 panels in pair layout (pack_linear_weight with pairs, K even): [K / 2][LP][2], the weights of
+   k and k + 1 of one column side by side, so an AVX512-BF16 dot product multiplies a broadcast pair of x
+   by 16 columns' pairs straight from the panel (no widening pass: half the instructions per weight byte
+   of linear_tile). Each product of two bfloat16 is exact in float32; the pair is summed into the float32
+   accumulator (in k order within each of the `splits` accumulator sets), rounded once on store. */
+static inline __attribute__((always_inline)) void linear_tile_bf16_pairs(
+    const char* x, const char* wp, const char* bias, char* y, int64_t K, int64_t N, int64_t n0, int64_t nn,
+    const int rows, const int splits)
+{
+    __m512 acc[4][LB_ROWS][2];
+    for (int sp = 0; sp < splits; sp++)
+        for (int r = 0; r < rows; r++) { acc[sp][r][0] = _mm512_setzero_ps(); acc[sp][r][1] = acc[sp][r][0]; }
+    const int64_t KP = K / 2, kmain = KP / splits * splits;
+#define PAIR_STEP(SP, KP_) { \
+        const char* wk = wp + (KP_) * LP * 4; \
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 64); \
+        for (int r = 0; r < rows; r++) { \
+            int32_t xp; memcpy(&xp, x + (r * K + 2 * (KP_)) * 2, sizeof xp); \
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp); \
+            acc[SP][r][0] = _mm512_dpbf16_ps(acc[SP][r][0], xb, w0); \
+            acc[SP][r][1] = _mm512_dpbf16_ps(acc[SP][r][1], xb, w1); \
+        } }
+    for (int64_t k0 = 0; k0 < kmain; k0 += splits)
+        for (int sp = 0; sp < splits; sp++) PAIR_STEP(sp, k0 + sp)
+    for (int64_t kp = kmain; kp < KP; kp++) PAIR_STEP(0, kp)
+#undef PAIR_STEP
+    for (int sp = 1; sp < splits; sp++)
+        for (int r = 0; r < rows; r++) {
+            acc[0][r][0] = _mm512_add_ps(acc[0][r][0], acc[sp][r][0]);
+            acc[0][r][1] = _mm512_add_ps(acc[0][r][1], acc[sp][r][1]);
+        }
+    vf b0 = (vf){0}, b1 = (vf){0};
+    if (bias && nn == LP) { b0 = ld(bias + n0 * 2, 1); b1 = ld(bias + (n0 + W) * 2, 1); }
+    for (int r = 0; r < rows; r++) {
+        char* yr = y + (r * N + n0) * 2;
+        vf a0, a1;
+        memcpy(&a0, &acc[0][r][0], sizeof a0);
+        memcpy(&a1, &acc[0][r][1], sizeof a1);
+        if (nn == LP) {
+            st(yr, a0 + b0, 1);
+            st(yr + W * 2, a1 + b1, 1);
+        } else {  /* the last, partial panel */
+            float out[LP];
+            memcpy(out, &a0, sizeof a0);
+            memcpy(out + W, &a1, sizeof a1);
+            for (int64_t j = 0; j < nn; j++)
+                st1(yr + j * 2, out[j] + (bias ? ld1(bias + (n0 + j) * 2, 1) : 0.f), 1);
+        }
+    }
+}
+
+static void linear_rows_bf16_pairs(const char* x, const char* w, const char* bias, char* y, int64_t M,
+                                   int64_t K, int64_t N, int64_t n0, int64_t nn)
+{
+    for (int64_t m0 = 0; m0 < M; m0 += LB_ROWS) {
+        const char* xm = x + m0 * K * 2;
+        char* ym = y + m0 * N * 2;
+#define TILE(R, S) linear_tile_bf16_pairs(xm, w, bias, ym, K, N, n0, nn, R, S)
+        switch (M - m0 < LB_ROWS ? (int)(M - m0) : LB_ROWS) {  /* constant row counts: registers */
+            case 1: TILE(1, 4); break;
+            case 2: TILE(2, 2); break;
+            case 3: TILE(3, 2); break;
+            case 4: TILE(4, 1); break;
+            case 5: TILE(5, 1); break;
+            case 6: TILE(6, 1); break;
+            case 7: TILE(7, 1); break;
+            default: TILE(LB_ROWS, 1); break;
+        }
+#undef TILE
+    }
+}
+#endif
+
+/* Whether pack_linear_weight lays bfloat16 weights of K inputs out in pairs (linear_tile_bf16_pairs): on
+   builds with AVX512-BF16 dot products, for even K. */
+int linear_bf16_pairs(int64_t K) {
+#ifdef HAVE_BF16_DOT
+    return K % 2 == 0;
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
 /* int8 panel [K][LP] -> float32 [K][LP] in buf: each weight times its group's scale (as linear_tile does in
    registers), so the row tiles that follow re-read floats from cache instead of converting again. */
 static void dequantize_panel(const char* w, const float* scales, int64_t group, int64_t K, float* buf) {
@@ -713,6 +801,12 @@ static inline __attribute__((always_inline)) void linear_panel(
 {
     const int64_t wsz = wq ? 1 : dt == 0 ? 4 : 2, n0 = p * LP, nn = N - n0 < LP ? N - n0 : LP;
     const char* w = wp + p * K * LP * wsz;
+#ifdef HAVE_BF16_DOT
+    if (!wq && dt == 1 && linear_bf16_pairs(K)) {
+        linear_rows_bf16_pairs(x, w, bias, y, M, K, N, n0, nn);
+        return;
+    }
+#endif
     if (!wq) { linear_rows(x, w, NULL, K, bias, y, M, K, N, n0, nn, dt, dt); return; }
     const float* s = scales + p * ((K + group - 1) / group) * LP;
     if (M > 2 * LM_ROWS && buf) {
@@ -759,16 +853,20 @@ int linear_packed(const void* x, const void* wp, const void* scales, const void*
     return 0;
 }
 
-/* Row-major w [N, K] -> panels [ceil(N / LP)][K][LP], zero-padded (any dtype: element bytes esz). */
-int pack_linear_weight(const void* w, void* out, int64_t N, int64_t K, int64_t esz) {
+/* Row-major w [N, K] -> panels [ceil(N / LP)][K][LP], zero-padded (any dtype: element bytes esz). pairs
+   (bfloat16 where linear_bf16_pairs(K)): each panel [K / 2][LP][2] instead, k and k + 1 side by side. */
+int pack_linear_weight(const void* w, void* out, int64_t N, int64_t K, int64_t esz, int pairs) {
+    if (pairs && (esz != 2 || K % 2)) return -1;
     const int64_t panels = (N + LP - 1) / LP;
     const char* src = (const char*)w;
     char* dst = (char*)out;
     memset(dst, 0, panels * K * LP * esz);
     for (int64_t n = 0; n < N; n++) {
         const int64_t p = n / LP, j = n % LP;
-        for (int64_t k = 0; k < K; k++)
-            memcpy(dst + ((p * K + k) * LP + j) * esz, src + (n * K + k) * esz, esz);
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t at = pairs ? (k / 2 * LP + j) * 2 + k % 2 : k * LP + j;
+            memcpy(dst + (p * K * LP + at) * esz, src + (n * K + k) * esz, esz);
+        }
     }
     return 0;
 }

@@ -117,9 +117,12 @@ def choose_linear(
     - CPU, float32, C kernels built: PANELS. On an AVX2 EPYC, a step's products took 0.71 / 0.74 / 0.84 /
       0.93 of oneDNN's time at 1 / 8 / 32 / 256 rows (one thread, weights streamed as in a step), and
       oneDNN took about half of MKL's at 8 rows.
-    - CPU, half precision: ONEDNN where the CPU has the instructions (AVX512-BF16, AMX: bitwise equal to
-      ``F.linear``); else PANELS, which reads half-precision weights (half the bytes of float32) and
-      multiplies in float32, where oneDNN and MKL would emulate.
+    - CPU, bfloat16, C kernels with AVX512-BF16 dot products (``CpuKernels.bf16_pairs``): PANELS in pair
+      layout. On a Zen 5 EPYC (2 threads, SmolLM2-135M's products) they ran 1.0-1.1x oneDNN's bfloat16
+      at 1-32 rows and 1.14x its 1,024-token prefill (bench/results/cpu_engine_avx512bf16).
+    - CPU, half precision otherwise: ONEDNN where the CPU has the instructions (AVX512-BF16, AMX: bitwise
+      equal to ``F.linear``); else PANELS, which reads half-precision weights (half the bytes of float32)
+      and multiplies in float32, where oneDNN and MKL would emulate.
     - anything else: PLAIN.
     """
     env = EngineEnv.from_environ() if env is None else env
@@ -136,6 +139,8 @@ def choose_linear(
         return LinearKind.PLAIN
     if quantization != "none":
         return LinearKind.PANELS if kernels is not None else LinearKind.PLAIN
+    if dtype == torch.bfloat16 and kernels is not None and kernels.bf16_pairs(2):
+        return LinearKind.PANELS
     if dtype != torch.float32 and onednn_runs(dtype, device):
         return LinearKind.ONEDNN
     if kernels is not None:

@@ -41,7 +41,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 33, 257])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 16, 33, 257])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panels_match_f_linear(kernels, dtype: torch.dtype, rows: int, bias: bool) -> None:
     # 200 outputs: not a multiple of any panel width, so the partial last panel is exercised.
@@ -59,6 +59,38 @@ def test_panels_on_model_sized_shapes(kernels) -> None:
     for n, k in ((960, 576), (576, 1536), (49152 + 5, 64)):
         w, b, x = _case(n, k, 8, torch.float32, bias=False, seed=n)
         _close(Linear.build(w, b, LinearKind.PANELS, kernels)(x), F.linear(x, w), torch.float32)
+
+
+def _panels(w: torch.Tensor, p: int, pairs: bool) -> torch.Tensor:
+    """What pack_linear_weight promises, built with torch: [ceil(N / P), K, P], or k pairs side by side."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // p) * p, k, dtype=w.dtype)
+    padded[:n] = w
+    panels = padded.view(-1, p, k)
+    if pairs:
+        return panels.view(-1, p, k // 2, 2).permute(0, 2, 1, 3).reshape(-1, k, p)
+    return panels.transpose(1, 2).contiguous()
+
+
+def test_bfloat16_pair_layout_where_the_build_has_bf16_dot_products(kernels) -> None:
+    """AVX512-BF16 builds pack bfloat16 of even K in pairs (the dot-product kernel reads them); odd K, other
+    dtypes and other builds keep the plain panels. Either way the layout is exactly the promised one, and
+    the products match F.linear on model-sized shapes and on an odd K."""
+    pairs = kernels.bf16_pairs(96)
+    if kernels.isa == "native":
+        assert pairs == ("avx512_bf16" in cpu_isa()["flags"])  # type: ignore[operator]
+    else:  # the emulated build compiles the BF16 paths; the capped ones never do
+        assert pairs == (kernels.isa == "simde-avx512")
+    assert not kernels.bf16_pairs(95)
+    p = kernels.panel_width()
+    for n, k, dtype in ((200, 96, torch.bfloat16), (200, 95, torch.bfloat16), (200, 96, torch.float16)):
+        w = torch.randn(n, k).to(dtype)
+        want = _panels(w, p, pairs and dtype == torch.bfloat16 and k % 2 == 0)
+        assert torch.equal(kernels.pack_linear_weight(w), want), (n, k, dtype)
+    for n, k in ((960, 576), (576, 1536), (49152 + 5, 64), (40, 95)):
+        w, b, x = _case(n, k, 16, torch.bfloat16, bias=True, seed=n)
+        got = Linear.build(w, b, LinearKind.PANELS, kernels)(x)
+        _close(got, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16), torch.bfloat16)
 
 
 def test_panels_take_strided_inputs(kernels) -> None:
@@ -88,7 +120,11 @@ def test_choose_linear(kernels) -> None:
     auto = EngineEnv()
     assert choose_linear(torch.float32, CPU, kernels, auto) is LinearKind.PANELS
     half = choose_linear(torch.bfloat16, CPU, kernels, auto)
-    assert half is (LinearKind.ONEDNN if onednn_runs(torch.bfloat16, CPU) else LinearKind.PANELS)
+    if kernels.bf16_pairs(2):  # AVX512-BF16 dot products in the build: its own pair-layout panels
+        assert half is LinearKind.PANELS
+    else:
+        assert half is (LinearKind.ONEDNN if onednn_runs(torch.bfloat16, CPU) else LinearKind.PANELS)
+    assert choose_linear(torch.bfloat16, CPU, None, auto) in (LinearKind.ONEDNN, LinearKind.PLAIN)
     assert choose_linear(torch.float32, CPU, None, auto) in (LinearKind.ONEDNN, LinearKind.PLAIN)
     assert choose_linear(torch.float32, torch.device("meta"), kernels, auto) is LinearKind.PLAIN
     assert choose_linear(torch.float32, CPU, kernels, EngineEnv(linear="plain")) is LinearKind.PLAIN
