@@ -585,10 +585,17 @@ int silu_mul(const void* gu, void* out, int64_t T, int64_t I, int dt, int num_th
    [N / LP][K][LP] (N padded with zero columns), so a panel is one contiguous stream: each thread takes a
    contiguous run of panels and reads its weights exactly once from memory, whatever M. Within a panel,
    rows of x go LM_ROWS at a time: LM_ROWS x 2 vector accumulators, 2 weight vectors and one broadcast
-   stay in registers (15 of AVX2's 16; the classic 6 x 16 micro-kernel), and the panel is re-read from
+   stay in registers (15 of AVX2's 16: the classic 6 x 16 micro-kernel; 8 rows with AVX-512's 32, which
+   measured 1-7% faster at 8-256 rows in float32 on a Zen 5 EPYC), and the panel is re-read from
    cache for the next rows. Accumulation is float32 for every dtype, in k order, rounded once on store. */
 #define LP (2 * W)
+#ifndef LM_ROWS
+#if W == 16
+#define LM_ROWS 8  /* AVX-512's 32 registers: 16 accumulators */
+#else
 #define LM_ROWS 6
+#endif
+#endif
 
 /* rows x LP outputs of one panel. With few rows the FMA chains alone would wait on each other (latency x
    ports needs ~8 independent chains), so k is split over `splits` accumulator sets, summed at the end.
@@ -788,6 +795,16 @@ static inline __attribute__((always_inline)) void linear_rows(
             case 3: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 3, 2, dt, wt); break;
             case 4: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 4, 1, dt, wt); break;
             case 5: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 5, 1, dt, wt); break;
+#if LM_ROWS > 6
+            case 6: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 6, 1, dt, wt); break;
+            case 7: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 7, 1, dt, wt); break;
+#endif
+#if LM_ROWS > 8
+            case 8: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 8, 1, dt, wt); break;
+            case 9: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 9, 1, dt, wt); break;
+            case 10: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 10, 1, dt, wt); break;
+            case 11: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 11, 1, dt, wt); break;
+#endif
             default: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, LM_ROWS, 1, dt, wt); break;
         }
     }
