@@ -67,8 +67,47 @@ class EngineLoop:
         self.last_batch_size = 0
         self._on_step: Callable[[float, int], None] | None = None
 
+    @classmethod
+    async def build(cls, factory: Callable[[], LLMEngine], *, idle_wait_s: float = 0.05) -> EngineLoop:
+        """Build the engine with ``factory()`` on the loop's own thread, then start stepping there. Use this
+        rather than building the engine elsewhere: the CPU kernels' OpenMP pools belong to the thread that
+        calls them, and a second calling thread halves their speed (``engine.cpu_kernels``, "One thread")."""
+        loop = asyncio.get_running_loop()
+        built: asyncio.Future[EngineLoop] = loop.create_future()
+
+        def main() -> None:
+            try:
+                engine_loop = cls(factory(), loop, idle_wait_s=idle_wait_s)
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                cls._resolve_on(loop, built, exc=e)
+                return
+            engine_loop._thread = threading.current_thread()
+            cls._resolve_on(loop, built, engine_loop)
+            engine_loop._run()
+
+        threading.Thread(target=main, name="engine-loop", daemon=True).start()
+        return await built
+
+    @staticmethod
+    def _resolve_on(
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future[Any],
+        value: Any = None,
+        exc: BaseException | None = None,
+    ) -> None:
+        def done() -> None:
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+        loop.call_soon_threadsafe(done)
+
     # -- asyncio side ----------------------------------------------------------
     def start(self) -> None:
+        """Start stepping an engine given to the constructor (``build`` starts its own)."""
         self._thread.start()
 
     async def stop(self) -> None:
@@ -127,18 +166,8 @@ class EngineLoop:
     def _resolve(
         self, fut: asyncio.Future[Any] | None, value: Any = None, exc: BaseException | None = None
     ) -> None:
-        if fut is None:
-            return
-
-        def done() -> None:
-            if fut.done():
-                return
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(value)
-
-        self._loop.call_soon_threadsafe(done)
+        if fut is not None:
+            self._resolve_on(self._loop, fut, value, exc)
 
     def _apply(self, cmd: _Cmd) -> bool:
         """Run one command; False means stop the thread."""

@@ -31,6 +31,15 @@ library leaves the process's floating-point environment as it was (no
 flush-to-zero: see ``_build``). OpenMP
 comes from the same ``libgomp`` torch loads; the thread count is passed per
 call (``torch.get_num_threads()``).
+
+One thread: in a process, make every call into these kernels (and torch's
+parallel ops) from one thread. libgomp keeps a pool per calling thread, and
+once the threads it manages outnumber the CPUs its idle workers stop spinning
+and sleep, so each parallel region (~150 a decode step) pays a wake-up: on a
+2-core host the kernels then ran at half speed. Workers keep the rule: the
+decode/colocated engine is built and stepped on its ``EngineLoop`` thread, a
+prefill worker builds its runner and runs every forward on one executor
+thread (``tests/test_kernel_thread.py``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ A request's stages here (``scheduler.Stage`` names the queue states):
     stage: the transfer is aborted (the decode worker frees its reservation) and
     this worker's blocks are freed.
 
-Threads: one thread runs forwards (``asyncio.to_thread``) and calls only the layer
+Threads: one thread runs forwards (the worker's ``forward_thread``, which also built the
+runner: the CPU kernels want one calling thread per process) and calls only the layer
 hook; the event loop owns the queue, the transfers and this worker's
 ``BlockManager`` (P's blocks; the rules are in ``kv_transfer``'s docstring).
 """
@@ -28,13 +29,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Hashable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.model_runner import ModelRunner, PrefillItem
+from pdserve.engine.model_runner import LayerHook, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sampler import Sampler, SampleRow
 from pdserve.kv_transfer import KVSender, SenderHandle, TransferError, TransferTicket
@@ -67,8 +69,12 @@ class PrefillLoop:
         sender: KVSender,
         max_batched_tokens: int,
         metrics: PrefillMetrics,
+        forward_thread: Executor | None = None,
     ) -> None:
+        """``forward_thread``: a one-thread executor that runs every forward (the one that built
+        ``runner``, so one thread makes this process's CPU-kernel calls); None: asyncio's default."""
         self.runner, self.sampler, self.sender, self.metrics = runner, sampler, sender, metrics
+        self._forward_thread = forward_thread
         self.sched = PrefillScheduler(BlockManager(runner.num_blocks, runner.block_size), max_batched_tokens)
         self._wake = asyncio.Event()
         self.running_tokens = 0  # prompt tokens of the forward in progress
@@ -91,6 +97,11 @@ class PrefillLoop:
         while (job := self.sched.pop_queued()) is not None:
             if not job.payload.result.done():
                 job.payload.result.set_exception(RuntimeError(f"prefill loop stopped: {self.failure!r}"))
+
+    def _forward(self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]) -> list[int]:
+        """On the forward thread: the prefill and the first tokens' sampling (torch ops large enough to
+        run in parallel, which belong on the one thread that makes this process's parallel calls)."""
+        return self.sampler(self.runner.prefill(items, hook), rows)
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
@@ -197,8 +208,10 @@ class PrefillLoop:
             self.running, self.running_tokens = len(live), sum(j.num_tokens for j in live)
             t0 = time.perf_counter()
             try:
-                logits = await asyncio.to_thread(self.runner.prefill, items, hook)  # [n, V]
-                tokens = self.sampler(logits, [SampleRow(j.payload.params, 0) for j in live])
+                rows = [SampleRow(j.payload.params, 0) for j in live]
+                tokens = await asyncio.get_running_loop().run_in_executor(
+                    self._forward_thread, self._forward, items, hook, rows
+                )
             except _BatchCancelled:
                 for j in live:
                     self._spawn(self._finish(j, None))

@@ -10,8 +10,10 @@ INTERNAL when the forward failed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -124,21 +126,27 @@ class PrefillPool:
         self.servicer = PrefillServicer(shell, self.metrics)
         self.loop: PrefillLoop | None = None
         self.sender: KVSender | None = None
+        # Builds the runner and runs every forward: one thread makes this process's CPU-kernel calls (the
+        # kernels' OpenMP pools belong to their calling thread; a second one halves their speed).
+        self.forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
 
     async def load(self, model_dir: Path) -> Capacity:
         args = self.args
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        runner = await asyncio.to_thread(
-            ModelRunner,
-            model_dir,
-            dtype=DTYPES[dtype],
-            device=device,
-            block_size=args.block_size,
-            num_blocks=args.kv_blocks or None,
-            kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_PREFILL_KV_BYTES),
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            quantization=args.quantization,
+        runner = await asyncio.get_running_loop().run_in_executor(
+            self.forward_thread,
+            functools.partial(
+                ModelRunner,
+                model_dir,
+                dtype=DTYPES[dtype],
+                device=device,
+                block_size=args.block_size,
+                num_blocks=args.kv_blocks or None,
+                kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_PREFILL_KV_BYTES),
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                quantization=args.quantization,
+            ),
         )
         eos = list(runner.config.eos_token_ids)
         try:
@@ -154,7 +162,9 @@ class PrefillPool:
             self.registry,
             name=args.worker_id,
         )
-        self.loop = PrefillLoop(runner, sampler, self.sender, args.max_batched_tokens, self.metrics)
+        self.loop = PrefillLoop(
+            runner, sampler, self.sender, args.max_batched_tokens, self.metrics, self.forward_thread
+        )
         self.loop.start()
         self.servicer.attach(self.loop)
         return Capacity(
@@ -171,6 +181,7 @@ class PrefillPool:
             await self.loop.close()
         if self.sender is not None:
             await self.sender.close()
+        self.forward_thread.shutdown(wait=False)
 
 
 async def serve(args: WorkerArgs) -> None:
