@@ -299,8 +299,10 @@ class ModelRunner:
             self.device,
         )
 
+        kernels = self.kernels
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return prefill_attention(self.kv[layer], meta, q, k, v)
+            return prefill_attention(self.kv[layer], meta, q, k, v, kernels)
 
         with torch.inference_mode():
             token_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
@@ -366,7 +368,7 @@ class ModelRunner:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             nxt = self.kv[layer + 1] if layer < last else None
             out_d = decode_attention(self.kv[layer], dmeta, q[:n_dec], kernels, nxt)
-            out_p = prefill_attention(self.kv[layer], pmeta, q[n_dec:], k[n_dec:], v[n_dec:])
+            out_p = prefill_attention(self.kv[layer], pmeta, q[n_dec:], k[n_dec:], v[n_dec:], kernels)
             return torch.cat([out_d, out_p])
 
         with torch.inference_mode():

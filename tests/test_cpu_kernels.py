@@ -57,6 +57,33 @@ def test_decode_attention_next_layer_prefetch_changes_nothing(kernels, dtype):
         decode_attention(kv[0], meta, q, kernels, kv[1, :10])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("n_h", "n_kv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (5, 1, 80), (64, 2, 16), (6, 3, 256)]
+)
+@pytest.mark.parametrize("n", [1, 31, 33, 100, 300])  # blocks of 32 positions: partial, whole, several
+def test_prefill_attention_matches_torch(kernels, dtype, n_h, n_kv, d, n):
+    # q, k, v as the model hands them over: strided views of one fused qkv row per token.
+    g = torch.Generator().manual_seed(n * d + n_h)
+    qkv = torch.randn(n, (n_h + 2 * n_kv) * d, generator=g).to(dtype)
+    q = qkv[:, : n_h * d].view(n, n_h, d)
+    k = qkv[:, n_h * d : (n_h + n_kv) * d].view(n, n_kv, d)
+    v = qkv[:, (n_h + n_kv) * d :].view(n, n_kv, d)
+    got = kernels.prefill_attention(q, k, v)
+    heads = [t.float().transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, H, n, D]
+    want = F.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    assert got.shape == (n, n_h * d) and got.dtype == dtype
+    _close(got, want.reshape(n, n_h * d).to(dtype), dtype)
+
+
+def test_prefill_attention_refuses_what_it_cannot_read(kernels):
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+    with pytest.raises(ValueError, match="prefill kernel"):
+        kernels.prefill_attention(q, k, torch.randn(4, 1, 16).bfloat16())
+    with pytest.raises(ValueError, match="prefill kernel"):
+        kernels.prefill_attention(q.transpose(1, 2), k, k)
+
+
 def test_unsupported_shapes_are_reported():
     assert supports(9, 3, 64, torch.bfloat16)
     assert not supports(9, 3, 72, torch.float32)  # head_dim not a multiple of 16
