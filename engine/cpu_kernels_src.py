@@ -724,12 +724,10 @@ int silu_mul(const void* gu, void* out, int64_t T, int64_t I, int dt, int num_th
    measured 1-7% faster at 8-256 rows in float32 on a Zen 5 EPYC), and the panel is re-read from
    cache for the next rows. Accumulation is float32 for every dtype, in k order, rounded once on store. */
 #define LP (2 * W)
-#ifndef LM_ROWS
 #if W == 16
 #define LM_ROWS 8  /* AVX-512's 32 registers: 16 accumulators */
 #else
 #define LM_ROWS 6
-#endif
 #endif
 
 /* rows x LP outputs of one panel. With few rows the FMA chains alone would wait on each other (latency x
@@ -753,6 +751,24 @@ static inline vf ldq(const char* p) {  /* W int8 -> W floats (GCC's vector conve
 }
 
 #define WT_I8 3  /* weight type code of int8 panels (0-2: the float dtype codes) */
+
+/* One row of a panel's outputs (two accumulator vectors) plus bias, rounded once into y; nn < LP: the last,
+   partial panel, whose padding columns are not stored. */
+static inline void store_panel_row(char* yr, vf a0, vf a1, const char* bias, int64_t n0, int64_t nn,
+                                   const int dt) {
+    const int64_t esz = dt == 0 ? 4 : 2;
+    if (nn == LP) {
+        if (bias) { a0 += ld(bias + n0 * esz, dt); a1 += ld(bias + (n0 + W) * esz, dt); }
+        st(yr, a0, dt);
+        st(yr + W * esz, a1, dt);
+        return;
+    }
+    float out[LP];
+    memcpy(out, &a0, sizeof a0);
+    memcpy(out + W, &a1, sizeof a1);
+    for (int64_t j = 0; j < nn; j++)
+        st1(yr + j * esz, out[j] + (bias ? ld1(bias + (n0 + j) * esz, dt) : 0.f), dt);
+}
 
 static inline __attribute__((always_inline)) void linear_tile(
     const char* x, const char* wp, const float* scales, int64_t group, const char* bias, char* y, int64_t K,
@@ -797,21 +813,8 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
     for (int sp = 1; sp < splits; sp++)
         for (int r = 0; r < rows; r++) { acc[0][r][0] += acc[sp][r][0]; acc[0][r][1] += acc[sp][r][1]; }
-    vf b0 = (vf){0}, b1 = (vf){0};
-    if (bias && nn == LP) { b0 = ld(bias + n0 * esz, dt); b1 = ld(bias + (n0 + W) * esz, dt); }
-    for (int r = 0; r < rows; r++) {
-        char* yr = y + (r * N + n0) * esz;
-        if (nn == LP) {
-            st(yr, acc[0][r][0] + b0, dt);
-            st(yr + W * esz, acc[0][r][1] + b1, dt);
-        } else {  /* the last, partial panel */
-            float out[LP];
-            memcpy(out, &acc[0][r][0], sizeof(vf));
-            memcpy(out + W, &acc[0][r][1], sizeof(vf));
-            for (int64_t j = 0; j < nn; j++)
-                st1(yr + j * esz, out[j] + (bias ? ld1(bias + (n0 + j) * esz, dt) : 0.f), dt);
-        }
-    }
+    for (int r = 0; r < rows; r++)
+        store_panel_row(y + (r * N + n0) * esz, acc[0][r][0], acc[0][r][1], bias, n0, nn, dt);
 }
 
 #ifdef HAVE_BF16_DOT
@@ -848,23 +851,11 @@ static inline __attribute__((always_inline)) void linear_tile_bf16_pairs(
             acc[0][r][0] = _mm512_add_ps(acc[0][r][0], acc[sp][r][0]);
             acc[0][r][1] = _mm512_add_ps(acc[0][r][1], acc[sp][r][1]);
         }
-    vf b0 = (vf){0}, b1 = (vf){0};
-    if (bias && nn == LP) { b0 = ld(bias + n0 * 2, 1); b1 = ld(bias + (n0 + W) * 2, 1); }
     for (int r = 0; r < rows; r++) {
-        char* yr = y + (r * N + n0) * 2;
         vf a0, a1;
         memcpy(&a0, &acc[0][r][0], sizeof a0);
         memcpy(&a1, &acc[0][r][1], sizeof a1);
-        if (nn == LP) {
-            st(yr, a0 + b0, 1);
-            st(yr + W * 2, a1 + b1, 1);
-        } else {  /* the last, partial panel */
-            float out[LP];
-            memcpy(out, &a0, sizeof a0);
-            memcpy(out + W, &a1, sizeof a1);
-            for (int64_t j = 0; j < nn; j++)
-                st1(yr + j * 2, out[j] + (bias ? ld1(bias + (n0 + j) * 2, 1) : 0.f), 1);
-        }
+        store_panel_row(y + (r * N + n0) * 2, a0, a1, bias, n0, nn, 1);
     }
 }
 
@@ -933,12 +924,6 @@ static inline __attribute__((always_inline)) void linear_rows(
 #if LM_ROWS > 6
             case 6: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 6, 1, dt, wt); break;
             case 7: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 7, 1, dt, wt); break;
-#endif
-#if LM_ROWS > 8
-            case 8: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 8, 1, dt, wt); break;
-            case 9: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 9, 1, dt, wt); break;
-            case 10: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 10, 1, dt, wt); break;
-            case 11: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, 11, 1, dt, wt); break;
 #endif
             default: linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, LM_ROWS, 1, dt, wt); break;
         }

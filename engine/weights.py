@@ -139,6 +139,7 @@ def choose_linear(
         return LinearKind.PLAIN
     if quantization != "none":
         return LinearKind.PANELS if kernels is not None else LinearKind.PLAIN
+    # bf16_pairs of any even K: whether this build has the AVX512-BF16 pair kernel at all
     if dtype == torch.bfloat16 and kernels is not None and kernels.bf16_pairs(2):
         return LinearKind.PANELS
     if dtype != torch.float32 and onednn_runs(dtype, device):
