@@ -57,7 +57,7 @@ offers on one host and what pdserve gave up because a peer's death on it
 aborts the process.
 
 Both processes back their KV tensor with transparent huge pages
-(``kvbuf.advise_huge_pages``), as the raw baseline's numpy buffers are. Like
+(``engine.hugepages``, as the engine's KV cache is), as the raw baseline's numpy buffers are. Like
 the raw baseline's buffers, the KV blocks are written once at start-up, not
 before every transfer: the tests check bit-exactness, and a fresh fill of
 every byte right before the timed part (plus the decode side's digest of its

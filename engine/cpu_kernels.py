@@ -56,6 +56,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -379,17 +380,26 @@ class CpuKernels:
         multiplied by AVX512-BF16 dot products): builds with those instructions, even ``k``."""
         return bool(self.lib.linear_bf16_pairs(k))
 
-    def pack_linear_weight(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack_linear_weight(
+        self,
+        weight: torch.Tensor,
+        alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """``weight [N, K]`` -> the panel layout ``linear`` streams: ``[ceil(N / P), K, P]`` in its dtype
         (P = ``panel_width()``), zero-padded. int8 weights (``engine.quant``) pack the same way. bfloat16
-        where ``bf16_pairs(K)``: the same shape, each panel's rows in pairs ``[K / 2, P, 2]``."""
+        where ``bf16_pairs(K)``: the same shape, each panel's rows in pairs ``[K / 2, P, 2]``. ``alloc(shape,
+        dtype)``: where the result goes (an uninitialised contiguous CPU tensor; default ``torch.empty``),
+        e.g. ``engine.hugepages.HugePageArena.empty``."""
         if weight.dim() != 2 or (weight.dtype not in _DTYPE_CODES and weight.dtype != torch.int8):
             got = f"{weight.dtype} {tuple(weight.shape)}"
             raise ValueError(f"pack_linear_weight: need a 2-D float or int8 weight, not {got}")
         w = weight.contiguous()
         n, k = w.shape
         p = self.panel_width()
-        out = torch.empty(-(-n // p), k, p, dtype=w.dtype)
+        shape = (-(-n // p), k, p)
+        out = torch.empty(shape, dtype=w.dtype) if alloc is None else alloc(shape, w.dtype)
+        if tuple(out.shape) != shape or out.dtype != w.dtype or not out.is_contiguous():
+            raise ValueError(f"pack_linear_weight: alloc gave {tuple(out.shape)} {out.dtype}, not {shape}")
         pairs = int(w.dtype == torch.bfloat16 and self.bf16_pairs(k))
         _check(
             self.lib.pack_linear_weight(w.data_ptr(), out.data_ptr(), n, k, w.element_size(), pairs), "pack"

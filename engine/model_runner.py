@@ -11,8 +11,9 @@ and writes the blocks it is handed. One step:
 3. return float32 logits.
 
 KV cache: ONE tensor ``kv [L, N, 2, B, Hkv, D]`` in the model dtype, allocated
-once and zero-filled (see ``engine.attention`` for why unused slots must be
-finite), so a transport can register it once.
+once (on huge pages on CPU: ``engine.hugepages``) and zero-filled (see
+``engine.attention`` for why unused slots must be finite), so a transport can
+register it once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from pdserve.engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import CpuKernels, kernel_cache_dir, load_cpu_kernels, supports
+from pdserve.engine.hugepages import zeros_huge_pages
 from pdserve.engine.model import (
     KernelStepOps,
     LayerHook,
@@ -192,7 +194,7 @@ class ModelRunner:
         assert num_blocks is not None
         self.num_blocks = int(num_blocks)
         self._decoder: DecodeGraphs | None = None
-        self.kv = torch.zeros(
+        self.kv = zeros_huge_pages(  # huge pages on CPU: attention and transports stream it
             c.num_layers,
             self.num_blocks,
             2,

@@ -39,6 +39,7 @@ from safetensors import safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import CpuKernels
 from pdserve.engine.env import EngineEnv
+from pdserve.engine.hugepages import HugePageArena
 from pdserve.engine.quant import INT8_GROUP, check_quantization, dequantize_int8, quantize_int8
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -172,9 +173,12 @@ class Linear:
         kind: LinearKind = LinearKind.PLAIN,
         kernels: CpuKernels | None = None,
         quantization: str = "none",
+        arena: HugePageArena | None = None,
     ) -> Linear:
         """From a plain ``weight [out, in]``: quantised when asked (``engine.quant``), repacked for ``kind``
-        (a copy unless PLAIN and unquantised)."""
+        (a copy unless PLAIN and unquantised). ``arena``: where PANELS weights are packed (default: their own
+        allocations)."""
+        alloc = None if arena is None else arena.empty
         n = int(weight.shape[0])
         if check_quantization(quantization) == "int8":
             q, scales = quantize_int8(weight, INT8_GROUP)
@@ -183,7 +187,7 @@ class Linear:
             if kind is not LinearKind.PANELS or kernels is None:
                 raise ValueError(f"int8 weights need PANELS (with the CPU kernels) or PLAIN, not {kind}")
             b = None if bias is None else bias.contiguous()
-            packed, packed_scales = kernels.pack_linear_weight(q), kernels.pack_int8_scales(scales)
+            packed, packed_scales = kernels.pack_linear_weight(q, alloc), kernels.pack_int8_scales(scales)
             return cls(packed, b, kind, n, kernels, packed_scales, INT8_GROUP)
         if kind is LinearKind.ONEDNN:
             return cls(torch.ops.mkldnn._reorder_linear_weight(weight), bias, kind, n)
@@ -191,7 +195,7 @@ class Linear:
             if kernels is None:
                 raise ValueError("LinearKind.PANELS needs the CPU kernels")
             b = None if bias is None else bias.contiguous()
-            return cls(kernels.pack_linear_weight(weight), b, kind, n, kernels)
+            return cls(kernels.pack_linear_weight(weight, alloc), b, kind, n, kernels)
         return cls(weight, bias, kind, n)
 
     @classmethod
@@ -254,10 +258,12 @@ class ModelWeights:
 
         ``kind``: the matmul layout (``choose_linear``); PANELS needs ``kernels``. ``quantization``:
         ``none`` or ``int8`` (``engine.quant``: every matmul weight, the LM head included; not the
-        embedding table)."""
+        embedding table). PANELS weights are packed back to back on huge pages (``engine.hugepages``): every
+        decode step streams all of them."""
+        arena = HugePageArena() if kind is LinearKind.PANELS else None
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear.build(weight, bias, kind, kernels, quantization)
+            return Linear.build(weight, bias, kind, kernels, quantization, arena)
 
         def take(name: str) -> torch.Tensor:
             try:

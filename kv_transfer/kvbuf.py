@@ -8,8 +8,6 @@ it as bytes).
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -105,37 +103,3 @@ def ready_marker(device: torch.device) -> Callable[[], bool] | None:
     event = torch.cuda.Event()
     event.record()
     return event.query
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Ask Linux to back a CPU tensor with transparent huge pages; call before first touch.
-
-    torch's CPU allocator does not (numpy's does), and UCX moves KV from 4 KiB
-    pages measurably slower: ~14 ms vs ~11 ms for 64 MiB over shared memory on
-    the reference machine. Returns False where it does not apply (not Linux, not
-    CPU, tensor smaller than a huge page, or the kernel refused).
-    """
-    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
-        return False
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    first, last = (start + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1), end & ~(_HUGE_PAGE - 1)
-    if last <= first:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0
-
-
-def zeros_huge_pages(*size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.zeros(*size, dtype=dtype, device=device)``, backed by huge pages on CPU.
-
-    The KV tensor's allocation: advised before the zeroing touches any page
-    (``torch.zeros`` touches them first, after which the advice comes too late).
-    """
-    t = torch.empty(*size, dtype=dtype, device=device)
-    advise_huge_pages(t)
-    return t.zero_()

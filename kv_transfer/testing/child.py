@@ -13,8 +13,9 @@ import torch
 from prometheus_client import generate_latest
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.hugepages import zeros_huge_pages
 from pdserve.kv_transfer.config import FaultConfig
-from pdserve.kv_transfer.kvbuf import block_bytes, compat_for, zeros_huge_pages
+from pdserve.kv_transfer.kvbuf import block_bytes, compat_for
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import KVSender
 from pdserve.kv_transfer.testing.spec import PeerSpec, expected_bytes, fingerprint, scatter_allocate

@@ -26,7 +26,7 @@ class PeerSpec:
     env: tuple[tuple[str, str], ...] = ()  # e.g. (("UCX_TLS", "tcp"),), applied before ucxx loads
     threads: int = 1
     use_uvloop: bool = True
-    huge_pages: bool = True  # back the KV tensor with transparent huge pages (kvbuf.advise_huge_pages)
+    huge_pages: bool = True  # back the KV tensor with transparent huge pages (engine.hugepages)
 
 
 class PeerCallError(RuntimeError):

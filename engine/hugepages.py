@@ -1,0 +1,99 @@
+"""CPU tensors backed by transparent huge pages (2 MiB), for the big arrays a step streams through.
+
+torch's CPU allocator leaves large tensors on 4 KiB pages (numpy's asks for huge pages). The KV cache and
+the packed weights are read end to end every step; on 4 KiB pages that is a TLB miss every 4 KiB, and UCX
+moves KV between processes slower from them. Measured, same process, same kernels (Zen 5 EPYC, 2 threads):
+bf16 decode attention over KV on huge pages 1.02x (batch 32, 160 tokens) to 1.09x (batch 32, 600 tokens);
+SmolLM2's bf16 products from huge-page weights 1.01-1.04x; UCX shared memory 64 MiB ~11 vs ~14 ms.
+
+Linux only, and only where transparent huge pages are ``always`` or ``madvise``
+(``/sys/kernel/mm/transparent_hugepage/enabled``); elsewhere these are plain allocations. The advice must
+come before a page is first touched: :func:`zeros_huge_pages` advises, then zeroes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+
+import torch
+
+__all__ = ["HUGE_PAGE", "HugePageArena", "advise_huge_pages", "zeros_huge_pages"]
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _madvise_huge(start: int, end: int) -> bool:
+    """Advise the whole huge pages inside ``[start, end)``; False when there are none or Linux refused."""
+    first, last = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), end & ~(HUGE_PAGE - 1)
+    if last <= first or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_HUGEPAGE) == 0
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back a CPU tensor with transparent huge pages; call before first touch.
+
+    Returns False where it does not apply (not Linux, not CPU, no whole huge page inside the tensor, or the
+    kernel refused)."""
+    if t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    return _madvise_huge(start, start + t.numel() * t.element_size())
+
+
+def zeros_huge_pages(*size: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.zeros(*size, dtype=dtype, device=device)``, backed by huge pages on CPU.
+
+    Advised before the zeroing touches any page (``torch.zeros`` touches them first, after which the advice
+    comes too late). Other devices: plain ``torch.zeros``."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*size, dtype=dtype, device=device)
+    t = torch.empty(*size, dtype=dtype)
+    advise_huge_pages(t)
+    return t.zero_()
+
+
+class HugePageArena:
+    """Many mid-sized CPU tensors (a model's packed weights: most are under 2 MiB, too small to get a huge
+    page each) carved out of large huge-page-advised chunks, 64-byte aligned, back to back.
+
+    Tensors are views that keep their chunk alive; nothing is ever freed back to the arena (it holds what
+    lives as long as the model). A chunk's unused tail is never touched, so it costs address space, not
+    memory."""
+
+    ALIGN = 64
+
+    def __init__(self, chunk_bytes: int = 64 << 20) -> None:
+        if chunk_bytes < HUGE_PAGE:
+            raise ValueError(f"HugePageArena: chunk_bytes must be >= {HUGE_PAGE}, not {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None  # uint8, starts on a huge page boundary
+        self._used = 0
+        self._lock = threading.Lock()
+        self.advised = True  # False once Linux refused the advice for a chunk
+
+    def _new_chunk(self, nbytes: int) -> None:
+        size = max(self.chunk_bytes, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+        raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+        off = (-raw.data_ptr()) % HUGE_PAGE
+        self._chunk = raw[off : off + size]
+        self.advised = advise_huge_pages(self._chunk) and self.advised
+        self._used = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor of ``shape`` and ``dtype`` in the arena."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            if self._chunk is None or self._used + nbytes > self._chunk.numel():
+                self._new_chunk(nbytes)
+            assert self._chunk is not None
+            view = self._chunk[self._used : self._used + nbytes]
+            self._used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return view.view(dtype).view(shape)
