@@ -14,6 +14,7 @@ from pdserve.engine.sampler import (
     apply_top_k_top_p,
     counter_uniform,
     counter_uniform_reference,
+    inverse_cdf_sample,
     token_seed,
 )
 
@@ -104,6 +105,38 @@ def test_seeded_frequencies_follow_the_distribution():
         counts[s(logits, [SampleRow(SamplingParams(seed=11), i)])[0]] += 1
     for c, p in zip(counts, probs.tolist(), strict=True):
         assert abs(c - n * p) < 5 * math.sqrt(n * p * (1 - p))
+
+
+def test_unseeded_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log()[None].expand(8, 3)  # 8 rows a step, as a decode batch
+    s = Sampler(seed=3)
+    counts = [0, 0, 0]
+    for _ in range(400):
+        for t in s(logits, rows([SamplingParams()] * 8)):
+            counts[t] += 1
+    n = sum(counts)
+    for c, p in zip(counts, probs.tolist(), strict=True):
+        assert abs(c - n * p) < 5 * math.sqrt(n * p * (1 - p))
+
+
+def test_unseeded_rows_never_pick_masked_tokens():
+    s = Sampler(seed=1)
+    logits = rand_logits(4, seed=5)
+    allowed = [set(row.topk(3).indices.tolist()) for row in logits]
+    for _ in range(100):
+        out = s(logits, rows([SamplingParams(top_k=3)] * 4))
+        assert all(t in a for t, a in zip(out, allowed, strict=True))
+
+
+def test_inverse_cdf_sample_edges():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0, 0.0]])
+    below_one = 1.0 - 2.0**-24  # the largest float32 uniform below 1
+    assert inverse_cdf_sample(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
+    assert inverse_cdf_sample(probs, torch.tensor([0.49, 0.5])).tolist() == [1, 2]
+    assert inverse_cdf_sample(probs, torch.tensor([below_one, below_one])).tolist() == [3, 3]
+    # u * total at the total (what rounding could give): the most likely token, never a masked tail token
+    assert inverse_cdf_sample(probs, torch.tensor([1.0, 1.0])).tolist() == [1, 0]
 
 
 def test_temperature_flattens_the_distribution():
