@@ -406,6 +406,16 @@ class CpuKernels:
         )
         return out
 
+    def gate_up_panel_order(self, intermediate: int) -> torch.Tensor | None:
+        """Row order of a fused ``[gate; up]`` weight (``2 * intermediate`` rows) for ``linear(...,
+        silu_mul=True)``: each panel holds W gate rows then the same W up rows (W = half a panel). None when
+        ``intermediate`` is not a multiple of W (the product and ``silu_mul`` then run apart)."""
+        w = self.panel_width() // 2
+        if intermediate % w:
+            return None
+        gate = torch.arange(intermediate).view(-1, w)  # [I / W, W]
+        return torch.cat([gate, gate + intermediate], dim=1).reshape(-1)  # [2I]
+
     def pack_int8_scales(self, scales: torch.Tensor) -> torch.Tensor:
         """``scales [N, G]`` float32 (``engine.quant.quantize_int8``) -> the layout ``linear`` reads beside
         int8 panels: ``[ceil(N / P), G, P]``, zero-padded."""
@@ -423,13 +433,18 @@ class CpuKernels:
         bias: torch.Tensor | None,
         scales: torch.Tensor | None = None,
         group: int = 0,
+        silu_mul: bool = False,
     ) -> torch.Tensor:
         """``x [M, K] @ weight.T + bias`` -> ``[M, n]`` from ``packed = pack_linear_weight(weight)``.
 
         int8 ``packed``: ``weight[n, k] = q[n, k] * scale(n, k // group)``, ``scales =
-        pack_int8_scales(...)``."""
+        pack_int8_scales(...)``. ``silu_mul``: the weight's rows are a gate/up pair in
+        ``gate_up_panel_order`` (``n`` a multiple of ``panel_width()``), and the result is ``silu(gate) * up``
+        ``[M, n / 2]``, the same values as this product followed by :meth:`silu_mul` on the plain order."""
         x = x.contiguous()
         m, k = x.shape
+        if silu_mul and n % self.panel_width():
+            raise ValueError(f"linear: silu_mul needs n a multiple of {self.panel_width()}, not {n}")
         quantized = packed.dtype == torch.int8
         if packed.shape[1] != k or (x.dtype != packed.dtype and not quantized):
             raise ValueError(
@@ -447,7 +462,7 @@ class CpuKernels:
             )
         if bias is not None and bias.dtype != x.dtype:
             raise ValueError(f"linear: bias {bias.dtype} vs x {x.dtype}")
-        y = torch.empty(m, n, dtype=x.dtype)
+        y = torch.empty(m, n // 2 if silu_mul else n, dtype=x.dtype)
         _check(
             self.lib.linear_packed(
                 x.data_ptr(),
@@ -460,6 +475,7 @@ class CpuKernels:
                 n,
                 group if quantized else k,
                 _DTYPE_CODES[x.dtype],
+                int(silu_mul),
                 torch.get_num_threads(),
             ),
             "linear_packed",
@@ -535,7 +551,7 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
         "fma_peak": [i64, i32, ptr],
-        "linear_packed": [ptr] * 5 + [i64] * 4 + [i32, i32],
+        "linear_packed": [ptr] * 5 + [i64] * 4 + [i32, i32, i32],
         "prefill_attention": [ptr] * 4 + [i64] * 6 + [f32, i32, i32],
         "pack_linear_weight": [ptr, ptr, i64, i64, i64, i32],
         "linear_bf16_pairs": [i64],

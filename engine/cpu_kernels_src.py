@@ -823,10 +823,39 @@ static inline int next_panel_share(const char* next, int64_t bytes, int64_t tile
     return (int)((lines + steps - 1) / steps);
 }
 
+/* linear_packed's act 1 (silu_mul): a row of a gate/up panel, whose first W columns are gate columns and
+   last W the same up columns, stored as silu(gate) * up (W outputs at yr). Gate and up are rounded to the
+   dtype first and the rest is silu_mul_row's arithmetic, so the result is that of the unfused product
+   followed by silu_mul, bit for bit. */
+static inline void store_silu_row(char* yr, vf a0, vf a1, const char* bias, int64_t n0, const int dt) {
+    const int64_t esz = dt == 0 ? 4 : 2;
+    if (bias) { a0 += ld(bias + n0 * esz, dt); a1 += ld(bias + (n0 + W) * esz, dt); }
+    char rounded[2 * W * 4];
+    st(rounded, a0, dt);
+    st(rounded + W * esz, a1, dt);
+    a0 = ld(rounded, dt);
+    a1 = ld(rounded + W * esz, dt);
+    float g[W], e[W];
+    memcpy(g, &a0, sizeof g);
+    #pragma omp simd
+    for (int i = 0; i < W; i++) e[i] = expf(-g[i]);
+    vf ev;
+    memcpy(&ev, e, sizeof ev);
+    st(yr, a0 / (1.f + ev) * a1, dt);
+}
+
+/* Row r of a tile: y's row for the plain product (N columns), or, with act 1, its row of N / 2 outputs. */
+static inline void store_tile_row(char* y, int64_t r, vf a0, vf a1, const char* bias, int64_t N, int64_t n0,
+                                  int64_t nn, const int dt, const int act) {
+    const int64_t esz = dt == 0 ? 4 : 2;
+    if (act) store_silu_row(y + (r * (N / 2) + n0 / 2) * esz, a0, a1, bias, n0, dt);
+    else store_panel_row(y + (r * N + n0) * esz, a0, a1, bias, n0, nn, dt);
+}
+
 static inline __attribute__((always_inline)) void linear_tile(
     const char* x, const char* wp, const float* scales, int64_t group, const char* bias, char* y, int64_t K,
     int64_t N, int64_t n0, int64_t nn, const int rows, const int splits, const int dt, const int wt,
-    const char* pf, const char* pf_end, const int pf_lines)
+    const char* pf, const char* pf_end, const int pf_lines, const int act)
 {
     const int wq = wt == WT_I8;
     const int64_t esz = dt == 0 ? 4 : 2, wsz = wq ? 1 : wt == 0 ? 4 : 2, G = wq ? group : K;
@@ -869,8 +898,7 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
     for (int sp = 1; sp < splits; sp++)
         for (int r = 0; r < rows; r++) { acc[0][r][0] += acc[sp][r][0]; acc[0][r][1] += acc[sp][r][1]; }
-    for (int r = 0; r < rows; r++)
-        store_panel_row(y + (r * N + n0) * esz, acc[0][r][0], acc[0][r][1], bias, n0, nn, dt);
+    for (int r = 0; r < rows; r++) store_tile_row(y, r, acc[0][r][0], acc[0][r][1], bias, N, n0, nn, dt, act);
 }
 
 #ifdef HAVE_BF16_DOT
@@ -883,7 +911,7 @@ static inline __attribute__((always_inline)) void linear_tile(
    accumulator (in k order within each of the `splits` accumulator sets), rounded once on store. */
 static inline __attribute__((always_inline)) void linear_tile_bf16_pairs(
     const char* x, const char* wp, const char* bias, char* y, int64_t K, int64_t N, int64_t n0, int64_t nn,
-    const int rows, const int splits, const char* pf, const char* pf_end, const int pf_lines)
+    const int rows, const int splits, const char* pf, const char* pf_end, const int pf_lines, const int act)
 {
     __m512 acc[4][LB_ROWS][2];
     for (int sp = 0; sp < splits; sp++)
@@ -912,22 +940,22 @@ static inline __attribute__((always_inline)) void linear_tile_bf16_pairs(
         vf a0, a1;
         memcpy(&a0, &acc[0][r][0], sizeof a0);
         memcpy(&a1, &acc[0][r][1], sizeof a1);
-        store_panel_row(y + (r * N + n0) * 2, a0, a1, bias, n0, nn, 1);
+        store_tile_row(y, r, a0, a1, bias, N, n0, nn, 1, act);
     }
 }
 
 static void linear_rows_bf16_pairs(const char* x, const char* w, const char* bias, char* y, int64_t M,
                                    int64_t K, int64_t N, int64_t n0, int64_t nn, const char* next,
-                                   int64_t next_bytes)
+                                   int64_t next_bytes, const int act)
 {
-    const int64_t tiles = (M + LB_ROWS - 1) / LB_ROWS;
+    const int64_t tiles = (M + LB_ROWS - 1) / LB_ROWS, ycols = act ? N / 2 : N;
     for (int64_t m0 = 0; m0 < M; m0 += LB_ROWS) {
         const char* xm = x + m0 * K * 2;
-        char* ym = y + m0 * N * 2;
+        char* ym = y + m0 * ycols * 2;
         const char *pf, *pf_end;
         const int pf_lines = next_panel_share(next, next_bytes, m0 / LB_ROWS, tiles, K / 2, &pf, &pf_end);
-#define TILE(R, S) linear_tile_bf16_pairs(xm, w, bias, ym, K, N, n0, nn, R, S, pf, pf_end, pf_lines)
-#define TILE_NO_PF(R, S) linear_tile_bf16_pairs(xm, w, bias, ym, K, N, n0, nn, R, S, NULL, NULL, 0)
+#define TILE(R, S) linear_tile_bf16_pairs(xm, w, bias, ym, K, N, n0, nn, R, S, pf, pf_end, pf_lines, act)
+#define TILE_NO_PF(R, S) linear_tile_bf16_pairs(xm, w, bias, ym, K, N, n0, nn, R, S, NULL, NULL, 0, act)
         switch (M - m0 < LB_ROWS ? (int)(M - m0) : LB_ROWS) {  /* constant row counts: registers */
             case 1: TILE_NO_PF(1, 4); break;  /* 1-3 rows: one tile, bound by memory; the prefetches cost */
             case 2: TILE_NO_PF(2, 2); break;  /* more than they bring (measured at 1 row: 0.91x) */
@@ -974,16 +1002,18 @@ static void dequantize_panel(const char* w, const float* scales, int64_t group, 
 static inline __attribute__((always_inline)) void linear_rows(
     const char* x, const char* w, const float* s, int64_t group, const char* bias, char* y, int64_t M,
     int64_t K, int64_t N, int64_t n0, int64_t nn, const int dt, const int wt, const char* next,
-    int64_t next_bytes)
+    int64_t next_bytes, const int act)
 {
-    const int64_t tiles = (M + LM_ROWS - 1) / LM_ROWS;
+    const int64_t tiles = (M + LM_ROWS - 1) / LM_ROWS, ycols = act ? N / 2 : N;
     for (int64_t m0 = 0; m0 < M; m0 += LM_ROWS) {
         const char* xm = x + m0 * K * (dt == 0 ? 4 : 2);
-        char* ym = y + m0 * N * (dt == 0 ? 4 : 2);
+        char* ym = y + m0 * ycols * (dt == 0 ? 4 : 2);
         const char *pf, *pf_end;
         const int pf_lines = next_panel_share(next, next_bytes, m0 / LM_ROWS, tiles, K, &pf, &pf_end);
-#define TILE(R, S) linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, R, S, dt, wt, pf, pf_end, pf_lines)
-#define TILE_NO_PF(R, S) linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, R, S, dt, wt, NULL, NULL, 0)
+#define TILE(R, S) \
+    linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, R, S, dt, wt, pf, pf_end, pf_lines, act)
+#define TILE_NO_PF(R, S) \
+    linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, R, S, dt, wt, NULL, NULL, 0, act)
         switch (M - m0 < LM_ROWS ? (int)(M - m0) : LM_ROWS) {  /* constant row counts: registers */
             case 1: TILE_NO_PF(1, 4); break;  /* as in linear_rows_bf16_pairs */
             case 2: TILE_NO_PF(2, 2); break;
@@ -1005,7 +1035,7 @@ static inline __attribute__((always_inline)) void linear_rows(
    (K * LP floats) and multiplied as float32 weights; with one tile they are widened in registers. */
 static inline __attribute__((always_inline)) void linear_panel(
     const char* x, const char* wp, const float* scales, int64_t group, const char* bias, char* y, int64_t M,
-    int64_t K, int64_t N, int64_t p, const int dt, const int wq, float* buf)
+    int64_t K, int64_t N, int64_t p, const int dt, const int wq, float* buf, const int act)
 {
     const int64_t wsz = wq ? 1 : dt == 0 ? 4 : 2, n0 = p * LP, nn = N - n0 < LP ? N - n0 : LP;
     const int64_t bytes = K * LP * wsz;
@@ -1013,26 +1043,29 @@ static inline __attribute__((always_inline)) void linear_panel(
     const char* next = n0 + LP < N ? w + bytes : NULL;  /* the next panel, prefetched meanwhile */
 #ifdef HAVE_BF16_DOT
     if (!wq && dt == 1 && linear_bf16_pairs(K)) {
-        linear_rows_bf16_pairs(x, w, bias, y, M, K, N, n0, nn, next, bytes);
+        linear_rows_bf16_pairs(x, w, bias, y, M, K, N, n0, nn, next, bytes, act);
         return;
     }
 #endif
-    if (!wq) { linear_rows(x, w, NULL, K, bias, y, M, K, N, n0, nn, dt, dt, next, bytes); return; }
+    if (!wq) { linear_rows(x, w, NULL, K, bias, y, M, K, N, n0, nn, dt, dt, next, bytes, act); return; }
     const float* s = scales + p * ((K + group - 1) / group) * LP;
     if (M > 2 * LM_ROWS && buf) {
         dequantize_panel(w, s, group, K, buf);
-        linear_rows(x, (const char*)buf, NULL, K, bias, y, M, K, N, n0, nn, dt, 0, next, bytes);
+        linear_rows(x, (const char*)buf, NULL, K, bias, y, M, K, N, n0, nn, dt, 0, next, bytes, act);
     } else {
-        linear_rows(x, w, s, group, bias, y, M, K, N, n0, nn, dt, WT_I8, next, bytes);
+        linear_rows(x, w, s, group, bias, y, M, K, N, n0, nn, dt, WT_I8, next, bytes, act);
     }
 }
 
 /* x [M, K], y [M, N] contiguous in dtype dt; wp from pack_linear_weight; bias [N] or NULL.
    scales NULL: wp holds weights in dtype dt. Else wp holds int8 weights (pack_linear_weight with esz 1)
-   and scales [ceil(N / LP)][ceil(K / group)][LP] float32: weight[n, k] = q[n, k] * scale(n, k / group). */
+   and scales [ceil(N / LP)][ceil(K / group)][LP] float32: weight[n, k] = q[n, k] * scale(n, k / group).
+   act 1 (silu_mul, N a multiple of LP): each panel's first W columns are gate columns and its last W the
+   matching up columns, and y [M, N / 2] receives silu(gate) * up (store_silu_row) instead of the product. */
 int linear_packed(const void* x, const void* wp, const void* scales, const void* bias, void* y, int64_t M,
-                  int64_t K, int64_t N, int64_t group, int dt, int num_threads) {
+                  int64_t K, int64_t N, int64_t group, int dt, int act, int num_threads) {
     if (dt < 0 || dt > 2 || M < 0 || K < 1 || N < 1 || (scales && group < 1)) return -1;
+    if (act < 0 || act > 1 || (act && N % LP)) return -1;
     const int64_t panels = (N + LP - 1) / LP;
     const char *xc = (const char*)x, *wc = (const char*)wp, *bc = (const char*)bias;
     const float* sc = (const float*)scales;
@@ -1046,15 +1079,15 @@ int linear_packed(const void* x, const void* wp, const void* scales, const void*
         for (int64_t p = 0; p < panels; p++) {
             if (sc) {
                 switch (dt) {
-                    case 0: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 0, 1, buf); break;
-                    case 1: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 1, 1, buf); break;
-                    default: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 2, 1, buf); break;
+                    case 0: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 0, 1, buf, act); break;
+                    case 1: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 1, 1, buf, act); break;
+                    default: linear_panel(xc, wc, sc, group, bc, (char*)y, M, K, N, p, 2, 1, buf, act); break;
                 }
             } else {
                 switch (dt) {
-                    case 0: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 0, 0, NULL); break;
-                    case 1: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 1, 0, NULL); break;
-                    default: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 2, 0, NULL); break;
+                    case 0: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 0, 0, NULL, act); break;
+                    case 1: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 1, 0, NULL, act); break;
+                    default: linear_panel(xc, wc, sc, K, bc, (char*)y, M, K, N, p, 2, 0, NULL, act); break;
                 }
             }
         }

@@ -8,8 +8,9 @@ paged KV cache).
 
 A layer is: ``x += res; h = rmsnorm(x)`` -> qkv matmul -> RoPE on q and k,
 K/V into the cache -> attention -> o matmul -> ``x += o; h = rmsnorm(x)`` ->
-gate_up matmul -> ``silu(gate) * up`` -> down matmul (its output ``res`` is
-added by the next layer's norm). The non-matmul parts are a ``StepOps``:
+gate_up matmul -> ``silu(gate) * up`` (in the matmul's epilogue with the CPU
+kernels' packed weights: ``Linear.silu_mul``) -> down matmul (its output
+``res`` is added by the next layer's norm). The non-matmul parts are a ``StepOps``:
 ``TorchStepOps`` follows transformers' Llama modules op for op (RMSNorm in
 float32, RoPE as ``x * cos + rotate_half(x) * sin`` in the model dtype) and
 runs on any device; ``KernelStepOps`` does each part in one C call
@@ -223,7 +224,8 @@ def forward_hidden(
         if layer_hook is not None:
             layer_hook(i, k, v)
         h = ops.add_rms_norm(x, lw.o_proj(o), lw.post_norm, eps)
-        res = lw.down(ops.silu_mul(lw.gate_up(h)))  # [T, hidden]
+        gu = lw.gate_up(h)  # [T, I] when the product applied silu(gate) * up itself, else [T, 2I]
+        res = lw.down(gu if lw.gate_up.silu_mul else ops.silu_mul(gu))  # [T, hidden]
     if res is not None:
         x.add_(res)
     return x

@@ -164,6 +164,9 @@ class Linear:
     # int8 weights: float32 scales, [out, groups] (PLAIN) or CpuKernels.pack_int8_scales' layout (PANELS)
     scales: torch.Tensor | None = None
     group: int = 0  # int8 weights: inputs per scale
+    # A fused gate_up whose call returns silu(gate) * up [T, I] (PANELS in CpuKernels.gate_up_panel_order: the
+    # product's epilogue applies the activation); False: the call returns [T, 2I] and the caller applies it.
+    silu_mul: bool = False
 
     @classmethod
     def build(
@@ -174,12 +177,20 @@ class Linear:
         kernels: CpuKernels | None = None,
         quantization: str = "none",
         arena: HugePageArena | None = None,
+        gate_up: bool = False,
     ) -> Linear:
         """From a plain ``weight [out, in]``: quantised when asked (``engine.quant``), repacked for ``kind``
         (a copy unless PLAIN and unquantised). ``arena``: where PANELS weights are packed (default: their own
-        allocations)."""
+        allocations). ``gate_up``: the weight is ``[gate; up]``; PANELS then fuse ``silu(gate) * up`` into
+        the product where the intermediate size allows (``silu_mul``)."""
         alloc = None if arena is None else arena.empty
         n = int(weight.shape[0])
+        order = None
+        if gate_up and kind is LinearKind.PANELS and kernels is not None:
+            order = kernels.gate_up_panel_order(n // 2)
+        if order is not None:  # the same row permutation of the weight, its bias and (below) its int8 scales
+            weight = weight[order]
+            bias = None if bias is None else bias[order]
         if check_quantization(quantization) == "int8":
             q, scales = quantize_int8(weight, INT8_GROUP)
             if kind is LinearKind.PLAIN:
@@ -188,14 +199,16 @@ class Linear:
                 raise ValueError(f"int8 weights need PANELS (with the CPU kernels) or PLAIN, not {kind}")
             b = None if bias is None else bias.contiguous()
             packed, packed_scales = kernels.pack_linear_weight(q, alloc), kernels.pack_int8_scales(scales)
-            return cls(packed, b, kind, n, kernels, packed_scales, INT8_GROUP)
+            return cls(packed, b, kind, n, kernels, packed_scales, INT8_GROUP, silu_mul=order is not None)
         if kind is LinearKind.ONEDNN:
             return cls(torch.ops.mkldnn._reorder_linear_weight(weight), bias, kind, n)
         if kind is LinearKind.PANELS:
             if kernels is None:
                 raise ValueError("LinearKind.PANELS needs the CPU kernels")
             b = None if bias is None else bias.contiguous()
-            return cls(kernels.pack_linear_weight(weight, alloc), b, kind, n, kernels)
+            return cls(
+                kernels.pack_linear_weight(weight, alloc), b, kind, n, kernels, silu_mul=order is not None
+            )
         return cls(weight, bias, kind, n)
 
     @classmethod
@@ -214,7 +227,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind is LinearKind.PANELS:
             assert self.kernels is not None
-            return self.kernels.linear(x, self.weight, self.n_out, self.bias, self.scales, self.group)
+            return self.kernels.linear(
+                x, self.weight, self.n_out, self.bias, self.scales, self.group, silu_mul=self.silu_mul
+            )
         if self.kind is LinearKind.ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.scales is not None:  # the portable int8 path: dequantise, then multiply as the reference does
@@ -262,8 +277,8 @@ class ModelWeights:
         decode step streams all of them."""
         arena = HugePageArena() if kind is LinearKind.PANELS else None
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear.build(weight, bias, kind, kernels, quantization, arena)
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, gate_up: bool = False) -> Linear:
+            return Linear.build(weight, bias, kind, kernels, quantization, arena, gate_up)
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -297,7 +312,8 @@ class ModelWeights:
                     ),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=linear(
-                        check(p + "gate_up", torch.cat([gate, up]), (2 * c.intermediate_size, c.hidden_size))
+                        check(p + "gate_up", torch.cat([gate, up]), (2 * c.intermediate_size, c.hidden_size)),
+                        gate_up=True,
                     ),
                     down=linear(
                         check(

@@ -169,3 +169,50 @@ def test_kernel_isa_switch(monkeypatch) -> None:
     if cpu_isa()["machine"] == "x86_64":
         with pytest.raises(ValueError, match="pip install simde-py"):
             cpu_kernels.load_cpu_kernels(cpu_kernels.kernel_cache_dir(), "simde-avx512")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 33])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_gate_up_with_silu_mul_in_the_epilogue_equals_the_product_then_silu_mul(
+    kernels, dtype: torch.dtype, rows: int, quantization: str
+) -> None:
+    """A fused [gate; up] built with gate_up=True returns silu(gate) * up from the product's epilogue: what
+    the plain-order product followed by the silu_mul kernel gives (bit for bit but for the product's ulp)."""
+    inter = 3 * kernels.panel_width()  # a multiple of half a panel: the fused path
+    w, b, x = _case(2 * inter, 96, rows, dtype, bias=True)
+    fused = Linear.build(w, b, LinearKind.PANELS, kernels, quantization, gate_up=True)
+    plain = Linear.build(w, b, LinearKind.PANELS, kernels, quantization)
+    assert fused.silu_mul and not plain.silu_mul
+    got = fused(x)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    unfused = kernels.silu_mul(plain(x))
+    # Tiles of 1-3 rows split k over several accumulators, and -ffast-math may sum the splits in a different
+    # order for the two halves of a panel: a column's float32 product can move by an ulp with its position in
+    # the panel, which the gate/up order changes. Everything after the product is the same arithmetic.
+    ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
+    torch.testing.assert_close(got.float(), unfused.float(), rtol=2 * ulp, atol=1e-6)
+    if quantization == "none":  # and both match the float32 reference to the dtype's rounding
+        gu = F.linear(x.float(), w.float(), b.float()).to(dtype).float()
+        _close(got, (F.silu(gu[:, :inter]) * gu[:, inter:]).to(dtype), dtype)
+
+
+def test_gate_up_order_and_its_limits(kernels) -> None:
+    half = kernels.panel_width() // 2
+    order = kernels.gate_up_panel_order(2 * half)
+    assert order is not None
+    assert order.tolist() == [
+        *range(half),
+        *range(2 * half, 3 * half),
+        *range(half, 2 * half),
+        *range(3 * half, 4 * half),
+    ]
+    assert kernels.gate_up_panel_order(half + 1) is None
+    w, _, x = _case(2 * (half + 1), 32, 4, torch.float32, bias=False)
+    lin = Linear.build(
+        w, None, LinearKind.PANELS, kernels, gate_up=True
+    )  # falls back: product, then silu_mul
+    assert not lin.silu_mul and lin(x).shape == (4, 2 * (half + 1))
+    packed = kernels.pack_linear_weight(w)
+    with pytest.raises(ValueError, match="silu_mul needs n a multiple"):
+        kernels.linear(x, packed, w.shape[0], None, silu_mul=True)
