@@ -482,6 +482,21 @@ class CpuKernels:
         )
         return y
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(-1)`` for ``[n, V]`` float32 rows without NaN (first index of the largest value);
+        other tensors go to torch."""
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
+            return logits.argmax(dim=-1)
+        x = logits.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        _check(
+            self.lib.argmax_rows(
+                x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+            ),
+            "argmax_rows",
+        )
+        return out
+
     def fma_peak(self, threads: int, seconds: float = 0.2) -> float:
         """Measured float32 FMA FLOP/s of ``threads`` threads (best of 3 runs of about ``seconds``)."""
         sink = ctypes.c_float()
@@ -556,6 +571,7 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         "pack_linear_weight": [ptr, ptr, i64, i64, i64, i32],
         "linear_bf16_pairs": [i64],
         "linear_panel_width": [],
+        "argmax_rows": [ptr, i64, i64, ptr, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -189,7 +189,9 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.sampler = Sampler(self.eos_token_ids, seed=config.seed, device=self.runner.kv.device)
+        self.sampler = Sampler(
+            self.eos_token_ids, seed=config.seed, device=self.runner.kv.device, argmax=self.runner.argmax
+        )
         self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
         self.num_steps = 0  # batches run since start

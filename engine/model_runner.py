@@ -314,6 +314,11 @@ class ModelRunner:
                 hidden = hidden.index_select(0, meta.last_rows)  # [n, hidden]
             return logits(self.weights, self.config, hidden, ops)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(-1)`` for this runner's float32 logits ``[n, V]``: the CPU kernels' row argmax
+        where they run (torch's took ~0.6 ms for 32 rows of a 49k vocabulary on 2 cores)."""
+        return self.kernels.argmax(logits) if self.kernels is not None else logits.argmax(dim=-1)
+
     def decode(self, items: Sequence[DecodeItem]) -> torch.Tensor:
         """One token per sequence; returns float32 logits ``[n_items, V]``."""
         if not items:

@@ -22,7 +22,7 @@ every batch ends in one device-to-host copy, of the token ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +91,16 @@ class SampleRow:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Sequence[int] = (), seed: int = 0, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        eos_token_ids: Sequence[int] = (),
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        """``argmax``: the greedy rows' ``logits [n, V] -> [n]`` (``ModelRunner.argmax``; default torch's)."""
         self.eos_token_ids = tuple(eos_token_ids)
+        self.argmax = argmax or (lambda x: x.argmax(dim=-1))
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -105,7 +113,7 @@ class Sampler:
         if n == 0:
             return []
         logits = self._mask_min_tokens(logits, rows, vocab)
-        tokens = logits.argmax(dim=-1)  # [n]
+        tokens = self.argmax(logits)  # [n]
         idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if idx:
             sub = logits if len(idx) == n else logits[idx]

@@ -153,7 +153,7 @@ class PrefillPool:
             eos += [t for t in Tokenizer.from_dir(model_dir).eos_token_ids if t not in eos]
         except FileNotFoundError:
             pass
-        sampler = Sampler(tuple(eos), device=runner.kv.device)
+        sampler = Sampler(tuple(eos), device=runner.kv.device, argmax=runner.argmax)
         compat = compat_for(runner.kv, kv_model_id(model_dir.name, args.quantization))
         self.sender = KVSender(
             runner.kv,

@@ -152,3 +152,20 @@ def test_loading_the_library_leaves_the_process_floating_point_alone(kernels) ->
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split() == ["True", "True"], (kernels.isa, out.stdout, out.stderr[-1000:])
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (2, 17), (8, 49157), (33, 1000)])
+def test_argmax_rows_matches_torch(kernels, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+
+
+def test_argmax_rows_ties_and_masked_rows_pick_the_first_largest(kernels):
+    x = torch.full((4, 100), float("-inf"))
+    x[0, 50] = x[0, 70] = 1.0  # tie: the earlier index
+    x[1, 99] = 0.0  # only the last (tail) entry is finite
+    x[2, 3] = x[2, 90] = 5.0
+    x[3] = 2.0  # all equal: index 0
+    assert kernels.argmax(x).tolist() == x.argmax(-1).tolist() == [50, 99, 3, 0]
+    # not float32, or not 2-D: torch's argmax
+    assert kernels.argmax(x.to(torch.bfloat16)).tolist() == [50, 99, 3, 0]
