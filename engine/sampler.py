@@ -18,6 +18,11 @@ noise for the whole vocabulary from torch's CPU generator cost ~5.5 ms a step
 for 8 rows of a 49k vocabulary (``exponential_``, one thread), a third of a
 decode step of the embedded model. An all-greedy batch is a single argmax;
 every batch ends in one device-to-host copy, of the token ids.
+
+Top-k and top-p cut each row at a threshold logit found among the row's largest
+logits (``top_k_top_p_thresholds``; the row is sorted whole only where they do
+not settle it), and the cut tokens' probabilities are zeroed: sorting every row
+of a 49k vocabulary took ~13 ms a step for 8 rows.
 """
 
 from __future__ import annotations
@@ -148,18 +153,23 @@ class Sampler:
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=dev)
         logits = logits / temps.unsqueeze(1)  # [m, V]
+        probs = logits.softmax(dim=-1)  # [m, V]
         filt = [i for i, r in enumerate(rows) if r.params.top_k != -1 or r.params.top_p < 1.0]
         if filt:
+            # Tokens outside the top-k / top-p sets get probability 0; the rest keep theirs unnormalised
+            # (both draws below scale with the row's total).
             sub = [rows[i] for i in filt]
             k = torch.tensor(
                 [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in sub], device=dev
             )
             p = torch.tensor([r.params.top_p for r in sub], dtype=logits.dtype, device=dev)
             if len(filt) == m:
-                logits = apply_top_k_top_p(logits, k, p)
+                thr = top_k_top_p_thresholds(logits, k, p, probs=probs)
+                probs.masked_fill_(logits < thr.unsqueeze(1), 0.0)
             else:
-                logits[filt] = apply_top_k_top_p(logits[filt], k, p)
-        probs = logits.softmax(dim=-1)  # [m, V]
+                lf, pf = logits[filt], probs[filt]
+                thr = top_k_top_p_thresholds(lf, k, p, probs=pf)
+                probs[filt] = pf.masked_fill_(lf < thr.unsqueeze(1), 0.0)
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         tokens = torch.empty(m, dtype=torch.int64, device=dev)
@@ -202,18 +212,95 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(over, probs.argmax(dim=-1), idx)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+# A row's top-k and top-p sets are looked for among its largest ``_CANDIDATES`` logits (``topk``: sorting a
+# 49k vocabulary costs ~1.5 ms a row), then among 8x as many for the rows that did not settle there, and
+# only then in the sorted row. Sampled chat with the embedded model (512 positions, temperature 1): the
+# top 256 held a 0.95 nucleus at 87% of positions, the top 2,048 at all of them.
+_CANDIDATES = 256
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, candidates: int = _CANDIDATES
+) -> torch.Tensor:
     """Mask logits [m, V] outside each row's top-k and top-p (nucleus) sets with -inf.
 
-    ``k`` [m] (V = off) and ``p`` [m] (1.0 = off). The most likely token always
-    survives; ties at the k-th value are kept (as vLLM does).
+    ``k`` [m] (V = off) and ``p`` [m] (1.0 = off). The top-p set is the smallest run of most likely tokens
+    (of the top-k set) whose probabilities sum to at least ``p`` times the top-k set's. Each set is a
+    threshold on the logits, so tokens tied with its last member are kept (as vLLM does at the k-th value)
+    and the result does not depend on how a sort orders ties. The most likely token always survives.
+    ``candidates`` only decides how many of a row's largest logits are looked at first; the masks are the
+    same for any value (the tests check this).
     """
-    srt, order = logits.sort(dim=-1, descending=False)  # [m, V] ascending
-    vocab = srt.shape[1]
-    kth = srt.gather(1, (vocab - k).clamp(0, vocab - 1).unsqueeze(1))  # [m, 1]
-    srt = srt.masked_fill(srt < kth, float("-inf"))
-    cum = srt.softmax(dim=-1).cumsum(dim=-1)  # [m, V]
-    drop = cum <= (1 - p).unsqueeze(1)
-    drop[:, -1] = False
-    srt = srt.masked_fill(drop, float("-inf"))
-    return srt.scatter(1, order, srt)
+    thr = top_k_top_p_thresholds(logits, k, p, candidates)
+    return logits.masked_fill(logits < thr.unsqueeze(1), float("-inf"))
+
+
+def top_k_top_p_thresholds(
+    logits: torch.Tensor,
+    k: torch.Tensor,
+    p: torch.Tensor,
+    candidates: int = _CANDIDATES,
+    probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[m]`` the smallest logit each row keeps under ``apply_top_k_top_p`` (-inf where nothing is cut).
+    ``probs``: ``logits.softmax(-1)`` where the caller has it (a row's softmax, like its cumulative sums,
+    is computed within the row alone, so a row gets the same thresholds in any batch)."""
+    m, vocab = logits.shape
+    if probs is None:
+        probs = logits.softmax(dim=-1)
+    # On a GPU the sort is cheap and deciding which rows the candidates settle would cost a sync.
+    first = max(candidates, 2) if logits.device.type == "cpu" else vocab
+    widths = [w for w in (first, 8 * first) if w < vocab] + [vocab]
+    thr = torch.empty(m, dtype=logits.dtype, device=logits.device)
+    rest = torch.arange(m, device=logits.device)
+    stage = 0
+    while True:
+        w = widths[stage]
+        sub = logits[rest] if len(rest) < m else logits
+        top, idx = sub.topk(w, dim=-1) if w < vocab else sub.sort(dim=-1, descending=True)
+        ptop = (probs[rest] if len(rest) < m else probs).gather(1, idx)
+        thr_w, done, seen = _thresholds(top, ptop, k[rest], p[rest], vocab)
+        thr[rest] = thr_w
+        if w == vocab or bool(done.all()):
+            return thr
+        # The wider candidates only where they can settle every row left: a row whose top-k set is larger,
+        # or whose candidates hold under half of its nucleus (a flat distribution), is sorted whole.
+        left = ~done
+        wider = widths[stage + 1]
+        hopeful = (k[rest][left] <= wider) | (k[rest][left] >= vocab)
+        hopeful &= seen[left] >= 0.5 * p[rest][left].to(seen.dtype)
+        rest = rest[left]
+        stage = stage + 1 if wider == vocab or bool(hopeful.all()) else len(widths) - 1
+
+
+def _thresholds(
+    top: torch.Tensor, ptop: torch.Tensor, k: torch.Tensor, p: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thresholds from ``top [m, w]``, each row's ``w`` largest logits in descending order, and ``ptop``,
+    their probabilities; ``[m]`` whether ``top`` decided them (always when ``w`` is the vocabulary); and
+    ``[m]`` the share of the top-k set's probability that ``top`` holds (1 where no row has a top-p)."""
+    w = top.shape[1]
+    ninf = float("-inf")
+    k = k.clamp(1, vocab)
+    topk = k < vocab
+    kth = top.gather(1, (k - 1).clamp(max=w - 1).unsqueeze(1)).squeeze(1)  # the k-th largest logit
+    kth = torch.where(topk, kth, ninf)
+    done = ~topk | (k <= w)
+    nucleus = p < 1.0
+    seen = torch.ones_like(kth)
+    if top.device.type != "cpu" or bool(nucleus.any()):  # (on a GPU the check would be a sync)
+        # of the top-k set (ties at the k-th included); searchsorted counts without a [m, w] mask
+        members = torch.searchsorted(top.neg(), kth.neg().unsqueeze(1), right=True).squeeze(1)
+        whole = ~topk | (members < w) | (w == vocab)  # ... all of them inside ``top``
+        cum = ptop.cumsum(dim=-1)  # [m, w]
+        total = torch.where(topk, cum.gather(1, (members - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 1.0)
+        target = (p.to(cum.dtype) * total).unsqueeze(1)
+        last = torch.searchsorted(cum, target).squeeze(1)  # the first position reaching p of the set
+        reached = last < w
+        thr_p = top.gather(1, last.clamp(max=w - 1).unsqueeze(1)).squeeze(1)
+        # Not reached in the whole vocabulary (p at the edge of float rounding): keep the top-k set.
+        thr_p = torch.where(reached, thr_p, ninf)
+        kth = torch.where(nucleus, torch.maximum(kth, thr_p), kth)
+        done &= ~nucleus | (reached & whole)
+        seen = cum[:, -1] / total
+    return kth, done, seen

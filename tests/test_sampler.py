@@ -243,3 +243,58 @@ def test_seeded_draws_are_the_same_on_cuda_as_on_cpu():
     logits = rand_logits(6, seed=9).div(3)
     ps = [SampleRow(SamplingParams(seed=s, top_k=20 if s % 2 else -1), s) for s in range(6)]
     assert Sampler(device="cuda")(logits.cuda(), ps) == Sampler()(logits, ps)
+
+
+def test_top_k_top_p_masks_do_not_depend_on_the_candidate_width():
+    """Rows decided within their top candidates and rows sorted whole keep the same tokens; logits rounded
+    to bfloat16 put ties at the boundaries."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(24, 300, generator=g) * torch.linspace(0.2, 4.0, 24)[:, None]).bfloat16().float()
+    k = torch.tensor([300, 1, 2, 7, 40, 299, 300, 150] * 3)
+    p = torch.tensor([0.5, 1.0, 0.9, 0.95, 1.0, 0.3, 0.999, 0.7] * 3)
+    whole = apply_top_k_top_p(logits, k, p, candidates=300)
+    for c in (2, 3, 8, 64, 256):
+        assert torch.equal(apply_top_k_top_p(logits, k, p, candidates=c), whole), c
+    # and a row alone is masked as it is in the batch
+    for i in (0, 5, 13, 22):
+        alone = apply_top_k_top_p(logits[i : i + 1], k[i : i + 1], p[i : i + 1], candidates=8)
+        assert torch.equal(alone[0], whole[i])
+
+
+def test_top_k_top_p_keep_every_token_tied_with_the_last_member():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0, 1.0], [2.0, 2.0, 2.0, 0.0, -1.0, 2.0]])
+    probs = logits.softmax(-1)
+    # top-p reached inside the tied run of row 0; top-k 2 cuts inside the tied run of row 1
+    p0 = float(probs[0, 0] + probs[0, 1] / 2)
+    for c in (2, 3, 6):
+        out = apply_top_k_top_p(logits, torch.tensor([6, 2]), torch.tensor([p0, 1.0]), candidates=c)
+        assert torch.isfinite(out).tolist() == [
+            [True, True, True, True, False, True],
+            [True, True, True, False, False, True],
+        ]
+
+
+def test_top_p_near_one_keeps_the_top_k_set():
+    logits = rand_logits(3, seed=9)
+    out = apply_top_k_top_p(
+        logits, torch.tensor([V, 10, V]), torch.tensor([1.0 - 1e-9, 1.0 - 1e-9, 0.999999])
+    )
+    assert torch.isfinite(out[0]).all() and int(torch.isfinite(out[1]).sum()) == 10
+    assert int(torch.isfinite(out[2]).sum()) >= V - 8
+
+
+def test_top_k_top_p_match_a_plain_reference():
+    """Per row, in float64: keep the top-k set, then each token of it whose more likely tokens' mass is
+    below p."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(12, 500, generator=g) * torch.linspace(0.3, 5.0, 12)[:, None]
+    k = torch.tensor([500, 20, 3, 500, 300, 1] * 2)
+    p = torch.tensor([0.9, 0.8, 1.0, 0.5, 0.97, 0.9, 0.2, 1.0, 0.6, 0.99, 0.75, 0.4])
+    out = apply_top_k_top_p(logits, k, p, candidates=16)
+    for i in range(12):
+        vals, order = logits[i].double().sort(descending=True)
+        vals = vals[: int(k[i])]
+        probs = vals.softmax(0)
+        above = probs.cumsum(0) - probs
+        kept = order[: int((above < float(p[i])).sum()) if p[i] < 1 else int(k[i])]
+        assert set(torch.isfinite(out[i]).nonzero().squeeze(1).tolist()) == set(kept.tolist()), i
