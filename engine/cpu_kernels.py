@@ -497,6 +497,26 @@ class CpuKernels:
         )
         return out
 
+    def seeded_race(self, probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``engine.sampler.seeded_race`` in one pass: ``probs [m, V]`` float32 on the CPU (anything else
+        goes to torch), ``keys [m]`` int64."""
+        if probs.dim() != 2 or probs.dtype != torch.float32 or probs.device.type != "cpu":
+            from pdserve.engine.sampler import seeded_race
+
+            return seeded_race(probs, keys)
+        x = probs.contiguous()
+        k = keys.to(torch.int64).contiguous()
+        if k.shape != (x.shape[0],):
+            raise ValueError(f"keys has shape {tuple(k.shape)}, expected ({x.shape[0]},)")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        _check(
+            self.lib.seeded_race(
+                x.data_ptr(), k.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+            ),
+            "seeded_race",
+        )
+        return out
+
     def fma_peak(self, threads: int, seconds: float = 0.2) -> float:
         """Measured float32 FMA FLOP/s of ``threads`` threads (best of 3 runs of about ``seconds``)."""
         sink = ctypes.c_float()
@@ -572,6 +592,7 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         "linear_bf16_pairs": [i64],
         "linear_panel_width": [],
         "argmax_rows": [ptr, i64, i64, ptr, i32],
+        "seeded_race": [ptr, ptr, i64, i64, ptr, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)

@@ -37,7 +37,7 @@ from pdserve.engine.device import (
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.quant import check_quantization
-from pdserve.engine.sampler import Sampler, SampleRow
+from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
 from pdserve.engine.sequence import FinishReason
 from pdserve.engine.sequence import Sequence as EngineSequence
@@ -189,9 +189,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.sampler = Sampler(
-            self.eos_token_ids, seed=config.seed, device=self.runner.kv.device, argmax=self.runner.argmax
-        )
+        self.sampler = self.runner.sampler(self.eos_token_ids, seed=config.seed)
         self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
         self.num_steps = 0  # batches run since start

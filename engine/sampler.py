@@ -102,10 +102,13 @@ class Sampler:
         seed: int = 0,
         device: str | torch.device = "cpu",
         argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        race: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ):
-        """``argmax``: the greedy rows' ``logits [n, V] -> [n]`` (``ModelRunner.argmax``; default torch's)."""
+        """``argmax``: the greedy rows' ``logits [n, V] -> [n]`` (``ModelRunner.argmax``; default torch's).
+        ``race``: the seeded rows' draw, ``seeded_race``'s contract (``ModelRunner.seeded_race``)."""
         self.eos_token_ids = tuple(eos_token_ids)
         self.argmax = argmax or (lambda x: x.argmax(dim=-1))
+        self.race = race or seeded_race
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -158,11 +161,11 @@ class Sampler:
         if filt:
             # Tokens outside the top-k / top-p sets get probability 0; the rest keep theirs unnormalised
             # (both draws below scale with the row's total).
-            sub = [rows[i] for i in filt]
+            frows = [rows[i] for i in filt]
             k = torch.tensor(
-                [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in sub], device=dev
+                [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in frows], device=dev
             )
-            p = torch.tensor([r.params.top_p for r in sub], dtype=logits.dtype, device=dev)
+            p = torch.tensor([r.params.top_p for r in frows], dtype=logits.dtype, device=dev)
             if len(filt) == m:
                 thr = top_k_top_p_thresholds(logits, k, p, probs=probs)
                 probs.masked_fill_(logits < thr.unsqueeze(1), 0.0)
@@ -188,15 +191,21 @@ class Sampler:
             dtype=torch.int64,
             device=dev,
         )
-        q = counter_uniform(keys, vocab).log_().neg_()  # [len(seeded), V] Exp(1)
-        # A zero draw would turn a masked (zero-probability) token into 0/0 = NaN, which argmax picks.
-        q.clamp_(min=torch.finfo(q.dtype).tiny)
-        sub = probs if len(seeded) == m else probs[seeded]
-        drawn = sub.div_(q).argmax(dim=-1)
+        drawn = self.race(probs if len(seeded) == m else probs[seeded], keys)
         if len(seeded) == m:
             return drawn
         tokens[seeded] = drawn
         return tokens
+
+
+def seeded_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[m]`` each row's draw from ``probs [m, V]`` (rows of any positive total; zeros are never drawn) for
+    the row's noise key (``token_seed``): the exponential race ``argmax(probs / q)``, ``q = -log(u)`` from
+    ``counter_uniform``, the first index on ties. May overwrite ``probs``."""
+    q = counter_uniform(keys, probs.shape[1]).log_().neg_()  # [m, V] Exp(1)
+    # A zero draw would turn a masked (zero-probability) token into 0/0 = NaN, which argmax picks.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,6 @@ from pdserve.engine.llm_engine import DTYPES
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.params import validate_prompt_token_ids
 from pdserve.engine.quant import kv_model_id
-from pdserve.engine.sampler import Sampler
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import IncompatibleError, KVSender, TransferError, TransferTicket, compat_for
 from pdserve.prefill_pool.loop import PrefillLoop
@@ -153,7 +152,7 @@ class PrefillPool:
             eos += [t for t in Tokenizer.from_dir(model_dir).eos_token_ids if t not in eos]
         except FileNotFoundError:
             pass
-        sampler = Sampler(tuple(eos), device=runner.kv.device, argmax=runner.argmax)
+        sampler = runner.sampler(tuple(eos))
         compat = compat_for(runner.kv, kv_model_id(model_dir.name, args.quantization))
         self.sender = KVSender(
             runner.kv,

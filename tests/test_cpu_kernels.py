@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pdserve.engine.attention import DecodeMeta, decode_attention, write_kv
 from pdserve.engine.cpu_kernels import supports
 from pdserve.engine.model import apply_rope, rms_norm
+from pdserve.engine.sampler import seeded_race, token_seed
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -158,6 +159,30 @@ def test_loading_the_library_leaves_the_process_floating_point_alone(kernels) ->
 def test_argmax_rows_matches_torch(kernels, shape):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1]))
     assert torch.equal(kernels.argmax(x), x.argmax(-1))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 1025), (8, 49157), (64, 4096)])
+def test_seeded_race_draws_what_the_sampler_draws(kernels, shape):
+    """The kernel's noise is the sampler's counter noise, bit for bit, and its race picks the same token."""
+    m, vocab = shape
+    g = torch.Generator().manual_seed(vocab)
+    probs = (torch.randn(m, vocab, generator=g) * 2).softmax(-1)
+    probs[:, 1::3] = 0.0  # cut tokens (top-k / top-p): never drawn
+    keys = torch.tensor([token_seed(1000 + r, 7 * r) for r in range(m)], dtype=torch.int64)
+    want = seeded_race(probs.clone(), keys)
+    got = kernels.seeded_race(probs, keys)
+    assert torch.equal(got, want)
+    assert bool((probs[torch.arange(m), got] > 0).all())
+    # the draw depends on the key alone: rows reversed, draws reversed
+    assert torch.equal(kernels.seeded_race(probs.flip(0), keys.flip(0)), got.flip(0))
+
+
+def test_seeded_race_rejects_bad_keys_and_leaves_other_tensors_to_torch(kernels):
+    probs = torch.rand(3, 50)
+    keys = torch.tensor([token_seed(s, 0) for s in range(3)])
+    with pytest.raises(ValueError, match="keys"):
+        kernels.seeded_race(probs, keys[:2])
+    assert torch.equal(kernels.seeded_race(probs.double(), keys), seeded_race(probs.double(), keys))
 
 
 def test_argmax_rows_ties_and_masked_rows_pick_the_first_largest(kernels):
