@@ -14,6 +14,7 @@ come before a page is first touched: :func:`zeros_huge_pages` advises, then zero
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import threading
 
@@ -86,10 +87,7 @@ class HugePageArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous tensor of ``shape`` and ``dtype`` in the arena."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             if self._chunk is None or self._used + nbytes > self._chunk.numel():
                 self._new_chunk(nbytes)
