@@ -50,9 +50,30 @@ def write_random_model(name: str, path: Path, dtype: torch.dtype, device: str, s
     del model
     from pdserve.engine.config import ModelConfig
 
+    write_placeholder_tokenizer(path)
     theta = RANDOM_MODELS[name][-1]
     if ModelConfig.from_dir(path).rope_theta != theta:  # a transformers that spells RoPE another way
         raise RuntimeError(f"random {name} model: config.json lost rope_theta {theta}; see {path}")
+    return path
+
+
+def write_placeholder_tokenizer(path: Path) -> Path:
+    """Give a random-weight model directory a tokenizer, so a router can serve it: id ``i`` is the word
+    ``<i>`` (whitespace-separated), every id of ``config.json``'s vocabulary, its bos and eos ids special.
+    Benchmarks send token ids; this only lets the router check ids and stream some text back."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = json.loads((path / "config.json").read_text())
+    vocab = {f"<{i}>": i for i in range(int(config["vocab_size"]))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {k: config.get(f"{k}_token_id") for k in ("bos", "eos")}
+    backend.add_special_tokens([f"<{i}>" for i in special.values() if isinstance(i, int)])
+    backend.save(str(path / "tokenizer.json"))
+    tok_config = {f"{k}_token": f"<{i}>" for k, i in special.items() if isinstance(i, int)}
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return path
 
 

@@ -1,7 +1,7 @@
 """KV transfer benchmark: pdserve's layer-by-layer push against raw ucxx, same bytes, same run.
 
     python -m pdserve.bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
-                                [--modes rma,tagged] [--ucx-env UCX_KEY=VALUE ...]
+                                [--modes rma,tagged] [--device cpu|cuda] [--ucx-env UCX_KEY=VALUE ...]
 
 Modes (protocol 3): ``rma``, one-sided puts into the decode worker's registered
 KV tensor, flushed before Complete (the default when both sides offer it);
@@ -54,7 +54,15 @@ cross-memory attach (transports/cma.py; its tagged mode stays on the
 error-handled tcp endpoint), and the raw baseline moves its data on a UCX
 shared-memory endpoint without error handling (cma/sysv), the fastest UCX
 offers on one host and what pdserve gave up because a peer's death on it
-aborts the process.
+aborts the process. ``cuda`` (``--device cuda``, its default) is ``UCX_TLS=tcp,cuda_copy,cuda_ipc,sm,self``
+with ``same_host`` off (cross-memory attach copies host memory only): whatever UCX picks for device memory.
+
+``--device cuda``: both processes hold the KV tensor and the raw buffers on GPU 0 (the report's ``device``
+names it), each making its CUDA context before ucxx starts. Each row's ``path`` says how pdserve's KV moved
+(``puts``, ``cross_memory``, ``tagged``): an ``rma`` row saying ``tagged`` got no one-sided writes. After a
+pair's rows, one transfer of seeded bytes (untimed) is compared byte for byte on the decode side
+(``bit_exact``). A pair that fails is reported (``errors``) and the others still run; exit status 1 if
+a pair failed or bytes differ.
 
 Both processes back their KV tensor with transparent huge pages
 (``engine.hugepages``, as the engine's KV cache is), as the raw baseline's numpy buffers are. Like
@@ -80,14 +88,24 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.testing import PeerProcess, PeerSpec
 
 TOKENS = (16, 256, 1024, 4096)
-SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
-PAYLOAD = dict(num_layers=1, num_kv_heads=32, head_dim=64, block_size=16, dtype="bfloat16")  # 128 KiB blocks
+SMOLLM2: dict[str, Any] = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
+# 128 KiB blocks
+PAYLOAD: dict[str, Any] = dict(num_layers=1, num_kv_heads=32, head_dim=64, block_size=16, dtype="bfloat16")
 PAYLOAD_BYTES = 64 << 20
-TRANSPORTS: dict[str, tuple[str, bool]] = {"tcp": ("tcp", False), "shm": ("tcp,sm,self", True)}
+TRANSPORTS: dict[str, tuple[str, bool]] = {
+    "tcp": ("tcp", False),
+    "shm": ("tcp,sm,self", True),
+    "cuda": ("tcp,cuda_copy,cuda_ipc,sm,self", False),  # no cuda_copy: ucxx refuses CUDA buffers
+}
+# The device each transport moves KV in; --device picks the transports that may run.
+TRANSPORT_DEVICE = {"tcp": "cpu", "shm": "cpu", "cuda": "cuda"}
+DEVICES = ("cpu", "cuda")
 MODES = ("rma", "tagged")
 
 
@@ -96,8 +114,13 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def _device(device: str) -> dict[str, Any]:
+    if device == "cpu":
+        return {"type": "cpu"}
+    return {"type": device, "name": torch.cuda.get_device_name(0), "torch_cuda": torch.version.cuda}
+
+
 def _machine() -> dict[str, Any]:
-    import torch
     import ucxx
 
     cpu = platform.processor()
@@ -131,11 +154,13 @@ class _Pair:
         shm: bool,
         ucx_env: tuple[tuple[str, str], ...] = (),
         rma: bool = True,
+        device: str = "cpu",
     ) -> None:
         spec = PeerSpec(
             num_blocks=num_blocks,
             config=TransferConfig(same_host=shm, deadline_s=60.0, rma=rma, rma_over_tcp=rma),
             env=(("UCX_TLS", tls), *ucx_env),
+            device=device,
             **layout,
         )
         self.decode = PeerProcess(spec, "bench-decode")
@@ -163,6 +188,16 @@ class _Pair:
         # The decode side has every byte and knows it (its ``wait`` resolved): one clock on one host.
         return {**stats, "landed_seconds": done["landed_at"] - stats["started_at"]}
 
+    def bit_exact(self, tokens: int, seed: int = 0xC0FFEE) -> bool:
+        """One transfer of seeded bytes (filled first, unlike the timed ones), checked on the decode side."""
+        rid = f"check-{seed}"
+        ticket = self.decode.call("reserve", request_id=rid, num_tokens=tokens, snapshot=False)
+        self.prefill.call("transfer", ticket=ticket, seed=seed)
+        self.decode.call("wait", request_id=rid)
+        ok = bool(self.decode.call("verify", request_id=rid, seed=seed))
+        self.decode.call("release", request_id=rid)
+        return ok
+
     def raw(self, nbytes: int, reps: int, count: int = 1) -> list[float]:
         """Send to ack, per round."""
         address = self.decode.call("raw_serve", nbytes=nbytes, count=count)
@@ -189,8 +224,10 @@ def _row(
     pair.raw(nbytes, 2)  # warm-up, same as pdserve's
     pd_times, raw_times, messages = [], [], []
     pd_landed, raw_landed = [], []
+    paths: set[str | None] = set()
     for _ in range(reps):  # alternate, so both see the same machine noise
         stats = pair.transfer(request_tokens)
+        paths.add(stats["path"])
         pd_times.append(stats["wall_seconds"])
         pd_landed.append(stats["landed_seconds"])
         messages.append(stats["messages"])
@@ -210,6 +247,8 @@ def _row(
     return {
         "transport": transport,
         "mode": mode,
+        # How pdserve's KV moved in the timed runs: puts, cross_memory or tagged.
+        "path": ",".join(sorted(str(p) for p in paths)),
         "tokens": tokens,
         "bytes": nbytes,
         "pdserve_gbps": round(nbytes / pd / 1e9, 3),
@@ -252,32 +291,59 @@ def run(
     ucx_env: tuple[tuple[str, str], ...] = (),
     tokens: tuple[int, ...] = TOKENS,
     modes: tuple[str, ...] = MODES,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    rows = []
+    rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    device_info = _device(device)  # in the parent, before its ucxx import (_machine): no data moves here
+    block_bytes = 2 * PAYLOAD["block_size"] * PAYLOAD["num_kv_heads"] * PAYLOAD["head_dim"] * 2
+    payload_blocks = PAYLOAD_BYTES // block_bytes
+    payload_tokens = payload_blocks * PAYLOAD["block_size"]
+    layouts: list[tuple[str, dict[str, Any], int, list[tuple[int | None, int]], int]] = [
+        # name, layout, blocks, rows (tokens reported, tokens requested), tokens of the checked transfer
+        ("smollm2", SMOLLM2, max(tokens) // SMOLLM2["block_size"] + 8, [(n, n) for n in tokens], min(tokens)),
+        ("payload", PAYLOAD, payload_blocks, [(None, payload_tokens)], payload_tokens),
+    ]
     for name in transports:
         tls, shm = TRANSPORTS[name]
         for mode in modes:
-            rma = mode == "rma"
-            blocks = max(tokens) // SMOLLM2["block_size"] + 8
-            with _Pair(SMOLLM2, blocks, tls, shm, ucx_env, rma) as pair:
-                for n in tokens:
-                    rows.append(_row(pair, name, n, n, reps, mode))
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-            block_bytes = 2 * PAYLOAD["block_size"] * PAYLOAD["num_kv_heads"] * PAYLOAD["head_dim"] * 2
-            payload_blocks = PAYLOAD_BYTES // block_bytes
-            with _Pair(PAYLOAD, payload_blocks, tls, shm, ucx_env, rma) as pair:
-                rows.append(_row(pair, name, None, payload_blocks * PAYLOAD["block_size"], reps, mode))
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for label, layout, blocks, sizes, checked in layouts:
+                where = {"transport": name, "mode": mode, "layout": label}
+                try:
+                    with _Pair(layout, blocks, tls, shm, ucx_env, mode == "rma", device) as pair:
+                        for reported, requested in sizes:
+                            rows.append(_row(pair, name, reported, requested, reps, mode))
+                            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                        checks.append({**where, "tokens": checked, "ok": pair.bit_exact(checked)})
+                        print(json.dumps({"bit_exact": checks[-1]}), file=sys.stderr, flush=True)
+                except Exception as exc:  # one pair failed (e.g. a transport refused device memory): go on
+                    errors.append({**where, "error": f"{type(exc).__name__}: {exc}"})
+                    print(json.dumps({"failed": errors[-1]}), file=sys.stderr, flush=True)
     return {
         "machine": _machine(),
+        "device": device_info,
         "transports": {
             name: {"UCX_TLS": TRANSPORTS[name][0], "shared_memory_data_endpoint": TRANSPORTS[name][1]}
             for name in transports
         },  # fmt: skip
         "ucx_env": dict(ucx_env),  # applied to both processes, pdserve and raw alike
         "rows": rows,
+        "bit_exact": checks,
+        "errors": errors,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _check_device(device: str, names: list[str]) -> str | None:
+    """Why ``names`` cannot run on ``device`` (a message for the parser), or None."""
+    wrong = [n for n in names if TRANSPORT_DEVICE[n] != device]
+    if wrong:
+        fits = ",".join(n for n in TRANSPORTS if TRANSPORT_DEVICE[n] == device)
+        return f"transports {','.join(wrong)} do not move {device} memory (with --device {device}: {fits})"
+    if device == "cuda" and not torch.cuda.is_available():
+        return f"--device cuda needs a CUDA device, and torch {torch.__version__} sees none"
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -286,7 +352,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", help="write the JSON report here too")
     parser.add_argument("--reps", type=int, default=9, help="timed transfers per row (median reported)")
-    parser.add_argument("--transports", default="tcp,shm", help="comma list of: " + ",".join(TRANSPORTS))
+    parser.add_argument(
+        "--transports",
+        default=None,
+        help="comma list of: " + ",".join(TRANSPORTS) + " (default: tcp,shm; with --device cuda: cuda)",
+    )
+    parser.add_argument(
+        "--device", choices=DEVICES, default="cpu", help="where both processes hold KV and raw buffers"
+    )
     parser.add_argument(
         "--ucx-env",
         action="append",
@@ -311,19 +384,26 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--tokens takes integers, got {args.tokens!r}")
     if not tokens or min(tokens) < 1:
         parser.error("--tokens needs at least one size >= 1")
-    names = [t for t in args.transports.split(",") if t]
+    default = ",".join(n for n in TRANSPORTS if TRANSPORT_DEVICE[n] == args.device)
+    names = [t for t in (args.transports or default).split(",") if t]
     unknown = set(names) - set(TRANSPORTS)
-    if unknown:
-        parser.error(f"unknown transports: {sorted(unknown)}")
+    if unknown or not names:
+        parser.error(f"unknown transports: {sorted(unknown)}" if unknown else "--transports is empty")
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or set(modes) - set(MODES):
         parser.error(f"--modes takes a comma list of {', '.join(MODES)}, got {args.modes!r}")
-    report = run(names, args.reps, tuple(ucx_env), tokens, modes)
+    why = _check_device(args.device, names)
+    if why:
+        parser.error(why)
+    report = run(names, args.reps, tuple(ucx_env), tokens, modes, args.device)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    bad = [c for c in report["bit_exact"] if not c["ok"]]
+    if bad or report.get("errors"):
+        sys.exit(f"failed pairs: {report.get('errors')}; KV received differs from what was sent: {bad}")
 
 
 if __name__ == "__main__":

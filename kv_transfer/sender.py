@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import cast
 
@@ -54,6 +54,19 @@ from pdserve.kv_transfer.transports import make_transport
 log = logging.getLogger(__name__)
 
 _MAX_REVOKED = 65536  # unexpired revokes remembered per connection before it stops writing eagerly
+
+
+def transport_config(config: TransferConfig, kv: torch.Tensor) -> TransferConfig:
+    """The config of the transport a sender of ``kv`` makes.
+
+    Cross-memory attach (``same_host``, transports/cma.py) copies from this process's host memory
+    (``process_vm_writev``). A KV tensor in device memory must never go that way, whatever memory the
+    receiver offers (a host-memory receiver on this host would be offered it): the copy would read a
+    device address. So such a sender never writes by cross-memory attach.
+    """
+    if kv.device.type == "cpu" or not config.same_host:
+        return config
+    return replace(config, same_host=False)
 
 
 @dataclass(eq=False)
@@ -242,7 +255,7 @@ class KVSender:
         timeout = self.config.connect_timeout_s
         try:
             if self._transport is None:
-                self._transport = make_transport(self.config)
+                self._transport = make_transport(transport_config(self.config, self.kv))
             conn = await self._transport.connect(peer.address)
             peer.conn = conn
             peer.hello_reply = loop.create_future()

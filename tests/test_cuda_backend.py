@@ -145,15 +145,19 @@ def test_gpu_bad_input_and_a_cache_too_big_fail_clearly(tiny_llama_dir):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_cluster_on_one_gpu_gives_the_offline_greedy_tokens(tiny_llama_dir, tmp_path):
+    import shutil
+
     import grpc
 
+    from pdserve.bench.hf_baselines import write_placeholder_tokenizer
     from pdserve.proto import generation_pb2, generation_pb2_grpc
     from tests.cluster_harness import generate, running_cluster
 
-    want = [o.token_ids for o in LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=256).generate(
+    model = write_placeholder_tokenizer(shutil.copytree(tiny_llama_dir, tmp_path / "model"))  # for the router
+    want = [o.token_ids for o in LLM(model, dtype="float32", device="cuda", num_blocks=256).generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False
     )]  # fmt: skip
-    extra = ("--model", str(tiny_llama_dir), "--device", "cuda", "--gpu-memory-utilization", "0.2",
+    extra = ("--model", str(model), "--device", "cuda", "--gpu-memory-utilization", "0.2",
              "--local-prefill-threshold", "1")  # fmt: skip
     with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
         with grpc.insecure_channel(c.address) as ch:

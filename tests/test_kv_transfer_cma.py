@@ -12,11 +12,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
+from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+from pdserve.kv_transfer.sender import transport_config
 from pdserve.kv_transfer.transports import cma
 from pdserve.kv_transfer.wire import RemoteRegion
 
@@ -152,3 +156,16 @@ def test_write_runs_reports_a_fault_after_the_runs_before_it_landed(child: Child
         writer.write_runs(src.ctypes.data, 0, [(0, 0, 4096), (4096, far, 4096)])
     assert child.checksum() == zlib.crc32(bytes(src[:4096]) + bytes(SIZE - 4096))
     writer.close()
+
+
+def test_a_sender_of_device_memory_never_writes_by_cross_memory_attach() -> None:
+    """process_vm_writev copies host memory: a sender whose KV is on a device (a CUDA prefill beside a
+    host-memory decode worker, which offers its pid) makes its transport with ``same_host`` off, so
+    ``remote_writer`` never picks cma.py. (A device-memory receiver offers no pid: ``UcxTransport.expose``.)
+    The meta device stands in for CUDA: only the device type matters."""
+    config = TransferConfig(same_host=True, rma=True)
+    assert transport_config(config, torch.zeros(1)) is config  # host memory: unchanged
+    device_kv = torch.empty(1, device="meta")
+    assert transport_config(config, device_kv) == replace(config, same_host=False)
+    off = replace(config, same_host=False)
+    assert transport_config(off, device_kv) is off

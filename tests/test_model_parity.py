@@ -85,7 +85,7 @@ def test_prefill_logits_match_transformers(tiny_model_dir, reference, backend):
     items = [PrefillItem(p, bm.allocate(i, len(p))) for i, p in enumerate(prompts)]
     assert any(sorted(it.block_table) != list(it.block_table) for it in items), "tables should be scattered"
 
-    got = runner.prefill(items, all_logits=True)  # [T_total, V]
+    got = runner.prefill(items, all_logits=True).cpu()  # [T_total, V]
     assert got.dtype == torch.float32 and got.shape == (sum(lens), runner.config.vocab_size)
     with torch.inference_mode():
         want = torch.cat([reference(torch.tensor([p])).logits[0].float() for p in prompts])

@@ -10,6 +10,10 @@ ack; connections and buffers are made once and reused, like pdserve's.
 ``count > 1`` splits the same bytes into that many messages, all posted at
 once and answered by one ack: what plain ucxx pays for as many messages as
 pdserve sends (one per layer and contiguous run), a reference, not the baseline.
+
+``device="cuda"``: the data buffers are CUDA tensors (ucxx takes them through
+``__cuda_array_interface__``), as pdserve's KV tensor is then; the one-byte
+acks stay in host memory, as pdserve's control messages do.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.transports.ucx import _CLOSE_PERIOD_NS, UcxTransport, parse_address
@@ -35,30 +40,35 @@ def _tags(nbytes: int, count: int = 1) -> tuple[list[int], int]:
     return data, (0xACD << 44) | nbytes
 
 
-def _split(buf: np.ndarray, count: int) -> list[np.ndarray]:
+def _split(buf: Any, count: int) -> list[Any]:
     """``count`` consecutive slices covering ``buf`` (the last one takes the remainder)."""
     step = len(buf) // count
     return [buf[i * step : (i + 1) * step if i < count - 1 else len(buf)] for i in range(count)]
 
 
 class RawBaseline:
-    def __init__(self, config: TransferConfig) -> None:
+    def __init__(self, config: TransferConfig, device: str = "cpu") -> None:
         self._transport = UcxTransport(config)  # holds the ucxx runtime
         self._ucxx = self._transport.ucxx
         self._config = config
         self._listeners: dict[tuple[int, int], Any] = {}  # (nbytes, count) -> listener
         self._clients: dict[str, tuple[Any, Any]] = {}  # address -> (control ep, data ep)
         self._server_eps: list[Any] = []
-        self._buffers: dict[tuple[str, int], np.ndarray] = {}
+        self._device = torch.device(device)
+        self._buffers: dict[tuple[str, int], Any] = {}  # numpy arrays, or CUDA tensors
         self.starts: list[float] = []  # the last run's round starts (perf_counter)
         self.landed: list[float] = []  # served rounds: when every byte had arrived (perf_counter)
 
-    def _buffer(self, side: str, nbytes: int) -> np.ndarray:
+    def _buffer(self, side: str, nbytes: int) -> Any:
         buf = self._buffers.get((side, nbytes))
         if buf is None:
-            buf = self._buffers[(side, nbytes)] = np.ones(
-                nbytes, dtype=np.uint8
-            )  # touched: no page faults later
+            if self._device.type == "cpu":
+                buf = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults later
+            else:
+                buf = torch.ones(nbytes, dtype=torch.uint8, device=self._device)
+                # The fill is queued on torch's stream, UCX copies on its own: let it finish first.
+                torch.cuda.synchronize(self._device)
+            self._buffers[(side, nbytes)] = buf
         return buf
 
     async def serve(self, nbytes: int, count: int = 1) -> str:

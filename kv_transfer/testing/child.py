@@ -16,6 +16,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.hugepages import zeros_huge_pages
 from pdserve.kv_transfer.config import FaultConfig
 from pdserve.kv_transfer.kvbuf import block_bytes, compat_for
+from pdserve.kv_transfer.metrics import TRANSFER_PATHS
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import KVSender
 from pdserve.kv_transfer.testing.spec import PeerSpec, expected_bytes, fingerprint, scatter_allocate
@@ -27,10 +28,12 @@ class PeerState:
         self.spec = spec
         dtype = getattr(torch, spec.dtype)
         shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # On CUDA this also creates the process's CUDA context, which must exist before ucxx starts
+        # (start_receiver, the first sender, the raw baseline): UCX's CUDA transports look for it then.
         if spec.huge_pages:
-            self.kv = zeros_huge_pages(*shape, dtype=dtype)  # [L, N, 2, B, Hkv, D]
+            self.kv = zeros_huge_pages(*shape, dtype=dtype, device=spec.device)  # [L, N, 2, B, Hkv, D]
         else:
-            self.kv = torch.zeros(shape, dtype=dtype)
+            self.kv = torch.zeros(shape, dtype=dtype, device=spec.device)
         self.block_bytes = block_bytes(self.kv)
         self.kv_bytes = self.kv.view(spec.num_layers, spec.num_blocks, -1).view(torch.uint8)  # [L, N, bytes]
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
@@ -129,7 +132,7 @@ class PeerState:
     def cmd_verify(self, request_id: str, seed: int) -> bool:
         blocks, _ = self._snapshots[request_id]
         expected = expected_bytes(seed, self.spec.num_layers, len(blocks), self.block_bytes)
-        return bool(torch.equal(self.kv_bytes[:, blocks], expected))
+        return bool(torch.equal(self.kv_bytes[:, blocks].cpu(), expected))  # device KV: a host copy
 
     def cmd_untouched(self, request_id: str) -> bool:
         blocks, digest = self._snapshots[request_id]
@@ -218,9 +221,11 @@ class PeerState:
         else:
             src = self.blocks.allocate(seq, t.num_tokens)
         try:
-            if fill:
-                self.kv_bytes[:, src] = expected_bytes(seed, self.spec.num_layers, len(src), self.block_bytes)
+            if fill:  # device KV: an asynchronous copy, ordered before the sends by push_layer's CUDA event
+                seeded = expected_bytes(seed, self.spec.num_layers, len(src), self.block_bytes)
+                self.kv_bytes[:, src] = seeded.to(self.kv.device)
             loop = asyncio.get_running_loop()
+            opened = _paths_opened(sender)
             t0 = time.perf_counter()
             handle = await sender.open(t, src)
             self._handles[t.request_id] = handle
@@ -247,6 +252,7 @@ class PeerState:
                 return {"aborted": True}
             stats = await handle.complete(first_token_id)
             t3 = time.perf_counter()
+            now = _paths_opened(sender)
             return {
                 "started_at": t0,
                 "wall_seconds": t3 - t0,
@@ -257,6 +263,9 @@ class PeerState:
                 "bytes": stats.bytes,
                 "messages": stats.messages,
                 "rma": handle.rma,
+                # How this transfer's KV moved (puts, cross_memory, tagged): the benchmark reports it,
+                # so that a fallback (e.g. device memory not written by puts) shows.
+                "path": next((p for p, n in now.items() if n > opened.get(p, 0)), None),
                 "layer_seconds": list(stats.layer_seconds),
             }
         finally:
@@ -267,14 +276,14 @@ class PeerState:
         from pdserve.kv_transfer.testing.baseline import RawBaseline
 
         if self.raw is None:
-            self.raw = RawBaseline(self.spec.config)
+            self.raw = RawBaseline(self.spec.config, self.spec.device)
         return await self.raw.serve(nbytes, count)
 
     async def cmd_raw_run(self, address: str, nbytes: int, reps: int, count: int = 1) -> list[float]:
         from pdserve.kv_transfer.testing.baseline import RawBaseline
 
         if self.raw is None:
-            self.raw = RawBaseline(self.spec.config)
+            self.raw = RawBaseline(self.spec.config, self.spec.device)
         return await self.raw.run(address, nbytes, reps, count)
 
     def cmd_raw_starts(self) -> list[float]:
@@ -287,3 +296,13 @@ class PeerState:
             return []
         landed, self.raw.landed = self.raw.landed, []
         return landed
+
+
+def _paths_opened(sender: KVSender) -> dict[str, int]:
+    """Transfers ``sender`` opened so far, by path (from its metrics: a handle does not say)."""
+    registry = sender.metrics.registry
+    counts = {
+        path: registry.get_sample_value("pdserve_kv_transfer_opened_total", {"role": "prefill", "path": path})
+        for path in TRANSFER_PATHS
+    }
+    return {path: int(n) for path, n in counts.items() if n}

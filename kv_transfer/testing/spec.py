@@ -1,6 +1,9 @@
 """What both sides of the two-process KV transfer harness agree on: the peer's shape, seeded KV contents
 (so both sides check bit-exactness without shipping tensors), scattered allocations, and the error a
-peer's failure comes back as."""
+peer's failure comes back as.
+
+Seeded contents are made on the host; a device KV tensor is compared and digested through a host copy
+(the checks are not timed)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.kv_transfer.config import TransferConfig
+
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,15 @@ class PeerSpec:
     env: tuple[tuple[str, str], ...] = ()  # e.g. (("UCX_TLS", "tcp"),), applied before ucxx loads
     threads: int = 1
     use_uvloop: bool = True
-    huge_pages: bool = True  # back the KV tensor with transparent huge pages (engine.hugepages)
+    huge_pages: bool = True  # back the KV tensor with transparent huge pages (engine.hugepages; host only)
+    # Where the KV tensor and the raw baseline's buffers live: "cpu" or "cuda". With "cuda", UCX_TLS in
+    # ``env`` must name cuda_copy (ucxx refuses device buffers otherwise) and the peer creates its CUDA
+    # context (allocating the tensor) before ucxx starts in its process.
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
 
 class PeerCallError(RuntimeError):
@@ -64,4 +77,5 @@ def scatter_allocate(bm: BlockManager, seq_id: str, num_tokens: int, keep_every:
 
 
 def fingerprint(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    """A digest of ``t``'s bytes (device memory: of a host copy; host memory: no copy)."""
+    return hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()

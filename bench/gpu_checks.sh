@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU checks of the CUDA engine (#13) and the GPU KV transfer (#14), in one device-machine call.
+#
+#   ../shared/device/fetch-wheels.sh all          # here, once: .whl/ (ignored by git)
+#   bash bench/gpu_checks.sh [STAGE ...]          # there, from the project root (device tool: OUT is set)
+#
+# Stages (default: env tests engine): env, tests, engine, engine-full, profile, kv, kvtests, cluster. Each runs under its own
+# time limit, never past DEADLINE_S seconds from the start (default 540), and writes $OUT/<stage>.log;
+# a stage that fails or times out does not stop the next. The engine benchmark logs each row as it
+# finishes, so a row measured before a time limit is in the log even when the JSON is not written.
+set -u
+OUT=${OUT:-/tmp/pdserve-gpu-out}
+mkdir -p "$OUT"
+START=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-540}
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env tests engine)
+
+# shellcheck disable=SC1091
+source .whl/setup.sh || { echo "setup.sh failed"; exit 1; }
+export PDSERVE_TEST_THREADS=4
+
+run_stage() {  # name, limit seconds, command...
+  local name=$1 limit=$2 left
+  shift 2
+  left=$((DEADLINE_S - ($(date +%s) - START) - 5))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 10 ]; then echo "== $name: skipped, no time left"; return; fi
+  echo "== $name (limit ${limit}s) at +$(($(date +%s) - START))s"
+  timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name rc=$? at +$(($(date +%s) - START))s"
+}
+
+for stage in "${STAGES[@]}"; do
+  case $stage in
+  env)
+    run_stage env 60 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv;
+      python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())";
+      python3 -c "import torch; torch.cuda.init(); import ucxx; print(\"ucxx\", ucxx.__version__, ucxx.get_ucx_version())";
+      python3 -c "import pdserve.engine, pdserve.kv_transfer.transports.ucp_rma as r; print(\"pdserve ok\")"; gcc --version | head -1'
+    cat "$OUT/env.log"
+    ;;
+  tests)
+    # The kernels compiled (not interpreted), the CUDA backend and both parity suites on the GPU.
+    run_stage tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 180 -rfE \
+      tests/test_triton_kernels.py tests/test_cuda_backend.py tests/test_sampler.py \
+      "tests/test_model_parity.py" -k "triton or gpu or cuda"
+    tail -n 60 "$OUT/tests.log"
+    ;;
+  engine)
+    # The issue's rows (batch 1, 32, 256; 1,024-token prefill) with both transformers baselines.
+    run_stage engine 300 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
+      --batches 1,32,256 --reps 2 --out "$OUT/engine_cuda.json"
+    tail -n 40 "$OUT/engine.log"
+    ;;
+  engine-full)
+    run_stage engine-full 420 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
+      --out "$OUT/engine_cuda_full.json"
+    tail -n 40 "$OUT/engine-full.log"
+    ;;
+  kv)
+    run_stage kv 120 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda \
+      --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda.json"
+    tail -n 40 "$OUT/kv.log"
+    ;;
+  profile)
+    run_stage profile 120 python3 -m pdserve.bench.gpu_profile --batches 1,32,256
+    tail -n 20 "$OUT/profile.log"
+    ;;
+  kvtests)
+    run_stage kvtests 90 python3 -m pytest -q -p no:cacheprovider --timeout 80 -rfE tests/test_kv_transfer_cuda.py
+    tail -n 30 "$OUT/kvtests.log"
+    ;;
+  cluster)
+    run_stage cluster 240 bash bench/gpu_cluster.sh "$OUT"
+    tail -n 60 "$OUT/cluster.log"
+    ;;
+  *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "== done at +$(($(date +%s) - START))s"
