@@ -8,8 +8,9 @@
   one static device buffer (token ids, positions, cache slots, context lengths, block tables) that each
   step overwrites with one host-to-device copy; rows past the batch are padding (slot -1: no store;
   length 0: attends nothing) and are sliced off the logits. Capture happens once at start-up
-  (``capture_s`` says how long it took). Batches over the largest bucket, or ``use_graphs=False``
-  (``enforce_eager``), run the same code eagerly.
+  (``capture_s`` says how long it took), one graph per bucket and split count of the decode attention
+  (``triton_kernels.decode_splits``: contexts up to 256 tokens run unsplit). Batches over the largest
+  bucket, or ``use_graphs=False`` (``enforce_eager``), run the same code eagerly.
 
 The logits a graph returns are a view of its static output: read them before the next decode step.
 """
@@ -178,8 +179,9 @@ class DecodeGraphs:
         on_cuda = device.type == "cuda"
         # (Off CUDA only Triton's interpreter runs this, in tests: no graphs, any SM count.)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 8
-        # Graphs fix the split count per bucket, for the longest context the model takes.
-        self.splits = {b: tk.decode_splits(b, num_kv_heads, max_len, sms) for b in self.buckets}
+        # A graph fixes its split count: one graph per bucket and split count a context of up to
+        # ``max_len`` tokens can ask for, so short contexts run unsplit (no merge kernel).
+        self.splits = {b: tk.decode_split_options(b, num_kv_heads, max_len, sms) for b in self.buckets}
         self._sms, self._n_kv = sms, num_kv_heads
         bm = max_batch
         self._host = _pinned(4 * bm + bm * max_blocks)
@@ -189,7 +191,7 @@ class DecodeGraphs:
         self.ids, self.positions, self.slots, self.lens = (self._dev[i * bm : (i + 1) * bm] for i in range(4))
         self.tables = self._dev[4 * bm :].view(bm, max_blocks)
         self._copied = torch.cuda.Event() if on_cuda else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s: float | None = None
         if use_graphs:
             if not on_cuda:
@@ -208,12 +210,13 @@ class DecodeGraphs:
         self._dev.copy_(self._host)
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
-            self._run(b, self.splits[b])  # warm-up: compiles the kernels for this shape
-            torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._run(b, self.splits[b])
-            self.graphs[b] = (g, out)
+            for splits in reversed(self.splits[b]):
+                self._run(b, splits)  # warm-up: compiles the kernels for this shape
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._run(b, splits)
+                self.graphs[(b, splits)] = (g, out)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
 
@@ -246,18 +249,19 @@ class DecodeGraphs:
         h[3 * bm + n : 3 * bm + bucket] = 0
         # Two copies: the four per-row vectors, and only the block-table columns this step reads (the
         # graph reads no further than each row's length).
-        used_cols = max(pos for _, pos, _ in items) // bs + 1
+        max_pos = max(pos for _, pos, _ in items)
+        used_cols = max_pos // bs + 1
         self._dev[: 4 * bm].copy_(self._host[: 4 * bm], non_blocking=True)
         host_tab = self._host[4 * bm :].view(bm, self.max_blocks)
         self.tables[:bucket, :used_cols].copy_(host_tab[:bucket, :used_cols], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        if bucket in self.graphs:
-            g, out = self.graphs[bucket]
-            g.replay()
-            return out[:n]
-        max_len = max(pos for _, pos, _ in items) + 1
-        return self._run(bucket, tk.decode_splits(bucket, self._n_kv, max_len, self._sms))[:n]
+        splits = tk.decode_splits(bucket, self._n_kv, max_pos + 1, self._sms)
+        graph = self.graphs.get((bucket, splits))
+        if graph is not None:
+            graph[0].replay()
+            return graph[1][:n]
+        return self._run(bucket, splits)[:n]
 
     def _eager(self, items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
         n, bs = len(items), self.block_size

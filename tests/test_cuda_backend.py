@@ -121,6 +121,21 @@ def test_gpu_graph_path_gives_the_eager_path_tokens(tiny_llama_dir):
 
 
 @pytest.mark.gpu
+def test_gpu_graphs_of_every_split_count_give_the_transformers_tokens(tiny_llama_dir):
+    """Contexts that cross 256, 512 and 1,024 tokens while decoding move a batch from the unsplit graph to
+    the 2-, 4- and 8-way split ones (decode_splits); the tokens stay those of transformers."""
+    from pdserve.engine.triton_kernels import decode_splits
+
+    prompts = [list(range(3, 243)), [7] + list(range(20, 520)), list(range(40, 450)) * 2 + [9] * 200]
+    llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=512, max_num_seqs=4)
+    graphs = llm.engine.runner._decoder.graphs
+    assert {(1, 1), (1, 2), (1, 4), (1, 8)} <= set(graphs) and decode_splits(1, 2, 1030, 132) == 8
+    want = _hf_greedy(tiny_llama_dir, prompts, 24)
+    assert [_greedy(llm.engine, [p], 24)[0] for p in prompts] == want  # bucket 1: 1 -> 2, 2 -> 4, 4 -> 8
+    assert _greedy(llm.engine, prompts, 24) == want  # bucket 4, its 4- and 8-way graphs
+
+
+@pytest.mark.gpu
 def test_gpu_seeded_requests_sample_the_same_alone_and_in_a_batch(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8)
     sp = SamplingParams(temperature=1.0, top_k=50, seed=11, max_tokens=24, ignore_eos=True)

@@ -163,4 +163,13 @@ def test_decode_splits_fill_the_gpu_and_stay_bounded():
     assert tk.decode_splits(1, 3, 4096, 132) == 16
     assert tk.decode_splits(256, 3, 4096, 132) == 1
     assert tk.decode_splits(1, 3, 10, 132) == 1  # one tile of keys: nothing to split
+    assert tk.decode_splits(1, 3, 256, 132) == 1  # short contexts: no merge kernel
+    assert tk.decode_splits(1, 3, 257, 132) == 2
+
+
+def test_decode_split_options_are_every_split_count_a_context_can_ask_for():
+    for batch in (1, 2, 8, 24, 32, 48, 256):
+        for max_len in (1, 200, 256, 257, 1000, 8192):
+            want = sorted({tk.decode_splits(batch, 3, n, 132) for n in range(1, max_len + 1)})
+            assert tk.decode_split_options(batch, 3, max_len, 132) == want, (batch, max_len)
     assert tk.supports(9, 3, 64) and not tk.supports(8, 2, 80)
