@@ -71,6 +71,12 @@ class BlockManager:
         with self._lock:
             return list(self._tables[seq_id])
 
+    def block_tables(self, seq_ids: list[Hashable]) -> list[list[int]]:
+        """Copies of several tables at once: ``block_table`` for each, one lock for the batch."""
+        with self._lock:
+            tables = self._tables
+            return [list(tables[s]) for s in seq_ids]
+
     def capacity(self, seq_id: Hashable) -> int:
         """Token slots the sequence can hold without growing."""
         return len(self._tables[seq_id]) * self.block_size
@@ -111,6 +117,23 @@ class BlockManager:
             blocks = self._take(extra)
             table.extend(blocks)
             return blocks
+
+    def grow_each(self, seq_ids: list[Hashable], num_tokens: list[int]) -> int:
+        """``grow(seq_ids[i], num_tokens[i])`` for each ``i`` in order, under one lock (a decode step grows
+        every running sequence). Stops at the first id that holds no blocks or does not fit, leaving it
+        unchanged; returns how many were grown, so the caller handles that one and goes on after it."""
+        with self._lock:
+            tables, bs, free = self._tables, self.block_size, self._free
+            for i, (seq_id, n) in enumerate(zip(seq_ids, num_tokens, strict=True)):
+                table = tables.get(seq_id)
+                if table is None:
+                    return i
+                extra = -(-n // bs) - len(table)
+                if extra > 0:
+                    if extra > len(free):
+                        return i
+                    table.extend(self._take(extra))
+            return len(seq_ids)
 
     def fork(self, src: Hashable, dst: Hashable) -> None:
         """``dst`` shares every block of ``src`` (reference counted, read-only sharing)."""

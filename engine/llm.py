@@ -164,11 +164,14 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.engine
         outs: dict[str, RequestOutput] = {}
+        # Each request's text as pieces, joined at the end: ``out.text += piece`` copies the text so far.
+        pieces: dict[str, list[str]] = {}
         order: list[str] = []
         for text, ids, sp in zip(texts, encoded, plist, strict=True):
             rid = str(next(self._ids))
             engine.add_request(rid, ids, sp)
             outs[rid] = RequestOutput(rid, text, ids, [], "", "")
+            pieces[rid] = []
             order.append(rid)
         bar = _progress(len(order), use_tqdm)
         try:
@@ -181,7 +184,8 @@ class LLM:
                 for d in deltas:
                     out = outs[d.request_id]  # type: ignore[index]
                     out.token_ids.extend(d.new_token_ids)
-                    out.text += d.new_text
+                    if d.new_text:
+                        pieces[out.request_id].append(d.new_text)
                     if d.finish_reason is not None:
                         out.finish_reason = d.finish_reason
                         pending -= 1
@@ -192,6 +196,8 @@ class LLM:
                 bar.close()
             for rid in order:  # an interrupted call leaves nothing behind
                 engine.abort(rid)
+        for rid in order:
+            outs[rid].text = "".join(pieces[rid])
         return [outs[rid] for rid in order]
 
 

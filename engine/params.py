@@ -92,6 +92,10 @@ def validate_prompt_token_ids(
             f"{name} has {len(token_ids)} tokens; the model's context is {max_model_len} tokens "
             f"and at least one must be left to generate"
         )
+    # A list of plain ints (every prompt the engine sees) is checked by C-level builtins: the loop
+    # below costs ~0.1 us a token. Anything else, or a bad id, goes through the loop, which names it.
+    if set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab_size:
+        return
     for t in token_ids:
         if not _is_int(t) or not 0 <= t < vocab_size:
             raise ValueError(f"{name} has token id {t!r} outside the vocabulary [0, {vocab_size})")

@@ -34,13 +34,18 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
+import operator
 from collections.abc import Hashable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+_by_arrival = operator.attrgetter("arrival")
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,10 @@ class BatchKind(enum.Enum):
     MIXED = "mixed"  # decode items (one token each) first, then prefill items
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    """One sequence's work in a step. A NamedTuple, not a frozen dataclass: one is made per running
+    sequence per step, and a frozen dataclass's ``__init__`` costs ~3x as much."""
+
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int  # positions [start, start + num_tokens) are computed this step
@@ -89,20 +96,25 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(it.num_tokens for it in self.items)
 
-    @property
+    @functools.cached_property
     def sample_items(self) -> tuple[ScheduledSeq, ...]:
+        # Cached: the engine and ``postprocess`` both ask, every step. Every decode item samples.
+        if self.kind is BatchKind.DECODE:
+            return self.items
         return tuple(it for it in self.items if it.sample)
 
 
 def check_stop(seq: Sequence, eos_token_ids: Iterable[int], max_model_len: int) -> FinishReason | None:
     """Token-level stop check after a token is appended (stop strings are checked on text, elsewhere)."""
+    # Runs for every sequence every step: plain list lengths, not the Sequence properties.
     p = seq.params
-    n = seq.num_output_tokens
+    out = seq.output_token_ids
+    n = len(out)
     if n >= p.min_tokens:
-        last = seq.output_token_ids[-1]
+        last = out[-1]
         if (not p.ignore_eos and last in eos_token_ids) or last in p.stop_token_ids:
             return FinishReason.STOP
-    if n >= p.max_tokens or seq.num_tokens >= max_model_len:
+    if n >= p.max_tokens or len(seq.prompt_token_ids) + n >= max_model_len:
         return FinishReason.LENGTH
     return None
 
@@ -240,11 +252,22 @@ class Scheduler:
         return items
 
     def _schedule_decode(self) -> list[ScheduledSeq]:
-        self.running.sort(key=lambda s: s.arrival)
+        running = self.running
+        running.sort(key=_by_arrival)
+        max_seqs = self.config.max_num_seqs
         items: list[ScheduledSeq] = []
         i = 0
-        while i < len(self.running) and len(items) < self.config.max_num_seqs:
-            seq = self.running[i]
+        while i < len(running) and len(items) < max_seqs:
+            # The common case in one block-manager call: every sequence up to the first that is out of
+            # blocks grows, in order, exactly as one ``_reserve`` each would.
+            seqs = running[i : i + max_seqs - len(items)]
+            ns = [len(s.prompt_token_ids) + len(s.output_token_ids) for s in seqs]
+            done = self.block_manager.grow_each([s.seq_id for s in seqs], ns)
+            items += [ScheduledSeq(seqs[k], ns[k] - 1, 1, True) for k in range(done)]
+            i += done
+            if done == len(seqs):
+                continue
+            seq = running[i]  # out of blocks (or holding none): preempt the newest holders, or itself
             while not self._reserve(seq, seq.num_tokens):
                 victim = self._newest_holder_after(seq)
                 self._preempt(victim if victim is not None else seq)

@@ -74,6 +74,22 @@ def test_bad_arguments():
         bm.grow("missing", 4)
 
 
+def test_grow_each_is_grow_in_order_up_to_the_first_that_cannot():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    for sid in "abc":
+        bm.allocate(sid, 4)  # 1 block each, 3 free
+    assert bm.grow_each(["a", "b", "c"], [4, 5, 8]) == 3  # a fits; b and c take one block each
+    assert [len(bm.block_table(s)) for s in "abc"] == [1, 2, 2] and bm.num_free == 1
+    b, c = bm.block_table("b"), bm.block_table("c")
+    assert bm.grow_each(["a", "b", "c"], [5, 13, 9]) == 1  # a grows; b needs 2 of the 0 left: stops
+    assert len(bm.block_table("a")) == 2 and bm.num_free == 0
+    assert bm.block_table("b") == b and bm.block_table("c") == c  # b unchanged, c not tried
+    assert bm.grow_each(["missing", "a"], [1, 1]) == 0  # holds no blocks: the caller decides
+    assert bm.grow_each([], []) == 0
+    assert bm.block_tables(["c", "a"]) == [bm.block_table("c"), bm.block_table("a")]
+    bm.check_invariants()
+
+
 def test_fork_shares_blocks_until_last_owner_frees():
     bm = BlockManager(4, 4)
     t = bm.allocate("a", 8)

@@ -76,6 +76,11 @@ def test_prompt_validation_names_the_problem():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         validate_prompt_token_ids([-1], vocab_size=10, max_model_len=8)
     validate_prompt_token_ids(list(range(7)), vocab_size=10, max_model_len=8)
+    for bad in (True, 2.0, "3", None):  # not ints (bool is an int, and refused), whatever their values
+        with pytest.raises(ValueError, match=f"token id {bad!r} outside"):
+            validate_prompt_token_ids([1, bad, 99], vocab_size=10, max_model_len=8)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="token id 10 outside"):  # the first bad id is named
+        validate_prompt_token_ids([1, 10, -1], vocab_size=10, max_model_len=8)
 
 
 def test_params_against_the_model():
