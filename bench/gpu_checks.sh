@@ -43,7 +43,7 @@ for stage in "${STAGES[@]}"; do
   tests)
     # The kernels compiled (not interpreted), the CUDA backend and both parity suites on the GPU.
     run_stage tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 180 -rfE \
-      tests/test_triton_kernels.py tests/test_cuda_backend.py tests/test_sampler.py \
+      tests/test_triton_kernels.py tests/test_cuda_backend.py tests/test_sampler.py tests/test_kv_transfer_cuda.py \
       "tests/test_model_parity.py" -k "triton or gpu or cuda"
     tail -n 60 "$OUT/tests.log"
     ;;
