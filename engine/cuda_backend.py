@@ -9,7 +9,7 @@
   step overwrites with one host-to-device copy; rows past the batch are padding (slot -1: no store;
   length 0: attends nothing) and are sliced off the logits. Capture happens once at start-up
   (``capture_s`` says how long it took), one graph per bucket and split count of the decode attention
-  (``triton_kernels.decode_splits``: contexts up to 256 tokens run unsplit). Batches over the largest
+  (``triton_kernels.decode_splits``: contexts up to 64 tokens run unsplit). Batches over the largest
   bucket, or ``use_graphs=False`` (``enforce_eager``), run the same code eagerly.
 
 The logits a graph returns are a view of its static output: read them before the next decode step.
@@ -180,7 +180,7 @@ class DecodeGraphs:
         # (Off CUDA only Triton's interpreter runs this, in tests: no graphs, any SM count.)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 8
         # A graph fixes its split count: one graph per bucket and split count a context of up to
-        # ``max_len`` tokens can ask for, so short contexts run unsplit (no merge kernel).
+        # ``max_len`` tokens can ask for, so a short context launches no idle split programs.
         self.splits = {b: tk.decode_split_options(b, num_kv_heads, max_len, sms) for b in self.buckets}
         self._sms, self._n_kv = sms, num_kv_heads
         bm = max_batch

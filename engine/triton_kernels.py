@@ -302,10 +302,11 @@ def _decode_merge_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.
     tl.store(out_ptr + r * D + d, o.to(out_ptr.dtype.element_ty))
 
 
-# Fewest keys worth a split of their own: below this a program walks its keys faster than a second
-# launch (the merge) and the idle programs of a longer split cost. On an H200, decode at batch 1 with
-# 150-token contexts spent ~8% of a step on 16-way splits (the merge kernel and 15 idle programs a layer).
-MIN_SPLIT_KEYS = 256
+# Fewest keys a split gets: one tile of the kernel (BLOCK_N). Measured on an H200 at batch 1 with
+# 150-190-token contexts: one program a KV head walking its 3 tiles took 5.9 us a layer, against 3.1 us
+# for the split kernel (3 programs busy) plus 1.3 us for the merge; so short contexts are still split
+# per tile, and the split count follows the batch's longest context (graphs per count), not the model's.
+MIN_SPLIT_KEYS = 64
 
 
 def decode_splits(

@@ -120,19 +120,32 @@ def test_gpu_graph_path_gives_the_eager_path_tokens(tiny_llama_dir):
     assert _greedy(graphs.engine, PROMPTS, 40) == _greedy(eager.engine, PROMPTS, 40)
 
 
-@pytest.mark.gpu
-def test_gpu_graphs_of_every_split_count_give_the_transformers_tokens(tiny_llama_dir):
-    """Contexts that cross 256, 512 and 1,024 tokens while decoding move a batch from the unsplit graph to
-    the 2-, 4- and 8-way split ones (decode_splits); the tokens stay those of transformers."""
+# Prompts whose contexts cross 64, 128 and 256 tokens within 24 decode steps: the split count of the
+# decode attention (decode_splits: one split per tile of 64 keys) goes 1 -> 2, 2 -> 4 and 4 -> 8.
+SPLIT_PROMPTS = [list(range(3, 53)), [7] + list(range(200, 309)), list(range(10, 250))]
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu test below covers it")
+def test_interpreted_decode_across_split_counts_matches_transformers(tiny_llama_dir):
     from pdserve.engine.triton_kernels import decode_splits
 
-    prompts = [list(range(3, 243)), [7] + list(range(20, 520)), list(range(40, 450)) * 2 + [9] * 200]
+    assert [decode_splits(1, 2, n, 8) for n in (64, 65, 129, 257)] == [1, 2, 4, 8]
+    runner = ModelRunner(tiny_llama_dir, backend="triton", block_size=16, num_blocks=64)
+    engine = LLMEngine(runner, None, EngineConfig(dtype="float32", max_num_seqs=4))
+    prompts = SPLIT_PROMPTS[:2]
+    assert [_greedy(engine, [p], 24)[0] for p in prompts] == _hf_greedy(tiny_llama_dir, prompts, 24)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_of_every_split_count_give_the_transformers_tokens(tiny_llama_dir):
+    """Each sequence alone (bucket 1) crosses a split count while decoding, then all together (bucket 4):
+    every graph replayed gives the tokens of transformers."""
     llm = LLM(tiny_llama_dir, dtype="float32", device="cuda", num_blocks=512, max_num_seqs=4)
     graphs = llm.engine.runner._decoder.graphs
-    assert {(1, 1), (1, 2), (1, 4), (1, 8)} <= set(graphs) and decode_splits(1, 2, 1030, 132) == 8
-    want = _hf_greedy(tiny_llama_dir, prompts, 24)
-    assert [_greedy(llm.engine, [p], 24)[0] for p in prompts] == want  # bucket 1: 1 -> 2, 2 -> 4, 4 -> 8
-    assert _greedy(llm.engine, prompts, 24) == want  # bucket 4, its 4- and 8-way graphs
+    assert {(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 2), (4, 4), (4, 8)} <= set(graphs)
+    want = _hf_greedy(tiny_llama_dir, SPLIT_PROMPTS, 24)
+    assert [_greedy(llm.engine, [p], 24)[0] for p in SPLIT_PROMPTS] == want
+    assert _greedy(llm.engine, SPLIT_PROMPTS, 24) == want
 
 
 @pytest.mark.gpu

@@ -163,8 +163,8 @@ def test_decode_splits_fill_the_gpu_and_stay_bounded():
     assert tk.decode_splits(1, 3, 4096, 132) == 16
     assert tk.decode_splits(256, 3, 4096, 132) == 1
     assert tk.decode_splits(1, 3, 10, 132) == 1  # one tile of keys: nothing to split
-    assert tk.decode_splits(1, 3, 256, 132) == 1  # short contexts: no merge kernel
-    assert tk.decode_splits(1, 3, 257, 132) == 2
+    assert tk.decode_splits(1, 3, 64, 132) == 1 and tk.decode_splits(1, 3, 65, 132) == 2
+    assert tk.decode_splits(1, 3, 150, 132) == 4  # split per tile of keys, not for the model's context
 
 
 def test_decode_split_options_are_every_split_count_a_context_can_ask_for():
