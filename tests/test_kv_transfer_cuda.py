@@ -9,12 +9,11 @@ only), and its bytes must still land. Every process is stopped by its fixture, e
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.testing import PeerProcess, PeerSpec
+from pdserve.kv_transfer.testing import PeerProcess, PeerSpec, running_peers
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -28,23 +27,11 @@ def _spec(device: str, rma: bool, same_host: bool = False) -> PeerSpec:
     return PeerSpec(num_blocks=160, config=config, env=(("UCX_TLS", CUDA_TLS),), device=device)
 
 
-@contextmanager
-def _peers(decode: PeerSpec, prefill: PeerSpec) -> Iterator[tuple[PeerProcess, PeerProcess]]:
-    peers = [PeerProcess(decode, "decode-cuda"), PeerProcess(prefill, "prefill-cuda")]
-    try:
-        peers[0].call("start_receiver", timeout=120)
-        peers[1].call("blocks", timeout=120)
-        yield peers[0], peers[1]
-    finally:
-        for p in peers:
-            p.stop()
-
-
 @pytest.fixture(params=["rma", "tagged"], scope="module")
 def cuda_pair(request: pytest.FixtureRequest) -> Iterator[tuple[PeerProcess, PeerProcess]]:
     spec = _spec("cuda", rma=request.param == "rma")
-    with _peers(spec, spec) as pair:
-        yield pair
+    with running_peers([("decode-cuda", spec), ("prefill-cuda", spec)]) as (decode, prefill):
+        yield decode, prefill
 
 
 def _transfer(decode: PeerProcess, prefill: PeerProcess, rid: str, tokens: int, seed: int, **kw: int) -> str:
@@ -71,5 +58,5 @@ def test_cuda_kv_arrives_bit_exact(cuda_pair: tuple[PeerProcess, PeerProcess], l
 def test_cuda_sender_to_a_host_receiver_does_not_use_cross_memory_attach() -> None:
     decode = _spec("cpu", rma=True, same_host=True)  # offers its pid: a host sender would use cma
     prefill = _spec("cuda", rma=True, same_host=True)
-    with _peers(decode, prefill) as (d, p):
+    with running_peers([("decode-cuda", decode), ("prefill-cuda", prefill)]) as (d, p):
         assert _transfer(d, p, "mixed", 1000, seed=41) != "cross_memory"

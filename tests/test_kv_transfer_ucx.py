@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 
 from pdserve.kv_transfer.config import FaultConfig, TransferConfig
-from pdserve.kv_transfer.testing import PeerCallError, PeerProcess, PeerSpec
+from pdserve.kv_transfer.testing import PeerCallError, PeerProcess, PeerSpec, running_peers
 from pdserve.kv_transfer.wire import TransferTicket
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -79,42 +79,24 @@ def wait_progress(prefill: PeerProcess, request_id: str, layers: int) -> None:
 def bf16() -> Iterator[tuple[PeerProcess, PeerProcess, PeerProcess]]:
     """Two decode receivers and one prefill sender, bfloat16."""
     sizes = {"decode-a": 256, "decode-b": 256, "prefill": 512}  # 32 transfers in flight at once
-    peers = [PeerProcess(spec(num_blocks=n), name) for name, n in sizes.items()]
-    try:
-        for p in peers[:2]:
-            p.call("start_receiver", timeout=120)
-        peers[2].call("blocks", timeout=120)
+    with running_peers([(name, spec(num_blocks=n)) for name, n in sizes.items()], receivers=2) as peers:
         yield peers[0], peers[1], peers[2]
-    finally:
-        for p in peers:
-            p.stop()
 
 
 @pytest.fixture(scope="module")
 def fp32() -> Iterator[tuple[PeerProcess, PeerProcess]]:
-    peers = [PeerProcess(spec("float32", 160), name) for name in ("decode-f32", "prefill-f32")]
-    try:
-        peers[0].call("start_receiver", timeout=120)
-        peers[1].call("blocks", timeout=120)
+    with running_peers([(name, spec("float32", 160)) for name in ("decode-f32", "prefill-f32")]) as peers:
         yield peers[0], peers[1]
-    finally:
-        for p in peers:
-            p.stop()
 
 
 @pytest.fixture(params=list(TRANSPORTS))
 def fresh(request: pytest.FixtureRequest) -> Iterator[tuple[PeerProcess, PeerProcess]]:
     """A decode and a prefill process of their own, for tests that kill one; TCP or shared memory."""
-    peers = [PeerProcess(spec(num_blocks=96, transport=request.param), n) for n in ("decode-x", "prefill-x")]
-    try:
-        peers[0].call("start_receiver", timeout=120)
-        peers[1].call("blocks", timeout=120)
+    peer_spec = spec(num_blocks=96, transport=request.param)
+    with running_peers([(n, peer_spec) for n in ("decode-x", "prefill-x")]) as peers:
         # The data path of this transport works before we break it.
         transfer(peers[0], peers[1], "warm", 1000, seed=21)
         yield peers[0], peers[1]
-    finally:
-        for p in peers:
-            p.stop()
 
 
 def transfer(

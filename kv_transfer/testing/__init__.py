@@ -9,7 +9,7 @@ only part of ``kv_transfer`` that uses the engine's ``BlockManager`` directly.
 - ``baseline``: raw ucxx sends of the same bytes, the yardstick of ``bench.kv_transfer``.
 """
 
-from pdserve.kv_transfer.testing.process import PeerProcess
+from pdserve.kv_transfer.testing.process import PeerProcess, running_peers
 from pdserve.kv_transfer.testing.spec import (
     PeerCallError,
     PeerSpec,
@@ -18,4 +18,12 @@ from pdserve.kv_transfer.testing.spec import (
     scatter_allocate,
 )
 
-__all__ = ["PeerCallError", "PeerProcess", "PeerSpec", "expected_bytes", "fingerprint", "scatter_allocate"]
+__all__ = [
+    "PeerCallError",
+    "PeerProcess",
+    "PeerSpec",
+    "expected_bytes",
+    "fingerprint",
+    "running_peers",
+    "scatter_allocate",
+]

@@ -17,6 +17,8 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -94,6 +96,22 @@ class PeerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def running_peers(peers: Sequence[tuple[str, PeerSpec]], receivers: int = 1) -> Iterator[list[PeerProcess]]:
+    """Spawn a peer per (name, spec); the first ``receivers`` start their receiver, the others have
+    answered once. Every peer is stopped on exit, whatever happened."""
+    procs: list[PeerProcess] = []
+    try:
+        for name, spec in peers:
+            procs.append(PeerProcess(spec, name))
+        for i, p in enumerate(procs):
+            p.call("start_receiver" if i < receivers else "blocks", timeout=120)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
 
 
 # -- child side ----------------------------------------------------------------
