@@ -4,7 +4,7 @@
 #   ../shared/device/fetch-wheels.sh all          # here, once: .whl/ (ignored by git)
 #   bash bench/gpu_checks.sh [STAGE ...]          # there, from the project root (device tool: OUT is set)
 #
-# Stages (default: env tests engine): env, tests, engine, engine-full, profile, kv, kvtests, cluster. Each runs under its own
+# Stages (default: env tests engine): env, tests, micro, engine, engine-full, profile, kv, kvtests, cluster. Each runs under its own
 # time limit, never past DEADLINE_S seconds from the start (default 540), and writes $OUT/<stage>.log;
 # a stage that fails or times out does not stop the next. The engine benchmark logs each row as it
 # finishes, so a row measured before a time limit is in the log even when the JSON is not written.
@@ -62,6 +62,10 @@ for stage in "${STAGES[@]}"; do
     run_stage kv 120 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda \
       --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda.json"
     tail -n 40 "$OUT/kv.log"
+    ;;
+  micro)
+    run_stage micro 200 python3 -m pdserve.bench.gpu_micro --out "$OUT/micro.json"
+    tail -n 80 "$OUT/micro.log"
     ;;
   profile)
     run_stage profile 120 python3 -m pdserve.bench.gpu_profile --batches 1,32,256

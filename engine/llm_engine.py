@@ -194,6 +194,7 @@ class LLMEngine:
         )
         self.sampler = self.runner.sampler(self.eos_token_ids, seed=config.seed)
         self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
+        self.runner.prepare_prefill(config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
         self.num_steps = 0  # batches run since start
         log.info(

@@ -31,13 +31,14 @@ import torch.nn.functional as F
 from pdserve.engine.attention import write_kv
 from pdserve.engine.config import ModelConfig, RopeScaling
 from pdserve.engine.cpu_kernels import CpuKernels
-from pdserve.engine.weights import ModelWeights
+from pdserve.engine.weights import Linear, ModelWeights
 
 # attend(layer, q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, H * D]; k/v are already in the cache.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# hook(layer, k [T, Hkv, D], v [T, Hkv, D]) once the layer's K/V are in the cache; k, v may be views of a
-# buffer reused after the call returns (copy to keep them).
-LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+# hook(layer, k [T, Hkv, D], v [T, Hkv, D]) once the layer's K/V are in the cache (on CUDA: queued on the
+# current stream); k, v may be views of a buffer reused after the call returns (copy to keep them), and are
+# None after a prefill under a CUDA graph, which calls every layer's hook once the graph is queued.
+LayerHook = Callable[[int, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -97,7 +98,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 class StepOps(Protocol):
-    """The non-matmul work of a layer for one step (positions and cache rows bound at construction)."""
+    """The non-matmul work of a layer for one step (positions and cache rows bound at construction), and
+    how its products are called (``Products``: the ``Linear`` itself)."""
+
+    def linear(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``lin(x)``."""
+        ...
+
+    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool) -> torch.Tensor:
+        """The MLP's down product of ``silu(gate) * up``; ``applied``: ``gate_up`` already is that."""
+        ...
 
     def add_rms_norm(
         self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -117,7 +127,20 @@ class StepOps(Protocol):
         ...
 
 
-class TorchStepOps:
+class Products:
+    """``StepOps``' products as the ``Linear`` runs them (the CUDA backend's small batches differ)."""
+
+    def linear(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        return lin(x)
+
+    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool) -> torch.Tensor:
+        return lin(gate_up if applied else self.silu_mul(gate_up))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchStepOps(Products):
     """Plain torch ops: any device."""
 
     def __init__(
@@ -157,7 +180,7 @@ class TorchStepOps:
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
-class KernelStepOps:
+class KernelStepOps(Products):
     """The fused C kernels of ``engine.cpu_kernels`` (CPU)."""
 
     def __init__(
@@ -218,14 +241,14 @@ def forward_hidden(
     x = F.embedding(token_ids, weights.embed)  # [T, hidden]; a fresh tensor, so the residual adds go in place
     res: torch.Tensor | None = None  # the last sub-block's output, added into x by the next norm
     for i, lw in enumerate(weights.layers):
-        qkv = lw.qkv(ops.add_rms_norm(x, res, lw.input_norm, eps))  # [T, (H + 2Hkv) * D]
+        qkv = ops.linear(lw.qkv, ops.add_rms_norm(x, res, lw.input_norm, eps))  # [T, (H + 2Hkv) * D]
         q, k, v = ops.rope_store(kv[i], qkv)
         o = attend(i, q, k, v)  # [T, H * D]
         if layer_hook is not None:
             layer_hook(i, k, v)
-        h = ops.add_rms_norm(x, lw.o_proj(o), lw.post_norm, eps)
-        gu = lw.gate_up(h)  # [T, I] when the product applied silu(gate) * up itself, else [T, 2I]
-        res = lw.down(gu if lw.gate_up.silu_mul else ops.silu_mul(gu))  # [T, hidden]
+        h = ops.add_rms_norm(x, ops.linear(lw.o_proj, o), lw.post_norm, eps)
+        gu = ops.linear(lw.gate_up, h)  # [T, I] when the product applied silu(gate) * up itself, else [T, 2I]
+        res = ops.down(lw.down, gu, lw.gate_up.silu_mul)  # [T, hidden]
     if res is not None:
         x.add_(res)
     return x
@@ -233,4 +256,6 @@ def forward_hidden(
 
 def logits(weights: ModelWeights, config: ModelConfig, hidden: torch.Tensor, ops: StepOps) -> torch.Tensor:
     """float32 logits ``[T, V]`` from final hidden states ``[T, hidden]``."""
-    return weights.lm_head(ops.add_rms_norm(hidden, None, weights.final_norm, config.rms_norm_eps)).float()
+    return ops.linear(
+        weights.lm_head, ops.add_rms_norm(hidden, None, weights.final_norm, config.rms_norm_eps)
+    ).float()

@@ -31,10 +31,13 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "GEMV_MAX_ROWS",
     "add_rms_norm",
+    "argmax_rows",
     "decode_attention",
     "decode_split_options",
     "decode_splits",
+    "gemv",
     "prefill_attention",
     "rope_store",
     "silu_mul",
@@ -220,6 +223,137 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# -- small-batch products and greedy argmax -------------------------------------------------------------
+
+# Rows up to which a decode step's products run as ``gemv`` instead of cuBLAS. At batch 1 on an H200,
+# cuBLAS's tiles (8 x 64 outputs) left most SMs idle on SmolLM2's products: a 960 x 576 product took
+# 3.9 us, ~280 GB/s of weights; ``gemv`` spreads the weight rows over every SM.
+GEMV_MAX_ROWS = int(os.environ.get("PDSERVE_GEMV_MAX_ROWS", "4"))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    K,
+    x_stride,
+    M: tl.constexpr,
+    MP: tl.constexpr,  # M padded to a power of two
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # x is [M, 2K] gate|up: the input is silu(gate) * up, rounded as silu_mul does
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = n < N
+    m = tl.arange(0, MP)
+    mm = m < M
+    kk = tl.arange(0, BLOCK_K)
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros([MP, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        km = k < K
+        w = tl.load(
+            w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0
+        )
+        xm = mm[:, None] & km[None, :]
+        if SILU_MUL:
+            g = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + m[:, None] * x_stride + K + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            x = (s * u).to(dt).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=xm, other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc = acc.to(dt).to(tl.float32) + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dt), mask=mm[:, None] & nm[None, :])
+
+
+def gemv_block_n(n_out: int, num_sms: int) -> int:
+    """Output rows per program: the most (up to 32) that still give every SM about two programs."""
+    for block in (32, 16, 8):
+        if triton.cdiv(n_out, block) >= 2 * num_sms:
+            return block
+    return 4
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a few rows (``x [M, K]``, ``M <= 8``; ``weight [N, K]``), float32
+    accumulation, rounded once to the model dtype (as cuBLAS). ``silu_mul``: ``x`` is ``[M, 2K]``
+    gate|up and the product takes ``silu(gate) * up`` (``silu_mul``'s rounding) as its input."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert 1 <= m <= 8 and weight.is_contiguous() and x.stride(1) == 1
+    assert x.shape[1] == (2 * k if silu_mul else k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    mp = triton.next_power_of_2(m)
+    if block_n is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+        block_n = gemv_block_n(n, sms)
+    if block_k is None:
+        block_k = max(64, min(512, 256 // mp * (4 if block_n <= 8 else 2 if block_n <= 16 else 1)))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out if bias is None else bias, out, n, k, x.stride(0),
+        M=m, MP=mp, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _argmax_part_kernel(x_ptr, val_ptr, idx_ptr, V, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    c = p * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * V + c, mask=c < V, other=float("-inf"))
+    best = tl.max(x, axis=0)
+    # The first index holding the largest value (torch.argmax's answer for rows without NaN).
+    i = tl.min(tl.where(x == best, c, 2147483647), axis=0)
+    tl.store(val_ptr + r * PARTS + p, best)
+    tl.store(idx_ptr + r * PARTS + p, i)
+
+
+@triton.jit
+def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, PARTS: tl.constexpr, PP: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, PP)
+    pm = p < PARTS
+    v = tl.load(val_ptr + r * PARTS + p, mask=pm, other=float("-inf"))
+    i = tl.load(idx_ptr + r * PARTS + p, mask=pm, other=2147483647)
+    best = tl.max(v, axis=0)
+    tl.store(out_ptr + r, tl.min(tl.where(v == best, i, 2147483647), axis=0).to(tl.int64))
+
+
+def argmax_rows(logits: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """``logits.argmax(-1)`` for float32 ``[n, V]`` rows without NaN, in two kernels (a slice of the row
+    per program, then a merge): torch's one-block reduction took ~13 us a row of a 49k vocabulary on an
+    H200."""
+    n, v = logits.shape
+    assert logits.is_contiguous() and logits.dtype == torch.float32
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n == 0:
+        return out
+    parts = triton.cdiv(v, block)
+    vals = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(n, parts, dtype=torch.int32, device=logits.device)
+    _argmax_part_kernel[(n, parts)](logits, vals, idx, v, PARTS=parts, BLOCK=block)
+    _argmax_merge_kernel[(n,)](vals, idx, out, PARTS=parts, PP=triton.next_power_of_2(parts))
+    return out
+
+
 # -- decode attention ------------------------------------------------------------------------------------
 
 
@@ -393,7 +527,7 @@ def _prefill_attn_kernel(
     PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    mb = tl.program_id(0)
+    mb = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of keys start first
     h = tl.program_id(1)
     s = tl.program_id(2)
     row0 = tl.load(cu_ptr + s)
@@ -440,6 +574,8 @@ def prefill_attention(
     max_new: int,
     block_m: int = 64,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]`` of ``n`` prompt chunks flattened (chunk ``i``: rows ``cu_seqlens[i:i+2]``, positions
     from ``start_pos[i]``), whose K/V are already in the cache, attends causally over the cache
@@ -455,6 +591,7 @@ def prefill_attention(
     _prefill_attn_kernel[grid](
         q, q.stride(0), kv_layer, tables, tables.stride(0), cu_seqlens, start_pos, out, 1.0 / math.sqrt(d),
         HKV=n_kv, G=n_h // n_kv, D=d, BLOCK=block, BLOCK_M=block_m, BLOCK_N=block_n,
-        PREC=_dot_precision(q.dtype), DOT_F32=_DOT_F32,
+        PREC=_dot_precision(q.dtype), DOT_F32=_DOT_F32, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     return out.view(t, n_h * d)

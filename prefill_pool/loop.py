@@ -196,7 +196,9 @@ class PrefillLoop:
             handles = [j.payload.handle for j in live]
             items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
 
-            def hook(layer: int, k: torch.Tensor, v: torch.Tensor, handles=handles, live=live) -> None:
+            def hook(
+                layer: int, k: torch.Tensor | None, v: torch.Tensor | None, handles=handles, live=live
+            ) -> None:
                 # Forward thread, right after ``layer`` wrote its K/V into the cache: queue the send.
                 # A batch nobody waits for any more stops at the next layer, so its blocks come back
                 # within one layer's time instead of a whole forward's.

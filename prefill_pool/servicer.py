@@ -147,6 +147,10 @@ class PrefillPool:
                 quantization=args.quantization,
             ),
         )
+        # On CUDA: prefill under CUDA graphs for chunks up to the batch budget (a no-op elsewhere).
+        await asyncio.get_running_loop().run_in_executor(
+            self.forward_thread, runner.prepare_prefill, args.max_batched_tokens
+        )
         eos = list(runner.config.eos_token_ids)
         try:
             eos += [t for t in Tokenizer.from_dir(model_dir).eos_token_ids if t not in eos]

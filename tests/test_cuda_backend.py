@@ -13,9 +13,15 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed (the CUDA backend's kernels)")
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.cuda_backend import decode_buckets, prefill_inputs  # noqa: E402
+from pdserve.engine.cuda_backend import (  # noqa: E402
+    PrefillGraphs,
+    decode_buckets,
+    make_prefill_forward,
+    prefill_buckets,
+    prefill_inputs,
+)
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from pdserve.engine.model_runner import Backend, ModelRunner  # noqa: E402
+from pdserve.engine.model_runner import Backend, ModelRunner, PrefillItem  # noqa: E402
 from tests.tiny_models import load_reference  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -57,6 +63,43 @@ def test_prefill_inputs_index_the_cache_like_the_torch_path():
         prefill_inputs([([1, 2], [3], 15)], 16, 8, torch.device("cpu"))
     with pytest.raises(ValueError, match="outside"):
         prefill_inputs([([1, 2], [9], 0)], 16, 8, torch.device("cpu"))
+
+
+def test_prefill_buckets_pad_by_less_than_half():
+    assert prefill_buckets(16) == [16]
+    b = prefill_buckets(2048)
+    assert b[:8] == [16, 32, 64, 128, 192, 256, 384, 512] and b[-3:] == [1024, 1536, 2048]
+    assert all(later < 2 * earlier for earlier, later in zip(b[3:], b[4:], strict=False))
+    assert prefill_buckets(1000)[-2:] == [768, 1000]
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu test below covers it")
+def test_interpreted_prefill_graph_inputs_give_the_eager_prefill(tiny_llama_dir):
+    """The graph path's static buffers run eagerly (no graphs off CUDA): padded to a bucket, a chunk
+    gives the eager prefill's logits and cache, a chunk after a cached prefix too, and padding rows store
+    nothing."""
+    runner = ModelRunner(tiny_llama_dir, backend="triton", block_size=4, num_blocks=40)
+    c = runner.config
+    graphs = PrefillGraphs(
+        make_prefill_forward(runner.weights, c, runner.rope, runner.kv),
+        max_tokens=64, max_blocks=c.max_position_embeddings // 4, block_size=4, num_blocks=40,
+        device=torch.device("cpu"), use_graphs=False,
+    )  # fmt: skip
+    prompt, table = list(range(7, 30)), [9, 3, 17, 5, 22, 11, 30]  # 23 tokens: bucket 32, 9 padding rows
+    with torch.inference_mode():
+        runner.kv.zero_()
+        want = runner.prefill([PrefillItem(prompt, table)])
+        want_kv = runner.kv.clone()
+        runner.kv.zero_()
+        got = graphs.run(prompt, table, 0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(runner.kv, want_kv, atol=1e-6, rtol=1e-6)  # nothing else written
+        # The last 5 tokens again after the first 18 cached: the chunk attends over the prefix.
+        got = graphs.run(prompt[18:], table, 18)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        graphs.run(prompt, table[:2], 0)
+    assert not graphs.fits(65, 0) and graphs.fits(64, 0)
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu tests below cover it")
@@ -118,6 +161,35 @@ def test_gpu_graph_path_gives_the_eager_path_tokens(tiny_llama_dir):
     )
     assert eager.engine.runner.graph_capture_s is None
     assert _greedy(graphs.engine, PROMPTS, 40) == _greedy(eager.engine, PROMPTS, 40)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graph_gives_the_eager_prefill_and_calls_every_layer_hook(tiny_llama_dir):
+    runner = ModelRunner(tiny_llama_dir, dtype=torch.float32, device="cuda", num_blocks=64)
+    eager_logits = []
+    for prompt, start in ((list(range(3, 103)), 0), (list(range(3, 103)), 60)):
+        table = list(range(-(-len(prompt) // runner.block_size)))
+        if start:  # a cached prefix: its K/V are in the cache from the full prompt's prefill above
+            prompt = prompt[start:]
+        eager_logits.append(runner.prefill([PrefillItem(prompt, table, start)]))
+    runner.prepare_prefill(128)
+    assert runner.graph_capture_s is not None
+    seen: list[tuple[int, object, object]] = []
+    for (prompt, start), want in zip(
+        ((list(range(3, 103)), 0), (list(range(63, 103)), 60)), eager_logits, strict=True
+    ):
+        table = list(range(-(-(start + len(prompt)) // runner.block_size)))
+        got = runner.prefill(
+            [PrefillItem(prompt, table, start)], layer_hook=lambda i, k, v: seen.append((i, k, v))
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert int(got.argmax()) == int(want.argmax())
+    assert seen == [(i, None, None) for i in range(runner.config.num_layers)] * 2
+    # Past the largest bucket: eager, hooks with the layer's K/V.
+    long = list(range(3, 203))
+    seen.clear()
+    runner.prefill([PrefillItem(long, list(range(13)))], layer_hook=lambda i, k, v: seen.append((i, k, v)))
+    assert all(k is not None and k.shape[0] == 200 for _, k, _ in seen)
 
 
 # Prompts whose contexts cross 64, 128 and 256 tokens within 24 decode steps: the split count of the

@@ -173,3 +173,35 @@ def test_decode_split_options_are_every_split_count_a_context_can_ask_for():
             want = sorted({tk.decode_splits(batch, 3, n, 132) for n in range(1, max_len + 1)})
             assert tk.decode_split_options(batch, 3, max_len, 132) == want, (batch, max_len)
     assert tk.supports(9, 3, 64) and not tk.supports(8, 2, 80)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_gemv_matches_a_product_rounded_once(dtype, rows):
+    """Decode's small-batch products: float32 accumulation rounded once (what cuBLAS returns), with a
+    bias, and with silu(gate) * up taken in the down product's loads (rounded as ``silu_mul``)."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 40, 200  # k not a multiple of the kernel's K tile, n not one of its N tile
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    gu = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)
+    # One ulp of the output's magnitude in half precision; summation order alone in float32.
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.25, "rtol": 1.0 / 128}
+    ref = (x.float() @ w.float().T).to(dtype)
+    torch.testing.assert_close(tk.gemv(x, w), ref, **tol)
+    torch.testing.assert_close(tk.gemv(x, w, b), (ref.float() + b.float()).to(dtype), **tol)
+    act = tk.silu_mul(gu)
+    torch.testing.assert_close(tk.gemv(gu, w, silu_mul=True), (act.float() @ w.float().T).to(dtype), **tol)
+    # Any tiling gives the same values up to summation order.
+    torch.testing.assert_close(tk.gemv(x, w, block_n=4, block_k=64), tk.gemv(x, w, block_n=32), **tol)
+
+
+def test_argmax_rows_gives_torch_argmax_first_index_on_ties():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=g).to(DEVICE)
+    logits[1, 7] = logits[1, 4999] = 50.0  # a tie across slices: the first index wins
+    logits[2, 1030] = logits[2, 1031] = 60.0  # a tie within one slice
+    got = tk.argmax_rows(logits, block=1024)
+    assert got.tolist() == logits.argmax(-1).tolist() == [got[0].item(), 7, 1030]
+    assert tk.argmax_rows(logits[:0]).shape == (0,)
