@@ -23,6 +23,7 @@ The logits a graph returns are a view of its static output: read them before the
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,14 +48,25 @@ __all__ = [
 
 
 def _gemv_runs(lin: Linear, rows: int) -> bool:
-    """Whether ``lin`` over ``rows`` rows runs as ``triton_kernels.gemv`` (plain weights, a few rows)."""
-    return rows <= tk.GEMV_MAX_ROWS and lin.kind is LinearKind.PLAIN and lin.scales is None
+    """Whether ``lin`` over ``rows`` rows runs as ``triton_kernels.gemv`` (plain weights, where it
+    measured faster than cuBLAS: ``triton_kernels.gemv_wins``)."""
+    if rows > tk.GEMV_MAX_ROWS or lin.kind is not LinearKind.PLAIN or lin.scales is not None:
+        return False
+    w = lin.weight
+    if not w.is_cuda:  # Triton's interpreter, in tests
+        return True
+    return tk.gemv_wins(rows, w.shape[0], _sm_count(w.device))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonStepOps(Products):
     """Per-step non-matmul ops on CUDA; ``positions`` and ``slots`` (cache slot per token, -1: none).
-    Products of up to ``triton_kernels.GEMV_MAX_ROWS`` rows (decode at batch 1 to 4) run as ``gemv``,
-    the down product taking ``silu(gate) * up`` in its own loads (one kernel less a layer)."""
+    Products of up to ``triton_kernels.GEMV_MAX_ROWS`` rows (decode at batch 1) run as ``gemv`` where it
+    wins, the down product taking ``silu(gate) * up`` in its own loads (one kernel less a layer)."""
 
     def __init__(self, config: ModelConfig, rope: RopeTables, positions: torch.Tensor, slots: torch.Tensor):
         self.n_h, self.n_kv, self.d = config.num_heads, config.num_kv_heads, config.head_dim

@@ -32,6 +32,7 @@ import triton.language as tl
 
 __all__ = [
     "GEMV_MAX_ROWS",
+    "gemv_wins",
     "add_rms_norm",
     "argmax_rows",
     "decode_attention",
@@ -225,10 +226,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # -- small-batch products and greedy argmax -------------------------------------------------------------
 
-# Rows up to which a decode step's products run as ``gemv`` instead of cuBLAS. At batch 1 on an H200,
-# cuBLAS's tiles (8 x 64 outputs) left most SMs idle on SmolLM2's products: a 960 x 576 product took
-# 3.9 us, ~280 GB/s of weights; ``gemv`` spreads the weight rows over every SM.
-GEMV_MAX_ROWS = int(os.environ.get("PDSERVE_GEMV_MAX_ROWS", "4"))
+# Rows up to which a decode step's products run as ``gemv`` instead of cuBLAS, for products whose
+# outputs give cuBLAS's 64-wide tiles fewer than two per SM (``gemv_wins``). Measured inside CUDA graphs
+# on an H200, SmolLM2-135M's products in bfloat16 (bench/results/gpu_h200/micro_9e1fb39.json), at one
+# row: qkv 2.30 us against cuBLAS's 3.52, o 2.25 against 3.17, gate_up 4.11 against 4.12, and the down
+# product taking silu(gate) * up in its loads 4.89 against 6.57 for silu_mul + cuBLAS (one kernel less);
+# the 49k-row lm_head 23.7 against 16.0 (cuBLAS fills the GPU there). At four rows cuBLAS was as fast or
+# faster on every product. A decode step at batch 1: 0.959 ms against 1.012 ms.
+GEMV_MAX_ROWS = int(os.environ.get("PDSERVE_GEMV_MAX_ROWS", "1"))
+
+
+def gemv_wins(rows: int, n_out: int, num_sms: int) -> bool:
+    """Whether ``gemv`` beats cuBLAS for ``rows`` rows of a product with ``n_out`` outputs."""
+    return rows <= GEMV_MAX_ROWS and triton.cdiv(n_out, 64) < 2 * num_sms
 
 
 @triton.jit
@@ -274,22 +284,14 @@ def _gemv_kernel(
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dt), mask=mm[:, None] & nm[None, :])
 
 
-def gemv_block_n(n_out: int, num_sms: int) -> int:
-    """Output rows per program: the most (up to 32) that still give every SM about two programs."""
-    for block in (32, 16, 8):
-        if triton.cdiv(n_out, block) >= 2 * num_sms:
-            return block
-    return 4
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     silu_mul: bool = False,
-    block_n: int | None = None,
+    block_n: int = 4,
     block_k: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 2,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a few rows (``x [M, K]``, ``M <= 8``; ``weight [N, K]``), float32
     accumulation, rounded once to the model dtype (as cuBLAS). ``silu_mul``: ``x`` is ``[M, 2K]``
@@ -300,9 +302,7 @@ def gemv(
     assert x.shape[1] == (2 * k if silu_mul else k)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     mp = triton.next_power_of_2(m)
-    if block_n is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
-        block_n = gemv_block_n(n, sms)
+    # Defaults: the fastest tiling measured at one row on every SmolLM2 product (4 outputs, 2 warps).
     if block_k is None:
         block_k = max(64, min(512, 256 // mp * (4 if block_n <= 8 else 2 if block_n <= 16 else 1)))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -573,9 +573,9 @@ def prefill_attention(
     start_pos: torch.Tensor,
     max_new: int,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int | None = None,
+    num_stages: int | None = 2,
 ) -> torch.Tensor:
     """``q [T, H, D]`` of ``n`` prompt chunks flattened (chunk ``i``: rows ``cu_seqlens[i:i+2]``, positions
     from ``start_pos[i]``), whose K/V are already in the cache, attends causally over the cache
@@ -587,6 +587,11 @@ def prefill_attention(
     out = torch.empty(t, n_h, d, dtype=q.dtype, device=q.device)
     if t == 0:
         return out.view(0, n_h * d)
+    if block_n is None:
+        # 128 keys a tile in half precision: 23.5 us a layer against 32.9 with 64 for a 1,024-token
+        # prompt of SmolLM2's heads on an H200 (bench/results/gpu_h200/micro_9e1fb39.json); float32
+        # tiles (and head dims past 128) keep 64, within shared memory.
+        block_n = 128 if q.element_size() == 2 and d <= 128 else 64
     grid = (triton.cdiv(max_new, block_m), n_h, n)
     _prefill_attn_kernel[grid](
         q, q.stride(0), kv_layer, tables, tables.stride(0), cu_seqlens, start_pos, out, 1.0 / math.sqrt(d),
