@@ -249,8 +249,9 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         "--no-kv-cross-memory",
         dest="kv_cross_memory",
         action="store_false",
-        help="never write a decode worker of this host by cross-memory attach (process_vm_writev); "
-        "all KV goes through UCX (default: cross-memory writes where the kernel permits them)",
+        help="never write a decode worker of this host by cross-memory attach (process_vm_writev; host "
+        "memory) or CUDA IPC (device memory); all KV goes through UCX (default: those writes where the "
+        "kernel and the GPUs permit them)",
     )
     p.add_argument(
         "--kv-puts",

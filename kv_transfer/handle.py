@@ -166,12 +166,13 @@ class SenderHandle:
         unit = self._spans.block_bytes
         self._runs = [(seg.src_start * unit, seg.dst_start * unit, seg.num_blocks * unit) for seg in segments]
         self._run_bytes = sum(run[2] for run in self._runs)
-        # A synchronous writer (a memory copy: cma.py) with eager puts writes each layer on the
-        # thread that pushes it: no hop to the loop, and the loop never blocks on the copy.
+        # A direct writer (a memory copy: cma.py; a copy ordered after the layer on its CUDA stream:
+        # cuda_ipc.py) with eager puts writes each layer on the thread that pushes it: no hop to the
+        # loop, no wait for the layer to be ready, and the loop never blocks on the copy.
         # _write_lock is held across each such write; once _error is set no write starts, so
         # taking the lock once after that means no write is in progress any more.
         self._direct = (
-            bool(eager and self._writer is not None and getattr(self._writer, "synchronous", False))
+            bool(eager and self._writer is not None and getattr(self._writer, "direct", False))
             and not sender.config.faults.active
         )
         self._write_lock = threading.Lock()

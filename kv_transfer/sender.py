@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
 
@@ -54,19 +54,6 @@ from pdserve.kv_transfer.transports import make_transport
 log = logging.getLogger(__name__)
 
 _MAX_REVOKED = 65536  # unexpired revokes remembered per connection before it stops writing eagerly
-
-
-def transport_config(config: TransferConfig, kv: torch.Tensor) -> TransferConfig:
-    """The config of the transport a sender of ``kv`` makes.
-
-    Cross-memory attach (``same_host``, transports/cma.py) copies from this process's host memory
-    (``process_vm_writev``). A KV tensor in device memory must never go that way, whatever memory the
-    receiver offers (a host-memory receiver on this host would be offered it): the copy would read a
-    device address. So such a sender never writes by cross-memory attach.
-    """
-    if kv.device.type == "cpu" or not config.same_host:
-        return config
-    return replace(config, same_host=False)
 
 
 @dataclass(eq=False)
@@ -255,7 +242,8 @@ class KVSender:
         timeout = self.config.connect_timeout_s
         try:
             if self._transport is None:
-                self._transport = make_transport(transport_config(self.config, self.kv))
+                # (Which same-host writer, if any, follows the KV's memory: cma.same_host_path.)
+                self._transport = make_transport(self.config)
             conn = await self._transport.connect(peer.address)
             peer.conn = conn
             peer.hello_reply = loop.create_future()
@@ -296,7 +284,7 @@ class KVSender:
             if reply.rma.layer_bytes * self.compat.num_layers > reply.rma.length:
                 log.warning("ignoring a malformed KV region from %s", describe(peer.address))
             else:
-                peer.writer, peer.region = peer.conn.remote_writer(reply.rma), reply.rma
+                peer.writer, peer.region = peer.conn.remote_writer(reply.rma, self.spans.flat), reply.rma
                 if peer.writer is not None:
                     peer.hello_seq = reply.seq
         peer.refusal = reply.code or FailureReason.INCOMPATIBLE.value

@@ -67,7 +67,11 @@ class DataOp(Protocol):
 class RemoteWriter(Protocol):
     # True: ``put`` is a copy done when it returns, callable from any thread; ``flush`` is a check.
     synchronous: bool
-    # How it writes, for the metrics (``TransferMetrics.opened``): "puts" or "cross_memory".
+    # True: ``write_runs`` may be called on the forward thread right after the forward wrote (or, on
+    # CUDA, enqueued the writes of) a layer: a synchronous copy, or a copy ordered after those writes
+    # on the same CUDA stream (cuda_ipc.py). False: only on the event loop, once the layer is ready.
+    direct: bool
+    # How it writes, for the metrics (``TransferMetrics.opened``): "puts", "cross_memory" or "cuda_ipc".
     path: str
 
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
@@ -111,8 +115,9 @@ class Connection(Protocol):
     def close(self) -> None:
         """Close abruptly: pending operations fail, the peer sees the connection break."""
 
-    def remote_writer(self, region: RemoteRegion) -> RemoteWriter | None:
-        """Puts into the peer's exposed ``region``, or None when this connection cannot."""
+    def remote_writer(self, region: RemoteRegion, local: Buffer | None = None) -> RemoteWriter | None:
+        """Puts from ``local`` (this side's KV bytes, as ``KVSpans.flat``: it says which memory the
+        writes read) into the peer's exposed ``region``, or None when this connection cannot."""
 
 
 class Transport(Protocol):

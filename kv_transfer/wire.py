@@ -136,10 +136,12 @@ class RemoteRegion(msgspec.Struct, frozen=True):
     base: int  # the tensor's address in the receiver
     length: int  # bytes
     layer_bytes: int  # one layer's span of the tensor (its block count x block bytes)
-    # Host memory: the receiver's pid and host (transports/cma.py): a sender of the same host writes by
-    # cross-memory attach instead of through UCX. 0 / "": not offered (device memory, or switched off).
+    # The receiver's pid and host: a sender of the same host writes host memory by cross-memory attach
+    # (transports/cma.py) and, with ``cuda_ipc`` set, device memory by CUDA IPC (transports/cuda_ipc.py)
+    # instead of through UCX. 0 / "": not offered (switched off).
     pid: int = 0
     host: str = ""
+    cuda_ipc: bytes = b""  # device memory: the tensor's CUDA IPC export (cuda_ipc.export)
 
 
 class Open(msgspec.Struct, frozen=True, tag="open"):

@@ -12,15 +12,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
-from pdserve.kv_transfer.sender import transport_config
 from pdserve.kv_transfer.transports import cma
 from pdserve.kv_transfer.wire import RemoteRegion
 
@@ -158,14 +155,18 @@ def test_write_runs_reports_a_fault_after_the_runs_before_it_landed(child: Child
     writer.close()
 
 
-def test_a_sender_of_device_memory_never_writes_by_cross_memory_attach() -> None:
-    """process_vm_writev copies host memory: a sender whose KV is on a device (a CUDA prefill beside a
-    host-memory decode worker, which offers its pid) makes its transport with ``same_host`` off, so
-    ``remote_writer`` never picks cma.py. (A device-memory receiver offers no pid: ``UcxTransport.expose``.)
-    The meta device stands in for CUDA: only the device type matters."""
-    config = TransferConfig(same_host=True, rma=True)
-    assert transport_config(config, torch.zeros(1)) is config  # host memory: unchanged
-    device_kv = torch.empty(1, device="meta")
-    assert transport_config(config, device_kv) == replace(config, same_host=False)
-    off = replace(config, same_host=False)
-    assert transport_config(off, device_kv) is off
+def test_a_writer_of_its_own_follows_the_memory_on_both_sides() -> None:
+    """process_vm_writev copies host memory, CUDA IPC device memory: a sender whose KV is on a device
+    never writes by cross-memory attach (a CUDA prefill beside a host-memory decode worker, which offers
+    its pid), nor a host sender by CUDA IPC. The meta device stands in for CUDA: only the type matters."""
+    host_kv, device_kv = np.zeros(4, dtype=np.uint8), torch.empty(4, dtype=torch.uint8, device="meta")
+    host_region = RemoteRegion(key=b"k", base=1, length=4, layer_bytes=4, pid=7, host="h")
+    device_region = RemoteRegion(key=b"k", base=1, length=4, layer_bytes=4, pid=7, host="h", cuda_ipc=b"x")
+    assert cma.same_host_path(host_region, host_kv, True) == "cross_memory"
+    assert cma.same_host_path(host_region, torch.zeros(4, dtype=torch.uint8), True) == "cross_memory"
+    assert cma.same_host_path(host_region, None, True) == "cross_memory"
+    assert cma.same_host_path(host_region, device_kv, True) is None
+    assert cma.same_host_path(device_region, device_kv, True) == "cuda_ipc"
+    assert cma.same_host_path(device_region, host_kv, True) is None
+    assert cma.same_host_path(host_region, host_kv, False) is None  # switched off
+    assert cma.same_host_path(RemoteRegion(key=b"k", base=1, length=4, layer_bytes=4), host_kv, True) is None

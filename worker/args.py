@@ -65,7 +65,9 @@ class WorkerArgs:
     cluster_token: str = field(default="", repr=False)
     # UCX network devices for the KV transfer (``TransferConfig.interface``): "" derives them from ``host``.
     kv_interface: str = ""
-    kv_cross_memory: bool = True  # write a decode worker of this host by process_vm_writev (kv_transfer/cma)
+    # write a decode worker of this host by process_vm_writev (host memory: kv_transfer/transports/cma.py)
+    # or CUDA IPC (device memory: kv_transfer/transports/cuda_ipc.py) rather than through UCX
+    kv_cross_memory: bool = True
     # One-sided UCX puts for KV (KV_PUTS): auto where they are one-sided (RDMA, CUDA IPC), tagged messages on
     # plain tcp (TransferConfig.rma_over_tcp); always: puts over tcp too; never: tagged messages always.
     kv_puts: str = "auto"

@@ -121,7 +121,7 @@ class InprocConnection:
         self.owner.post_recv(op)
         return op
 
-    def remote_writer(self, region: Any) -> None:
+    def remote_writer(self, region: Any, local: Any = None) -> None:
         return None  # no one-sided writes here: transfers move as tagged data
 
     def close(self) -> None:

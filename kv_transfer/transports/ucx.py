@@ -68,8 +68,15 @@ from pdserve.kv_transfer.config import TransferConfig, apply_ucx_env
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
 from pdserve.kv_transfer.kvbuf import as_bytes
 from pdserve.kv_transfer.plan import MAX_TRANSFER_ID
-from pdserve.kv_transfer.transport import CloseHandler, Connection, DoneCallback, MessageHandler, describe
-from pdserve.kv_transfer.transports import cma, ucp_rma, ucp_tag
+from pdserve.kv_transfer.transport import (
+    CloseHandler,
+    Connection,
+    DoneCallback,
+    MessageHandler,
+    RemoteWriter,
+    describe,
+)
+from pdserve.kv_transfer.transports import cma, cuda_ipc, ucp_rma, ucp_tag
 from pdserve.kv_transfer.wire import RemoteRegion
 
 log = logging.getLogger(__name__)
@@ -239,6 +246,7 @@ class _RemoteWriter:
     """Puts on a connection's data endpoint into the peer's exposed region (event loop thread only)."""
 
     synchronous = False
+    direct = False
     path = "puts"
 
     def check(self) -> TransferError | None:
@@ -306,7 +314,7 @@ class UcxConnection:
         self.worker_handle = int(_runtime.worker.handle)
         # Prefill side, while connecting: the decode side's first (empty) frame resolves it.
         self.accepted: asyncio.Future[None] | None = None
-        self._writers: list[_RemoteWriter | cma.CmaWriter] = []
+        self._writers: list[RemoteWriter] = []
         ep.set_close_callback(self._close_callback)
 
     @property
@@ -443,16 +451,23 @@ class UcxConnection:
             return _FailedOp(self.loop, self.translate(exc), on_done)
         return _UcxOp(self, request, buf, on_done)
 
-    def remote_writer(self, region: RemoteRegion) -> _RemoteWriter | cma.CmaWriter | None:
+    def remote_writer(self, region: RemoteRegion, local: Any = None) -> RemoteWriter | None:
         if not self._alive:
             return None
-        writer: _RemoteWriter | cma.CmaWriter | None = None
-        if self._transport.same_host and region.pid:
+        writer: RemoteWriter | None = None
+        path = cma.same_host_path(region, local, self._transport.same_host)
+        if path == "cross_memory":
             try:
                 writer = cma.CmaWriter.open(region)
                 log.info("KV to %s: one-sided writes by cross-memory attach (pid %d)", self._peer, region.pid)
             except TransferError as exc:  # another host, or not permitted: UCX's puts instead
                 log.info("no cross-memory writes to %s (%s); UCX puts instead", self._peer, exc)
+        elif path == "cuda_ipc":
+            try:
+                writer = cuda_ipc.CudaIpcWriter.open(region, local)
+                log.info("KV to %s: one-sided writes by CUDA IPC (pid %d)", self._peer, region.pid)
+            except TransferError as exc:  # another host, another GPU set: UCX's puts instead
+                log.info("no CUDA IPC writes to %s (%s); UCX puts instead", self._peer, exc)
         if writer is None and not self._transport.rma_over_tcp:
             lanes = ucp_rma.endpoint_transports(self._ep_handle)
             if lanes and all(tl in _NO_RMA_HARDWARE for tl, _ in lanes):
@@ -548,7 +563,9 @@ class UcxTransport:
             log.warning("KV tensor not registered for one-sided writes (tagged transfers only): %s", exc)
             return None
         self._regions.append(reg)
-        local = self.same_host and kind == ucp_rma.MEMORY_TYPE_HOST
+        # One host: host memory by cross-memory attach, device memory by CUDA IPC (when exportable).
+        ipc = cuda_ipc.export(buf) if self.same_host and kind == ucp_rma.MEMORY_TYPE_CUDA else b""
+        local = self.same_host and (kind == ucp_rma.MEMORY_TYPE_HOST or bool(ipc))
         return RemoteRegion(
             key=reg.packed_rkey,
             base=reg.address,
@@ -556,6 +573,7 @@ class UcxTransport:
             layer_bytes=0,
             pid=os.getpid() if local else 0,
             host=cma.host_identity() if local else "",
+            cuda_ipc=ipc,
         )
 
     @property

@@ -1,0 +1,228 @@
+"""One-sided writes into another process's CUDA memory on one host, by CUDA IPC.
+
+The decode worker exports its KV tensor's allocation once (``export``: a CUDA IPC memory handle, as
+``torch.multiprocessing`` shares CUDA tensors, with the device's UUID) in the region it offers; a
+prefill worker of the same host opens it once per peer (:meth:`CudaIpcWriter.open`) and copies each
+layer's runs of blocks straight from its own KV tensor into the peer's with ``cudaMemcpyAsync``
+(device to device, or peer to peer across two GPUs), on its current CUDA stream.
+
+Why not UCX's ``cuda_ipc`` transport: measured on an H200 with UCX 1.21, a 1,024-token SmolLM2
+request put layer by layer through UCX took 1.99 ms (30 puts, then a flush), where the bytes alone
+are ~25 us of the GPU's copy bandwidth: UCX's per-operation cost (~45 us a message) dominated.
+
+Ordering, the point of it: a copy enqueued on the stream the forward runs on starts only after the
+forward's writes of that layer, so the forward thread issues each layer's copies the moment the layer is
+enqueued, without waiting for it (the handle's direct path), and never blocks. An event recorded after
+each call's copies is what ``flush`` waits for: every earlier copy on the stream has then finished, and
+the bytes are in the peer's memory.
+
+A peer that dies keeps its memory mapped here until this writer closes it (CUDA keeps an allocation
+alive while another process has it open), so a copy in flight at its death writes into memory no
+one reads; the writer reports the death (``check``, ``flush``: a pidfd, as cma.py) and the transfer
+fails. Offered only between two processes of one host (``RemoteRegion.host``); a handle cannot be
+opened in the process that made it, nor where the device (by UUID) is not visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+from pdserve.kv_transfer.transports.cma import host_identity
+from pdserve.kv_transfer.wire import RemoteRegion
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 20e-6  # how often ``flush`` re-checks its event
+
+
+class _Export(msgspec.Struct, array_like=True, frozen=True):
+    """What ``torch.multiprocessing`` sends for a CUDA storage, and where the tensor starts in it."""
+
+    device_uuid: str
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int  # elements (bytes: the tensor is uint8) into the storage
+    nbytes: int
+
+
+def _uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def export(buf: torch.Tensor) -> bytes:
+    """The CUDA IPC export of ``buf`` (a contiguous uint8 CUDA tensor), for ``RemoteRegion.cuda_ipc``;
+    b"" when this allocation cannot be shared (logged)."""
+    if buf.device.type != "cuda" or buf.dtype != torch.uint8 or not buf.is_contiguous():
+        return b""
+    try:
+        shared = buf.untyped_storage()._share_cuda_()
+        _, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync = shared
+        spec = _Export(
+            device_uuid=_uuid(buf.device),
+            handle=bytes(handle),
+            size_bytes=int(size_bytes),
+            offset_bytes=int(offset_bytes),
+            ref_counter_handle=bytes(ref_handle or b""),
+            ref_counter_offset=int(ref_offset or 0),
+            event_handle=bytes(event_handle or b""),
+            event_sync_required=bool(event_sync),
+            tensor_offset=int(buf.storage_offset()),
+            nbytes=buf.numel(),
+        )
+    except (RuntimeError, TypeError, ValueError) as exc:  # e.g. expandable segments: not shareable
+        log.warning("KV tensor not shareable by CUDA IPC (UCX moves it instead): %s", exc)
+        return b""
+    return msgspec.msgpack.encode(spec)
+
+
+def _local_device(uuid: str) -> torch.device | None:
+    for i in range(torch.cuda.device_count()):
+        if _uuid(torch.device("cuda", i)) == uuid:
+            return torch.device("cuda", i)
+    return None
+
+
+def _open_remote(spec: _Export, device: torch.device) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+        torch.Tensor, (spec.nbytes,), (1,), spec.tensor_offset, torch.UntypedStorage, torch.uint8,
+        device.index, spec.handle, spec.size_bytes, spec.offset_bytes, False, spec.ref_counter_handle,
+        spec.ref_counter_offset, spec.event_handle or None, spec.event_sync_required,
+    )  # fmt: skip
+
+
+class CudaIpcWriter:
+    """Copies into a peer process's KV tensor opened by CUDA IPC (module docstring).
+
+    ``write_runs`` may be called from any thread (the forward thread writes each layer itself:
+    handle.py); the copies go on that thread's current stream of the source's device, after the work
+    already there."""
+
+    synchronous = False
+    direct = True
+    path = "cuda_ipc"
+
+    def __init__(self, remote: torch.Tensor, local: torch.Tensor, pid: int, pidfd: int | None) -> None:
+        self._remote, self._local = remote, local
+        self._local_address = local.data_ptr()
+        self.length = remote.numel()
+        self._pid, self._pidfd = pid, pidfd
+        self._lock = threading.Lock()
+        self._last: torch.cuda.Event | None = None  # recorded after the latest call's copies
+        self._closed = False
+
+    @classmethod
+    def open(cls, region: RemoteRegion, local: Any) -> CudaIpcWriter:
+        """A writer from ``local`` (this process's KV bytes, a uint8 CUDA tensor) into ``region``, or
+        TransferError saying why not (the caller falls back to UCX)."""
+        if not region.cuda_ipc:
+            raise TransferError("the peer offers no CUDA IPC export")
+        if not isinstance(local, torch.Tensor) or local.device.type != "cuda":
+            raise TransferError("CUDA IPC copies from device memory only")
+        if not region.pid or not region.host or region.host != host_identity():
+            raise TransferError("the peer is not a process of this host")
+        if region.pid == os.getpid():
+            raise TransferError("a CUDA IPC handle cannot be opened by the process that made it")
+        try:
+            spec = msgspec.msgpack.decode(region.cuda_ipc, type=_Export)
+        except msgspec.DecodeError as exc:
+            raise TransferError(f"malformed CUDA IPC export: {exc}") from exc
+        if spec.nbytes != region.length:
+            raise TransferError(f"CUDA IPC export of {spec.nbytes} bytes for a {region.length}-byte region")
+        device = _local_device(spec.device_uuid)
+        if device is None:
+            raise TransferError(f"the peer's GPU {spec.device_uuid} is not visible here")
+        try:
+            pidfd: int | None = os.pidfd_open(region.pid)
+        except AttributeError:
+            pidfd = None
+        except OSError as exc:
+            raise PeerDiedError(f"peer process {region.pid}: {os.strerror(exc.errno or 0)}") from exc
+        try:
+            with torch.cuda.device(device):
+                remote = _open_remote(spec, device)
+        except RuntimeError as exc:
+            if pidfd is not None:
+                os.close(pidfd)
+            raise TransferError(f"opening the peer's CUDA IPC handle: {exc}") from exc
+        return cls(remote, local, region.pid, pidfd)
+
+    def _alive(self) -> bool:
+        if self._closed:
+            return False
+        if self._pidfd is None:
+            return True
+        try:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)  # a pidfd reads ready once it exits
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Enqueue a copy of each run ``(source, destination, nbytes)``: from ``local + source`` (an
+        address inside this writer's local tensor) to ``offset + destination`` bytes into the region."""
+        base = local - self._local_address
+        for src, dst, nbytes in runs:
+            if offset + dst < 0 or offset + dst + nbytes > self.length:
+                raise ValueError(
+                    f"a run of {nbytes} bytes at {offset + dst} is outside the {self.length}-byte region"
+                )
+            if base + src < 0 or base + src + nbytes > self._local.numel():
+                raise ValueError(f"a run of {nbytes} bytes at {base + src} is outside the local tensor")
+        if not self._alive():
+            raise PeerDiedError(f"peer process {self._pid} has exited")
+        with torch.cuda.device(self._local.device):
+            for src, dst, nbytes in runs:
+                a, b = offset + dst, base + src
+                self._remote[a : a + nbytes].copy_(self._local[b : b + nbytes], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            self._last = event
+
+    def check(self) -> TransferError | None:
+        """Whether the peer is still there (the copies' own state: ``flush``)."""
+        return None if self._alive() else PeerDiedError(f"peer process {self._pid} has exited")
+
+    def flush(self, on_done: Callable[[TransferError | None], None]) -> None:
+        """``on_done`` on the loop once every copy enqueued so far has finished."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            event = self._last
+
+        def poll() -> None:
+            if event is None or event.query():
+                on_done(self.check())
+            else:
+                loop.call_later(_POLL_S, poll)
+
+        loop.call_soon(poll)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            event = self._last
+        if event is not None:
+            event.synchronize()  # no copy into the mapping is in flight when it goes
+        self._remote = torch.empty(0, dtype=torch.uint8)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
