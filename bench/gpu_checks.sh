@@ -59,8 +59,8 @@ for stage in "${STAGES[@]}"; do
     tail -n 40 "$OUT/engine-full.log"
     ;;
   kv)
-    run_stage kv 120 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda \
-      --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda.json"
+    run_stage kv 150 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda,cuda_ipc \
+      --modes rma --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda.json"
     tail -n 40 "$OUT/kv.log"
     ;;
   micro)

@@ -55,7 +55,9 @@ error-handled tcp endpoint), and the raw baseline moves its data on a UCX
 shared-memory endpoint without error handling (cma/sysv), the fastest UCX
 offers on one host and what pdserve gave up because a peer's death on it
 aborts the process. ``cuda`` (``--device cuda``, its default) is ``UCX_TLS=tcp,cuda_copy,cuda_ipc,sm,self``
-with ``same_host`` off (cross-memory attach copies host memory only): whatever UCX picks for device memory.
+with ``same_host`` off: whatever UCX picks for device memory. ``cuda_ipc`` is the same with ``same_host``
+on: pdserve's RMA writes go by CUDA IPC (transports/cuda_ipc.py), and the raw baseline moves its data
+on an endpoint without error handling, as ``shm``'s.
 
 ``--device cuda``: both processes hold the KV tensor and the raw buffers on GPU 0 (the report's ``device``
 names it), each making its CUDA context before ucxx starts. Each row's ``path`` says how pdserve's KV moved
@@ -102,9 +104,10 @@ TRANSPORTS: dict[str, tuple[str, bool]] = {
     "tcp": ("tcp", False),
     "shm": ("tcp,sm,self", True),
     "cuda": ("tcp,cuda_copy,cuda_ipc,sm,self", False),  # no cuda_copy: ucxx refuses CUDA buffers
+    "cuda_ipc": ("tcp,cuda_copy,cuda_ipc,sm,self", True),
 }
 # The device each transport moves KV in; --device picks the transports that may run.
-TRANSPORT_DEVICE = {"tcp": "cpu", "shm": "cpu", "cuda": "cuda"}
+TRANSPORT_DEVICE = {"tcp": "cpu", "shm": "cpu", "cuda": "cuda", "cuda_ipc": "cuda"}
 DEVICES = ("cpu", "cuda")
 MODES = ("rma", "tagged")
 
@@ -355,7 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--transports",
         default=None,
-        help="comma list of: " + ",".join(TRANSPORTS) + " (default: tcp,shm; with --device cuda: cuda)",
+        help="comma list of: "
+        + ",".join(TRANSPORTS)
+        + " (default: tcp,shm; with --device cuda: cuda,cuda_ipc)",
     )
     parser.add_argument(
         "--device", choices=DEVICES, default="cpu", help="where both processes hold KV and raw buffers"

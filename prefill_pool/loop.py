@@ -3,7 +3,8 @@
 
 A request's stages here (``scheduler.Stage`` names the queue states):
 
-    submitted (``PrefillLoop.submit``: prompt, sampling, the decode worker's transfer ticket)
+    submitted (``PrefillLoop.submit``: prompt, sampling, the decode worker's transfer ticket
+    or none yet)
     -> queued -> scheduled into a forward under the token budget (blocks allocated)
     -> transfer opened (endpoint cached per decode worker; the handshake checks
        protocol version and compatibility hash before any data moves)
@@ -12,6 +13,12 @@ A request's stages here (``scheduler.Stage`` names the queue states):
     -> first token sampled -> the request's future resolves AT ONCE (TTFT does
        not wait for decode) -> completion (carrying the first token) sent to the
        decode worker -> blocks freed when the transfer ends.
+    Without a ticket at its forward (the router starts the prefill while the decode worker
+    is still handing one out, so that its round trip is off TTFT's path): the forward runs,
+    the first token is answered, and the KV waits in this worker's blocks for ``attach``;
+    then the transfer opens and every layer goes at once. No ticket within
+    ``TICKET_WAIT_S`` (or the request's deadline), or ``attach(None)`` (the router gave
+    the request up): the blocks are freed.
     ``give_up`` (the router's RPC cancelled, deadline) or a failed transfer at any
     stage: the transfer is aborted (the decode worker frees its reservation) and
     this worker's blocks are freed.
@@ -50,11 +57,20 @@ class _BatchCancelled(Exception):
     """Raised from the layer hook to stop a forward whose every request was cancelled."""
 
 
+# How long the KV of a prefill sent without a ticket waits for ``attach`` at most (the router sends the
+# ticket as soon as the decode worker hands it out, or gives the request up).
+TICKET_WAIT_S = 30.0
+_EARLY_TICKETS = 1024  # tickets attached before their Prefill arrived, kept at most
+_EARLY_TICKET_S = 5.0  # and for at most this long (the Prefill call was sent first)
+
+
 @dataclass(eq=False)
 class _Req:
     params: SamplingParams
-    ticket: TransferTicket
+    ticket: TransferTicket | None  # None: until ``attach``
     result: asyncio.Future[tuple[int, float]]  # (first token, forward seconds)
+    ticket_by: float = 0.0  # loop time after which a missing ticket frees the blocks
+    attached: asyncio.Future[TransferTicket | None] | None = None  # ticket None at submit: attach sets it
     handle: SenderHandle | None = None
     cancelled: bool = False
 
@@ -82,6 +98,8 @@ class PrefillLoop:
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None  # why the loop stopped, if it did
+        self._awaiting: dict[Hashable, PrefillJob] = {}  # jobs submitted without a ticket, by request id
+        self._early: dict[Hashable, tuple[TransferTicket, float]] = {}  # attached before their submit
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -112,25 +130,74 @@ class PrefillLoop:
             await asyncio.wait(self._background, timeout=10)
 
     def submit(
-        self, request_id: Hashable, prompt: list[int], params: SamplingParams, ticket: TransferTicket
+        self,
+        request_id: Hashable,
+        prompt: list[int],
+        params: SamplingParams,
+        ticket: TransferTicket | None,
+        deadline: float | None = None,
     ) -> tuple[PrefillJob, asyncio.Future[tuple[int, float]]]:
         """Queue a prompt; the future gives (first token, forward seconds) or the error that ended it.
+        ``ticket`` None: it comes later by ``attach`` (module docstring); ``deadline`` (loop time) bounds
+        that wait.
 
         Raises ValueError (nothing queued) when the prompt can never fit this worker's cache.
         """
         if self.failure is not None:
             raise RuntimeError(f"prefill loop stopped: {self.failure!r}")
+        loop = asyncio.get_running_loop()
         job = PrefillJob(request_id, prompt)
         self.sched.add(job)
-        req = _Req(params, ticket, asyncio.get_running_loop().create_future())
+        req = _Req(params, ticket, loop.create_future())
         job.payload = req
+        if ticket is None:
+            req.attached = loop.create_future()
+            by = loop.time() + TICKET_WAIT_S
+            req.ticket_by = by if deadline is None else min(by, deadline)
+            early = self._early.pop(request_id, None)
+            if early is not None:
+                self._take(job, early[0])
+            else:
+                self._awaiting[request_id] = job
         self._wake.set()
         return job, req.result
+
+    def attach(self, request_id: Hashable, ticket: TransferTicket | None) -> None:
+        """The ticket of a request submitted without one (None: the router gave it up). A ticket for
+        a request not submitted yet (its Prefill call still on the way) waits for it a while."""
+        job = self._awaiting.pop(request_id, None)
+        if job is not None:
+            self._take(job, ticket)
+            return
+        if ticket is None:  # nothing here to give up (a retry of the request must not inherit it)
+            return
+        now = asyncio.get_running_loop().time()
+        for rid in [r for r, (_, by) in self._early.items() if by < now]:
+            del self._early[rid]
+        if len(self._early) < _EARLY_TICKETS:
+            self._early[request_id] = (ticket, now + _EARLY_TICKET_S)
+
+    def _take(self, job: PrefillJob, ticket: TransferTicket | None) -> None:
+        req: _Req = job.payload
+        if ticket is not None and ticket.num_tokens != job.num_tokens:
+            self.give_up(job, "its ticket does not fit the prompt")
+            raise ValueError(f"ticket reserves {ticket.num_tokens} tokens for a prompt of {job.num_tokens}")
+        assert req.attached is not None
+        if ticket is None:
+            self.give_up(job, "given up by the router before its ticket")
+            return
+        req.ticket = ticket
+        if not req.attached.done():
+            req.attached.set_result(ticket)
 
     def give_up(self, job: PrefillJob, reason: str) -> None:
         """The router no longer wants the result. Blocks are freed by whoever holds the job now."""
         req: _Req = job.payload
         req.cancelled = True
+        if self._awaiting.get(job.request_id) is job:
+            del self._awaiting[job.request_id]
+        if req.attached is not None and not req.attached.done():
+            req.attached.set_result(None)  # a forward done and waiting for its ticket stops waiting
         if job.stage is Stage.QUEUED:
             self.sched.cancel(job)  # no blocks, no transfer yet
             return
@@ -159,14 +226,19 @@ class PrefillLoop:
             if req.handle is not None:
                 await req.handle.abort("error")
         finally:
+            if self._awaiting.get(job.request_id) is job:
+                del self._awaiting[job.request_id]
             self.sched.finish(job)
             self._wake.set()
 
+    async def _open_ticketed(self, job: PrefillJob) -> SenderHandle | None:
+        ticket = job.payload.ticket
+        return None if ticket is None else await self.sender.open(ticket, job.block_table)
+
     async def _open(self, batch: list[PrefillJob]) -> list[PrefillJob]:
-        """Open every job's transfer (handshake per new peer); jobs that fail are answered and freed."""
-        opened = await asyncio.gather(
-            *(self.sender.open(j.payload.ticket, j.block_table) for j in batch), return_exceptions=True
-        )
+        """Open the transfer of every job that has its ticket (handshake per new peer); jobs that fail
+        are answered and freed. A job still without a ticket runs its forward without a transfer."""
+        opened = await asyncio.gather(*(self._open_ticketed(j) for j in batch), return_exceptions=True)
         live = []
         for job, h in zip(batch, opened, strict=True):
             req: _Req = job.payload
@@ -182,6 +254,35 @@ class PrefillLoop:
             live.append(job)
         return live
 
+    async def _transfer_later(self, job: PrefillJob, first: int) -> None:
+        """A job whose forward ran before its ticket came: wait for it, then move every layer at once."""
+        req: _Req = job.payload
+        assert req.attached is not None
+        loop = asyncio.get_running_loop()
+        ticket: TransferTicket | None = None
+        try:
+            async with asyncio.timeout_at(req.ticket_by):
+                ticket = await req.attached
+        except TimeoutError:
+            log.warning(
+                "request %s: no ticket within %.0f s; its KV is dropped", job.request_id, TICKET_WAIT_S
+            )
+        if self._awaiting.get(job.request_id) is job:
+            del self._awaiting[job.request_id]
+        if ticket is None or req.cancelled:
+            await self._finish(job, None)
+            return
+        try:
+            req.handle = await self.sender.open(ticket, job.block_table)
+        except Exception as e:  # noqa: BLE001 - the decode worker learns by its reservation's end
+            log.warning("request %s: transfer did not open: %r", job.request_id, e)
+            await self._finish(job, None)
+            return
+        handle = req.handle
+        # Off the loop: a same-host writer copies on the calling thread (cma.py, cuda_ipc.py).
+        await loop.run_in_executor(None, lambda: [handle.push_layer(i) for i in range(handle.num_layers)])
+        await self._finish(job, first)
+
     async def _loop(self) -> None:
         """Forever: take a batch under the budget, open its transfers, run the forward, hand out tokens."""
         while True:
@@ -193,7 +294,7 @@ class PrefillLoop:
             live = await self._open(batch)
             if not live:
                 continue
-            handles = [j.payload.handle for j in live]
+            handles = [j.payload.handle for j in live if j.payload.handle is not None]
             items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
 
             def hook(
@@ -236,4 +337,7 @@ class PrefillLoop:
                     continue
                 # Answer the router first (TTFT), then complete the transfer in the background.
                 req.result.set_result((int(tok), dt))
-                self._spawn(self._finish(j, int(tok)))
+                if req.handle is None:  # its ticket has not come yet
+                    self._spawn(self._transfer_later(j, int(tok)))
+                else:
+                    self._spawn(self._finish(j, int(tok)))

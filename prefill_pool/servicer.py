@@ -86,10 +86,18 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                 max_model_len=loop.runner.config.max_position_embeddings,
                 name="prompt_token_ids",
             )
-            ticket = TransferTicket.decode(request.transfer_ticket)
-            if ticket.num_tokens != len(prompt):
-                raise ValueError(f"ticket reserves {ticket.num_tokens} tokens for a prompt of {len(prompt)}")
-            job, result = loop.submit(rid, prompt, params, ticket)  # ValueError: can never fit the cache
+            ticket = None  # empty: AttachTicket brings it (the router did not wait for the decode worker)
+            if request.transfer_ticket:
+                ticket = TransferTicket.decode(request.transfer_ticket)
+                if ticket.num_tokens != len(prompt):
+                    raise ValueError(
+                        f"ticket reserves {ticket.num_tokens} tokens for a prompt of {len(prompt)}"
+                    )
+            deadline = None
+            if request.deadline_unix > 0:
+                deadline = asyncio.get_running_loop().time() + request.deadline_unix - time.time()
+            # ValueError: can never fit the cache
+            job, result = loop.submit(rid, prompt, params, ticket, deadline=deadline)
         except (ValueError, IncompatibleError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:  # the prefill loop stopped: another prefill worker should take it
@@ -114,6 +122,19 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         return worker_pb2.PrefillResponse(
             first_token_id=first, prefill_seconds=forward_s, first_token_unix=time.time()
         )
+
+    async def AttachTicket(self, request: worker_pb2.AttachTicketRequest, context) -> worker_pb2.Empty:  # noqa: N802
+        """The ticket of a Prefill sent without one (empty: the router gave the request up)."""
+        loop = self.loop
+        if loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is still loading")
+        assert loop is not None
+        try:
+            ticket = TransferTicket.decode(request.transfer_ticket) if request.transfer_ticket else None
+            loop.attach(request.request_id, ticket)
+        except (ValueError, IncompatibleError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return worker_pb2.Empty()
 
 
 class PrefillPool:

@@ -87,6 +87,14 @@ class PrefillRequest(_message.Message):
     deadline_unix: float
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_ticket: _Optional[bytes] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
 
+class AttachTicketRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_ticket")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_ticket: bytes
+    def __init__(self, request_id: _Optional[str] = ..., transfer_ticket: _Optional[bytes] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

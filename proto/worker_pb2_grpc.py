@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.AttachTicket = channel.unary_unary(
+                '/pdserve.internal.v1.Worker/AttachTicket',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.AttachTicketRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.internal.v1.Worker/GetLoad',
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
@@ -66,6 +71,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachTicket(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,6 +106,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=pdserve_dot_proto_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'AttachTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachTicket,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.AttachTicketRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -161,6 +177,33 @@ class Worker:
             '/pdserve.internal.v1.Worker/Prefill',
             pdserve_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
             pdserve_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.Worker/AttachTicket',
+            pdserve_dot_proto_dot_worker__pb2.AttachTicketRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,10 +14,10 @@ stream goes on with no gap and no duplicate.
 local route (the decode or colocated worker prefills):
     D.Generate(mode=LOCAL) -> relay D's messages
 remote route:
-    D.Generate(mode=REMOTE) -> read D's first message (the KV transfer ticket)
-    -> P.Prefill(ticket) while still reading D -> P's first token goes to the
-    client at once (TTFT does not wait for decode) -> relay D's messages,
-    skipping tokens already sent (D's messages carry ``first_index``).
+    D.Generate(mode=REMOTE) and P.Prefill (no ticket) at once -> D's first message
+    (the KV transfer ticket) to P by P.AttachTicket -> P's first token goes to the
+    client at once (TTFT waits neither for decode nor for D's ticket) -> relay D's
+    messages, skipping tokens already sent (D's messages carry ``first_index``).
 
 Every token goes through the request's ``Detokenizer``; a stop string ends the
 client stream with "stop" and cancels the worker calls. Whatever ends the
@@ -281,61 +281,76 @@ class Relay:
         timeout: float | None,
         deadline_unix: float,
     ) -> tuple[bool, asyncio.Future | None]:
-        """Ticket from D, prefill on P, P's first token to the client.
+        """Prefill on P and the ticket from D at once, P's first token to the client.
 
-        Returns (finished, D's pending read to continue with). D is read while
-        P prefills: D dying then fails the request at once rather than after
-        the prefill, and tokens D sends before P's answer arrives are relayed.
+        P's prefill starts without waiting for D's ticket (a round trip off TTFT's path): D's first
+        message, the ticket, goes to P by ``AttachTicket`` as soon as it comes, and P holds the KV
+        until it has it. Returns (finished, D's pending read to continue with) once P answered and
+        took the ticket. D is read all along: D dying fails the request at once, and tokens D sends
+        before P's answer arrives are relayed. Should the request end before P took a ticket, P is
+        told to drop the KV (an empty ticket).
         """
         route = job.route
         assert route is not None and route.prefill is not None
         d, p = route.decode, route.prefill
-        try:
-            first = await dcall.read()
-        except grpc.aio.AioRpcError as e:
-            raise self._worker_error(job, d, "decode", e) from None
-        except asyncio.CancelledError:
-            if job.failure is not None and not _cancelling():
-                raise RelayError.of(job.failure) from None
-            raise
-        if first is _EOF:
-            raise RelayError(grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a ticket")
-        if first.finish_reason:  # D ended the request before any prefill (e.g. aborted)
-            await self._deliver(out, first.token_ids, first.first_index, first.finish_reason, write)
-            return True, None
-        if not first.transfer_ticket:
-            raise RelayError(grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} sent no transfer ticket")
+        stub, meta = self._channels.stub(p.address), self._channels.metadata(prep.request_id)
         preq = worker_pb2.PrefillRequest(
             request_id=prep.request_id,
             prompt_token_ids=prep.prompt_token_ids,
             sampling=prep.sampling,
-            transfer_ticket=first.transfer_ticket,
             deadline_unix=deadline_unix,
         )
-        pcall = self._channels.stub(p.address).Prefill(
-            preq, timeout=timeout, metadata=self._channels.metadata(prep.request_id)
-        )
+        pcall = stub.Prefill(preq, timeout=timeout, metadata=meta)
         job.calls.append(pcall)
-        p_task: asyncio.Future = asyncio.ensure_future(pcall)
+        p_task: asyncio.Future | None = asyncio.ensure_future(pcall)
         read: asyncio.Future | None = asyncio.ensure_future(dcall.read())
+        attach: asyncio.Future | None = None  # P's AttachTicket call, once D's ticket came
+        attached = answered = False
         try:
             while True:
-                waiting = (p_task,) if read is None else (p_task, read)
+                waiting = tuple(t for t in (p_task, read, attach) if t is not None)
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if read is not None and read.done():
                     m = self._outcome(read, job, d, "decode")
                     read = None
-                    job.prefill_pending = False
-                    if m is _EOF:
-                        raise RelayError(
-                            grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
+                    if attach is None:  # D's first message: the ticket
+                        if m is _EOF:
+                            raise RelayError(
+                                grpc.StatusCode.INTERNAL,
+                                f"decode worker {d.worker_id} ended without a ticket",
+                            )
+                        if m.finish_reason:  # D ended the request before any prefill (e.g. aborted)
+                            await self._deliver(out, m.token_ids, m.first_index, m.finish_reason, write)
+                            return True, None
+                        if not m.transfer_ticket:
+                            raise RelayError(
+                                grpc.StatusCode.INTERNAL,
+                                f"decode worker {d.worker_id} sent no transfer ticket",
+                            )
+                        areq = worker_pb2.AttachTicketRequest(
+                            request_id=prep.request_id, transfer_ticket=m.transfer_ticket
                         )
-                    if await self._deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
-                        return True, None
-                if p_task.done():
+                        acall = stub.AttachTicket(areq, timeout=timeout, metadata=meta)
+                        job.calls.append(acall)
+                        attach = asyncio.ensure_future(acall)
+                    else:
+                        job.prefill_pending = False
+                        if m is _EOF:
+                            raise RelayError(
+                                grpc.StatusCode.INTERNAL,
+                                f"decode worker {d.worker_id} ended without a finish",
+                            )
+                        if await self._deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+                            return True, None
+                if attach is not None and not attached and attach.done():
+                    self._outcome(attach, job, p, "prefill")  # a refused ticket fails the request
+                    attached = True
+                if p_task is not None and p_task.done():
+                    task, p_task = p_task, None
                     self._release_prefill(job)
+                    answered = True
                     try:
-                        resp = self._outcome(p_task, job, p, "prefill")
+                        resp = self._outcome(task, job, p, "prefill")
                     except RelayError:
                         # Once D streams, all KV has arrived: a late prefill failure changes nothing.
                         if out.detok.count == 0:
@@ -346,14 +361,33 @@ class Relay:
                         tok = resp.first_token_id
                         if await self._deliver(out, (tok,), 0, self._first_token_finish(prep, tok), write):
                             return True, None
+                if answered and attached:
                     return False, read
-                if read is None:
+                if read is None and attach is not None:
                     read = asyncio.ensure_future(dcall.read())
         except BaseException:
-            p_task.cancel()
-            if read is not None:
-                read.cancel()
+            for t in (p_task, read, attach):
+                if t is not None:
+                    t.cancel()
             raise
+        finally:
+            if not attached:
+                self._drop_prefill(p, prep.request_id)
+
+    def _drop_prefill(self, p: Worker, request_id: str) -> None:
+        """Tell P to free the KV of a prefill that will get no ticket (fire and forget: P also drops it
+        after ``TICKET_WAIT_S``)."""
+        call = self._channels.stub(p.address).AttachTicket(
+            worker_pb2.AttachTicketRequest(request_id=request_id),
+            timeout=5.0,
+            metadata=self._channels.metadata(request_id),
+        )
+
+        def done(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # retrieved: P gone or loading is fine here
+
+        asyncio.ensure_future(call).add_done_callback(done)
 
     def _first_token_finish(self, prep: Prepared, token_id: int) -> str:
         """The engine's token-level stop check for output 0, so the router can end the request at once."""

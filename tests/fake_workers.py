@@ -127,6 +127,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.release = asyncio.Event()
         self.decode_gate: asyncio.Event | None = None  # remote mode: streaming waits for this too
         self.prefill_gate: asyncio.Event | None = None
+        self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
+        self.attached: list[tuple[str, bytes]] = []  # AttachTicket calls: (request id, ticket or b"")
         self.requests: list[worker_pb2.WorkerGenerateRequest | worker_pb2.PrefillRequest] = []
         self.metadata_ids: list[str] = []  # the x-request-id metadata of each call, in order
         self.timeouts: list[float | None] = []
@@ -200,7 +202,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         try:
             if self.prefill_gate is not None:
                 await self.prefill_gate.wait()
-            if self.transfers is not None:
+            if self.transfers is not None and request.transfer_ticket:
                 self.transfers.event(request.transfer_ticket).set()
             if self.prefill_metrics is not None:
                 self.prefill_metrics.observe_prefill(1e-4, len(request.prompt_token_ids))
@@ -217,6 +219,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             raise
         finally:
             self.active.discard(request.request_id)
+
+    async def AttachTicket(self, request, context):
+        """The ticket of a Prefill sent without one (empty: dropped); moves the fake's "transfer"."""
+        self.attached.append((request.request_id, request.transfer_ticket))
+        self._note()
+        if self.attach_gate is not None:
+            await self.attach_gate.wait()
+        if self.transfers is not None and request.transfer_ticket:
+            self.transfers.event(request.transfer_ticket).set()
+        return worker_pb2.Empty()
 
     async def GetLoad(self, request, context):
         return self.load()

@@ -60,7 +60,7 @@ def test_host_transports_are_refused_on_cuda(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     err = _error(capsys, ["--device", "cuda", "--transports", "tcp,shm"])
-    assert "transports tcp,shm do not move cuda memory (with --device cuda: cuda)" in err
+    assert "transports tcp,shm do not move cuda memory (with --device cuda: cuda,cuda_ipc)" in err
     assert not runs
 
 
@@ -76,7 +76,7 @@ def test_each_device_gets_its_transports_by_default(
     ucx_env, tokens, modes, device = runs[-1]["args"]
     assert (tokens, modes, device) == ((256, 1024, 4096), ("rma", "tagged"), "cuda")
     bench.main(["--device", "cuda"])
-    assert runs[-1]["transports"] == ["cuda"]
+    assert runs[-1]["transports"] == ["cuda", "cuda_ipc"]
     assert json.loads(capsys.readouterr().out.split("\n}\n")[0] + "}")["bit_exact"] == [{"ok": True}]
 
 
@@ -102,6 +102,8 @@ def test_every_transport_names_its_device() -> None:
     tls, same_host = bench.TRANSPORTS["cuda"]
     # ucxx refuses CUDA buffers without cuda_copy; cross-memory attach cannot write device memory.
     assert {"cuda_copy", "cuda_ipc"} <= set(tls.split(",")) and not same_host
+    tls, same_host = bench.TRANSPORTS["cuda_ipc"]  # pdserve's writes by CUDA IPC on one host
+    assert {"cuda_copy", "cuda_ipc"} <= set(tls.split(",")) and same_host
 
 
 def test_peer_spec_takes_only_known_devices() -> None:

@@ -280,7 +280,10 @@ def test_remote_route_sends_prefill_first_token_before_decode_streams(model_dir)
             assert list(first.token_ids) == out[:1] and first.text == "hello"
             assert not d.started  # decode had not begun: the token came from the prefill result
             prefill = next(r for r in p.requests if isinstance(r, worker_pb2.PrefillRequest))
-            assert prefill.transfer_ticket == f"ticket:{first.request_id}".encode()
+            # The prefill started without waiting for D's ticket, which followed by AttachTicket.
+            assert not prefill.transfer_ticket
+            await p.wait_for(lambda: p.attached)
+            assert p.attached == [(first.request_id, f"ticket:{first.request_id}".encode())]
             assert d.requests[0].mode == worker_pb2.PREFILL_MODE_REMOTE
             d.decode_gate.set()
             tokens, text, msgs = await collect(call)

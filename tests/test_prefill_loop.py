@@ -1,0 +1,136 @@
+"""The prefill loop with a prefill sent before its ticket (the router does not wait for the decode worker):
+the first token comes at once, the KV waits in the worker's blocks for ``attach``, then moves whole; a
+ticket given up, never coming, or not fitting frees the blocks. A real runner (tiny model, CPU) and a
+recording stand-in for the KV sender."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.params import SamplingParams
+from pdserve.prefill_pool import loop as loop_mod
+from pdserve.prefill_pool.loop import PrefillLoop
+from pdserve.prefill_pool.metrics import PrefillMetrics
+
+PROMPT = list(range(5, 40))
+
+
+class _Handle:
+    def __init__(self, sender: _Sender, ticket, blocks) -> None:  # type: ignore[no-untyped-def]
+        self.sender, self.ticket, self.blocks = sender, ticket, list(blocks)
+        self.num_layers = sender.num_layers
+        self.pushed: list[int] = []
+        self.completed: int | None = None
+        self.aborted: str | None = None
+
+    def push_layer(self, layer: int) -> None:
+        self.pushed.append(layer)
+
+    async def complete(self, first: int) -> None:
+        assert self.pushed == list(range(self.num_layers)), "completed before every layer was pushed"
+        self.completed = first
+
+    async def abort(self, reason: str) -> None:
+        self.aborted = reason
+
+
+class _Sender:
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.handles: list[_Handle] = []
+
+    async def open(self, ticket, blocks) -> _Handle:  # type: ignore[no-untyped-def]
+        h = _Handle(self, ticket, blocks)
+        self.handles.append(h)
+        return h
+
+
+def _ticket(n: int = len(PROMPT)) -> SimpleNamespace:
+    return SimpleNamespace(num_tokens=n)
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir) -> ModelRunner:  # type: ignore[no-untyped-def]
+    return ModelRunner(tiny_llama_dir, block_size=4, num_blocks=64)
+
+
+def _loop(runner: ModelRunner) -> tuple[PrefillLoop, _Sender]:
+    sender = _Sender(runner.config.num_layers)
+    loop = PrefillLoop(runner, runner.sampler(()), sender, 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    loop.start()
+    return loop, sender
+
+
+def _used(loop: PrefillLoop) -> int:
+    return loop.sched.block_manager.num_used
+
+
+def test_the_first_token_comes_before_the_ticket_and_the_kv_moves_whole_after(runner: ModelRunner) -> None:
+    async def main() -> None:
+        loop, sender = _loop(runner)
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        _, result = loop.submit("r", PROMPT, params, None)
+        first, _ = await asyncio.wait_for(result, 30)  # answered with no ticket anywhere
+        assert sender.handles == [] and _used(loop) > 0  # the KV waits in this worker's blocks
+        ticket = _ticket()
+        loop.attach("r", ticket)  # type: ignore[arg-type]
+        await _until(lambda: sender.handles and sender.handles[0].completed is not None)
+        h = sender.handles[0]
+        assert h.ticket is ticket and h.completed == first and h.pushed == list(range(h.num_layers))
+        await _until(lambda: _used(loop) == 0)
+        # The same prompt with its ticket at submit: the same token, the layers pushed by the forward.
+        _, result = loop.submit("s", PROMPT, params, _ticket())  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(result, 30))[0] == first
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+def test_a_ticket_before_its_prefill_is_kept_for_it(runner: ModelRunner) -> None:
+    async def main() -> None:
+        loop, sender = _loop(runner)
+        loop.attach("early", _ticket())  # type: ignore[arg-type]
+        loop.attach("nobody", None)  # a drop for a request not here: nothing kept
+        assert list(loop._early) == ["early"]
+        _, result = loop.submit("early", PROMPT, SamplingParams(temperature=0.0), None)
+        await asyncio.wait_for(result, 30)
+        await _until(lambda: sender.handles and sender.handles[0].completed is not None)
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["dropped", "never", "misfit"])
+def test_kv_whose_ticket_does_not_come_is_freed(
+    runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    monkeypatch.setattr(loop_mod, "TICKET_WAIT_S", 0.3)
+
+    async def main() -> None:
+        loop, sender = _loop(runner)
+        _, result = loop.submit("r", PROMPT, SamplingParams(temperature=0.0), None)
+        await asyncio.wait_for(result, 30)
+        assert _used(loop) > 0
+        if how == "dropped":
+            loop.attach("r", None)  # the router gave the request up
+        elif how == "misfit":
+            with pytest.raises(ValueError, match="ticket reserves 3 tokens"):
+                loop.attach("r", _ticket(3))  # type: ignore[arg-type]
+        await _until(lambda: _used(loop) == 0)  # "never": after TICKET_WAIT_S
+        assert sender.handles == []
+        await loop.close()
+
+    asyncio.run(main())
