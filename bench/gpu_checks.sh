@@ -4,7 +4,8 @@
 #   ../shared/device/fetch-wheels.sh all          # here, once: .whl/ (ignored by git)
 #   bash bench/gpu_checks.sh [STAGE ...]          # there, from the project root (device tool: OUT is set)
 #
-# Stages (default: env tests engine): env, tests, micro, engine, engine-full, profile, kv, kvtests, cluster. Each runs under its own
+# Stages (default: env tests engine): env, tests, micro, engine, engine-full, profile, kv, kvipc, kvtests,
+# cluster. Each runs under its own
 # time limit, never past DEADLINE_S seconds from the start (default 540), and writes $OUT/<stage>.log;
 # a stage that fails or times out does not stop the next. The engine benchmark logs each row as it
 # finishes, so a row measured before a time limit is in the log even when the JSON is not written.
@@ -71,8 +72,14 @@ for stage in "${STAGES[@]}"; do
     run_stage profile 120 python3 -m pdserve.bench.gpu_profile --batches 1,32,256
     tail -n 20 "$OUT/profile.log"
     ;;
+  kvipc)
+    # The one-host CUDA IPC rows alone (the transfer's acceptance rows).
+    run_stage kvipc 90 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda_ipc \
+      --modes rma --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda_ipc.json"
+    tail -n 40 "$OUT/kvipc.log"
+    ;;
   kvtests)
-    run_stage kvtests 90 python3 -m pytest -q -p no:cacheprovider --timeout 80 -rfE tests/test_kv_transfer_cuda.py
+    run_stage kvtests 90 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 80 -rfE tests/test_kv_transfer_cuda.py
     tail -n 30 "$OUT/kvtests.log"
     ;;
   cluster)

@@ -227,10 +227,13 @@ def _row(
     pair.raw(nbytes, 2)  # warm-up, same as pdserve's
     pd_times, raw_times, messages = [], [], []
     pd_landed, raw_landed = [], []
+    phases: dict[str, list[float]] = {"open": [], "push": [], "complete": []}
     paths: set[str | None] = set()
     for _ in range(reps):  # alternate, so both see the same machine noise
         stats = pair.transfer(request_tokens)
         paths.add(stats["path"])
+        for phase, times_s in phases.items():
+            times_s.append(stats[f"{phase}_seconds"])
         pd_times.append(stats["wall_seconds"])
         pd_landed.append(stats["landed_seconds"])
         messages.append(stats["messages"])
@@ -271,6 +274,10 @@ def _row(
             "ratio": round(raw_in / pd_in, 3),
         },
         "raw_same_messages_ms": round(split * 1e3, 3),
+        # Where pdserve's time goes (medians): ``open`` sends Open; ``push`` is the fake forward
+        # pushing every layer (and the hop to its thread and back); ``complete`` flushes, sends
+        # Complete and waits for the ack.
+        "phases_ms": {phase: round(statistics.median(t) * 1e3, 3) for phase, t in phases.items()},
         # Noise on a shared machine only ever adds time: the fastest runs are the other view.
         "best": {
             "pdserve_gbps": round(nbytes / min(pd_times) / 1e9, 3),
