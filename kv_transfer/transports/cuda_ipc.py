@@ -191,7 +191,10 @@ class CudaIpcWriter:
         self._rt = _cudart()
         index = local.device.index
         self._device_index = index if index is not None else torch.cuda.current_device()
-        self._event = self._rt.new_event() if self._rt is not None else 0
+        self._event = 0
+        if self._rt is not None:
+            self._rt.on_device(self._device_index)  # the event belongs to the copies' device
+            self._event = self._rt.new_event()
         self._recorded = False
 
     @classmethod
