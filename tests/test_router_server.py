@@ -346,7 +346,9 @@ def test_client_cancel_reaches_decode_stream_and_inflight_prefill(model_dir):
             await d.wait_for(lambda: len(d.cancelled) == 1)
 
             remote = stub.Generate(request("the cat sat", max_tokens=4))
-            await p.wait_for(lambda: p.active)  # the prefill call is in flight
+            # Both calls in flight (the router starts them together: the prefill need not wait for D).
+            await p.wait_for(lambda: p.active)
+            await d.wait_for(lambda: len(d.active) == 1)
             remote.cancel()
             await p.wait_for(lambda: p.cancelled)
             await d.wait_for(lambda: len(d.cancelled) == 2)
