@@ -14,11 +14,14 @@ A request's stages here (``scheduler.Stage`` names the queue states):
        not wait for decode) -> completion (carrying the first token) sent to the
        decode worker -> blocks freed when the transfer ends.
     Without a ticket at its forward (the router starts the prefill while the decode worker
-    is still handing one out, so that its round trip is off TTFT's path): the forward runs,
-    the first token is answered, and the KV waits in this worker's blocks for ``attach``;
-    then the transfer opens and every layer goes at once. No ticket within
-    ``TICKET_WAIT_S`` (or the request's deadline), or ``attach(None)`` (the router gave
-    the request up): the blocks are freed.
+    is still handing one out, so that its round trip is off TTFT's path): the forward runs
+    and the first token is answered all the same. When the ticket comes (``attach``) the
+    transfer opens at once: the layers the forward has written by then are pushed in one
+    go, under the same lock the layer hook takes, and the later ones by the hook as they
+    come (so a ticket that arrives mid-forward still streams), or, after the forward, every
+    layer at once; the completion follows the forward. No ticket within ``TICKET_WAIT_S``
+    (or the request's deadline), or ``attach(None)`` (the router gave the request up): the
+    blocks are freed once the forward is done with them.
     ``give_up`` (the router's RPC cancelled, deadline) or a failed transfer at any
     stage: the transfer is aborted (the decode worker frees its reservation) and
     this worker's blocks are freed.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Coroutine, Hashable
 from concurrent.futures import Executor
@@ -71,6 +75,12 @@ class _Req:
     result: asyncio.Future[tuple[int, float]]  # (first token, forward seconds)
     ticket_by: float = 0.0  # loop time after which a missing ticket frees the blocks
     attached: asyncio.Future[TransferTicket | None] | None = None  # ticket None at submit: attach sets it
+    # Ticket None at submit: the first token once its forward is over (None: it failed or was cancelled).
+    forward_done: asyncio.Future[int | None] | None = None
+    opening: bool = False  # a transfer is opened or being opened for it (by the batch, or late)
+    late: bool = False  # ``_transfer_later`` owns the rest: the transfer, the completion, the blocks
+    finished: bool = False  # ``_finish`` ran (it runs once)
+    layers_done: int = 0  # layers its forward has written (the hook counts them, under the push lock)
     handle: SenderHandle | None = None
     cancelled: bool = False
 
@@ -100,6 +110,9 @@ class PrefillLoop:
         self.failure: BaseException | None = None  # why the loop stopped, if it did
         self._awaiting: dict[Hashable, PrefillJob] = {}  # jobs submitted without a ticket, by request id
         self._early: dict[Hashable, tuple[TransferTicket, float]] = {}  # attached before their submit
+        # Taken by the layer hook (forward thread) and by a late transfer's catch-up, around a job's
+        # ``layers_done`` and ``handle``: every layer is pushed exactly once, by one or the other.
+        self._push_lock = threading.Lock()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -152,6 +165,7 @@ class PrefillLoop:
         job.payload = req
         if ticket is None:
             req.attached = loop.create_future()
+            req.forward_done = loop.create_future()
             by = loop.time() + TICKET_WAIT_S
             req.ticket_by = by if deadline is None else min(by, deadline)
             early = self._early.pop(request_id, None)
@@ -189,6 +203,31 @@ class PrefillLoop:
         req.ticket = ticket
         if not req.attached.done():
             req.attached.set_result(ticket)
+        if job.stage is Stage.SCHEDULED:  # its forward is past opening transfers: open one now
+            self._start_late(job)
+
+    def _start_late(self, job: PrefillJob) -> None:
+        """Hand a ticketless job's transfer, completion and blocks to ``_transfer_later`` (once)."""
+        req: _Req = job.payload
+        if req.late:
+            return
+        req.late = True
+        self._spawn(self._transfer_later(job))
+
+    def _forward_over(self, job: PrefillJob, first: int | None) -> None:
+        """After the forward (or its failure): a late job's task learns the outcome; others are finished
+        here."""
+        req: _Req = job.payload
+        if req.forward_done is not None and not req.forward_done.done():
+            req.forward_done.set_result(first)
+        if req.late:
+            return
+        if first is None or req.handle is None and req.attached is None:
+            self._spawn(self._finish(job, None))
+        elif req.handle is None:  # no ticket yet: the late task waits for it
+            self._start_late(job)
+        else:
+            self._spawn(self._finish(job, first))
 
     def give_up(self, job: PrefillJob, reason: str) -> None:
         """The router no longer wants the result. Blocks are freed by whoever holds the job now."""
@@ -211,8 +250,12 @@ class PrefillLoop:
         task.add_done_callback(self._background.discard)
 
     async def _finish(self, job: PrefillJob, first: int | None) -> None:
-        """Complete (or abort) the job's transfer, then free its blocks: no send reads them after this."""
+        """Complete (or abort) the job's transfer, then free its blocks: no send reads them after this.
+        Once per job (a late transfer's task and the batch may both get here)."""
         req: _Req = job.payload
+        if req.finished:
+            return
+        req.finished = True
         try:
             if req.handle is not None:
                 if first is None or req.cancelled:
@@ -232,8 +275,11 @@ class PrefillLoop:
             self._wake.set()
 
     async def _open_ticketed(self, job: PrefillJob) -> SenderHandle | None:
-        ticket = job.payload.ticket
-        return None if ticket is None else await self.sender.open(ticket, job.block_table)
+        req: _Req = job.payload
+        if req.ticket is None or req.opening:
+            return None
+        req.opening = True
+        return await self.sender.open(req.ticket, job.block_table)
 
     async def _open(self, batch: list[PrefillJob]) -> list[PrefillJob]:
         """Open the transfer of every job that has its ticket (handshake per new peer); jobs that fail
@@ -245,43 +291,63 @@ class PrefillLoop:
             if isinstance(h, BaseException):
                 if not req.result.done():
                     req.result.set_exception(h if isinstance(h, TransferError) else RuntimeError(repr(h)))
+                req.finished = True
+                self._no_forward(job)
                 self.sched.finish(job)  # nothing was sent
                 continue
             req.handle = h
             if req.cancelled:
+                self._no_forward(job)
                 self._spawn(self._finish(job, None))
                 continue
             live.append(job)
         return live
 
-    async def _transfer_later(self, job: PrefillJob, first: int) -> None:
-        """A job whose forward ran before its ticket came: wait for it, then move every layer at once."""
+    @staticmethod
+    def _no_forward(job: PrefillJob) -> None:
+        """A job left out of the forward: a late transfer's task waiting for it stops waiting."""
+        done = job.payload.forward_done
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    async def _transfer_later(self, job: PrefillJob) -> None:
+        """A ticketless job's transfer (``_start_late``): wait for the ticket, open, push the layers
+        written so far (the hook pushes the rest), complete once the forward gave the first token. The
+        blocks are freed only after the forward is done with them."""
         req: _Req = job.payload
-        assert req.attached is not None
+        assert req.attached is not None and req.forward_done is not None
         loop = asyncio.get_running_loop()
         ticket: TransferTicket | None = None
         try:
             async with asyncio.timeout_at(req.ticket_by):
-                ticket = await req.attached
+                ticket = await asyncio.shield(req.attached)
         except TimeoutError:
             log.warning(
                 "request %s: no ticket within %.0f s; its KV is dropped", job.request_id, TICKET_WAIT_S
             )
         if self._awaiting.get(job.request_id) is job:
             del self._awaiting[job.request_id]
-        if ticket is None or req.cancelled:
-            await self._finish(job, None)
-            return
-        try:
-            req.handle = await self.sender.open(ticket, job.block_table)
-        except Exception as e:  # noqa: BLE001 - the decode worker learns by its reservation's end
-            log.warning("request %s: transfer did not open: %r", job.request_id, e)
-            await self._finish(job, None)
-            return
-        handle = req.handle
-        # Off the loop: a same-host writer copies on the calling thread (cma.py, cuda_ipc.py).
-        await loop.run_in_executor(None, lambda: [handle.push_layer(i) for i in range(handle.num_layers)])
-        await self._finish(job, first)
+        handle: SenderHandle | None = None
+        if ticket is not None and not req.cancelled and not req.opening:
+            req.opening = True
+            try:
+                handle = await self.sender.open(ticket, job.block_table)
+            except Exception as e:  # noqa: BLE001 - the decode worker learns by its reservation's end
+                log.warning("request %s: transfer did not open: %r", job.request_id, e)
+        if handle is not None:
+
+            def catch_up(h: SenderHandle = handle) -> None:
+                # Off the loop (a same-host writer copies on the calling thread: cma.py, cuda_ipc.py).
+                with self._push_lock:
+                    req.handle = h  # the hook pushes every later layer from here on
+                    for layer in range(req.layers_done):
+                        h.push_layer(layer)
+
+            await loop.run_in_executor(None, catch_up)
+        first = await req.forward_done
+        # Completed with the handle this task opened, or the one the batch opened (a ticket that came
+        # while the batch was opening its transfers): the hook pushed every layer to that one.
+        await self._finish(job, None if req.handle is None or req.cancelled else first)
 
     async def _loop(self) -> None:
         """Forever: take a batch under the budget, open its transfers, run the forward, hand out tokens."""
@@ -294,17 +360,18 @@ class PrefillLoop:
             live = await self._open(batch)
             if not live:
                 continue
-            handles = [j.payload.handle for j in live if j.payload.handle is not None]
             items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
 
-            def hook(
-                layer: int, k: torch.Tensor | None, v: torch.Tensor | None, handles=handles, live=live
-            ) -> None:
+            def hook(layer: int, k: torch.Tensor | None, v: torch.Tensor | None, live=live) -> None:
                 # Forward thread, right after ``layer`` wrote its K/V into the cache: queue the send.
                 # A batch nobody waits for any more stops at the next layer, so its blocks come back
                 # within one layer's time instead of a whole forward's.
                 if all(j.payload.cancelled for j in live):
                     raise _BatchCancelled
+                with self._push_lock:  # a late transfer's catch-up either pushed this layer or sees it
+                    for j in live:
+                        j.payload.layers_done = layer + 1
+                    handles = [j.payload.handle for j in live if j.payload.handle is not None]
                 for h in handles:
                     h.push_layer(layer)
 
@@ -317,14 +384,14 @@ class PrefillLoop:
                 )
             except _BatchCancelled:
                 for j in live:
-                    self._spawn(self._finish(j, None))
+                    self._forward_over(j, None)
                 continue
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("prefill forward failed")
                 for j in live:
                     if not j.payload.result.done():
                         j.payload.result.set_exception(RuntimeError(f"prefill failed: {e!r}"))
-                    self._spawn(self._finish(j, None))
+                    self._forward_over(j, None)
                 continue
             finally:
                 self.running, self.running_tokens = 0, 0
@@ -333,11 +400,8 @@ class PrefillLoop:
             for j, tok in zip(live, tokens, strict=True):
                 req = j.payload
                 if req.cancelled or req.result.done():
-                    self._spawn(self._finish(j, None))
+                    self._forward_over(j, None)
                     continue
                 # Answer the router first (TTFT), then complete the transfer in the background.
                 req.result.set_result((int(tok), dt))
-                if req.handle is None:  # its ticket has not come yet
-                    self._spawn(self._transfer_later(j, int(tok)))
-                else:
-                    self._spawn(self._finish(j, int(tok)))
+                self._forward_over(j, int(tok))

@@ -6,13 +6,17 @@ recording stand-in for the KV sender."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.sampler import Sampler
 from pdserve.prefill_pool import loop as loop_mod
 from pdserve.prefill_pool.loop import PrefillLoop
 from pdserve.prefill_pool.metrics import PrefillMetrics
@@ -25,11 +29,14 @@ class _Handle:
         self.sender, self.ticket, self.blocks = sender, ticket, list(blocks)
         self.num_layers = sender.num_layers
         self.pushed: list[int] = []
+        self.during_forward: list[bool] = []  # per push: was the forward still running
         self.completed: int | None = None
         self.aborted: str | None = None
 
     def push_layer(self, layer: int) -> None:
+        assert layer not in self.pushed, f"layer {layer} pushed twice"
         self.pushed.append(layer)
+        self.during_forward.append(self.sender.forward_running())
 
     async def complete(self, first: int) -> None:
         assert self.pushed == list(range(self.num_layers)), "completed before every layer was pushed"
@@ -43,6 +50,7 @@ class _Sender:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.handles: list[_Handle] = []
+        self.forward_running = lambda: False
 
     async def open(self, ticket, blocks) -> _Handle:  # type: ignore[no-untyped-def]
         h = _Handle(self, ticket, blocks)
@@ -131,6 +139,53 @@ def test_kv_whose_ticket_does_not_come_is_freed(
                 loop.attach("r", _ticket(3))  # type: ignore[arg-type]
         await _until(lambda: _used(loop) == 0)  # "never": after TICKET_WAIT_S
         assert sender.handles == []
+        await loop.close()
+
+    asyncio.run(main())
+
+
+class _SlowRunner:
+    """A forward of ``num_layers`` layers, 20 ms each, that says how far it got; token 3 always."""
+
+    def __init__(self, num_layers: int = 8) -> None:
+        self.config = SimpleNamespace(num_layers=num_layers, vocab_size=16, max_position_embeddings=4096)
+        self.num_blocks, self.block_size = 64, 4
+        self.layers = 0
+        self.running = threading.Event()
+
+    def prefill(self, items, hook):  # type: ignore[no-untyped-def]
+        self.running.set()
+        try:
+            for layer in range(self.config.num_layers):
+                time.sleep(0.02)
+                self.layers = layer + 1
+                hook(layer, None, None)
+        finally:
+            self.running.clear()
+        logits = torch.zeros(len(items), 16)
+        logits[:, 3] = 1.0
+        return logits
+
+
+def test_a_ticket_that_comes_mid_forward_streams_the_rest_of_the_layers() -> None:
+    """The written layers go at once when the ticket comes, the later ones as the forward writes them:
+    each exactly once, in order, and the completion only after the forward."""
+
+    async def main() -> None:
+        runner = _SlowRunner()
+        sender = _Sender(runner.config.num_layers)
+        sender.forward_running = runner.running.is_set
+        loop = PrefillLoop(runner, Sampler(()), sender, 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        loop.start()
+        _, result = loop.submit("m", PROMPT, SamplingParams(temperature=0.0), None)
+        await _until(lambda: runner.layers >= 3)
+        loop.attach("m", _ticket())  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(result, 30))[0] == 3
+        await _until(lambda: sender.handles and sender.handles[0].completed is not None)
+        h = sender.handles[0]
+        assert h.pushed == list(range(runner.config.num_layers)) and h.completed == 3
+        assert any(h.during_forward), "no layer went out while the forward ran"
+        await _until(lambda: _used(loop) == 0)
         await loop.close()
 
     asyncio.run(main())
