@@ -19,7 +19,8 @@ A request's stages here (``scheduler.Stage`` names the queue states):
     transfer opens at once: the layers the forward has written by then are pushed in one
     go, under the same lock the layer hook takes, and the later ones by the hook as they
     come (so a ticket that arrives mid-forward still streams), or, after the forward, every
-    layer at once; the completion follows the forward. No ticket within ``TICKET_WAIT_S``
+    layer at once; the completion follows the forward. (The two may push out of order: each
+    layer is a message or a write of its own.) No ticket within ``TICKET_WAIT_S``
     (or the request's deadline), or ``attach(None)`` (the router gave the request up): the
     blocks are freed once the forward is done with them.
     ``give_up`` (the router's RPC cancelled, deadline) or a failed transfer at any
@@ -110,8 +111,9 @@ class PrefillLoop:
         self.failure: BaseException | None = None  # why the loop stopped, if it did
         self._awaiting: dict[Hashable, PrefillJob] = {}  # jobs submitted without a ticket, by request id
         self._early: dict[Hashable, tuple[TransferTicket, float]] = {}  # attached before their submit
-        # Taken by the layer hook (forward thread) and by a late transfer's catch-up, around a job's
-        # ``layers_done`` and ``handle``: every layer is pushed exactly once, by one or the other.
+        # Taken by the layer hook (forward thread) and by a late transfer's catch-up around a job's
+        # ``layers_done`` and ``handle`` (not around the pushes): every layer is pushed exactly once, by
+        # one or the other.
         self._push_lock = threading.Lock()
 
     def start(self) -> None:
@@ -338,10 +340,11 @@ class PrefillLoop:
 
             def catch_up(h: SenderHandle = handle) -> None:
                 # Off the loop (a same-host writer copies on the calling thread: cma.py, cuda_ipc.py).
-                with self._push_lock:
+                with self._push_lock:  # (held only to split the layers: pushes can take milliseconds)
                     req.handle = h  # the hook pushes every later layer from here on
-                    for layer in range(req.layers_done):
-                        h.push_layer(layer)
+                    written = req.layers_done
+                for layer in range(written):  # in any order with the hook's: each layer is its own
+                    h.push_layer(layer)
 
             await loop.run_in_executor(None, catch_up)
         first = await req.forward_done

