@@ -346,7 +346,11 @@ class PrefillLoop:
                 for layer in range(written):  # in any order with the hook's: each layer is its own
                     h.push_layer(layer)
 
-            await loop.run_in_executor(None, catch_up)
+            try:
+                await loop.run_in_executor(None, catch_up)
+            except Exception:  # noqa: BLE001 - aborted below; the blocks still come back
+                log.exception("request %s: pushing its written layers failed", job.request_id)
+                req.cancelled = True
         first = await req.forward_done
         # Completed with the handle this task opened, or the one the batch opened (a ticket that came
         # while the batch was opening its transfers): the hook pushed every layer to that one.
