@@ -51,7 +51,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import LayerHook, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sampler import Sampler, SampleRow
-from pdserve.kv_transfer import KVSender, SenderHandle, TransferError, TransferTicket
+from pdserve.kv_transfer import AbortedError, KVSender, SenderHandle, TransferError, TransferTicket
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.prefill_pool.scheduler import PrefillJob, PrefillScheduler, Stage
 
@@ -80,10 +80,18 @@ class _Req:
     forward_done: asyncio.Future[int | None] | None = None
     opening: bool = False  # a transfer is opened or being opened for it (by the batch, or late)
     late: bool = False  # ``_transfer_later`` owns the rest: the transfer, the completion, the blocks
+    closing: bool = False  # the loop is finishing it (a late transfer must not start, or must abort)
     finished: bool = False  # ``_finish`` ran (it runs once)
     layers_done: int = 0  # layers its forward has written (the hook counts them, under the push lock)
     handle: SenderHandle | None = None
     cancelled: bool = False
+
+
+def _fail(req: _Req, exc: Exception) -> None:
+    """End a request's answer with ``exc`` if it has none yet (marked retrieved: its caller may be gone)."""
+    if not req.result.done():
+        req.result.set_exception(exc)
+        req.result.exception()
 
 
 class PrefillLoop:
@@ -109,8 +117,10 @@ class PrefillLoop:
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None  # why the loop stopped, if it did
-        self._awaiting: dict[Hashable, PrefillJob] = {}  # jobs submitted without a ticket, by request id
-        self._early: dict[Hashable, tuple[TransferTicket, float]] = {}  # attached before their submit
+        # Jobs submitted without a ticket, by (request id, attach key): the key is the router's per attempt,
+        # so a late drop or ticket of an earlier attempt of the request never reaches a retry.
+        self._awaiting: dict[tuple[Hashable, str], PrefillJob] = {}
+        self._early: dict[tuple[Hashable, str], tuple[TransferTicket, float]] = {}  # came before submit
         # Taken by the layer hook (forward thread) and by a late transfer's catch-up around a job's
         # ``layers_done`` and ``handle`` (not around the pushes): every layer is pushed exactly once, by
         # one or the other.
@@ -151,10 +161,11 @@ class PrefillLoop:
         params: SamplingParams,
         ticket: TransferTicket | None,
         deadline: float | None = None,
+        attach_key: str = "",
     ) -> tuple[PrefillJob, asyncio.Future[tuple[int, float]]]:
         """Queue a prompt; the future gives (first token, forward seconds) or the error that ended it.
-        ``ticket`` None: it comes later by ``attach`` (module docstring); ``deadline`` (loop time) bounds
-        that wait.
+        ``ticket`` None: it comes later by ``attach`` with the same ``attach_key`` (module docstring);
+        ``deadline`` (loop time) bounds that wait.
 
         Raises ValueError (nothing queued) when the prompt can never fit this worker's cache.
         """
@@ -170,36 +181,44 @@ class PrefillLoop:
             req.forward_done = loop.create_future()
             by = loop.time() + TICKET_WAIT_S
             req.ticket_by = by if deadline is None else min(by, deadline)
-            early = self._early.pop(request_id, None)
+            job.attach_key = (request_id, attach_key)
+            early = self._early.pop(job.attach_key, None)
             if early is not None:
                 self._take(job, early[0])
             else:
-                self._awaiting[request_id] = job
+                self._awaiting[job.attach_key] = job
         self._wake.set()
         return job, req.result
 
-    def attach(self, request_id: Hashable, ticket: TransferTicket | None) -> None:
+    def attach(self, request_id: Hashable, ticket: TransferTicket | None, attach_key: str = "") -> bool:
         """The ticket of a request submitted without one (None: the router gave it up). A ticket for
-        a request not submitted yet (its Prefill call still on the way) waits for it a while."""
-        job = self._awaiting.pop(request_id, None)
+        a request not submitted yet (its Prefill call still on the way) waits for it a while. False:
+        no room to keep such a ticket (the caller says so: the router then fails the attempt)."""
+        key = (request_id, attach_key)
+        job = self._awaiting.pop(key, None)
         if job is not None:
             self._take(job, ticket)
-            return
-        if ticket is None:  # nothing here to give up (a retry of the request must not inherit it)
-            return
+            return True
+        if ticket is None:  # nothing here to give up
+            return True
         now = asyncio.get_running_loop().time()
-        for rid in [r for r, (_, by) in self._early.items() if by < now]:
-            del self._early[rid]
-        if len(self._early) < _EARLY_TICKETS:
-            self._early[request_id] = (ticket, now + _EARLY_TICKET_S)
+        for k in [k for k, (_, by) in self._early.items() if by < now]:
+            del self._early[k]
+        if len(self._early) >= _EARLY_TICKETS:
+            return False
+        self._early[key] = (ticket, now + _EARLY_TICKET_S)
+        return True
 
     def _take(self, job: PrefillJob, ticket: TransferTicket | None) -> None:
         req: _Req = job.payload
         if ticket is not None and ticket.num_tokens != job.num_tokens:
+            why = f"ticket reserves {ticket.num_tokens} tokens for a prompt of {job.num_tokens}"
+            _fail(req, ValueError(why))
             self.give_up(job, "its ticket does not fit the prompt")
-            raise ValueError(f"ticket reserves {ticket.num_tokens} tokens for a prompt of {job.num_tokens}")
+            raise ValueError(why)
         assert req.attached is not None
         if ticket is None:
+            _fail(req, AbortedError("the router gave the request up before its ticket"))
             self.give_up(job, "given up by the router before its ticket")
             return
         req.ticket = ticket
@@ -211,10 +230,19 @@ class PrefillLoop:
     def _start_late(self, job: PrefillJob) -> None:
         """Hand a ticketless job's transfer, completion and blocks to ``_transfer_later`` (once)."""
         req: _Req = job.payload
-        if req.late:
+        if req.late or req.closing or req.finished:
             return
         req.late = True
         self._spawn(self._transfer_later(job))
+
+    def _close(self, job: PrefillJob, first: int | None) -> None:
+        """Finish a job that no late transfer owns: at once, no ticket reaches it from here on."""
+        req: _Req = job.payload
+        req.closing = True
+        if job.attach_key is not None and self._awaiting.get(job.attach_key) is job:
+            del self._awaiting[job.attach_key]
+        self._no_forward(job)
+        self._spawn(self._finish(job, first))
 
     def _forward_over(self, job: PrefillJob, first: int | None) -> None:
         """After the forward (or its failure): a late job's task learns the outcome; others are finished
@@ -225,18 +253,18 @@ class PrefillLoop:
         if req.late:
             return
         if first is None or req.handle is None and req.attached is None:
-            self._spawn(self._finish(job, None))
+            self._close(job, None)
         elif req.handle is None:  # no ticket yet: the late task waits for it
             self._start_late(job)
         else:
-            self._spawn(self._finish(job, first))
+            self._close(job, first)
 
     def give_up(self, job: PrefillJob, reason: str) -> None:
         """The router no longer wants the result. Blocks are freed by whoever holds the job now."""
         req: _Req = job.payload
         req.cancelled = True
-        if self._awaiting.get(job.request_id) is job:
-            del self._awaiting[job.request_id]
+        if job.attach_key is not None and self._awaiting.get(job.attach_key) is job:
+            del self._awaiting[job.attach_key]
         if req.attached is not None and not req.attached.done():
             req.attached.set_result(None)  # a forward done and waiting for its ticket stops waiting
         if job.stage is Stage.QUEUED:
@@ -271,8 +299,8 @@ class PrefillLoop:
             if req.handle is not None:
                 await req.handle.abort("error")
         finally:
-            if self._awaiting.get(job.request_id) is job:
-                del self._awaiting[job.request_id]
+            if job.attach_key is not None and self._awaiting.get(job.attach_key) is job:
+                del self._awaiting[job.attach_key]
             self.sched.finish(job)
             self._wake.set()
 
@@ -293,14 +321,12 @@ class PrefillLoop:
             if isinstance(h, BaseException):
                 if not req.result.done():
                     req.result.set_exception(h if isinstance(h, TransferError) else RuntimeError(repr(h)))
-                req.finished = True
-                self._no_forward(job)
-                self.sched.finish(job)  # nothing was sent
+                self._close(job, None)  # nothing was sent
                 continue
-            req.handle = h
+            if h is not None:  # (None: no ticket yet; a late transfer may have set a handle meanwhile)
+                req.handle = h
             if req.cancelled:
-                self._no_forward(job)
-                self._spawn(self._finish(job, None))
+                self._close(job, None)
                 continue
             live.append(job)
         return live
@@ -327,8 +353,8 @@ class PrefillLoop:
             log.warning(
                 "request %s: no ticket within %.0f s; its KV is dropped", job.request_id, TICKET_WAIT_S
             )
-        if self._awaiting.get(job.request_id) is job:
-            del self._awaiting[job.request_id]
+        if job.attach_key is not None and self._awaiting.get(job.attach_key) is job:
+            del self._awaiting[job.attach_key]
         handle: SenderHandle | None = None
         if ticket is not None and not req.cancelled and not req.opening:
             req.opening = True
@@ -336,6 +362,11 @@ class PrefillLoop:
                 handle = await self.sender.open(ticket, job.block_table)
             except Exception as e:  # noqa: BLE001 - the decode worker learns by its reservation's end
                 log.warning("request %s: transfer did not open: %r", job.request_id, e)
+        if handle is not None and (req.closing or req.finished):
+            # The loop finished the job meanwhile (its forward failed, it was cancelled): its blocks may
+            # be someone else's now. This transfer never writes; the decode worker frees its blocks.
+            await handle.abort("prefill cancelled")
+            return
         if handle is not None:
 
             def catch_up(h: SenderHandle = handle) -> None:
@@ -407,6 +438,7 @@ class PrefillLoop:
             for j, tok in zip(live, tokens, strict=True):
                 req = j.payload
                 if req.cancelled or req.result.done():
+                    _fail(req, AbortedError("prefill cancelled"))
                     self._forward_over(j, None)
                     continue
                 # Answer the router first (TTFT), then complete the transfer in the background.

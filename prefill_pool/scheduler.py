@@ -43,6 +43,7 @@ class PrefillJob:
     payload: Any = None  # the worker's per-request state (params, transfer handle, future)
     stage: Stage = Stage.QUEUED
     block_table: list[int] = field(default_factory=list)
+    attach_key: Any = None  # (request id, the router's attempt key) of a job submitted without a ticket
 
     @property
     def num_tokens(self) -> int:

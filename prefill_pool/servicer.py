@@ -97,7 +97,9 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             if request.deadline_unix > 0:
                 deadline = asyncio.get_running_loop().time() + request.deadline_unix - time.time()
             # ValueError: can never fit the cache
-            job, result = loop.submit(rid, prompt, params, ticket, deadline=deadline)
+            job, result = loop.submit(
+                rid, prompt, params, ticket, deadline=deadline, attach_key=request.attach_key
+            )
         except (ValueError, IncompatibleError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RuntimeError as e:  # the prefill loop stopped: another prefill worker should take it
@@ -131,9 +133,13 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         assert loop is not None
         try:
             ticket = TransferTicket.decode(request.transfer_ticket) if request.transfer_ticket else None
-            loop.attach(request.request_id, ticket)
+            kept = loop.attach(request.request_id, ticket, request.attach_key)
         except (ValueError, IncompatibleError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not kept:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room to keep the ticket of {request.request_id}"
+            )
         return worker_pb2.Empty()
 
 

@@ -74,26 +74,30 @@ class WorkerGenerateResponse(_message.Message):
     def __init__(self, transfer_ticket: _Optional[bytes] = ..., first_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., admitted_unix: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_ticket", "deadline_unix")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_ticket", "deadline_unix", "attach_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TICKET_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     transfer_ticket: bytes
     deadline_unix: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_ticket: _Optional[bytes] = ..., deadline_unix: _Optional[float] = ...) -> None: ...
+    attach_key: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_ticket: _Optional[bytes] = ..., deadline_unix: _Optional[float] = ..., attach_key: _Optional[str] = ...) -> None: ...
 
 class AttachTicketRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_ticket")
+    __slots__ = ("request_id", "transfer_ticket", "attach_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_ticket: bytes
-    def __init__(self, request_id: _Optional[str] = ..., transfer_ticket: _Optional[bytes] = ...) -> None: ...
+    attach_key: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer_ticket: _Optional[bytes] = ..., attach_key: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -294,11 +295,13 @@ class Relay:
         assert route is not None and route.prefill is not None
         d, p = route.decode, route.prefill
         stub, meta = self._channels.stub(p.address), self._channels.metadata(prep.request_id)
+        key = uuid.uuid4().hex  # this attempt's: its AttachTicket reaches this Prefill, no other
         preq = worker_pb2.PrefillRequest(
             request_id=prep.request_id,
             prompt_token_ids=prep.prompt_token_ids,
             sampling=prep.sampling,
             deadline_unix=deadline_unix,
+            attach_key=key,
         )
         pcall = stub.Prefill(preq, timeout=timeout, metadata=meta)
         job.calls.append(pcall)
@@ -328,7 +331,7 @@ class Relay:
                                 f"decode worker {d.worker_id} sent no transfer ticket",
                             )
                         areq = worker_pb2.AttachTicketRequest(
-                            request_id=prep.request_id, transfer_ticket=m.transfer_ticket
+                            request_id=prep.request_id, transfer_ticket=m.transfer_ticket, attach_key=key
                         )
                         acall = stub.AttachTicket(areq, timeout=timeout, metadata=meta)
                         job.calls.append(acall)
@@ -372,13 +375,13 @@ class Relay:
             raise
         finally:
             if not attached:
-                self._drop_prefill(p, prep.request_id)
+                self._drop_prefill(p, prep.request_id, key)
 
-    def _drop_prefill(self, p: Worker, request_id: str) -> None:
+    def _drop_prefill(self, p: Worker, request_id: str, key: str) -> None:
         """Tell P to free the KV of a prefill that will get no ticket (fire and forget: P also drops it
         after ``TICKET_WAIT_S``)."""
         call = self._channels.stub(p.address).AttachTicket(
-            worker_pb2.AttachTicketRequest(request_id=request_id),
+            worker_pb2.AttachTicketRequest(request_id=request_id, attach_key=key),
             timeout=5.0,
             metadata=self._channels.metadata(request_id),
         )

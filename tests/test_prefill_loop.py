@@ -111,7 +111,7 @@ def test_a_ticket_before_its_prefill_is_kept_for_it(runner: ModelRunner) -> None
         loop, sender = _loop(runner)
         loop.attach("early", _ticket())  # type: ignore[arg-type]
         loop.attach("nobody", None)  # a drop for a request not here: nothing kept
-        assert list(loop._early) == ["early"]
+        assert list(loop._early) == [("early", "")]
         _, result = loop.submit("early", PROMPT, SamplingParams(temperature=0.0), None)
         await asyncio.wait_for(result, 30)
         await _until(lambda: sender.handles and sender.handles[0].completed is not None)
@@ -185,6 +185,109 @@ def test_a_ticket_that_comes_mid_forward_streams_the_rest_of_the_layers() -> Non
         h = sender.handles[0]
         assert sorted(h.pushed) == list(range(runner.config.num_layers)) and h.completed == 3
         assert any(h.during_forward), "no layer went out while the forward ran"
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+class _SlowOpenSender(_Sender):
+    async def open(self, ticket, blocks) -> _Handle:  # type: ignore[no-untyped-def]
+        if getattr(ticket, "slow", False):
+            await asyncio.sleep(0.3)  # a handshake with a new decode worker
+        return await super().open(ticket, blocks)
+
+
+def test_a_late_ticket_during_the_batchs_own_opening_keeps_its_transfer() -> None:
+    """Job y's transfer opens slowly; x's ticket comes meanwhile and x's late transfer opens at once:
+    the batch's opening must not drop x's handle (every layer still reaches it, then the completion)."""
+
+    async def main() -> None:
+        runner = _SlowRunner()
+        sender = _SlowOpenSender(runner.config.num_layers)
+        loop = PrefillLoop(runner, Sampler(()), sender, 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        y = SimpleNamespace(num_tokens=len(PROMPT), slow=True)
+        loop.submit("y", PROMPT, SamplingParams(temperature=0.0), y)  # type: ignore[arg-type]
+        _, rx = loop.submit("x", PROMPT, SamplingParams(temperature=0.0), None)
+        loop.start()
+        await asyncio.sleep(0.05)  # the batch waits on y's open
+        loop.attach("x", _ticket())  # type: ignore[arg-type]
+        await asyncio.wait_for(rx, 10)
+        await _until(lambda: _used(loop) == 0)
+        hx = next(h for h in sender.handles if not getattr(h.ticket, "slow", False))
+        assert sorted(hx.pushed) == list(range(runner.config.num_layers)) and hx.completed == 3
+        await loop.close()
+
+    asyncio.run(main())
+
+
+class _FailingRunner(_SlowRunner):
+    def prefill(self, items, hook):  # type: ignore[no-untyped-def]
+        for layer in range(3):
+            hook(layer, None, None)
+        raise RuntimeError("boom")
+
+
+def test_a_ticket_right_after_a_failed_forward_opens_nothing() -> None:
+    """The forward failed and the loop is freeing the job's blocks: a ticket that comes in between must
+    not open a transfer (it would send blocks that may be someone else's by then)."""
+
+    async def main() -> None:
+        runner = _FailingRunner()
+        sender = _Sender(runner.config.num_layers)
+        loop = PrefillLoop(runner, Sampler(()), sender, 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        over = loop._forward_over
+
+        def then_attach(job, first):  # type: ignore[no-untyped-def]
+            over(job, first)
+            loop.attach(job.request_id, _ticket())  # handled before the finishing task's first step
+
+        loop._forward_over = then_attach  # type: ignore[method-assign]
+        _, rx = loop.submit("x", PROMPT, SamplingParams(temperature=0.0), None)
+        loop.start()
+        with pytest.raises(RuntimeError, match="prefill failed"):
+            await asyncio.wait_for(rx, 10)
+        await _until(lambda: _used(loop) == 0)
+        await asyncio.sleep(0.1)
+        assert all(h.pushed == [] and h.completed is None for h in sender.handles)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+def test_a_late_drop_or_ticket_of_an_earlier_attempt_never_reaches_a_retry() -> None:
+    """Attempts of one request id carry their own attach keys: attempt 1's late drop and ticket leave
+    attempt 2 alone, which gets its own ticket and completes."""
+
+    async def main() -> None:
+        runner = _SlowRunner()
+        sender = _Sender(runner.config.num_layers)
+        loop = PrefillLoop(runner, Sampler(()), sender, 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        loop.start()
+        _, r2 = loop.submit("r", PROMPT, SamplingParams(temperature=0.0), None, attach_key="a2")
+        assert loop.attach("r", None, "a1")  # attempt 1's drop: nothing of attempt 2's is touched
+        stale, mine = _ticket(), _ticket()
+        assert loop.attach("r", stale, "a1")  # kept a while for an attempt 1 that never comes
+        assert loop.attach("r", mine, "a2")  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(r2, 10))[0] == 3
+        await _until(lambda: sender.handles and sender.handles[0].completed is not None)
+        assert [h.ticket for h in sender.handles] == [mine]
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+def test_a_dropped_request_gets_an_answer() -> None:
+    async def main() -> None:
+        runner = _SlowRunner()
+        loop = PrefillLoop(runner, Sampler(()), _Sender(8), 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        loop.start()
+        _, result = loop.submit("d", PROMPT, SamplingParams(temperature=0.0), None, attach_key="k")
+        await _until(lambda: runner.layers >= 1)
+        loop.attach("d", None, "k")
+        with pytest.raises(Exception, match="gave the request up"):
+            await asyncio.wait_for(result, 10)
         await _until(lambda: _used(loop) == 0)
         await loop.close()
 

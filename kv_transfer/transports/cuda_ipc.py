@@ -264,18 +264,21 @@ class CudaIpcWriter:
             rt.on_device(self._device_index)
             remote = self._remote_address + offset
             with self._lock:
+                if self._closed:  # (close takes the lock: no copy starts into a mapping being closed)
+                    raise PeerDiedError(f"the connection to peer process {self._pid} is closed")
                 for src, dst, nbytes in runs:
                     rt.check(rt.memcpy(remote + dst, local + src, nbytes, _MEMCPY_DEFAULT, stream), "memcpy")
                 rt.check(rt.event_record(self._event, stream), "event record")
                 self._recorded = True
             return
-        with torch.cuda.device(self._local.device):
+        with self._lock, torch.cuda.device(self._local.device):
+            if self._closed:
+                raise PeerDiedError(f"the connection to peer process {self._pid} is closed")
             for src, dst, nbytes in runs:
                 a, b = offset + dst, base + src
                 self._remote[a : a + nbytes].copy_(self._local[b : b + nbytes], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        with self._lock:
             self._last = event
 
     def check(self) -> TransferError | None:
@@ -308,17 +311,17 @@ class CudaIpcWriter:
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        with self._lock:  # no write_runs is between its copies and its record
+        with self._lock:  # no write_runs is between its copies and its record, and none starts after
+            self._closed = True
             event = self._last
             if self._rt is not None and self._event:
                 if self._recorded:
                     self._rt.event_sync(self._event)  # no copy into the mapping is in flight when it goes
                 self._rt.event_destroy(self._event)
                 self._event = 0
-        if event is not None:
-            event.synchronize()  # no copy into the mapping is in flight when it goes
-        self._remote = torch.empty(0, dtype=torch.uint8)
+            if event is not None:
+                event.synchronize()  # no copy into the mapping is in flight when it goes
+            self._remote = torch.empty(0, dtype=torch.uint8)
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
