@@ -129,6 +129,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.prefill_gate: asyncio.Event | None = None
         self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
         self.attached: list[tuple[str, bytes]] = []  # AttachTicket calls: (request id, ticket or b"")
+        self.tickets: dict[str, bytes] = {}  # attached before their prefill was done
+        self.prefilled: set[str] = set()  # request ids whose (fake) prefill is done
         self.requests: list[worker_pb2.WorkerGenerateRequest | worker_pb2.PrefillRequest] = []
         self.metadata_ids: list[str] = []  # the x-request-id metadata of each call, in order
         self.timeouts: list[float | None] = []
@@ -202,8 +204,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         try:
             if self.prefill_gate is not None:
                 await self.prefill_gate.wait()
-            if self.transfers is not None and request.transfer_ticket:
-                self.transfers.event(request.transfer_ticket).set()
+            self.prefilled.add(request.request_id)
+            ticket = request.transfer_ticket or self.tickets.pop(request.request_id, b"")
+            if self.transfers is not None and ticket:  # the "KV" moves once the prefill is done
+                self.transfers.event(ticket).set()
             if self.prefill_metrics is not None:
                 self.prefill_metrics.observe_prefill(1e-4, len(request.prompt_token_ids))
             if self.transfer_metrics is not None:  # the fake "transfers" one byte per prompt token
@@ -227,7 +231,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         if self.attach_gate is not None:
             await self.attach_gate.wait()
         if self.transfers is not None and request.transfer_ticket:
-            self.transfers.event(request.transfer_ticket).set()
+            if request.request_id in self.prefilled:  # the prefill is done: the "KV" moves now
+                self.transfers.event(request.transfer_ticket).set()
+            else:  # it moves when the prefill is done (as a real prefill worker's transfer)
+                self.tickets[request.request_id] = request.transfer_ticket
         return worker_pb2.Empty()
 
     async def GetLoad(self, request, context):
