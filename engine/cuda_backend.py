@@ -33,7 +33,7 @@ import torch
 
 from pdserve.engine import triton_kernels as tk
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model import Products, RopeTables, forward_hidden, logits
+from pdserve.engine.model import LayerHook, Products, RopeTables, forward_hidden, logits
 from pdserve.engine.weights import Linear, LinearKind
 
 __all__ = [
@@ -339,12 +339,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return out
 
 
-# forward(ids [T], positions [T], slots [T], cu_seqlens [2], start_pos [1], tables [1, M], last_rows [1],
-#         max_new) -> float32 logits [1, V]
-PrefillForward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
-    torch.Tensor,
-]
+# forward(ids [T], positions [T], slots [T], cu_seqlens [n + 1], start_pos [n], tables [n, M],
+#         last_rows [n] (None: every row), max_new, layer_hook=None) -> float32 logits [n or T, V]
+PrefillForward = Callable[..., torch.Tensor]
 
 
 class PrefillGraphs:
@@ -456,7 +453,8 @@ class PrefillGraphs:
 
 
 def make_prefill_forward(weights, config: ModelConfig, rope: RopeTables, kv: torch.Tensor) -> PrefillForward:  # type: ignore[no-untyped-def]
-    """A one-chunk prefill forward over ``kv``: Triton ops and attention, the last token's logits."""
+    """The prefill forward over ``kv`` (eager, and what ``PrefillGraphs`` captures): Triton ops and
+    attention over a ragged batch of chunks, logits of the ``last_rows`` (None: of every row)."""
 
     def forward(
         ids: torch.Tensor,
@@ -465,16 +463,19 @@ def make_prefill_forward(weights, config: ModelConfig, rope: RopeTables, kv: tor
         cu_seqlens: torch.Tensor,
         start_pos: torch.Tensor,
         tables: torch.Tensor,
-        last_rows: torch.Tensor,
+        last_rows: torch.Tensor | None,
         max_new: int,
+        layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
         ops = TritonStepOps(config, rope, positions, slots)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return tk.prefill_attention(kv[layer], q, tables, cu_seqlens, start_pos, max_new)
 
-        hidden = forward_hidden(weights, config, ids, ops, kv, attend)
-        return logits(weights, config, hidden.index_select(0, last_rows), ops)
+        hidden = forward_hidden(weights, config, ids, ops, kv, attend, layer_hook)
+        if last_rows is not None:
+            hidden = hidden.index_select(0, last_rows)  # [n, hidden]
+        return logits(weights, config, hidden, ops)
 
     return forward
 

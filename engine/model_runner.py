@@ -443,8 +443,7 @@ class ModelRunner:
     def _prefill_triton(
         self, items: Sequence[PrefillItem], layer_hook: LayerHook | None, all_logits: bool
     ) -> torch.Tensor:
-        from pdserve.engine import triton_kernels as tk
-        from pdserve.engine.cuda_backend import TritonStepOps, prefill_inputs
+        from pdserve.engine.cuda_backend import make_prefill_forward, prefill_inputs
 
         graphs = self._prefill_graphs
         if graphs is not None and len(items) == 1 and not all_logits:
@@ -462,20 +461,12 @@ class ModelRunner:
             self.num_blocks,
             self.device,
         )
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return tk.prefill_attention(
-                self.kv[layer], q, inp.tables, inp.cu_seqlens, inp.start_pos, inp.max_new
-            )
-
+        forward = make_prefill_forward(self.weights, self.config, self.rope, self.kv)  # what the graphs run
         with torch.inference_mode():
-            ops = TritonStepOps(self.config, self.rope, inp.positions, inp.slots)
-            hidden = forward_hidden(
-                self.weights, self.config, inp.token_ids, ops, self.kv, attend, layer_hook
-            )
-            if not all_logits:
-                hidden = hidden.index_select(0, inp.last_rows)  # [n, hidden]
-            return logits(self.weights, self.config, hidden, ops)
+            return forward(
+                inp.token_ids, inp.positions, inp.slots, inp.cu_seqlens, inp.start_pos, inp.tables,
+                None if all_logits else inp.last_rows, inp.max_new, layer_hook,
+            )  # fmt: skip
 
     def _ops(self, positions: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> StepOps:
         if self.kernels is not None:

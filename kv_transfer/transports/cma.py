@@ -71,6 +71,29 @@ def host_identity() -> str:
     return f"{boot}:{pid_ns}"
 
 
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of the peer process ``pid`` (Linux >= 5.3), to tell its exit apart from a reused pid;
+    None where Python has no ``pidfd_open`` (the liveness check is then best effort). PeerDiedError
+    when the process is already gone."""
+    try:
+        return os.pidfd_open(pid)
+    except AttributeError:
+        return None
+    except OSError as exc:
+        raise PeerDiedError(f"peer process {pid}: {os.strerror(exc.errno or 0)}") from exc
+
+
+def pidfd_alive(pidfd: int | None) -> bool:
+    """Whether the process of ``pidfd`` (``open_pidfd``) still runs: a pidfd reads ready once it exits."""
+    if pidfd is None:
+        return True
+    try:
+        readable, _, _ = select.select([pidfd], [], [], 0)
+    except (OSError, ValueError):  # closed by another thread meanwhile
+        return False
+    return not readable
+
+
 def same_host_path(region: RemoteRegion, local: Any, same_host: bool) -> str | None:
     """Which writer of its own a sender whose KV bytes are ``local`` (``KVSpans.flat``: a numpy array
     for host memory, a torch tensor; None: host memory) tries for a receiver's ``region`` before UCX:
@@ -117,13 +140,7 @@ class CmaWriter:
             raise TransferError("the peer is not a process of this host")
         if region.length <= 0:
             raise TransferError("empty region")
-        try:
-            pidfd: int | None = os.pidfd_open(region.pid)
-        except AttributeError:  # Python built without pidfd_open: the liveness check is best effort
-            pidfd = None
-        except OSError as exc:
-            raise PeerDiedError(f"peer process {region.pid}: {os.strerror(exc.errno or 0)}") from exc
-        writer = cls(region, pidfd)
+        writer = cls(region, open_pidfd(region.pid))
         probe = ctypes.create_string_buffer(1)
         got = _call(_libc().process_vm_readv, region.pid, ctypes.addressof(probe), region.base, 1)
         if got != 1:
@@ -133,15 +150,7 @@ class CmaWriter:
         return writer
 
     def _alive(self) -> bool:
-        if self._closed:
-            return False
-        if self._pidfd is None:
-            return True
-        try:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)  # a pidfd reads ready once it exits
-        except (OSError, ValueError):  # closed by another thread meanwhile
-            return False
-        return not readable
+        return not self._closed and pidfd_alive(self._pidfd)
 
     def put(self, buf: Any, offset: int) -> None:
         """Copy ``buf`` (a contiguous host numpy array or torch tensor) to ``base + offset`` now."""

@@ -30,7 +30,6 @@ import ctypes
 import functools
 import logging
 import os
-import select
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +38,7 @@ import msgspec
 import torch
 
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
-from pdserve.kv_transfer.transports.cma import host_identity
+from pdserve.kv_transfer.transports.cma import host_identity, open_pidfd, pidfd_alive
 from pdserve.kv_transfer.wire import RemoteRegion
 
 log = logging.getLogger(__name__)
@@ -218,12 +217,7 @@ class CudaIpcWriter:
         device = _local_device(spec.device_uuid)
         if device is None:
             raise TransferError(f"the peer's GPU {spec.device_uuid} is not visible here")
-        try:
-            pidfd: int | None = os.pidfd_open(region.pid)
-        except AttributeError:
-            pidfd = None
-        except OSError as exc:
-            raise PeerDiedError(f"peer process {region.pid}: {os.strerror(exc.errno or 0)}") from exc
+        pidfd = open_pidfd(region.pid)
         try:
             with torch.cuda.device(device):
                 remote = _open_remote(spec, device)
@@ -234,15 +228,7 @@ class CudaIpcWriter:
         return cls(remote, local, region.pid, pidfd)
 
     def _alive(self) -> bool:
-        if self._closed:
-            return False
-        if self._pidfd is None:
-            return True
-        try:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)  # a pidfd reads ready once it exits
-        except (OSError, ValueError):
-            return False
-        return not readable
+        return not self._closed and pidfd_alive(self._pidfd)
 
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
         """Enqueue a copy of each run ``(source, destination, nbytes)``: from ``local + source`` (an
