@@ -77,6 +77,10 @@ for stage in "${STAGES[@]}"; do
     run_stage kvipc 90 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda_ipc \
       --modes rma --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda_ipc.json"
     tail -n 40 "$OUT/kvipc.log"
+    # Every layer in one push (a prefill under CUDA graphs, 2,048 tokens and fewer): one 2D copy per run.
+    run_stage kvipc_burst 90 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda_ipc \
+      --modes rma --tokens 256,1024,4096 --reps 5 --burst 30 --out "$OUT/kv_cuda_ipc_burst.json"
+    tail -n 40 "$OUT/kvipc_burst.log"
     ;;
   kvtests)
     run_stage kvtests 90 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 80 -rfE tests/test_kv_transfer_cuda.py

@@ -2,6 +2,7 @@
 
     python -m pdserve.bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
                                 [--modes rma,tagged] [--device cpu|cuda] [--ucx-env UCX_KEY=VALUE ...]
+                                [--burst N]
 
 Modes (protocol 3): ``rma``, one-sided puts into the decode worker's registered
 KV tensor, flushed before Complete (the default when both sides offer it);
@@ -43,6 +44,9 @@ wrap around the end of the free list has two runs per layer), and
 ``raw_same_messages_ms``: plain ucxx moving the same bytes in that many
 messages (all posted at once, one ack), i.e. what the message count alone
 costs before any protocol.
+``--burst N``: the fake forward pushes N layers per call (``SenderHandle.push_layers``), as a prefill under
+a CUDA graph hands every layer over at once (N = 30: one call): the one-host writers then copy a group of
+layers in one call (cma.py: one system call; cuda_ipc.py: one 2D copy per run). The report says which.
 Per-layer message latency: a paced run where the fake forward pushes one layer
 every ``layer_interval_ms`` (longer than a layer's transfer, so the link is idle):
 push_layer call to the layer's messages completed on P.
@@ -179,13 +183,12 @@ class _Pair:
         self.prefill.stop()
         self.decode.stop()
 
-    def transfer(self, tokens: int, layer_interval_s: float = 0.0) -> dict[str, Any]:
+    def transfer(self, tokens: int, layer_interval_s: float = 0.0, burst: int = 0) -> dict[str, Any]:
         self._n += 1
         rid = f"bench-{self._n}"
         ticket = self.decode.call("reserve", request_id=rid, num_tokens=tokens, snapshot=False, track=True)
-        stats = self.prefill.call(
-            "transfer", ticket=ticket, seed=self._n, layer_interval_s=layer_interval_s, fill=False
-        )
+        kw = {"layer_interval_s": layer_interval_s, "fill": False, "burst": burst}
+        stats = self.prefill.call("transfer", ticket=ticket, seed=self._n, **kw)
         done = self.decode.call("wait", request_id=rid)
         self.decode.call("release", request_id=rid)
         # The decode side has every byte and knows it (its ``wait`` resolved): one clock on one host.
@@ -218,11 +221,17 @@ class _Pair:
 
 
 def _row(
-    pair: _Pair, transport: str, tokens: int | None, block_tokens: int, reps: int, mode: str = "rma"
+    pair: _Pair,
+    transport: str,
+    tokens: int | None,
+    block_tokens: int,
+    reps: int,
+    mode: str = "rma",
+    burst: int = 0,
 ) -> dict[str, Any]:
     request_tokens = tokens if tokens is not None else block_tokens
     for _ in range(2):  # warm-up: connection, page faults, UCX registration caches
-        first = pair.transfer(request_tokens)
+        first = pair.transfer(request_tokens, burst=burst)
     nbytes = first["bytes"]
     pair.raw(nbytes, 2)  # warm-up, same as pdserve's
     pd_times, raw_times, messages = [], [], []
@@ -230,7 +239,7 @@ def _row(
     phases: dict[str, list[float]] = {"open": [], "push": [], "complete": []}
     paths: set[str | None] = set()
     for _ in range(reps):  # alternate, so both see the same machine noise
-        stats = pair.transfer(request_tokens)
+        stats = pair.transfer(request_tokens, burst=burst)
         paths.add(stats["path"])
         for phase, times_s in phases.items():
             times_s.append(stats[f"{phase}_seconds"])
@@ -255,6 +264,7 @@ def _row(
         "mode": mode,
         # How pdserve's KV moved in the timed runs: puts, cross_memory or tagged.
         "path": ",".join(sorted(str(p) for p in paths)),
+        "burst": burst,  # layers per push call (0: one call per layer)
         "tokens": tokens,
         "bytes": nbytes,
         "pdserve_gbps": round(nbytes / pd / 1e9, 3),
@@ -302,6 +312,7 @@ def run(
     tokens: tuple[int, ...] = TOKENS,
     modes: tuple[str, ...] = MODES,
     device: str = "cpu",
+    burst: int = 0,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
@@ -323,7 +334,7 @@ def run(
                 try:
                     with _Pair(layout, blocks, tls, shm, ucx_env, mode == "rma", device) as pair:
                         for reported, requested in sizes:
-                            rows.append(_row(pair, name, reported, requested, reps, mode))
+                            rows.append(_row(pair, name, reported, requested, reps, mode, burst))
                             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                         checks.append({**where, "tokens": checked, "ok": pair.bit_exact(checked)})
                         print(json.dumps({"bit_exact": checks[-1]}), file=sys.stderr, flush=True)
@@ -338,6 +349,7 @@ def run(
             for name in transports
         },  # fmt: skip
         "ucx_env": dict(ucx_env),  # applied to both processes, pdserve and raw alike
+        "burst": burst,
         "rows": rows,
         "bit_exact": checks,
         "errors": errors,
@@ -383,7 +395,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tokens", default=",".join(map(str, TOKENS)), help="request sizes in tokens, comma-separated"
     )
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=0,
+        metavar="N",
+        help="layers the fake forward pushes per call (push_layers; 30: all, as a graphed prefill); 0: one",
+    )
     args = parser.parse_args(argv)
+    if args.burst < 0:
+        parser.error(f"--burst must be >= 0, got {args.burst}")
     ucx_env: list[tuple[str, str]] = []
     for item in args.ucx_env:
         key, sep, value = item.partition("=")
@@ -407,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     why = _check_device(args.device, names)
     if why:
         parser.error(why)
-    report = run(names, args.reps, tuple(ucx_env), tokens, modes, args.device)
+    report = run(names, args.reps, tuple(ucx_env), tokens, modes, args.device, args.burst)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

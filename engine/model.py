@@ -37,7 +37,9 @@ from pdserve.engine.weights import Linear, ModelWeights
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # hook(layer, k [T, Hkv, D], v [T, Hkv, D]) once the layer's K/V are in the cache (on CUDA: queued on the
 # current stream); k, v may be views of a buffer reused after the call returns (copy to keep them), and are
-# None after a prefill under a CUDA graph, which calls every layer's hook once the graph is queued.
+# None after a prefill under a CUDA graph, which calls every layer's hook once the graph is queued; there a
+# hook that has a ``layers_written(count)`` method gets that one call instead (layers 0 .. count - 1 are all
+# written: a KV transfer copies them in one go, kv_transfer.SenderHandle.push_layers).
 LayerHook = Callable[[int, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 

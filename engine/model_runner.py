@@ -452,8 +452,12 @@ class ModelRunner:
                 with torch.inference_mode():
                     out = graphs.run(it.token_ids, it.block_table, it.start_pos)
                 if layer_hook is not None:  # every layer's K/V is in the cache once the graph has run
-                    for layer in range(self.config.num_layers):
-                        layer_hook(layer, None, None)
+                    written = getattr(layer_hook, "layers_written", None)
+                    if written is not None:
+                        written(self.config.num_layers)
+                    else:
+                        for layer in range(self.config.num_layers):
+                            layer_hook(layer, None, None)
                 return out
         inp = prefill_inputs(
             [(it.token_ids, it.block_table, it.start_pos) for it in items],

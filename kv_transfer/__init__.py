@@ -7,7 +7,7 @@ Interface: :class:`KVReceiver` (decode side), :class:`KVSender` and its
 (ucxx; the only module importing it) and ``inproc`` (same-process fake for unit
 tests); ``transports.make_transport`` picks one. Both sides run on an
 asyncio event loop (uvloop works); the forward runs in a worker thread and
-only calls ``SenderHandle.push_layer``.
+only calls ``SenderHandle.push_layer`` (or ``push_layers``).
 
 Lifecycle on the decode side (D):
     1. ``ticket = receiver.reserve(request_id, num_tokens)``: blocks allocated in
@@ -33,7 +33,8 @@ Lifecycle on the prefill side (P):
        mismatch raises IncompatibleError before any data moves; with a cluster
        token both ends prove it first, ``auth.py``: UnauthenticatedError), send
        ``Open`` and return at once.
-    2. The forward calls ``handle.push_layer(layer)`` after writing each layer;
+    2. The forward calls ``handle.push_layer(layer)`` after writing each layer (``push_layers(first,
+       count)`` for layers written together: a prefill under a CUDA graph);
        the send starts at once and overlaps the next layers' compute.
     3. ``await handle.complete(first_token_id)`` waits until D acknowledged the
        completion, which it does once every byte of every layer landed.
@@ -60,8 +61,8 @@ On the prefill worker (P): the prefill loop owns the source blocks from scheduli
 them any more), and frees them then. D never touches P's blocks, nor P D's.
 
 Threads. Everything in ``kv_transfer`` runs on one event loop thread, except
-``SenderHandle.push_layer``, which the forward thread calls. On D the block pool is shared by two
-threads: the receiver reserves and frees on the event loop while the decode engine allocates,
+``SenderHandle.push_layer`` and ``push_layers``, which the forward thread calls. On D the block pool
+is shared by two threads: the receiver reserves and frees on the event loop while the decode engine allocates,
 grows, preempts and frees on its own thread between and during steps. That is safe because, and
 only while, these three rules hold:
     a. every pool operation is atomic and all-or-nothing (``BlockManager`` holds one lock per

@@ -5,7 +5,7 @@ Stages (:class:`HandleState`):
                event loop at once (no wait for an answer to Open: the receiver
                posts its receives when Open arrives, and UCX holds data that
                comes first), while the forward computes the next layers;
-               ``push_layer`` may be called from any thread
+               ``push_layer`` (``push_layers``) may be called from any thread
     COMPLETING ``complete`` sends ``Complete`` with the first token once every
                layer is issued, then waits for the receiver's ack, which says
                every byte landed (and so no send reads P's blocks any more)
@@ -214,25 +214,48 @@ class SenderHandle:
         if wake:
             self._loop.call_soon_threadsafe(self._drain_incoming)
 
-    def _claim(self, layer: int) -> bool:
-        """Under ``_lock``: mark ``layer`` pushed; False when the transfer already failed."""
-        if layer in self._pushed:
-            raise ValueError(f"layer {layer} pushed twice")
-        self._pushed.add(layer)
+    def push_layers(self, first: int, count: int) -> None:
+        """``push_layer`` for layers ``first`` to ``first + count - 1``, every one already written (a
+        prefill under a CUDA graph writes all layers before its hooks run; a transfer that opens
+        mid-forward catches up on the layers written so far). A direct writer copies them in one call:
+        one strided copy per contiguous run (cuda_ipc.py), one system call (cma.py), where a push per
+        layer costs a call (and, on CUDA, tens of microseconds of host time) each."""
+        if count < 1 or first < 0 or first + count > self.num_layers:
+            raise ValueError(f"layers {first} .. {first + count - 1} outside [0, {self.num_layers})")
+        with self._lock:  # one pushed already: none of them is pushed here
+            twice = [layer for layer in range(first, first + count) if layer in self._pushed]
+        if twice:
+            raise ValueError(f"layer {twice[0]} pushed twice")
+        if not self._direct:
+            for layer in range(first, first + count):
+                self.push_layer(layer)
+            return
+        self._write_direct(first, count)
+
+    def _claim(self, layer: int, count: int = 1) -> bool:
+        """Under ``_lock``: mark ``count`` layers from ``layer`` pushed (none when one of them already
+        was: ValueError); False when the transfer already failed."""
+        layers = range(layer, layer + count)
+        twice = [i for i in layers if i in self._pushed]
+        if twice:
+            raise ValueError(f"layer {twice[0]} pushed twice")
+        self._pushed.update(layers)
         return self._error is None
 
-    def _write_direct(self, layer: int) -> None:
-        """Forward thread: put ``layer`` now with the synchronous writer; the loop does the books."""
+    def _write_direct(self, layer: int, count: int = 1) -> None:
+        """Forward thread: put ``count`` layers from ``layer`` now with the direct writer; the loop does
+        the books."""
         assert self._writer is not None and self._region is not None
         pushed_at = time.perf_counter()
         with self._write_lock:
             with self._lock:
-                if not self._claim(layer):
+                if not self._claim(layer, count):
                     return
-            nbytes, err = self._write_runs(layer)
+            nbytes, err = self._write_runs(layer, count)
         now = time.perf_counter()
         with self._lock:
-            self._written.append((layer, now - pushed_at, nbytes, err))
+            for i in range(layer, layer + count):
+                self._written.append((i, now - pushed_at, nbytes, err))
             # The books may lag (complete() and a failure's settling catch up): a wake per layer
             # has the loop contend with this thread for the GIL (~1 ms of 5 at 1,024 tokens).
             due = err is not None or len(self._pushed) == self.num_layers or now >= self._next_wake
@@ -308,13 +331,19 @@ class SenderHandle:
         nbytes, err = self._write_runs(layer)
         self._account_put(layer, time.perf_counter() - pushed_at, nbytes, err)
 
-    def _write_runs(self, layer: int) -> tuple[int, TransferError | None]:
-        """Write ``layer``'s runs into the receiver's region: (bytes, error). A write that failed
-        may have written part (the books count the layer as sent either way)."""
+    def _write_runs(self, layer: int, count: int = 1) -> tuple[int, TransferError | None]:
+        """Write the runs of ``count`` layers from ``layer`` into the receiver's region: (bytes of each
+        layer, error). A write that failed may have written part (the books count its layers as sent
+        either way)."""
         assert self._writer is not None and self._region is not None
-        local = self._spans.address + layer * self._spans.layer_bytes
+        src_stride, dst_stride = self._spans.layer_bytes, self._region.layer_bytes
+        local = self._spans.address + layer * src_stride
         try:
-            self._writer.write_runs(local, layer * self._region.layer_bytes, self._runs)
+            if count == 1:
+                self._writer.write_runs(local, layer * dst_stride, self._runs)
+            else:
+                offset = layer * dst_stride
+                self._writer.write_layers(local, src_stride, offset, dst_stride, count, self._runs)
         except TransferError as exc:
             return 0, exc
         return self._run_bytes, None

@@ -80,6 +80,20 @@ class RemoteWriter(Protocol):
         in one call, so that a writer may batch them); raises TransferError when the connection
         refuses it at once."""
 
+    def write_layers(
+        self,
+        local: int,
+        local_stride: int,
+        offset: int,
+        remote_stride: int,
+        count: int,
+        runs: Sequence[tuple[int, int, int]],
+    ) -> None:
+        """``write_runs`` for ``count`` consecutive layers at once (every one already written): layer
+        ``i``'s runs go from ``local + i * local_stride`` to ``offset + i * remote_stride``. One call for
+        what a CUDA-graph prefill wrote together: a writer may make it one system call (cma.py) or one
+        strided copy per run (cuda_ipc.py) instead of a call per layer."""
+
     def flush(self, on_done: DoneCallback) -> None:
         """``on_done`` (on the loop) once every earlier put landed in the peer's memory, or failed."""
 

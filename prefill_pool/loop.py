@@ -87,6 +87,36 @@ class _Req:
     cancelled: bool = False
 
 
+class _PushHook:
+    """A batch's layer hook (``LayerHook``), on the forward thread: counts each job's written layers and
+    pushes them to the jobs' transfers. A batch nobody waits for any more stops at the next layer, so its
+    blocks come back within one layer's time instead of a whole forward's."""
+
+    def __init__(self, live: list[PrefillJob], push_lock: threading.Lock) -> None:
+        self._live = live
+        self._push_lock = push_lock  # a late transfer's catch-up either pushed a layer or sees it here
+
+    def __call__(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        self._written(layer, 1)  # right after ``layer`` wrote its K/V into the cache
+
+    def layers_written(self, count: int) -> None:
+        """A prefill under a CUDA graph: layers 0 .. count - 1 are all written; one push for them."""
+        self._written(0, count)
+
+    def _written(self, first: int, count: int) -> None:
+        if all(j.payload.cancelled for j in self._live):
+            raise _BatchCancelled
+        with self._push_lock:
+            for j in self._live:
+                j.payload.layers_done = first + count
+            handles = [j.payload.handle for j in self._live if j.payload.handle is not None]
+        for h in handles:
+            if count == 1:
+                h.push_layer(first)
+            else:
+                h.push_layers(first, count)
+
+
 def _fail(req: _Req, exc: Exception) -> None:
     """End a request's answer with ``exc`` if it has none yet (marked retrieved: its caller may be gone)."""
     if not req.result.done():
@@ -374,8 +404,8 @@ class PrefillLoop:
                 with self._push_lock:  # (held only to split the layers: pushes can take milliseconds)
                     req.handle = h  # the hook pushes every later layer from here on
                     written = req.layers_done
-                for layer in range(written):  # in any order with the hook's: each layer is its own
-                    h.push_layer(layer)
+                if written:  # in any order with the hook's: each layer is its own
+                    h.push_layers(0, written)
 
             try:
                 await loop.run_in_executor(None, catch_up)
@@ -400,19 +430,7 @@ class PrefillLoop:
                 continue
             items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
 
-            def hook(layer: int, k: torch.Tensor | None, v: torch.Tensor | None, live=live) -> None:
-                # Forward thread, right after ``layer`` wrote its K/V into the cache: queue the send.
-                # A batch nobody waits for any more stops at the next layer, so its blocks come back
-                # within one layer's time instead of a whole forward's.
-                if all(j.payload.cancelled for j in live):
-                    raise _BatchCancelled
-                with self._push_lock:  # a late transfer's catch-up either pushed this layer or sees it
-                    for j in live:
-                        j.payload.layers_done = layer + 1
-                    handles = [j.payload.handle for j in live if j.payload.handle is not None]
-                for h in handles:
-                    h.push_layer(layer)
-
+            hook = _PushHook(live, self._push_lock)
             self.running, self.running_tokens = len(live), sum(j.num_tokens for j in live)
             t0 = time.perf_counter()
             try:

@@ -69,12 +69,12 @@ def test_each_device_gets_its_transports_by_default(
 ) -> None:
     bench.main(["--reps", "3"])
     assert runs[-1]["transports"] == ["tcp", "shm"]
-    assert runs[-1]["args"][-1] == "cpu"
+    assert runs[-1]["args"][-2:] == ("cpu", 0)  # (device, burst)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     bench.main(["--device", "cuda", "--transports", "cuda", "--tokens", "256,1024,4096", "--reps", "5"])
     assert runs[-1]["transports"] == ["cuda"] and runs[-1]["reps"] == 5
-    ucx_env, tokens, modes, device = runs[-1]["args"]
-    assert (tokens, modes, device) == ((256, 1024, 4096), ("rma", "tagged"), "cuda")
+    ucx_env, tokens, modes, device, burst = runs[-1]["args"]
+    assert (tokens, modes, device, burst) == ((256, 1024, 4096), ("rma", "tagged"), "cuda", 0)
     bench.main(["--device", "cuda"])
     assert runs[-1]["transports"] == ["cuda", "cuda_ipc"]
     assert json.loads(capsys.readouterr().out.split("\n}\n")[0] + "}")["bit_exact"] == [{"ok": True}]
@@ -131,3 +131,13 @@ def test_run_reports_a_failed_pair_and_goes_on(monkeypatch: pytest.MonkeyPatch) 
         ("rma", "smollm2"), ("rma", "payload"), ("tagged", "smollm2"), ("tagged", "payload"),
     ]  # fmt: skip
     assert report["errors"][1]["error"] == "RuntimeError: peer refused (1 layers)"
+
+
+def test_burst_reaches_the_run_and_a_negative_one_is_refused(
+    runs: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench.main(["--transports", "tcp", "--burst", "30"])
+    assert runs[-1]["args"][-1] == 30  # layers per push call, handed to ``run``
+    bench.main(["--transports", "tcp"])
+    assert runs[-1]["args"][-1] == 0  # the default: one push per layer
+    assert "--burst must be >= 0" in _error(capsys, ["--burst", "-1"])

@@ -185,6 +185,20 @@ def test_gpu_prefill_graph_gives_the_eager_prefill_and_calls_every_layer_hook(ti
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert int(got.argmax()) == int(want.argmax())
     assert seen == [(i, None, None) for i in range(runner.config.num_layers)] * 2
+
+    class Many:  # a hook that takes every layer in one call (the prefill loop's, for push_layers)
+        def __init__(self) -> None:
+            self.calls: list[object] = []
+
+        def __call__(self, i, k, v):  # type: ignore[no-untyped-def]
+            self.calls.append(i)
+
+        def layers_written(self, count: int) -> None:
+            self.calls.append(("all", count))
+
+    many = Many()
+    runner.prefill([PrefillItem(list(range(3, 103)), list(range(25)))], layer_hook=many)
+    assert many.calls == [("all", runner.config.num_layers)]
     # Past the largest bucket: eager, hooks with the layer's K/V.
     long = list(range(3, 203))
     seen.clear()

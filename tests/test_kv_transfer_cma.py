@@ -114,11 +114,11 @@ def test_open_refuses_another_host_and_a_missing_process(child: Child) -> None:
         cma.CmaWriter.open(child.region())
 
 
-@pytest.mark.parametrize("max_iov", [1024, 2], ids=["one-call", "run-by-run"])
+@pytest.mark.parametrize("max_iov", [1024, 2], ids=["one-call", "in-groups"])
 def test_write_runs_lands_every_run_at_its_offset(
     child: Child, max_iov: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A layer's scattered runs go in one vectored call; past the kernel's iovec limit, run by run."""
+    """A layer's scattered runs go in one vectored call; past the kernel's iovec limit, in groups."""
     import zlib
 
     if not cma.host_identity():
@@ -135,6 +135,37 @@ def test_write_runs_lands_every_run_at_its_offset(
     assert child.checksum() == zlib.crc32(bytes(expect))
     with pytest.raises(ValueError):  # one run past the region's end: nothing is written
         writer.write_runs(src.ctypes.data, 0, [(0, 0, 10), (0, SIZE - 50, 100)])
+    assert child.checksum() == zlib.crc32(bytes(expect))
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("max_iov", "max_write"),
+    [(1024, 1 << 30), (4, 1 << 30), (1024, 5000)],
+    ids=["one-call", "iovecs", "bytes"],
+)
+def test_write_layers_lands_every_run_of_every_layer(
+    child: Child, max_iov: int, max_write: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several layers at once (a CUDA-graph prefill's push): layer i's runs go from ``i * local_stride``
+    to ``i * remote_stride``, in one call where the kernel's limits allow, else in groups (a run past
+    the size limit in pieces)."""
+    import zlib
+
+    if not cma.host_identity():
+        pytest.skip("no /proc here: cross-memory writes are off")
+    monkeypatch.setattr(cma, "_MAX_IOV", max_iov)
+    monkeypatch.setattr(cma, "_MAX_WRITE", max_write)
+    writer = cma.CmaWriter.open(child.region())
+    layers, local_stride, remote_stride, start = 3, 60_000, 100_000, 1000
+    src = np.random.default_rng(2).integers(0, 256, layers * local_stride, dtype=np.uint8)
+    runs = [(0, 20_000, 4096), (10_000, 0, 100), (30_000, 40_000, 20_000)]  # apart on both sides
+    writer.write_layers(src.ctypes.data, local_stride, start, remote_stride, layers, runs)
+    expect = bytearray(SIZE)
+    for i in range(layers):
+        for s, d, n in runs:
+            at = start + i * remote_stride + d
+            expect[at : at + n] = src[i * local_stride + s : i * local_stride + s + n].tobytes()
     assert child.checksum() == zlib.crc32(bytes(expect))
     writer.close()
 

@@ -85,6 +85,10 @@ def test_cuda_ipc_kv_arrives_bit_exact_then_an_abort_frees_blocks_reused_at_once
     decode, prefill = ipc_pair
     assert _transfer(decode, prefill, "ipc-c", 1000, seed=51) == "cuda_ipc"
     assert _transfer(decode, prefill, "ipc-s", 1000, seed=52, decode_keep=3, keep_every=2) == "cuda_ipc"
+    # Layers pushed together (a prefill under a CUDA graph): one 2D copy per run for all 30, then 7 at a time.
+    for burst in (30, 7):
+        kw = {"decode_keep": 3, "keep_every": 2, "burst": burst}
+        assert _transfer(decode, prefill, f"ipc-b{burst}", 1000, seed=55 + burst, **kw) == "cuda_ipc"
     total = decode.call("blocks")["total"]
     ticket = decode.call("reserve", request_id="old", num_tokens=500)
     old = prefill.submit("transfer", ticket=ticket, seed=53, layer_interval_s=0.02)

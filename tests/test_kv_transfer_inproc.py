@@ -84,7 +84,8 @@ async def settle(*sides: Side, rounds: int = 200) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("scattered", [False, True])
-def test_lifecycle_bit_exact_and_handover(dtype: torch.dtype, scattered: bool) -> None:
+@pytest.mark.parametrize("burst", [False, True], ids=["by-layer", "burst"])
+def test_lifecycle_bit_exact_and_handover(dtype: torch.dtype, scattered: bool, burst: bool) -> None:
     dec, pre = make_side(dtype, seed=1), make_side(dtype, seed=2)
 
     async def main() -> None:
@@ -98,7 +99,12 @@ def test_lifecycle_bit_exact_and_handover(dtype: torch.dtype, scattered: bool) -
             src = pre.blocks.allocate("r1", 37)
         ticket = rx.reserve("r1", 37)
         handle = await tx.open(ticket.encode(), src)
-        push_from_thread(handle, range(L))
+        if burst:  # a prefill under a CUDA graph: every layer written before the hooks run
+            thread = threading.Thread(target=handle.push_layers, args=(0, L))
+            thread.start()
+            thread.join()
+        else:
+            push_from_thread(handle, range(L))
         stats = await handle.complete(first_token_id=4242)
         result = await rx.wait("r1")
         assert result.first_token_id == 4242 and result.num_tokens == 37
@@ -435,6 +441,14 @@ def test_push_layer_misuse_is_reported() -> None:
             handle.push_layer(0)
         with pytest.raises(ValueError, match="outside"):
             handle.push_layer(L)
+        handle.push_layers(1, 2)
+        with pytest.raises(ValueError, match="layer 2 pushed twice"):  # and layer 3 is not pushed either
+            handle.push_layers(2, 2)
+        for first, count in ((3, 0), (3, 2), (-1, 1)):
+            with pytest.raises(ValueError, match="outside"):
+                handle.push_layers(first, count)
+        with pytest.raises(ValueError, match=r"missing \[3\]"):
+            await handle.complete(1)
         with pytest.raises(ValueError, match="missing"):
             await handle.complete(1)
         await handle.abort("test over")

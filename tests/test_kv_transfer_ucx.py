@@ -154,6 +154,17 @@ def test_1000_tokens_bit_exact_fp32(fp32: tuple[PeerProcess, PeerProcess], layou
     assert_no_leak(decode, prefill)
 
 
+def test_layers_pushed_together_land_bit_exact(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+    """``push_layers`` (a prefill under a CUDA graph pushes every layer at once): one call per group of
+    layers on each path (UCX puts, cross-memory writes, tagged messages), scattered blocks on both sides."""
+    decode, prefill = fresh
+    for burst in (30, 7):  # all at once; groups of 7 and the 2 left
+        transfer(
+            decode, prefill, f"burst-{burst}", 600, seed=31 + burst, decode_keep=3, keep_every=2, burst=burst
+        )
+    assert_no_leak(decode, prefill)
+
+
 def test_32_concurrent_transfers_to_two_receivers(bf16: tuple[PeerProcess, ...]) -> None:
     decode_a, decode_b, prefill = bf16
     calls = []

@@ -32,11 +32,17 @@ class _Handle:
         self.during_forward: list[bool] = []  # per push: was the forward still running
         self.completed: int | None = None
         self.aborted: str | None = None
+        self.groups: list[tuple[int, int]] = []  # push_layers calls: (first, count)
 
     def push_layer(self, layer: int) -> None:
         assert layer not in self.pushed, f"layer {layer} pushed twice"
         self.pushed.append(layer)
         self.during_forward.append(self.sender.forward_running())
+
+    def push_layers(self, first: int, count: int) -> None:
+        self.groups.append((first, count))
+        for layer in range(first, first + count):
+            self.push_layer(layer)
 
     async def complete(self, first: int) -> None:
         assert sorted(self.pushed) == list(range(self.num_layers)), "completed before every layer was pushed"
@@ -185,6 +191,43 @@ def test_a_ticket_that_comes_mid_forward_streams_the_rest_of_the_layers() -> Non
         h = sender.handles[0]
         assert sorted(h.pushed) == list(range(runner.config.num_layers)) and h.completed == 3
         assert any(h.during_forward), "no layer went out while the forward ran"
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+class _GraphRunner(_SlowRunner):
+    """A prefill under a CUDA graph: every layer is written before the hook hears of any, then
+    ``layers_written`` once (a hook without it would get a call per layer)."""
+
+    def prefill(self, items, hook):  # type: ignore[no-untyped-def]
+        self.layers = self.config.num_layers
+        hook.layers_written(self.config.num_layers)
+        logits = torch.zeros(len(items), 16)
+        logits[:, 3] = 1.0
+        return logits
+
+
+def test_a_graphed_forward_pushes_every_layer_in_one_call() -> None:
+    """With its ticket at submit, a job's transfer gets all layers of a graphed forward in one
+    ``push_layers``; one whose ticket comes later gets them in the catch-up's one call."""
+
+    async def main() -> None:
+        runner = _GraphRunner()
+        sender = _Sender(runner.config.num_layers)
+        loop = PrefillLoop(runner, Sampler(()), sender, 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        loop.start()
+        n = runner.config.num_layers
+        _, result = loop.submit("g", PROMPT, SamplingParams(temperature=0.0), _ticket())  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(result, 30))[0] == 3
+        await _until(lambda: sender.handles and sender.handles[0].completed is not None)
+        assert sender.handles[0].groups == [(0, n)] and sender.handles[0].pushed == list(range(n))
+        _, result = loop.submit("late", PROMPT, SamplingParams(temperature=0.0), None)
+        await asyncio.wait_for(result, 30)
+        loop.attach("late", _ticket())  # type: ignore[arg-type]
+        await _until(lambda: len(sender.handles) == 2 and sender.handles[1].completed is not None)
+        assert sender.handles[1].groups == [(0, n)]
         await _until(lambda: _used(loop) == 0)
         await loop.close()
 

@@ -204,6 +204,7 @@ class PeerState:
         faults: FaultConfig | None = None,
         sender_name: str = "",
         fill: bool = True,
+        burst: int = 0,
     ) -> dict[str, Any]:
         """Fill source blocks with seeded bytes, open, push every layer from a fake forward, complete.
 
@@ -212,6 +213,8 @@ class PeerState:
         injects faults, or is just another sender. ``fill=False`` sends the
         blocks as they are (the benchmark: the fill writes every byte right
         before the timed part, which the raw baseline's buffers never get).
+        ``burst``: the fake forward pushes that many layers per call (``push_layers``, as a prefill
+        under a CUDA graph pushes all of them at once); 0: one ``push_layer`` per layer.
         """
         sender = self._sender(protocol_version, faults, sender_name)
         t = TransferTicket.decode(ticket)
@@ -235,12 +238,16 @@ class PeerState:
 
             def forward() -> None:  # stands in for the model's forward thread
                 try:
-                    for layer in range(last):
+                    step = burst or 1
+                    for layer in range(0, last, step):
                         if layer_interval_s:  # the layer's compute
                             time.sleep(layer_interval_s)
                         if handle.error is not None:  # a prefill loop may stop early; push is a no-op anyway
                             return
-                        handle.push_layer(layer)
+                        if burst:
+                            handle.push_layers(layer, min(step, last - layer))
+                        else:
+                            handle.push_layer(layer)
                 finally:
                     loop.call_soon_threadsafe(pushed.set_result, None)
 

@@ -194,9 +194,19 @@ class CmaWriter:
             total += nbytes
         if n == 0:
             return
-        if n > _MAX_IOV or total > _MAX_WRITE:
-            for src, dst, nbytes in runs:
-                self.write(local + src, nbytes, offset + dst)
+        if n > _MAX_IOV or total > _MAX_WRITE:  # past the kernel's limits: as many calls as it takes
+            group: list[tuple[int, int, int]] = []
+            size = 0
+            for run in runs:
+                if run[2] > _MAX_WRITE:
+                    self.write(local + run[0], run[2], offset + run[1])  # in pieces
+                    continue
+                if len(group) == _MAX_IOV or size + run[2] > _MAX_WRITE:
+                    self.write_runs(local, offset, group)
+                    group, size = [], 0
+                group.append(run)
+                size += run[2]
+            self.write_runs(local, offset, group)
             return
         if not self._alive():
             raise PeerDiedError(f"peer process {self._pid} has exited")
@@ -219,6 +229,23 @@ class CmaWriter:
             got -= nbytes
             if done < nbytes:
                 self.write(local + src + done, nbytes - done, offset + dst + done)
+
+    def write_layers(
+        self,
+        local: int,
+        local_stride: int,
+        offset: int,
+        remote_stride: int,
+        count: int,
+        runs: Sequence[tuple[int, int, int]],
+    ) -> None:
+        """Every run of ``count`` layers in as few system calls as the kernel's limits allow."""
+        every = [
+            (i * local_stride + src, i * remote_stride + dst, nbytes)
+            for i in range(count)
+            for src, dst, nbytes in runs
+        ]
+        self.write_runs(local, offset, every)
 
     def check(self) -> TransferError | None:
         """What ``flush`` reports, now: every write has landed when it returned."""

@@ -92,6 +92,7 @@ def export(buf: torch.Tensor) -> bytes:
 
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (device to device, or peer)
+_DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch: the largest pitch a 2D copy takes
 _EVENT_DISABLE_TIMING = 2
 _NOT_READY = 600  # cudaErrorNotReady
 
@@ -105,6 +106,13 @@ class _Cudart:
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         self.memcpy = lib.cudaMemcpyAsync
         self.memcpy.argtypes, self.memcpy.restype = [vp, vp, sz, ctypes.c_int, vp], ctypes.c_int
+        # (dst, dpitch, src, spitch, width, height, kind, stream): a run of every layer in one call
+        self.memcpy2d = lib.cudaMemcpy2DAsync
+        self.memcpy2d.argtypes = [vp, sz, vp, sz, sz, sz, ctypes.c_int, vp]
+        self.memcpy2d.restype = ctypes.c_int
+        self.get_attribute = lib.cudaDeviceGetAttribute
+        self.get_attribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        self.get_attribute.restype = ctypes.c_int
         self.event_create = lib.cudaEventCreateWithFlags
         self.event_create.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         self.event_create.restype = ctypes.c_int
@@ -127,6 +135,11 @@ class _Cudart:
         ev = ctypes.c_void_p()
         self.check(self.event_create(ctypes.byref(ev), _EVENT_DISABLE_TIMING), "event creation")
         return int(ev.value or 0)
+
+    def max_pitch(self, index: int) -> int:
+        """The largest pitch of a 2D copy on device ``index`` (0: unknown, no 2D copies)."""
+        value = ctypes.c_int(0)
+        return value.value if self.get_attribute(ctypes.byref(value), _DEV_ATTR_MAX_PITCH, index) == 0 else 0
 
     def on_device(self, index: int) -> None:
         """Make ``index`` the calling thread's current device (the legacy stream is per device)."""
@@ -191,9 +204,11 @@ class CudaIpcWriter:
         index = local.device.index
         self._device_index = index if index is not None else torch.cuda.current_device()
         self._event = 0
+        self._max_pitch = 0
         if self._rt is not None:
             self._rt.on_device(self._device_index)  # the event belongs to the copies' device
             self._event = self._rt.new_event()
+            self._max_pitch = self._rt.max_pitch(self._device_index)
         self._recorded = False
 
     @classmethod
@@ -230,9 +245,7 @@ class CudaIpcWriter:
     def _alive(self) -> bool:
         return not self._closed and pidfd_alive(self._pidfd)
 
-    def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
-        """Enqueue a copy of each run ``(source, destination, nbytes)``: from ``local + source`` (an
-        address inside this writer's local tensor) to ``offset + destination`` bytes into the region."""
+    def _check_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
         base = local - self._local_address
         for src, dst, nbytes in runs:
             if offset + dst < 0 or offset + dst + nbytes > self.length:
@@ -243,20 +256,68 @@ class CudaIpcWriter:
                 raise ValueError(f"a run of {nbytes} bytes at {base + src} is outside the local tensor")
         if not self._alive():  # (a pidfd poll, ~2 us: no copy starts into a peer known to be dead)
             raise PeerDiedError(f"peer process {self._pid} has exited")
+
+    def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Enqueue a copy of each run ``(source, destination, nbytes)``: from ``local + source`` (an
+        address inside this writer's local tensor) to ``offset + destination`` bytes into the region."""
+        self._check_runs(local, offset, runs)
         rt = self._rt
         if rt is not None:
-            # The calling thread's current stream: the forward's, so the copies follow its writes.
-            stream = torch.cuda.current_stream(self._local.device).cuda_stream
-            rt.on_device(self._device_index)
             remote = self._remote_address + offset
-            with self._lock:
-                if self._closed:  # (close takes the lock: no copy starts into a mapping being closed)
-                    raise PeerDiedError(f"the connection to peer process {self._pid} is closed")
-                for src, dst, nbytes in runs:
-                    rt.check(rt.memcpy(remote + dst, local + src, nbytes, _MEMCPY_DEFAULT, stream), "memcpy")
-                rt.check(rt.event_record(self._event, stream), "event record")
-                self._recorded = True
+
+            def copy(stream: int) -> None:
+                for src, dst, n in runs:
+                    rt.check(rt.memcpy(remote + dst, local + src, n, _MEMCPY_DEFAULT, stream), "memcpy")
+
+            self._enqueue(copy)
             return
+        self._torch_copy(local, offset, runs)
+
+    def write_layers(
+        self,
+        local: int,
+        local_stride: int,
+        offset: int,
+        remote_stride: int,
+        count: int,
+        runs: Sequence[tuple[int, int, int]],
+    ) -> None:
+        """``count`` layers' runs with one 2D copy per run (rows: the layers), where the strides fit a
+        2D copy's pitch; else a call per layer."""
+        rt = self._rt
+        fits = all(n <= min(local_stride, remote_stride) for _, _, n in runs)
+        if rt is None or count == 1 or not fits or max(local_stride, remote_stride) > self._max_pitch:
+            for i in range(count):
+                self.write_runs(local + i * local_stride, offset + i * remote_stride, runs)
+            return
+        self._check_runs(local, offset, runs)  # the first layer and the last bound every one between
+        self._check_runs(local + (count - 1) * local_stride, offset + (count - 1) * remote_stride, runs)
+        remote = self._remote_address + offset
+
+        def copy(stream: int) -> None:
+            for src, dst, n in runs:
+                to, at = remote + dst, local + src
+                rc = rt.memcpy2d(to, remote_stride, at, local_stride, n, count, _MEMCPY_DEFAULT, stream)
+                rt.check(rc, "2D memcpy")
+
+        self._enqueue(copy)
+
+    def _enqueue(self, copies: Callable[[int], None]) -> None:
+        """Run ``copies(stream)`` (the runtime's copy calls) and record the event after them, on the
+        calling thread's current stream: the forward's, so the copies follow its writes."""
+        rt = self._rt
+        assert rt is not None
+        stream = torch.cuda.current_stream(self._local.device).cuda_stream
+        rt.on_device(self._device_index)
+        with self._lock:
+            if self._closed:  # (close takes the lock: no copy starts into a mapping being closed)
+                raise PeerDiedError(f"the connection to peer process {self._pid} is closed")
+            copies(stream)
+            rt.check(rt.event_record(self._event, stream), "event record")
+            self._recorded = True
+
+    def _torch_copy(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
+        base = local - self._local_address
         with self._lock, torch.cuda.device(self._local.device):
             if self._closed:
                 raise PeerDiedError(f"the connection to peer process {self._pid} is closed")

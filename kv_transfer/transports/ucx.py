@@ -267,6 +267,18 @@ class _RemoteWriter:
         except TransferError as exc:
             raise PeerDiedError(f"put to {self._conn.peer}: {exc}") from exc
 
+    def write_layers(
+        self,
+        local: int,
+        local_stride: int,
+        offset: int,
+        remote_stride: int,
+        count: int,
+        runs: Sequence[tuple[int, int, int]],
+    ) -> None:
+        for i in range(count):  # a put per run and layer either way
+            self.write_runs(local + i * local_stride, offset + i * remote_stride, runs)
+
     def flush(self, on_done: DoneCallback) -> None:
         if not self._conn.alive:
             self._conn.loop.call_soon(on_done, PeerDiedError(f"connection to {self._conn.peer} is closed"))
