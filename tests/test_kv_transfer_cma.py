@@ -201,3 +201,18 @@ def test_a_writer_of_its_own_follows_the_memory_on_both_sides() -> None:
     assert cma.same_host_path(device_region, host_kv, True) is None
     assert cma.same_host_path(host_region, host_kv, False) is None  # switched off
     assert cma.same_host_path(RemoteRegion(key=b"k", base=1, length=4, layer_bytes=4), host_kv, True) is None
+
+
+def test_the_direction_benchmark_times_both_directions_and_stops_its_peer() -> None:
+    """``bench.cma_direction`` (why one-host writes are slower than UCX's reads on some kernels)."""
+    if not cma.host_identity():
+        pytest.skip("no /proc here: cross-memory writes are off")
+    import multiprocessing
+
+    from pdserve.bench import cma_direction
+
+    report = cma_direction.measure(layers=2, layer_bytes=64 << 10, reps=2)
+    for direction in ("write", "read"):
+        assert report[direction]["per_layer_ms"] > 0 and report[direction]["one_call_ms"] > 0
+    assert report["per_layer_ratio"] > 0
+    assert not multiprocessing.active_children()  # the peer holding the buffer is gone
