@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,7 +61,7 @@ def _writer(local: torch.Tensor, remote: torch.Tensor, max_pitch: int) -> cuda_i
 
 @pytest.fixture(autouse=True)
 def _no_cuda_streams(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(cuda_ipc, "_current_stream", lambda index: 0)
 
 
 LAYERS, SRC_STRIDE, DST_STRIDE = 5, 4096, 6000

@@ -149,6 +149,16 @@ class _Cudart:
             self.check(self.set_device(index), "cudaSetDevice")
 
 
+def _current_stream(index: int) -> int:
+    """The calling thread's current CUDA stream on device ``index``, as a raw handle: torch's getter of
+    the raw handle where it has one (what Triton's launcher calls), which builds no ``torch.cuda.Stream``
+    object, else the public API."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
 @functools.cache
 def _cudart() -> _Cudart | None:
     """The CUDA runtime this process's torch loaded (None: not found, e.g. linked statically)."""
@@ -307,7 +317,7 @@ class CudaIpcWriter:
         calling thread's current stream: the forward's, so the copies follow its writes."""
         rt = self._rt
         assert rt is not None
-        stream = torch.cuda.current_stream(self._local.device).cuda_stream
+        stream = _current_stream(self._device_index)
         rt.on_device(self._device_index)
         with self._lock:
             if self._closed:  # (close takes the lock: no copy starts into a mapping being closed)
