@@ -113,3 +113,27 @@ def test_one_layer_and_the_bounds() -> None:
     w._closed = True
     with pytest.raises(PeerDiedError):
         w.write_layers(src.data_ptr(), SRC_STRIDE, 100, DST_STRIDE, 2, RUNS)
+
+
+def test_flush_checks_the_event_on_every_loop_iteration_until_the_copies_are_done() -> None:
+    """The copies of a request take tens of microseconds of GPU time: ``flush`` re-checks its event on the
+    loop's next iterations rather than on a timer (at least a millisecond: the loop's epoll resolution)."""
+    import asyncio
+
+    src = torch.zeros(LAYERS * SRC_STRIDE, dtype=torch.uint8)
+    w = _writer(src, torch.zeros(LAYERS * DST_STRIDE, dtype=torch.uint8), 1 << 20)
+    rt = w._rt
+    assert isinstance(rt, FakeRuntime)
+    answers = [cuda_ipc._NOT_READY] * 5 + [0]
+    rt.event_query = lambda event: answers.pop(0)  # type: ignore[attr-defined]
+    w.write_runs(src.data_ptr(), 0, RUNS)
+
+    async def main() -> object:
+        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        w.flush(done.set_result)
+        return await asyncio.wait_for(done, 5)
+
+    assert asyncio.run(main()) is None and answers == []  # landed, after six looks at the event
+    answers.extend([cuda_ipc._NOT_READY, 719])  # a failed copy (e.g. cudaErrorLaunchFailure) is reported
+    err = asyncio.run(main())
+    assert isinstance(err, Exception) and "719" in str(err)

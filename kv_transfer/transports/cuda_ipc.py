@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +44,11 @@ from pdserve.kv_transfer.wire import RemoteRegion
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 20e-6  # how often ``flush`` re-checks its event
+# ``flush`` re-checks its event on every loop iteration for this long (the copies of a request take tens
+# of microseconds of GPU time; a timer sleeps at least a millisecond, the resolution of the loop's
+# epoll wait), then on a timer.
+_SPIN_S = 2e-3
+_POLL_S = 1e-3
 
 
 class _Export(msgspec.Struct, array_like=True, frozen=True):
@@ -348,6 +353,7 @@ class CudaIpcWriter:
         with self._lock:
             event = self._last
         rt = self._rt
+        spin_until = time.perf_counter() + _SPIN_S
 
         def poll() -> None:
             if rt is not None:
@@ -360,6 +366,8 @@ class CudaIpcWriter:
                 done = event is None or event.query()
             if done:
                 on_done(self.check())
+            elif time.perf_counter() < spin_until:
+                loop.call_soon(poll)  # other callbacks run in between
             else:
                 loop.call_later(_POLL_S, poll)
 
