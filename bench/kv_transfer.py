@@ -58,7 +58,10 @@ cross-memory attach (transports/cma.py; its tagged mode stays on the
 error-handled tcp endpoint), and the raw baseline moves its data on a UCX
 shared-memory endpoint without error handling (cma/sysv), the fastest UCX
 offers on one host and what pdserve gave up because a peer's death on it
-aborts the process. ``cuda`` (``--device cuda``, its default) is ``UCX_TLS=tcp,cuda_copy,cuda_ipc,sm,self``
+aborts the process. ``shm_map`` is ``shm`` with the decode process's KV tensor in shared memory (a
+memfd, as a ``--kv-shared-memory`` decode worker keeps it): pdserve's RMA writes are plain copies into
+its mapping (transports/shm.py). Not in the default set: it is an opt-in of the decode worker.
+``cuda`` (``--device cuda``, its default) is ``UCX_TLS=tcp,cuda_copy,cuda_ipc,sm,self``
 with ``same_host`` off: whatever UCX picks for device memory. ``cuda_ipc`` is the same with ``same_host``
 on: pdserve's RMA writes go by CUDA IPC (transports/cuda_ipc.py), and the raw baseline moves its data
 on an endpoint without error handling, as ``shm``'s.
@@ -86,6 +89,7 @@ layer's compute.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -107,11 +111,13 @@ PAYLOAD_BYTES = 64 << 20
 TRANSPORTS: dict[str, tuple[str, bool]] = {
     "tcp": ("tcp", False),
     "shm": ("tcp,sm,self", True),
+    "shm_map": ("tcp,sm,self", True),  # the decode side's KV in shared memory (SHARED_KV)
     "cuda": ("tcp,cuda_copy,cuda_ipc,sm,self", False),  # no cuda_copy: ucxx refuses CUDA buffers
     "cuda_ipc": ("tcp,cuda_copy,cuda_ipc,sm,self", True),
 }
 # The device each transport moves KV in; --device picks the transports that may run.
-TRANSPORT_DEVICE = {"tcp": "cpu", "shm": "cpu", "cuda": "cuda", "cuda_ipc": "cuda"}
+TRANSPORT_DEVICE = {"tcp": "cpu", "shm": "cpu", "shm_map": "cpu", "cuda": "cuda", "cuda_ipc": "cuda"}
+SHARED_KV = {"shm_map"}  # the decode process keeps its KV in a memfd (--kv-shared-memory): plain copies
 DEVICES = ("cpu", "cuda")
 MODES = ("rma", "tagged")
 
@@ -162,6 +168,7 @@ class _Pair:
         ucx_env: tuple[tuple[str, str], ...] = (),
         rma: bool = True,
         device: str = "cpu",
+        kv_shared: bool = False,
     ) -> None:
         spec = PeerSpec(
             num_blocks=num_blocks,
@@ -170,7 +177,7 @@ class _Pair:
             device=device,
             **layout,
         )
-        self.decode = PeerProcess(spec, "bench-decode")
+        self.decode = PeerProcess(dataclasses.replace(spec, kv_shared=kv_shared), "bench-decode")
         self.prefill = PeerProcess(spec, "bench-prefill")
         self.num_layers: int = layout["num_layers"]
         self._n = 0
@@ -332,7 +339,8 @@ def run(
             for label, layout, blocks, sizes, checked in layouts:
                 where = {"transport": name, "mode": mode, "layout": label}
                 try:
-                    with _Pair(layout, blocks, tls, shm, ucx_env, mode == "rma", device) as pair:
+                    shared = name in SHARED_KV
+                    with _Pair(layout, blocks, tls, shm, ucx_env, mode == "rma", device, shared) as pair:
                         for reported, requested in sizes:
                             rows.append(_row(pair, name, reported, requested, reps, mode, burst))
                             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -417,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--tokens takes integers, got {args.tokens!r}")
     if not tokens or min(tokens) < 1:
         parser.error("--tokens needs at least one size >= 1")
-    default = ",".join(n for n in TRANSPORTS if TRANSPORT_DEVICE[n] == args.device)
+    default = ",".join(n for n in TRANSPORTS if TRANSPORT_DEVICE[n] == args.device and n not in SHARED_KV)
     names = [t for t in (args.transports or default).split(",") if t]
     unknown = set(names) - set(TRANSPORTS)
     if unknown or not names:

@@ -109,6 +109,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     module += ["--mixed-steps"] if args.mixed_steps else []
     module += ["--kv-interface", args.kv_interface] if args.kv_interface else []
     module += [] if args.kv_cross_memory else ["--no-kv-cross-memory"]
+    module += ["--kv-shared-memory"] if args.kv_shared_memory else []
     module += ["--kv-puts", args.kv_puts] if args.kv_puts != "auto" else []
     http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
     # TLS files (worker.tls), checked here: every process gets them, and this command calls the router.

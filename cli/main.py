@@ -254,6 +254,14 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         "kernel and the GPUs permit them)",
     )
     p.add_argument(
+        "--kv-shared-memory",
+        action="store_true",
+        help="decode workers on CPU keep the KV cache in shared memory, which prefill workers of this host "
+        "write with plain copies (measured 2.5x faster than cross-memory attach on a kernel whose writes are "
+        "slow); shared memory has huge pages only where the kernel allows them for it "
+        "(transparent_hugepage/shmem_enabled), decode attention read 2-9%% slower without (default: off)",
+    )
+    p.add_argument(
         "--kv-puts",
         choices=KV_PUTS,
         default="auto",
@@ -519,6 +527,7 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
         cluster_token=cluster_token(args),
         kv_interface=args.kv_interface,
         kv_cross_memory=args.kv_cross_memory,
+        kv_shared_memory=args.kv_shared_memory,
         kv_puts=args.kv_puts,
         tls=tls_config(args),
         standby=args.standby,

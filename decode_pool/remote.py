@@ -54,7 +54,9 @@ class RemotePrefill:
         eng = loop.engine
         # The receiver reserves on this (event loop) thread while the engine steps on its own: safe by
         # the rules of the block-ownership contract in kv_transfer/__init__.py.
-        self.receiver = KVReceiver(eng.runner.kv, eng.block_manager, compat, config, registry)
+        # A KV cache in shared memory (--kv-shared-memory) is offered to same-host prefill workers.
+        shared_fd = eng.runner.kv_shared_fd
+        self.receiver = KVReceiver(eng.runner.kv, eng.block_manager, compat, config, registry, shared_fd)
         self.pending = 0  # requests reserved but not yet adopted
 
     async def start(self) -> None:

@@ -67,6 +67,7 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         threads=args.threads,
         detokenize=False,
+        kv_shared_memory=args.kv_shared_memory,
     )
 
 

@@ -20,7 +20,14 @@ import threading
 
 import torch
 
-__all__ = ["HUGE_PAGE", "HugePageArena", "advise_huge_pages", "zeros_huge_pages"]
+__all__ = [
+    "HUGE_PAGE",
+    "HugePageArena",
+    "SharedTensor",
+    "advise_huge_pages",
+    "shared_memory_huge_pages",
+    "zeros_huge_pages",
+]
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
@@ -56,6 +63,49 @@ def zeros_huge_pages(*size: int, dtype: torch.dtype, device: torch.device | str 
     t = torch.empty(*size, dtype=dtype)
     advise_huge_pages(t)
     return t.zero_()
+
+
+_SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shared_memory_huge_pages() -> bool:
+    """Whether shared memory (a memfd) may get transparent huge pages when advised: ``shmem_enabled``
+    is ``always``, ``within_size``, ``advise`` or ``force`` (many distributions default to ``never``)."""
+    try:
+        with open(_SHMEM_THP) as f:
+            text = f.read()
+    except OSError:
+        return False
+    chosen = text[text.find("[") + 1 : text.find("]")] if "[" in text else ""
+    return chosen in ("always", "within_size", "advise", "force")
+
+
+class SharedTensor:
+    """A zeroed CPU tensor in shared memory (a memfd), which another process of this host may map (by
+    ``/proc/<pid>/fd/<fd>``, under the kernel's ptrace rule) and write with plain copies: the decode
+    worker's KV cache for a same-host prefill worker (kv_transfer/transports/shm.py). ``fd`` stays open
+    (close-on-exec) as long as this object lives; ``huge``: whether the pages were advised onto huge pages
+    (``shared_memory_huge_pages``)."""
+
+    def __init__(self, *size: int, dtype: torch.dtype) -> None:
+        import mmap
+        import os
+
+        nbytes = math.prod(size) * dtype.itemsize
+        if nbytes <= 0:
+            raise ValueError(f"a shared tensor needs a positive size, got {size}")
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self._map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.nbytes = nbytes
+        flat = torch.frombuffer(self._map, dtype=torch.uint8)  # a fresh memfd reads as zeros
+        self.huge = shared_memory_huge_pages() and _madvise_huge(flat.data_ptr(), flat.data_ptr() + nbytes)
+        flat[:: HUGE_PAGE if self.huge else 4096].zero_()  # touched now, after the advice, not mid-step
+        self.tensor = flat.view(dtype).view(size)
 
 
 class HugePageArena:

@@ -87,6 +87,9 @@ class EngineConfig:
     # CUDA (Triton backend): False captures decode as CUDA graphs at start-up for batch sizes up to
     # max_num_seqs; True runs every step eagerly (vLLM's --enforce-eager). Ignored elsewhere.
     enforce_eager: bool = False
+    # CPU: the KV cache in shared memory (``ModelRunner(kv_shared=True)``), which a prefill worker of this
+    # host writes with plain copies (a decode worker's ``--kv-shared-memory``). Ignored elsewhere.
+    kv_shared_memory: bool = False
     # Resolved on this host when the config is made (``engine.device``): the device and dtype the engine
     # runs on, which it reports. A device this host lacks fails here, before anything loads.
     resolved_device: str = dataclasses.field(init=False)
@@ -171,6 +174,7 @@ class LLMEngine:
                 kv_cache_bytes=config.kv_cache_bytes,
                 gpu_memory_utilization=config.gpu_memory_utilization,
                 quantization=config.quantization,
+                kv_shared=config.kv_shared_memory,
             )
         self.tokenizer = tokenizer
         mc = self.runner.config

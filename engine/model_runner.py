@@ -31,7 +31,7 @@ import torch
 from pdserve.engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import CpuKernels, kernel_cache_dir, load_cpu_kernels, supports
-from pdserve.engine.hugepages import zeros_huge_pages
+from pdserve.engine.hugepages import SharedTensor, zeros_huge_pages
 from pdserve.engine.model import (
     KernelStepOps,
     LayerHook,
@@ -120,6 +120,7 @@ class ModelRunner:
         gpu_memory_utilization: float | None = None,
         quantization: str = "none",
         kernel_isa: str | None = None,
+        kv_shared: bool = False,
     ) -> None:
         """Load the model and allocate the KV cache.
 
@@ -129,6 +130,9 @@ class ModelRunner:
         sequences of ``max_position_embeddings`` tokens. ``backend``: see ``Backend``. ``quantization``:
         ``none`` or ``int8`` (weight-only, ``engine.quant``). ``kernel_isa``: which build of the CPU kernels
         (``EngineEnv.kernel_isa``; default ``PDSERVE_KERNEL_ISA``, else native): tests run every ISA path.
+        ``kv_shared`` (CPU only): the KV cache in shared memory (``hugepages.SharedTensor``; its memfd is
+        ``kv_shared_fd``), which a prefill worker of this host writes with plain copies; it has huge pages
+        only where shared memory gets them (``shared_memory_huge_pages``).
         """
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -199,17 +203,20 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self._decoder: DecodeGraphs | None = None
         self._prefill_graphs: PrefillGraphs | None = None
-        self.kv = zeros_huge_pages(  # huge pages on CPU: attention and transports stream it
-            c.num_layers,
-            self.num_blocks,
-            2,
-            block_size,
-            c.num_kv_heads,
-            c.head_dim,
-            dtype=dtype,
-            device=self.device,
-        )  # [L, N, 2, B, Hkv, D]
+        # [L, N, 2, B, Hkv, D]
+        shape = (c.num_layers, self.num_blocks, 2, block_size, c.num_kv_heads, c.head_dim)
+        self._kv_shared: SharedTensor | None = None
+        if kv_shared and self.device.type == "cpu":
+            self._kv_shared = SharedTensor(*shape, dtype=dtype)
+            self.kv = self._kv_shared.tensor
+        else:  # huge pages on CPU: attention and transports stream it
+            self.kv = zeros_huge_pages(*shape, dtype=dtype, device=self.device)
         self._phase_s["kv_alloc"] = time.perf_counter() - t0
+
+    @property
+    def kv_shared_fd(self) -> int | None:
+        """The memfd of a KV cache in shared memory (``kv_shared``), else None."""
+        return None if self._kv_shared is None else self._kv_shared.fd
 
     @property
     def startup_seconds(self) -> dict[str, float]:

@@ -39,7 +39,7 @@ _LAYER_BUCKETS = (
 
 
 # How a transfer's KV moves (pdserve_kv_transfer_opened_total's path label; the sender knows it at open).
-TRANSFER_PATHS = ("puts", "cross_memory", "cuda_ipc", "tagged")
+TRANSFER_PATHS = ("puts", "cross_memory", "shared_memory", "cuda_ipc", "tagged")
 
 
 class Role(StrEnum):

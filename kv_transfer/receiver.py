@@ -109,7 +109,10 @@ class KVReceiver:
         compat: wire.KVCompat,
         config: TransferConfig | None = None,
         registry: CollectorRegistry | None = None,
+        shared_fd: int | None = None,
     ) -> None:
+        """``shared_fd``: the memfd ``kv`` is mapped from (``engine.hugepages.SharedTensor``), offered to
+        senders of this host, which then write it with plain copies (transports/shm.py)."""
         check_kv(kv, compat)
         if blocks.block_size != compat.block_size or blocks.num_blocks > kv.shape[1]:
             raise ValueError("the block pool does not match the KV tensor (block size or block count)")
@@ -136,11 +139,12 @@ class KVReceiver:
         self._region: wire.RemoteRegion | None = None  # the KV tensor as offered for puts
         self._seq = 0  # reservations made so far (TransferTicket.seq)
         self._rma_peers: set[PrefillConn] = set()  # live connections the region was offered to
+        self._shared_fd = shared_fd
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
         self._transport = make_transport(self._config)
-        region = self._transport.expose(self._spans.flat)
+        region = self._transport.expose(self._spans.flat, self._shared_fd)
         if region is not None:
             layer_bytes = self._spans.num_blocks * self._spans.block_bytes
             self._region = msgspec.structs.replace(region, layer_bytes=layer_bytes)

@@ -143,9 +143,10 @@ class Transport(Protocol):
 
     async def connect(self, address: str) -> Connection: ...
 
-    def expose(self, buf: Buffer) -> RemoteRegion | None:
+    def expose(self, buf: Buffer, shared_fd: int | None = None) -> RemoteRegion | None:
         """Register ``buf`` (the whole KV tensor's bytes) for peers' one-sided writes; None when
-        this backend has none. Valid until ``close``."""
+        this backend has none. Valid until ``close``. ``shared_fd``: the memfd ``buf`` is mapped from
+        (offset 0), offered to senders of this host (transports/shm.py)."""
 
     def next_transfer_id(self) -> int:
         """A transfer id unique among the receives this process may have posted."""

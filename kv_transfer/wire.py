@@ -142,6 +142,9 @@ class RemoteRegion(msgspec.Struct, frozen=True):
     pid: int = 0
     host: str = ""
     cuda_ipc: bytes = b""  # device memory: the tensor's CUDA IPC export (cuda_ipc.export)
+    # Host memory in shared memory: the memfd the tensor is mapped from (offset 0 at ``base``), which a
+    # sender of the same host maps and writes with plain copies (transports/shm.py); -1: not offered.
+    shm_fd: int = -1
 
 
 class Open(msgspec.Struct, frozen=True, tag="open"):

@@ -83,6 +83,7 @@ class _Req:
     closing: bool = False  # the loop is finishing it (a late transfer must not start, or must abort)
     finished: bool = False  # ``_finish`` ran (it runs once)
     layers_done: int = 0  # layers its forward has written (the hook counts them, under the push lock)
+    first_token_unix: float = 0.0  # when its first token was sampled (wall clock; 0: not yet)
     handle: SenderHandle | None = None
     cancelled: bool = False
 
@@ -460,5 +461,6 @@ class PrefillLoop:
                     self._forward_over(j, None)
                     continue
                 # Answer the router first (TTFT), then complete the transfer in the background.
+                req.first_token_unix = time.time()
                 req.result.set_result((int(tok), dt))
                 self._forward_over(j, int(tok))

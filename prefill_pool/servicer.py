@@ -121,8 +121,10 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        # When the token was sampled: the answer itself may go out after the decode worker has the KV.
+        sampled_at = job.payload.first_token_unix or time.time()
         return worker_pb2.PrefillResponse(
-            first_token_id=first, prefill_seconds=forward_s, first_token_unix=time.time()
+            first_token_id=first, prefill_seconds=forward_s, first_token_unix=sampled_at
         )
 
     async def AttachTicket(self, request: worker_pb2.AttachTicketRequest, context) -> worker_pb2.Empty:  # noqa: N802

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.cli import cluster_cmds
 from pdserve.cli import main as cli
+from pdserve.decode_pool import servicer as decode_servicer
 from pdserve.deploy.local import cluster
 from pdserve.engine import device as dev
 from pdserve.engine import llm_engine
@@ -307,7 +308,7 @@ def test_up_on_cpu_passes_auto_and_the_default_share(launcher, capsys):
 
 def test_up_hands_the_kv_transfer_flags_to_every_worker_scale_starts_too(launcher):
     sd = ["--state-dir", str(launcher.state_dir)]
-    kv = ["--no-kv-cross-memory", "--kv-interface", "lo", "--kv-puts", "always"]
+    kv = ["--no-kv-cross-memory", "--kv-interface", "lo", "--kv-puts", "always", "--kv-shared-memory"]
     assert (
         cli.main(["up", "--prefill", "1", "--decode", "1", "--model", "m", "--port", "50997", *kv, *sd]) == 0
     )
@@ -315,8 +316,12 @@ def test_up_hands_the_kv_transfer_flags_to_every_worker_scale_starts_too(launche
     for wid in ("prefill-1", "decode-2", "decode-3"):
         w = parsed_worker(launcher.argvs[wid])
         assert (w.kv_cross_memory, w.kv_interface, w.kv_puts) == (False, "lo", "always"), wid
+        assert w.kv_shared_memory, wid
         config = w.transfer_config()
         assert not config.same_host and config.rma and config.rma_over_tcp, wid
+    assert decode_servicer.engine_config(parsed_worker(launcher.argvs["decode-3"])).kv_shared_memory
+    with pytest.raises(ValueError, match="host memory"):  # a KV cache on a GPU is not in shared memory
+        dataclasses.replace(parsed_worker(launcher.argvs["decode-3"]), device="cuda")
 
 
 def test_kv_puts_picks_puts_or_tagged_messages(launcher, capsys):

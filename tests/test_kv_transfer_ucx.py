@@ -30,13 +30,15 @@ TRANSPORTS = {
     "tcp": ("tcp", False, True),  # UCX's puts (emulated over tcp)
     "cma": ("tcp,sm,self", True, True),
     "tcp-tagged": ("tcp", False, False),
+    "shm": ("tcp,sm,self", True, True),  # the decode side's KV in shared memory: plain copies into it
 }
 
 
 def spec(dtype: str = "bfloat16", num_blocks: int = 192, transport: str = "tcp") -> PeerSpec:
     tls, same_host, rma = TRANSPORTS[transport]
     config = replace(CONFIG, same_host=same_host, rma=rma, rma_over_tcp=rma)  # puts also over tcp
-    return PeerSpec(dtype=dtype, num_blocks=num_blocks, config=config, env=(("UCX_TLS", tls),))
+    env = (("UCX_TLS", tls),)
+    return PeerSpec(dtype=dtype, num_blocks=num_blocks, config=config, env=env, kv_shared=transport == "shm")
 
 
 def assert_no_leak(*peers: PeerProcess) -> None:
@@ -163,6 +165,22 @@ def test_layers_pushed_together_land_bit_exact(fresh: tuple[PeerProcess, PeerPro
             decode, prefill, f"burst-{burst}", 600, seed=31 + burst, decode_keep=3, keep_every=2, burst=burst
         )
     assert_no_leak(decode, prefill)
+
+
+def test_a_shared_kv_cache_is_written_by_plain_copies() -> None:
+    """A decode side whose KV is in shared memory (``--kv-shared-memory``) is written by plain copies into
+    its memfd, bit-exact, scattered blocks included; a host-memory decode side without it by cross-memory
+    attach. (Kills, aborts and revokes run on this path too: the ``fresh`` fixture's "shm".)"""
+    peers = [("decode-shm", spec(num_blocks=160, transport="shm")), ("prefill-shm", spec(transport="cma"))]
+    with running_peers(peers) as (decode, prefill):
+        for rid, kw in (("c", {}), ("s", {"keep_every": 2})):
+            ticket = decode.call("reserve", request_id=rid, num_tokens=1000, keep_every=3 if kw else 0)
+            out = prefill.call("transfer", ticket=ticket, seed=71, timeout=CALL_S, **kw)
+            assert out["path"] == "shared_memory"
+            decode.call("wait", request_id=rid)
+            assert decode.call("verify", request_id=rid, seed=71), "received KV differs from the source"
+            assert decode.call("release", request_id=rid)
+        assert_no_leak(decode, prefill)
 
 
 def test_32_concurrent_transfers_to_two_receivers(bf16: tuple[PeerProcess, ...]) -> None:
@@ -430,7 +448,7 @@ def test_revoke_waits_for_a_sender_that_does_not_answer(bf16: tuple[PeerProcess,
     assert_every_block_holds_only_new_bytes(decode, prefill, "rv-new", total, seed=42)
 
 
-@pytest.mark.parametrize("fresh", ["tcp", "cma"], indirect=True)
+@pytest.mark.parametrize("fresh", ["tcp", "cma", "shm"], indirect=True)
 def test_revoked_while_eager_puts_land_then_reused_at_once(fresh: tuple[PeerProcess, PeerProcess]) -> None:
     """The race eager puts open: the sender is putting into a reservation whose Open has not
     reached the receiver (delayed here) when the receiver aborts it. The revoke reaches the

@@ -88,16 +88,37 @@ def test_colocated_equals_offline(tmp_path):
         assert got[rid][2] in ("stop", "length"), rid
 
 
-def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(tmp_path):
+def _transfers_by_path(c) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The prefill worker's transfers opened, by how their KV moved."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (prefill,) = [w for w in c.workers() if w["role"] == "prefill"]
+    with urllib.request.urlopen(prefill["metrics_url"], timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.labels["path"]: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "pdserve_kv_transfer_opened_total" and s.labels.get("role") == "prefill" and s.value
+    }
+
+
+@pytest.mark.parametrize("kv", ["cross_memory", "shared_memory"])
+def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(tmp_path, kv):
     reqs = _requests()
     want = _offline(reqs)
     # Threshold 1: every prompt is prefilled remotely, so all 8 cross the KV transfer.
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "1")) as c:
+    extra = ("--local-prefill-threshold", "1", *(["--kv-shared-memory"] if kv == "shared_memory" else []))
+    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
         got = run_all(c.address, reqs)
         for rid, (ids, text) in want.items():
             assert got[rid][0] == ids, rid
             assert got[rid][1] == text, rid
         _first_token_before_admission(c)
+        # One host: every transfer (the 8 and the trace's) written by the prefill worker itself.
+        assert _transfers_by_path(c) == {kv: len(reqs) + 1}
         c.assert_no_leaks()
 
 

@@ -68,6 +68,9 @@ class WorkerArgs:
     # write a decode worker of this host by process_vm_writev (host memory: kv_transfer/transports/cma.py)
     # or CUDA IPC (device memory: kv_transfer/transports/cuda_ipc.py) rather than through UCX
     kv_cross_memory: bool = True
+    # Decode worker on CPU: the KV cache in shared memory (a memfd), which prefill workers of this host map
+    # and write with plain copies (kv_transfer/transports/shm.py) instead of cross-memory attach.
+    kv_shared_memory: bool = False
     # One-sided UCX puts for KV (KV_PUTS): auto where they are one-sided (RDMA, CUDA IPC), tagged messages on
     # plain tcp (TransferConfig.rma_over_tcp); always: puts over tcp too; never: tagged messages always.
     kv_puts: str = "auto"
@@ -96,6 +99,8 @@ class WorkerArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
+        if self.kv_shared_memory and device_index(self.device) is not None:
+            raise ValueError("kv_shared_memory keeps the KV cache in host memory: it needs device cpu")
         if self.kv_puts not in KV_PUTS:
             raise ValueError(f"kv_puts must be one of {', '.join(KV_PUTS)}, got {self.kv_puts!r}")
         if self.kv_stall_timeout_s <= 0 or self.kv_fault_delay_s < 0:

@@ -13,7 +13,7 @@ import torch
 from prometheus_client import generate_latest
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.hugepages import zeros_huge_pages
+from pdserve.engine.hugepages import SharedTensor, zeros_huge_pages
 from pdserve.kv_transfer.config import FaultConfig
 from pdserve.kv_transfer.kvbuf import block_bytes, compat_for
 from pdserve.kv_transfer.metrics import TRANSFER_PATHS
@@ -30,7 +30,11 @@ class PeerState:
         shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # On CUDA this also creates the process's CUDA context, which must exist before ucxx starts
         # (start_receiver, the first sender, the raw baseline): UCX's CUDA transports look for it then.
-        if spec.huge_pages:
+        self._shared: SharedTensor | None = None
+        if spec.kv_shared:
+            self._shared = SharedTensor(*shape, dtype=dtype)
+            self.kv = self._shared.tensor
+        elif spec.huge_pages:
             self.kv = zeros_huge_pages(*shape, dtype=dtype, device=spec.device)  # [L, N, 2, B, Hkv, D]
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=spec.device)
@@ -69,7 +73,8 @@ class PeerState:
 
     # -- decode side -------------------------------------------------------
     async def cmd_start_receiver(self) -> str:
-        self.receiver = KVReceiver(self.kv, self.blocks, self.compat, self.spec.config)
+        fd = None if self._shared is None else self._shared.fd
+        self.receiver = KVReceiver(self.kv, self.blocks, self.compat, self.spec.config, shared_fd=fd)
         await self.receiver.start()
         return self.receiver.address
 

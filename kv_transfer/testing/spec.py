@@ -36,10 +36,15 @@ class PeerSpec:
     # ``env`` must name cuda_copy (ucxx refuses device buffers otherwise) and the peer creates its CUDA
     # context (allocating the tensor) before ucxx starts in its process.
     device: str = "cpu"
+    # Host memory: the KV tensor in shared memory (engine.hugepages.SharedTensor), offered to same-host
+    # senders, which write it with plain copies (transports/shm.py): a ``--kv-shared-memory`` decode worker.
+    kv_shared: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.kv_shared and self.device != "cpu":
+            raise ValueError("kv_shared is for host memory (device cpu)")
 
 
 class PeerCallError(RuntimeError):

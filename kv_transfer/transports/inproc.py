@@ -171,7 +171,7 @@ class InprocTransport:
         self.loop.call_soon(server._on_connect, there)
         return here
 
-    def expose(self, buf: Any) -> None:
+    def expose(self, buf: Any, shared_fd: int | None = None) -> None:
         return None
 
     def next_transfer_id(self) -> int:

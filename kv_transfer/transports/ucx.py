@@ -76,7 +76,7 @@ from pdserve.kv_transfer.transport import (
     RemoteWriter,
     describe,
 )
-from pdserve.kv_transfer.transports import cma, cuda_ipc, ucp_rma, ucp_tag
+from pdserve.kv_transfer.transports import cma, cuda_ipc, shm, ucp_rma, ucp_tag
 from pdserve.kv_transfer.wire import RemoteRegion
 
 log = logging.getLogger(__name__)
@@ -468,7 +468,13 @@ class UcxConnection:
             return None
         writer: RemoteWriter | None = None
         path = cma.same_host_path(region, local, self._transport.same_host)
-        if path == "cross_memory":
+        if path == "cross_memory" and region.shm_fd >= 0:
+            try:
+                writer = shm.ShmWriter.open(region)
+                log.info("KV to %s: plain copies into its shared KV cache (pid %d)", self._peer, region.pid)
+            except TransferError as exc:  # not permitted, or gone: cross-memory writes instead
+                log.info("no shared KV cache of %s to map (%s); cross-memory writes instead", self._peer, exc)
+        if path == "cross_memory" and writer is None:
             try:
                 writer = cma.CmaWriter.open(region)
                 log.info("KV to %s: one-sided writes by cross-memory attach (pid %d)", self._peer, region.pid)
@@ -565,7 +571,7 @@ class UcxTransport:
         self._accepting: set[asyncio.Task[None]] = set()
         self._regions: list[ucp_rma.Registration] = []
 
-    def expose(self, buf: Any) -> RemoteRegion | None:
+    def expose(self, buf: Any, shared_fd: int | None = None) -> RemoteRegion | None:
         if not self._config.rma:
             return None
         address, nbytes, kind = _address_of(buf)
@@ -586,6 +592,7 @@ class UcxTransport:
             pid=os.getpid() if local else 0,
             host=cma.host_identity() if local else "",
             cuda_ipc=ipc,
+            shm_fd=shared_fd if local and shared_fd is not None and not ipc else -1,
         )
 
     @property
