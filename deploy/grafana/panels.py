@@ -250,7 +250,8 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                 PanelSpec(
                     "KV transfer paths",
                     "Transfers opened per second by how their KV moves: one-sided puts, cross-memory writes "
-                    "on one host, or tagged messages (--kv-puts; tagged where every UCX lane is tcp).",
+                    "or copies into a shared KV cache (--kv-shared-memory) on one host, CUDA IPC, or tagged "
+                    "messages (--kv-puts; tagged where every UCX lane is tcp).",
                     "reqps",
                     (Query(rate(KV_TRANSFER_OPENED, "path"), "{{path}}"),),
                 ),
