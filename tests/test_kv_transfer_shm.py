@@ -143,3 +143,14 @@ def test_a_runner_with_its_kv_cache_in_shared_memory_computes_the_same(tiny_llam
     item = [PrefillItem(list(range(3, 20)), list(range(5)))]
     torch.testing.assert_close(shared.prefill(item), plain.prefill(item), rtol=0, atol=0)
     torch.testing.assert_close(shared.kv, plain.kv, rtol=0, atol=0)
+
+
+def test_the_step_benchmark_times_both_caches(tiny_llama_dir) -> None:
+    """``bench.kv_shared_steps`` (the price of --kv-shared-memory), on a tiny model."""
+    from pdserve.bench import kv_shared_steps
+
+    tiny = str(tiny_llama_dir)
+    report = kv_shared_steps.measure(tiny, batch=2, prompt_len=8, dtype=torch.float32, rounds=1)
+    assert set(report["step_ms"]) == {"anonymous", "shared"}
+    assert all(len(v) == 1 and v[0] > 0 for v in report["step_ms"].values())
+    assert report["shared_over_anonymous"] > 0

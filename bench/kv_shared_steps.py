@@ -1,0 +1,91 @@
+"""Decode steps with the KV cache in shared memory against anonymous huge pages: the price of
+``--kv-shared-memory`` on this machine.
+
+    python -m pdserve.bench.kv_shared_steps [--batch 32] [--prompt-len 600] [--dtype bfloat16] [--rounds 2]
+
+A decode worker with ``--kv-shared-memory`` keeps its KV cache in a memfd (``engine.hugepages.SharedTensor``)
+so that a prefill worker of its host can write it with plain copies (kv_transfer/transports/shm.py). Shared
+memory gets transparent huge pages only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
+allows them, and decode attention streams the cache every step. This times greedy decode steps of the
+default model (``--batch`` sequences of ``--prompt-len`` tokens, 24 steps, the first 3 dropped) on two
+runners, one with each cache, alternating ``--rounds`` times in one process; it reports the median step of
+each round, the best of each kind and their ratio (shared / anonymous: above 1 means the shared cache is
+slower), with the CPU, its ISA and whether shared memory had huge pages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+STEPS = 24
+
+
+def measure(model: str, batch: int, prompt_len: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
+    from pdserve.bench.engine_steps import runner_decode_steps
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.registry import resolve_model
+
+    path = resolve_model(model)
+    blocks = batch * -(-(prompt_len + STEPS) // 16) + 8
+    medians: dict[str, list[float]] = {"anonymous": [], "shared": []}
+    for _ in range(rounds):
+        for kind in medians:
+            runner = ModelRunner(
+                path, dtype=dtype, num_blocks=blocks, block_size=16, kv_shared=kind == "shared"
+            )
+            prompts = [list(range(10 + i, 10 + i + prompt_len)) for i in range(batch)]
+            steps = runner_decode_steps(runner, prompts, STEPS)[3:]
+            medians[kind].append(round(statistics.median(steps) * 1e3, 3))
+            del runner
+    best = {kind: min(ms) for kind, ms in medians.items()}
+    return {
+        "step_ms": medians,
+        "best_step_ms": best,
+        "shared_over_anonymous": round(best["shared"] / best["anonymous"], 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=600)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", help="write the JSON report here too")
+    args = parser.parse_args(argv)
+    if min(args.batch, args.prompt_len, args.threads, args.rounds) < 1:
+        parser.error("--batch, --prompt-len, --threads and --rounds must be >= 1")
+    torch.set_num_threads(args.threads)
+    from pdserve.bench.engine import cpu_name
+    from pdserve.engine.cpu_kernels import cpu_isa
+    from pdserve.engine.hugepages import shared_memory_huge_pages
+
+    report = {
+        "machine": {"cpu": cpu_name(), "isa": cpu_isa()["isa"], "threads": args.threads},
+        "shared_memory_huge_pages": shared_memory_huge_pages(),
+        "model": args.model,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "dtype": args.dtype,
+        **measure(args.model, args.batch, args.prompt_len, getattr(torch, args.dtype), args.rounds),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
