@@ -58,6 +58,13 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return flags
 
 
+def _check_shared_kv(shared: bool, device: str) -> None:
+    if shared and device != "cpu":
+        raise cluster.ClusterError(
+            f"--kv-shared-memory keeps decode KV caches in host shared memory: workers on {device} cannot"
+        )
+
+
 def resolve_device(device: str) -> str:
     """``cpu`` or ``cuda:N``, checked on this host (where the workers will run): ClusterError otherwise."""
     if device == "cpu":
@@ -103,6 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     n_workers = sum(counts.values()) + sum(warm.values())
     threads = args.threads or cluster.default_threads(n_workers)
     device = resolve_device(args.device)
+    _check_shared_kv(args.kv_shared_memory, device)
     util = each_share(device, n_workers, args.gpu_memory_utilization)
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
@@ -264,6 +272,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")
     targets = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
     device = state.device if args.device is None else resolve_device(args.device)
+    _check_shared_kv("--kv-shared-memory" in state.worker_flags, device)
     util = (
         state.gpu_memory_utilization if args.gpu_memory_utilization is None else args.gpu_memory_utilization
     )

@@ -324,6 +324,19 @@ def test_up_hands_the_kv_transfer_flags_to_every_worker_scale_starts_too(launche
         dataclasses.replace(parsed_worker(launcher.argvs["decode-3"]), device="cuda")
 
 
+def test_shared_kv_caches_are_refused_for_gpu_workers_before_anything_starts(launcher, gpus, capsys):
+    gpus.set(1)
+    sd = ["--state-dir", str(launcher.state_dir)]
+    up = ["up", "--prefill", "1", "--decode", "1", "--model", "m", "--port", "50996", *sd]
+    up.append("--kv-shared-memory")
+    assert cli.main([*up, "--device", "cuda"]) == 1
+    assert "--kv-shared-memory keeps decode KV caches in host shared memory" in capsys.readouterr().err
+    assert not launcher.argvs
+    assert cli.main(up) == 0  # on CPU: started
+    assert cli.main(["scale", "--decode", "2", "--device", "cuda", *sd]) == 1  # not beside them on a GPU
+    assert "workers on cuda:0 cannot" in capsys.readouterr().err
+
+
 def test_kv_puts_picks_puts_or_tagged_messages(launcher, capsys):
     """--kv-puts maps onto the transfer's two switches; the default leaves puts to where they are
     one-sided; a bad value is a usage error naming the choices."""
