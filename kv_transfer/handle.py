@@ -62,7 +62,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_READY_POLL_S = 20e-6  # CUDA only: how often to re-check that a layer's writes finished
+# CUDA only: a layer whose writes have not finished is re-checked on every loop iteration for this long
+# after its push, then every millisecond. A shorter timer is no finer (asyncio rounds it up to the
+# millisecond of its epoll wait; uvloop runs it on the next iteration, which made the 20 us timer used
+# before a spin on the loop for as long as the forward ran ahead of the GPU).
+_READY_SPIN_S = 2e-3
+_READY_POLL_S = 1e-3
 _BOOKS_LAG_S = 0.005  # direct writes: how often the loop is woken to book them, at most
 
 
@@ -281,7 +286,10 @@ class SenderHandle:
         if self._error is not None:
             return
         if marker is not None and not marker():
-            self._loop.call_later(_READY_POLL_S, self._issue, layer, pushed_at, marker)
+            if time.perf_counter() - pushed_at < _READY_SPIN_S:
+                self._loop.call_soon(self._issue, layer, pushed_at, marker)
+            else:
+                self._loop.call_later(_READY_POLL_S, self._issue, layer, pushed_at, marker)
             return
         faults = self._sender.config.faults
         if layer in faults.drop_layers:

@@ -234,6 +234,48 @@ async def end_reuse_case(rx: KVReceiver, tx: KVSender, dec: Side, pre: Side) -> 
     await rx.close()
 
 
+def test_layers_not_yet_written_on_the_device_wait_for_their_marker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a pushed layer may still be queued on the GPU: the send waits until its ready marker says
+    the writes finished, re-checking on the loop's next iterations (then on a timer), and every layer
+    still lands exactly once. A stand-in marker answers "not yet" a few times per layer."""
+    from pdserve.kv_transfer import handle as handle_mod
+
+    polls: list[int] = []
+
+    def marker_for(device: torch.device) -> Any:
+        left = [4]
+
+        def ready() -> bool:
+            polls.append(1)
+            left[0] -= 1
+            return left[0] < 0
+
+        return ready
+
+    monkeypatch.setattr(handle_mod, "ready_marker", marker_for)
+    dec, pre = make_side(seed=21), make_side(seed=22)
+
+    async def main() -> None:
+        rx = await start_receiver(dec)
+        tx = KVSender(pre.kv, compat_for(pre.kv, "tiny"), CONFIG)
+        src = pre.blocks.allocate("m", 20)
+        ticket = rx.reserve("m", 20)
+        handle = await tx.open(ticket.encode(), src)
+        push_from_thread(handle, range(L))
+        await handle.complete(first_token_id=5)
+        result = await rx.wait("m")
+        assert same_bytes(dec.kv[:, list(result.block_ids)], pre.kv[:, src])
+        assert len(polls) == 5 * L  # four "not yet" and the "ready" of each layer
+        dec.blocks.free("m")
+        pre.blocks.free("m")
+        await tx.close()
+        await rx.close()
+
+    run(main)
+    dec.leak_check()
+    pre.leak_check()
+
+
 def test_late_layers_never_write_reused_blocks() -> None:
     """After a decode abort the blocks go back only when nothing can write them, so a
     new reservation on the same blocks keeps its contents while the old sender finishes."""
