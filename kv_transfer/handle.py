@@ -227,15 +227,14 @@ class SenderHandle:
         layer costs a call (and, on CUDA, tens of microseconds of host time) each."""
         if count < 1 or first < 0 or first + count > self.num_layers:
             raise ValueError(f"layers {first} .. {first + count - 1} outside [0, {self.num_layers})")
+        if self._direct:
+            return self._write_direct(first, count)  # (its claim checks every layer before any)
         with self._lock:  # one pushed already: none of them is pushed here
             twice = [layer for layer in range(first, first + count) if layer in self._pushed]
         if twice:
             raise ValueError(f"layer {twice[0]} pushed twice")
-        if not self._direct:
-            for layer in range(first, first + count):
-                self.push_layer(layer)
-            return
-        self._write_direct(first, count)
+        for layer in range(first, first + count):
+            self.push_layer(layer)
 
     def _claim(self, layer: int, count: int = 1) -> bool:
         """Under ``_lock``: mark ``count`` layers from ``layer`` pushed (none when one of them already

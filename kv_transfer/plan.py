@@ -121,3 +121,11 @@ def split_tag(tag: int) -> tuple[int, int, int, int]:
         tag & (MAX_SEGMENTS - 1),
         (tag >> 16) & (MAX_CONN_IDS - 1),
     )
+
+
+def layer_runs(
+    local_stride: int, remote_stride: int, count: int, runs: Sequence[tuple[int, int, int]]
+) -> list[tuple[int, int, int]]:
+    """The runs ``(source, destination, bytes)`` of ``count`` consecutive layers as one list: layer ``i``'s
+    shifted by ``i * local_stride`` and ``i * remote_stride`` (a writer that copies them in one call)."""
+    return [(i * local_stride + s, i * remote_stride + d, n) for i in range(count) for s, d, n in runs]

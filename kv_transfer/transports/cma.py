@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+from pdserve.kv_transfer.plan import layer_runs
 from pdserve.kv_transfer.wire import RemoteRegion
 
 # Larger writes go in pieces: one call copies at most this much (keeps each call short).
@@ -240,12 +241,7 @@ class CmaWriter:
         runs: Sequence[tuple[int, int, int]],
     ) -> None:
         """Every run of ``count`` layers in as few system calls as the kernel's limits allow."""
-        every = [
-            (i * local_stride + src, i * remote_stride + dst, nbytes)
-            for i in range(count)
-            for src, dst, nbytes in runs
-        ]
-        self.write_runs(local, offset, every)
+        self.write_runs(local, offset, layer_runs(local_stride, remote_stride, count, runs))
 
     def check(self) -> TransferError | None:
         """What ``flush`` reports, now: every write has landed when it returned."""

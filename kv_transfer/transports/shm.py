@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
+from pdserve.kv_transfer.plan import layer_runs
 from pdserve.kv_transfer.transports.cma import host_identity, open_pidfd, pidfd_alive
 from pdserve.kv_transfer.wire import RemoteRegion
 
@@ -111,12 +112,7 @@ class ShmWriter:
         count: int,
         runs: Sequence[tuple[int, int, int]],
     ) -> None:
-        every = [
-            (i * local_stride + src, i * remote_stride + dst, nbytes)
-            for i in range(count)
-            for src, dst, nbytes in runs
-        ]
-        self.write_runs(local, offset, every)
+        self.write_runs(local, offset, layer_runs(local_stride, remote_stride, count, runs))
 
     def check(self) -> TransferError | None:
         """What ``flush`` reports, now: every copy landed when it returned; the peer must still be there
