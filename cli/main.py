@@ -265,10 +265,11 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         "--kv-puts",
         choices=KV_PUTS,
         default="auto",
-        help="how KV reaches a decode worker: auto (one-sided writes where they are one-sided: RDMA, CUDA "
-        "IPC, cross-memory on one host; tagged messages where every UCX lane is tcp, measured faster there), "
-        "always (UCX puts over tcp too), never (tagged messages only, cross-memory writes off as well); "
-        "both ends must allow puts for a transfer to use them (default %(default)s)",
+        help="how KV reaches a decode worker: auto (one-sided writes: RDMA, CUDA IPC, cross-memory on one "
+        "host; UCX puts over tcp while UCX_TCP_TX_SEG_SIZE is at least 64K, pdserve's default, else tagged "
+        "messages, measured faster with UCX's own 8K segments), always (UCX puts over tcp whatever the "
+        "segment size), never (tagged messages only, cross-memory writes off as well); both ends must allow "
+        "puts for a transfer to use them (default %(default)s)",
     )
     p.add_argument("--kv-fault-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests only
     p.add_argument(

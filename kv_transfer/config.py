@@ -83,11 +83,13 @@ class TransferConfig:
     tensor (protocol 3 and later) when both peers offer it; otherwise, or with False on
     either side, each layer goes as tagged messages. Which one a transfer uses
     is named in its ``Open``: one transfer never mixes them.
-    ``rma_over_tcp``: use puts also where every lane of the endpoint is tcp (no RDMA device, no CUDA
-    IPC, no cross-memory attach). UCX then sends a put as 8 KB fragments, from whichever thread calls
-    it and from its progress thread at once; measured on 2 cores, 15 transfers of 1,024 tokens: puts
-    25.7-48.7 ms (median 32.8), the tagged push 16.5-39.3 ms (median 23.4). Off: such connections use
-    the tagged push. The tests and the benchmark turn it on to exercise puts over tcp.
+    ``rma_over_tcp``: puts also where every lane of the endpoint is tcp (no RDMA device, no CUDA IPC,
+    no cross-memory attach), where UCX emulates them. None (auto): when UCX's tcp segments are at
+    least 64 KB (``UCX_TCP_TX_SEG_SIZE``, which :func:`apply_ucx_env` sets to 64K unless the
+    environment sets it). At 64 KB, puts beat the tagged push over loopback (medians of eight runs,
+    1,024 tokens: 8.1 ms against 10.1; 4,096: 23.0 against 32.9); at UCX's own 8 KB, puts went out as ~2,900
+    fragments, sent both by the calling thread and by the progress thread, and lost (median 32.8 ms
+    against 23.4). True: puts over tcp whatever the segment size; False: the tagged push there.
     """
 
     backend: Backend = Backend.UCX
@@ -98,7 +100,7 @@ class TransferConfig:
     settle_timeout_s: float = 2.0
     same_host: bool = True
     rma: bool = True
-    rma_over_tcp: bool = False
+    rma_over_tcp: bool | None = None
     faults: FaultConfig = field(default_factory=FaultConfig)
     # The cluster token both ends prove in the handshake (auth.py); "": neither proves nor checks.
     cluster_token: str = field(default="", repr=False)
@@ -121,7 +123,32 @@ _DEVICES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
 
 # UCX 1.21 no longer knows UCX_MEMTYPE_CACHE, which ucxx sets on import, and
 # warns about it on every context creation.
-_UCX_ENV_DEFAULTS = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+# UCX_TCP_TX_SEG_SIZE: UCX's tcp transport sends in segments of 8 KB by default, a system call and a
+# progress pass each; 64 KB (the size of its receive segments) moved a 1,024-token SmolLM2 request
+# (23.6 MB) by puts in 6.4-10.9 ms instead of 22.8-23.5 ms over loopback, tagged sends 2x faster too
+# (bench/results/kv_transfer_s22_tcp_seg.json).
+_UCX_ENV_DEFAULTS = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TCP_TX_SEG_SIZE": "64K"}
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_MEMUNITS = re.compile(r"\s*(\d+)\s*([bkmg]?)b?\s*", re.IGNORECASE)
+# The smallest tcp segment at which UCX's emulated puts beat the tagged push (see rma_over_tcp).
+PUTS_OVER_TCP_MIN_SEGMENT = 64 << 10
+
+
+def tcp_segment_bytes(environ: MutableMapping[str, str] | None = None) -> int:
+    """UCX's tcp send segment in bytes as ``environ`` sets it (``UCX_TCP_TX_SEG_SIZE``, UCX's memory
+    units: ``65536``, ``64K``, ``64kb``); UCX's own default (8 KB) when unset or unreadable."""
+    env = os.environ if environ is None else environ
+    m = _MEMUNITS.fullmatch(env.get("UCX_TCP_TX_SEG_SIZE", ""))
+    return int(m[1]) * _UNITS[m[2].lower()] if m else 8 << 10
+
+
+def puts_over_tcp(config: TransferConfig, environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether a connection whose every UCX lane is tcp moves KV by puts (``config.rma_over_tcp``)."""
+    if config.rma_over_tcp is not None:
+        return config.rma_over_tcp
+    return tcp_segment_bytes(environ) >= PUTS_OVER_TCP_MIN_SEGMENT
 
 
 def ucx_net_devices(config: TransferConfig, environ: MutableMapping[str, str]) -> str | None:

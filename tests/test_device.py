@@ -344,7 +344,7 @@ def test_kv_puts_picks_puts_or_tagged_messages(launcher, capsys):
     assert cli.main(["up", "--prefill", "1", "--decode", "1", "--model", "m", "--port", "50996", *sd]) == 0
     w = parsed_worker(launcher.argvs["decode-2"])
     assert w.kv_puts == "auto" and "--kv-puts" not in launcher.argvs["decode-2"]
-    assert (w.transfer_config().rma, w.transfer_config().rma_over_tcp) == (True, False)
+    assert (w.transfer_config().rma, w.transfer_config().rma_over_tcp) == (True, None)  # auto
     never = dataclasses.replace(w, kv_puts="never").transfer_config()
     assert (never.rma, never.rma_over_tcp) == (False, False)
     with pytest.raises(ValueError, match="kv_puts must be one of auto, always, never"):

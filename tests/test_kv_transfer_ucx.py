@@ -226,25 +226,36 @@ def wait_no_control_requests(peer: PeerProcess, within_s: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize(
-    ("tls", "same_host", "rma", "rma_over_tcp", "path"),
+    ("tls", "segment", "same_host", "rma", "rma_over_tcp", "path"),
     [
-        ("tcp", False, True, False, "tagged"),
-        ("tcp", False, True, True, "puts"),
-        ("tcp,sm,self", True, True, False, "cross_memory"),
-        ("tcp,sm,self", True, False, False, "tagged"),
+        ("tcp", "", False, True, None, "puts"),
+        ("tcp", "8K", False, True, None, "tagged"),
+        ("tcp", "", False, True, False, "tagged"),
+        ("tcp", "8K", False, True, True, "puts"),
+        ("tcp,sm,self", "", True, True, False, "cross_memory"),
+        ("tcp,sm,self", "", True, False, None, "tagged"),
     ],
-    ids=["tcp-default-tagged", "tcp-puts-opted-in", "one-host-cma", "one-host-no-puts"],
+    ids=[
+        "tcp-default-puts",
+        "tcp-8k-segments-tagged",
+        "tcp-puts-off",
+        "tcp-puts-forced",
+        "one-host-cma",
+        "no-rma",
+    ],
 )
-def test_puts_only_where_they_are_not_tcp_fragments_unless_asked(
-    tls: str, same_host: bool, rma: bool, rma_over_tcp: bool, path: str
+def test_puts_over_tcp_follow_the_segment_size_unless_told(
+    tls: str, segment: str, same_host: bool, rma: bool, rma_over_tcp: bool | None, path: str
 ) -> None:
-    """By default a connection whose every UCX lane is tcp moves KV as tagged messages (UCX would send
-    each put as 8 KB fragments, measured slower); cross-memory writes on one host are unaffected; with
-    rma off (a worker's --kv-puts never) everything is tagged. The sender's metrics say which path ran."""
+    """A connection whose every UCX lane is tcp moves KV by puts with pdserve's 64 KB tcp segments and
+    as tagged messages with UCX's own 8 KB ones (each put then goes as ~100 fragments per layer,
+    measured slower); ``rma_over_tcp`` (a worker's --kv-puts always / never) overrides either way;
+    cross-memory writes on one host are unaffected; with rma off everything is tagged. The sender's
+    metrics say which path ran."""
     config = replace(CONFIG, same_host=same_host, rma=rma, rma_over_tcp=rma_over_tcp)
+    env = (("UCX_TLS", tls), *((("UCX_TCP_TX_SEG_SIZE", segment),) if segment else ()))
     peers = [
-        PeerProcess(PeerSpec(num_blocks=96, config=config, env=(("UCX_TLS", tls),)), n)
-        for n in ("decode-m", "prefill-m")
+        PeerProcess(PeerSpec(num_blocks=96, config=config, env=env), n) for n in ("decode-m", "prefill-m")
     ]
     try:
         decode, prefill = peers

@@ -71,8 +71,9 @@ class WorkerArgs:
     # Decode worker on CPU: the KV cache in shared memory (a memfd), which prefill workers of this host map
     # and write with plain copies (kv_transfer/transports/shm.py) instead of cross-memory attach.
     kv_shared_memory: bool = False
-    # One-sided UCX puts for KV (KV_PUTS): auto where they are one-sided (RDMA, CUDA IPC), tagged messages on
-    # plain tcp (TransferConfig.rma_over_tcp); always: puts over tcp too; never: tagged messages always.
+    # One-sided UCX puts for KV (KV_PUTS): auto where they are one-sided (RDMA, CUDA IPC) and over tcp with
+    # 64 KB segments (pdserve's default UCX_TCP_TX_SEG_SIZE), tagged messages on tcp with smaller ones
+    # (TransferConfig.rma_over_tcp); always: puts over tcp whatever the segments; never: tagged always.
     kv_puts: str = "auto"
     # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
     tls: TLSConfig = NO_TLS
@@ -145,7 +146,7 @@ class WorkerArgs:
             interface=self.kv_interface,
             same_host=self.kv_cross_memory,
             rma=self.kv_puts != "never",
-            rma_over_tcp=self.kv_puts == "always",
+            rma_over_tcp={"auto": None, "always": True, "never": False}[self.kv_puts],
             cluster_token=self.cluster_token,
             faults=FaultConfig(delay_s=self.kv_fault_delay_s),
         )

@@ -251,7 +251,7 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                     "KV transfer paths",
                     "Transfers opened per second by how their KV moves: one-sided puts, cross-memory writes "
                     "or copies into a shared KV cache (--kv-shared-memory) on one host, CUDA IPC, or tagged "
-                    "messages (--kv-puts; tagged where every UCX lane is tcp).",
+                    "messages (--kv-puts, and where every UCX lane is tcp with segments under 64 KB).",
                     "reqps",
                     (Query(rate(KV_TRANSFER_OPENED, "path"), "{{path}}"),),
                 ),

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kv_transfer.config import TransferConfig, apply_ucx_env
+from pdserve.kv_transfer.config import TransferConfig, apply_ucx_env, puts_over_tcp
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
 from pdserve.kv_transfer.kvbuf import as_bytes
 from pdserve.kv_transfer.plan import MAX_TRANSFER_ID
@@ -102,7 +102,8 @@ _LEN = struct.Struct("<I")
 _CLOSED = 0xFFFFFFFF
 MAX_CONTROL_BYTES = 1 << 20
 # Transports whose puts UCX carries as messages (no one-sided hardware path between processes):
-# an endpoint made only of these moves KV as tagged messages (TransferConfig.rma_over_tcp).
+# an endpoint made only of these moves KV as tagged messages unless puts over tcp are on
+# (TransferConfig.rma_over_tcp; by default on when every lane is tcp with 64 KB segments).
 _NO_RMA_HARDWARE = frozenset({"tcp", "cuda_copy", "rocm_copy"})
 _CLOSED_FRAME = np.frombuffer(_LEN.pack(_CLOSED), dtype=np.uint8)
 # A connect frame's payload: the channel id, then the prefill side's UCX worker address.
@@ -486,9 +487,10 @@ class UcxConnection:
                 log.info("KV to %s: one-sided writes by CUDA IPC (pid %d)", self._peer, region.pid)
             except TransferError as exc:  # another host, another GPU set: UCX's puts instead
                 log.info("no CUDA IPC writes to %s (%s); UCX puts instead", self._peer, exc)
-        if writer is None and not self._transport.rma_over_tcp:
+        if writer is None and self._transport.rma_over_tcp is not True:
             lanes = ucp_rma.endpoint_transports(self._ep_handle)
-            if lanes and all(tl in _NO_RMA_HARDWARE for tl, _ in lanes):
+            tcp_puts = self._transport.rma_over_tcp is None and all(tl == "tcp" for tl, _ in lanes)
+            if lanes and all(tl in _NO_RMA_HARDWARE for tl, _ in lanes) and not tcp_puts:
                 log.info(
                     "KV to %s: tagged messages, not puts (every UCX lane is %s)", self._peer, lanes[0][0]
                 )
@@ -596,8 +598,13 @@ class UcxTransport:
         )
 
     @property
-    def rma_over_tcp(self) -> bool:
-        return self._config.rma_over_tcp
+    def rma_over_tcp(self) -> bool | None:
+        """True: puts on every endpoint; None: puts where every lane is tcp, tagged messages where
+        one is ``cuda_copy`` (device memory staged through the host: unmeasured); False: tagged
+        messages where no lane is one-sided."""
+        if self._config.rma_over_tcp is True:
+            return True
+        return None if puts_over_tcp(self._config) else False
 
     @property
     def same_host(self) -> bool:
