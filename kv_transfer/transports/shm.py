@@ -13,8 +13,9 @@ only where ``transparent_hugepage/shmem_enabled`` allows them (or hugetlb pages 
 attention read 1.02-1.09x slower from KV on 4 KiB pages; so it is a flag, off by default.
 
 The mapping's page tables are filled on a thread of its own (``MADV_POPULATE_WRITE``, 64 MiB at a
-time), not on the event loop that opens the writer: ``MAP_POPULATE`` took 0.08-0.09 s per GiB there (now: 0.5 ms), seconds
-of a stalled loop for a large cache. A copy that comes first faults its pages in itself.
+time), not on the event loop that opens the writer: ``MAP_POPULATE`` took 0.08-0.09 s per GiB there
+(now the open takes 0.5 ms), seconds of a stalled loop for a large cache. A copy that comes first faults
+its pages in itself.
 
 A peer that dies leaves its memory mapped here (the mapping keeps the memfd's pages) until the writer
 closes: a copy at its death lands in memory no one reads, and ``check`` (a pidfd, as cma.py) reports the
