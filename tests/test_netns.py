@@ -194,7 +194,8 @@ def _request(i: int, n: int) -> generation_pb2.GenerateRequest:
 def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "{"))
+    prefix = name if "{" in name else name + "{"  # a name, or a name and its first labels
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(prefix))
 
 
 def _blocks_used(address: str) -> int:
@@ -220,6 +221,9 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
         assert all(len(ids) == MAX_TOKENS for ids in want.values())
         moved = {n: _metric(by_id[n]["metrics_url"], "pdserve_kv_transfer_bytes_total") for n in by_id}
         assert moved["decode_a"] > 0 and moved["decode_b"] > 0, f"KV bytes received over the veths: {moved}"
+        # Every UCX lane is tcp, with pdserve's 64 KB segments: one-sided puts (--kv-puts auto).
+        puts = _metric(by_id["prefill"]["metrics_url"], 'pdserve_kv_transfer_opened_total{path="puts"')
+        assert puts == _metric(by_id["prefill"]["metrics_url"], "pdserve_kv_transfer_opened_total") > 0
 
         # Now all four at once (new ids); cut the link of the decode worker streaming most of them.
         again = []
