@@ -235,9 +235,10 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
         "--kv-stall-timeout",
         type=float,
         default=WorkerArgs.kv_stall_timeout_s,
-        help="seconds a started KV transfer may receive nothing before the decode worker fails it; with "
-        "one-sided writes (puts, cross-memory) nothing is seen until the last layer, so it bounds the whole "
-        "prefill of one prompt: raise it for prompts that take longer to prefill (default %(default)s)",
+        help="seconds a started KV transfer may make no progress before the decode worker fails it: no "
+        "layer landed, or with one-sided writes (puts, cross-memory, shared memory) none reported put by "
+        "the prefill worker, which reports them at most every half second as its forward goes "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--kv-interface",

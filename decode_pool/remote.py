@@ -13,8 +13,10 @@ Stages (one ``Worker.Generate`` stream in REMOTE mode):
                started, ``stall_timeout_s`` without a landed layer fails it (a
                prefill worker that hangs mid-transfer, when the router's heartbeat
                sweep has not already moved the request; one that dies is seen at
-               once by the receiver's connection). One-sided (RMA) puts show no
-               per-layer progress: then it bounds Open to completion.
+               once by the receiver's connection). One-sided (RMA) puts leave no
+               trace here before completion: the sender reports them (a Progress
+               frame at most every half second while it puts), so a long forward
+               is not taken for a stall.
     ADOPTED    ``add_prefilled_request``: the engine owns the blocks from here on
     (then the engine's own stages: running -> finished)
 
@@ -112,7 +114,7 @@ class RemotePrefill:
             done, _ = await asyncio.wait((adoption,), timeout=tick)
             if done:
                 return adoption.result()
-            now = (self.receiver.state(rid), self.receiver.layers_received(rid))
+            now = (self.receiver.state(rid), self.receiver.progress(rid))
             if now != progress or now[0] is not RxState.OPEN:
                 progress, since = now, clock()
             elif clock() - since > self.stall_timeout_s:

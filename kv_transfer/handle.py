@@ -69,6 +69,9 @@ T = TypeVar("T")
 _READY_SPIN_S = 2e-3
 _READY_POLL_S = 1e-3
 _BOOKS_LAG_S = 0.005  # direct writes: how often the loop is woken to book them, at most
+# RMA: a Progress frame at most this often while layers are put (the decode side's stall watch sees no
+# puts land before Complete; a frame a half second costs nothing next to a layer's data).
+PROGRESS_INTERVAL_S = 0.5
 
 
 class HandleState(Enum):
@@ -143,6 +146,7 @@ class SenderHandle:
         self._tag_base = tag_base(ticket.transfer_id, peer.conn_id)
         self._deadline = deadline  # loop time
         self._t_open = self._loop.time()
+        self._progress_at = self._t_open  # RMA: when the receiver last heard how far the puts are
         self._lock = threading.Lock()
         self._pushed: set[int] = set()
         self._incoming: list[tuple[int, float, Any]] = []  # pushed, not yet seen by the loop
@@ -369,6 +373,10 @@ class SenderHandle:
 
         self._sender.metrics.layer_done(seconds)
         self._count_issued()
+        now = self._loop.time()
+        if now - self._progress_at >= PROGRESS_INTERVAL_S and len(self._sent_layers) < self.num_layers:
+            self._progress_at = now  # (the last layer needs none: Complete follows)
+            self._sender.send(self._peer, wire.Progress(self.transfer_id, len(self._sent_layers)))
 
     async def _flush(self) -> None:
         """Every put issued so far has landed in the receiver's memory (or raise)."""

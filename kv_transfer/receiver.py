@@ -242,6 +242,12 @@ class KVReceiver:
         rx = self._by_request.get(request_id)
         return rx.layers_done if rx is not None else 0
 
+    def progress(self, request_id: str) -> int:
+        """How far a transfer has come, for a stall watch: layers landed (tagged data) or, for one-sided
+        puts, layers the sender reported put (``wire.Progress``); it only grows."""
+        rx = self._by_request.get(request_id)
+        return 0 if rx is None else max(rx.layers_done, rx.layers_put)
+
     def state(self, request_id: str) -> RxState | None:
         rx = self._by_request.get(request_id)
         return rx.state if rx is not None else None
@@ -280,6 +286,10 @@ class KVReceiver:
             peer.conn.close()
         elif isinstance(msg, wire.Open):
             self._on_open(peer, msg)
+        elif isinstance(msg, wire.Progress):
+            rx = self._by_transfer.get(msg.transfer_id)
+            if rx is not None and rx.conn is peer.conn and rx.state is RxState.OPEN:
+                rx.layers_put = max(rx.layers_put, min(msg.layers, self._compat.num_layers))
         elif isinstance(msg, wire.Complete):
             rx = self._by_transfer.get(msg.transfer_id)
             if rx is not None and rx.conn is peer.conn and rx.state is RxState.OPEN:

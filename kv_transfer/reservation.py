@@ -68,6 +68,7 @@ class Reservation:
     pending: list[int] = field(default_factory=list)  # receives still to land, per layer
     unsettled: int = 0  # posted receives not yet resolved either way
     layers_done: int = 0
+    layers_put: int = 0  # RMA: layers the sender says it has put (Progress); not yet known to have landed
     first_token_id: int | None = None
     opened_at: float = 0.0
     bytes: int = 0

@@ -47,7 +47,9 @@ from pdserve.kv_transfer.errors import IncompatibleError
 #    way the transfer's data moves.
 # 4: RMA puts start at Open (no wait for Accept) on reservations newer than the connection; the
 #    receiver revokes an un-opened one on every such connection before reusing its blocks.
-PROTOCOL_VERSION = 4
+# 5: Progress: an RMA sender says how many layers it has put, so the decode side's stall watch sees a
+#    long forward move (puts leave no trace at the receiver before Complete).
+PROTOCOL_VERSION = 5
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -171,6 +173,15 @@ class Complete(msgspec.Struct, frozen=True, tag="complete"):
     layers: int = -1
 
 
+class Progress(msgspec.Struct, frozen=True, tag="progress"):
+    """RMA: P has put ``layers`` layers so far. Sent during a transfer at most every
+    ``PROGRESS_INTERVAL_S`` (handle.py), when a layer was put since the last one: a liveness signal for
+    the decode side's stall watch, not a landing (only Complete, after a flush, says that)."""
+
+    transfer_id: int
+    layers: int
+
+
 class CompleteAck(msgspec.Struct, frozen=True, tag="complete_ack"):
     transfer_id: int
 
@@ -194,7 +205,7 @@ class AbortAck(msgspec.Struct, frozen=True, tag="abort_ack"):
     sent_layers: tuple[int, ...]
 
 
-Message = Hello | HelloReply | Open | Accept | Complete | CompleteAck | Abort | AbortAck
+Message = Hello | HelloReply | Open | Accept | Progress | Complete | CompleteAck | Abort | AbortAck
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -276,6 +276,31 @@ def test_puts_over_tcp_follow_the_segment_size_unless_told(
             p.stop()
 
 
+def test_puts_are_reported_to_the_receiver_while_a_long_forward_runs(
+    bf16: tuple[PeerProcess, PeerProcess, PeerProcess],
+) -> None:
+    """One-sided puts leave no trace at the receiver before Complete: the sender reports how many layers
+    it has put (wire.Progress, at most every PROGRESS_INTERVAL_S), which the decode worker's stall watch
+    reads, so a forward longer than the stall timeout is not taken for a hung prefill."""
+    decode, _, prefill = bf16
+    ticket = decode.call("reserve", request_id="prog", num_tokens=200)
+    call = prefill.submit("transfer", ticket=ticket, seed=8, first_token_id=9, layer_interval_s=0.06)
+    seen: list[int] = []
+    end = time.monotonic() + 30
+    while prefill.call("sent", request_id="prog") < 30 and time.monotonic() < end:
+        seen.append(decode.call("progress", request_id="prog"))
+        time.sleep(0.05)
+    out = prefill.result(call, timeout=CALL_S)
+    assert out["rma"], "the bf16 pair moves KV by puts"
+    reported = sorted(set(seen) - {0})
+    assert len(reported) >= 2 and reported[-1] < 30, f"progress seen before the last layer: {reported}"
+    assert seen == sorted(seen), "progress only grows"
+    assert decode.call("wait", request_id="prog")["first_token_id"] == 9
+    assert decode.call("verify", request_id="prog", seed=8)
+    assert decode.call("release", request_id="prog")
+    assert_no_leak(decode, prefill)
+
+
 def test_kill_receiver_mid_transfer(fresh: tuple[PeerProcess, PeerProcess]) -> None:
     decode, prefill = fresh
     ticket = decode.call("reserve", request_id="k", num_tokens=500)

@@ -65,6 +65,7 @@ def test_control_messages_roundtrip() -> None:
         wire.HelloReply(False, "hash differs"),
         wire.HelloReply(True, "", 200),
         wire.Open(7, "r", (3, 1, 2)),
+        wire.Progress(7, 12),
         wire.Complete(7, 42),
         wire.CompleteAck(7),
         wire.Abort(7, "aborted", "client went away", (0, 1, 2)),

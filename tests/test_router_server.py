@@ -478,8 +478,8 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
 def test_a_worker_with_another_kv_layout_is_refused_and_the_cluster_keeps_serving(model_dir):
     """The router compares every registration's KV record with the registered workers': a mismatch is
     FAILED_PRECONDITION naming both records and the flags, and the worker never joins."""
-    same = "m, float32, 2 layers x 1 KV heads x 8, block 4, protocol 4"
-    other = "m+int8, float32, 2 layers x 1 KV heads x 8, block 4, protocol 4"
+    same = "m, float32, 2 layers x 1 KV heads x 8, block 4, protocol 5"
+    other = "m+int8, float32, 2 layers x 1 KV heads x 8, block 4, protocol 5"
 
     async def main():
         transfers = Transfers()  # the fakes' stand-in for KV transfer, shared by every worker

@@ -77,8 +77,8 @@ class WorkerArgs:
     kv_puts: str = "auto"
     # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
     tls: TLSConfig = NO_TLS
-    # Decode side: a KV transfer that has started (its Open arrived) and lands nothing for this long fails,
-    # freeing its blocks (one-sided RMA puts are seen only at completion: then it bounds Open to Complete).
+    # Decode side: a KV transfer that has started (its Open arrived) and shows no progress this long fails,
+    # freeing its blocks (progress: a layer landed, or one-sided writes the sender reports: wire.Progress).
     # A reservation whose prompt still queues for prefill lives as long as its request.
     kv_stall_timeout_s: float = 30.0
     # Failure injection for tests: every KV layer is sent this much later (the transfer outlives token 0).

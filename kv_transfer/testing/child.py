@@ -152,8 +152,9 @@ class PeerState:
         return self.receiver.abort(request_id, reason)
 
     def cmd_progress(self, request_id: str) -> int:
+        """Decode side: layers landed (tagged) or reported put (RMA: ``KVReceiver.progress``)."""
         assert self.receiver is not None
-        return self.receiver.layers_received(request_id)
+        return self.receiver.progress(request_id)
 
     def cmd_sent(self, request_id: str) -> int:
         """Prefill side: layers of ``request_id`` sent so far (RMA puts leave no trace at the receiver
