@@ -136,12 +136,17 @@ _MEMUNITS = re.compile(r"\s*(\d+)\s*([bkmg]?)b?\s*", re.IGNORECASE)
 PUTS_OVER_TCP_MIN_SEGMENT = 64 << 10
 
 
-def tcp_segment_bytes(environ: MutableMapping[str, str] | None = None) -> int:
-    """UCX's tcp send segment in bytes as ``environ`` sets it (``UCX_TCP_TX_SEG_SIZE``, UCX's memory
-    units: ``65536``, ``64K``, ``64kb``); UCX's own default (8 KB) when unset or unreadable."""
+def tcp_segment_bytes(
+    environ: MutableMapping[str, str] | None = None, key: str = "UCX_TCP_TX_SEG_SIZE"
+) -> int:
+    """UCX's tcp send segment in bytes as ``environ`` sets it (``key``: ``UCX_TCP_TX_SEG_SIZE``, or
+    ``UCX_TCP_RX_SEG_SIZE``; UCX's memory units: ``65536``, ``64K``, ``64kb``); UCX's own default (8 KB
+    to send, 64 KB to receive) when unset or unreadable."""
     env = os.environ if environ is None else environ
-    m = _MEMUNITS.fullmatch(env.get("UCX_TCP_TX_SEG_SIZE", ""))
-    return int(m[1]) * _UNITS[m[2].lower()] if m else 8 << 10
+    m = _MEMUNITS.fullmatch(env.get(key, ""))
+    if m:
+        return int(m[1]) * _UNITS[m[2].lower()]
+    return 64 << 10 if key == "UCX_TCP_RX_SEG_SIZE" else 8 << 10
 
 
 def puts_over_tcp(config: TransferConfig, environ: MutableMapping[str, str] | None = None) -> bool:
@@ -173,4 +178,8 @@ def apply_ucx_env(config: TransferConfig, environ: MutableMapping[str, str] | No
     else:
         env["UCX_NET_DEVICES"] = devices
     for key, value in _UCX_ENV_DEFAULTS.items():
+        # UCX refuses a tcp interface whose receive segments are smaller than its send segments: an
+        # operator's smaller UCX_TCP_RX_SEG_SIZE keeps UCX's own send segments.
+        if key == "UCX_TCP_TX_SEG_SIZE" and tcp_segment_bytes(env, "UCX_TCP_RX_SEG_SIZE") < (64 << 10):
+            continue
         env.setdefault(key, value)

@@ -23,6 +23,18 @@ def test_apply_ucx_env_sets_64k_tcp_segments_unless_the_environment_has_its_own(
     assert own["UCX_TCP_TX_SEG_SIZE"] == "8k"  # the operator's value stands
 
 
+def test_a_smaller_receive_segment_keeps_ucx_send_default():
+    """UCX refuses a tcp interface whose receive segments are smaller than its send segments ("RX
+    segment size must be >= TX segment size"): 64 KB sends would break an operator's 8 KB receives."""
+    small_rx = {"UCX_TCP_RX_SEG_SIZE": "8K"}
+    apply_ucx_env(TransferConfig(interface="lo"), small_rx)
+    assert "UCX_TCP_TX_SEG_SIZE" not in small_rx and not puts_over_tcp(TransferConfig(), small_rx)
+    big_rx = {"UCX_TCP_RX_SEG_SIZE": "256K"}
+    apply_ucx_env(TransferConfig(interface="lo"), big_rx)
+    assert big_rx["UCX_TCP_TX_SEG_SIZE"] == "64K"
+    assert tcp_segment_bytes({}, "UCX_TCP_RX_SEG_SIZE") == 64 << 10  # UCX's own receive default
+
+
 @pytest.mark.parametrize(
     ("value", "nbytes"),
     [("65536", 65536), ("64K", 65536), ("64kb", 65536), (" 1m ", 1 << 20), ("128KB", 128 << 10)],
