@@ -16,7 +16,6 @@ are. The child process is stopped at the end, whatever happens. Medians; ``ratio
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -25,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.bench.report import emit_json
 from pdserve.kv_transfer.transports import cma
 
 
@@ -127,11 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         **measure(args.layers, args.layer_kib << 10, args.reps),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(report, args.out)
 
 
 if __name__ == "__main__":

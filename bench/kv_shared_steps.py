@@ -16,12 +16,13 @@ slower), with the CPU, its ISA and whether shared memory had huge pages.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
 
 import torch
+
+from pdserve.bench.report import emit_json
 
 STEPS = 24
 
@@ -80,11 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         **measure(args.model, args.batch, args.prompt_len, getattr(torch, args.dtype), args.rounds),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(report, args.out)
 
 
 if __name__ == "__main__":

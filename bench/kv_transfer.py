@@ -100,6 +100,7 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.report import emit_json
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.testing import PeerProcess, PeerSpec
 
@@ -437,11 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     if why:
         parser.error(why)
     report = run(names, args.reps, tuple(ucx_env), tokens, modes, args.device, args.burst)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_json(report, args.out)
     bad = [c for c in report["bit_exact"] if not c["ok"]]
     if bad or report.get("errors"):
         sys.exit(f"failed pairs: {report.get('errors')}; KV received differs from what was sent: {bad}")

@@ -48,6 +48,13 @@ def write_json(path: Path, doc: Mapping[str, Any]) -> None:
         path.write_bytes(data)
 
 
+def emit_json(doc: Mapping[str, Any], out: str | Path | None) -> None:
+    """A benchmark's result: printed to stdout, and written to ``out`` as well when given (``write_json``)."""
+    print(json.dumps(json_safe(doc), indent=2, allow_nan=False), flush=True)
+    if out:
+        write_json(Path(out), doc)
+
+
 def read_json(path: Path) -> Any:
     """Read what ``write_json`` wrote (gzipped or not)."""
     path = Path(path)

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from pdserve.bench.report import emit_json
 from pdserve.deploy.local.cluster import load_state, state_token
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.worker.auth import token_metadata
@@ -177,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": len(via),
         },
     }
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    emit_json(result, args.out)
     return 0
 
 
