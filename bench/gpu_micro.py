@@ -11,7 +11,8 @@ device time per call, in microseconds. On SmolLM2-135M's shapes in bfloat16:
 - ``argmax``: greedy tokens of 1 and 32 rows of a 49,152 vocabulary, torch against ``argmax_rows``;
 - ``attention``: prefill attention of one 1,024-token prompt over tile sizes, warps and stages;
 - ``steps``: a random-weight model through ``LLM.generate`` (decode at batch 1 with ``gemv`` on and off,
-  per step) and ``ModelRunner.prefill`` of 1,024 tokens eager and under a CUDA graph.
+  and with the norms fused into it or not, per step) and ``ModelRunner.prefill`` of 1,024 tokens eager
+  and under a CUDA graph.
 Prints a table per part and writes the JSON (``--out``).
 """
 
@@ -147,8 +148,9 @@ def steps() -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = write_random_model("smollm2", Path(tmp) / "m", DT, "cuda")
-        for gemv_rows in (tk.GEMV_MAX_ROWS, 0):
-            tk.GEMV_MAX_ROWS = gemv_rows  # read when the graphs are captured
+        rows, fuse = tk.GEMV_MAX_ROWS, tk.FUSE_NORMS
+        for gemv_rows, fuse_norms in ((rows, fuse), (rows, not fuse), (0, False)):  # the defaults first
+            tk.GEMV_MAX_ROWS, tk.FUSE_NORMS = gemv_rows, fuse_norms  # read when the graphs are captured
             llm = LLM(str(model), dtype="bfloat16", device="cuda", max_num_seqs=8, num_blocks=400)
             prompts = _prompts(1, 128, VOCAB, 1)
             gen = llm_gen(llm, prompts)
@@ -162,10 +164,14 @@ def steps() -> dict[str, Any]:
                 gen(65)
                 tn = time.perf_counter()
                 ms.append(((tn - t1) - (t1 - t0)) / 64 * 1e3)
-            key = f"decode_b1_ms_gemv_rows_{gemv_rows}"
+            key = f"decode_b1_ms_gemv_rows_{gemv_rows}" + ("_fused_norms" if fuse_norms else "")
             out[key] = min(ms)
             print(f"{key}: {min(ms):.3f} ms/step ({1e3 / min(ms):.0f} tok/s)", flush=True)
             runner = llm.engine.runner
+            if (gemv_rows, fuse_norms) != (rows, fuse):  # prefill (1,024 rows) runs no gemv: measured once
+                del llm, runner
+                torch.cuda.empty_cache()
+                continue
             prompt = _prompts(1, 1024, VOCAB, 2)[0]
             table = list(range(64))
             for label in ("graph", "eager"):
@@ -177,7 +183,7 @@ def steps() -> dict[str, Any]:
                     t0 = time.perf_counter()
                     runner.argmax(runner.prefill([PrefillItem(prompt, table)])).tolist()
                     times.append((time.perf_counter() - t0) * 1e3)
-                out[f"prefill_1024_ms_{label}_gemv_rows_{gemv_rows}"] = min(times)
+                out[f"prefill_1024_ms_{label}"] = min(times)
                 print(f"prefill 1024 {label}: {min(times):.3f} ms", flush=True)
             del llm, runner
             torch.cuda.empty_cache()

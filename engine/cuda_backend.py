@@ -66,7 +66,9 @@ def _sm_count(device: torch.device) -> int:
 class TritonStepOps(Products):
     """Per-step non-matmul ops on CUDA; ``positions`` and ``slots`` (cache slot per token, -1: none).
     Products of up to ``triton_kernels.GEMV_MAX_ROWS`` rows (decode at batch 1) run as ``gemv`` where it
-    wins, the down product taking ``silu(gate) * up`` in its own loads (one kernel less a layer)."""
+    wins, the down product taking ``silu(gate) * up`` in its own loads (one kernel less a layer), and,
+    with ``triton_kernels.FUSE_NORMS``, the o and down products adding into the residual stream and the
+    qkv and gate_up products normalising their input (two kernels less a layer)."""
 
     def __init__(self, config: ModelConfig, rope: RopeTables, positions: torch.Tensor, slots: torch.Tensor):
         self.n_h, self.n_kv, self.d = config.num_heads, config.num_kv_heads, config.head_dim
@@ -77,9 +79,24 @@ class TritonStepOps(Products):
             return tk.gemv(x, lin.weight, lin.bias)
         return lin(x)
 
-    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool) -> torch.Tensor:
+    def norm_linear(
+        self, lin: Linear, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        if res is None and tk.FUSE_NORMS and _gemv_runs(lin, x.shape[0]):
+            return tk.gemv(x, lin.weight, lin.bias, norm=(weight, eps))
+        return self.linear(lin, self.add_rms_norm(x, res, weight, eps))
+
+    def residual(self, lin: Linear, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        if tk.FUSE_NORMS and _gemv_runs(lin, a.shape[0]):
+            tk.gemv(a, lin.weight, lin.bias, add_to=x)
+            return None
+        return self.linear(lin, a)
+
+    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool, x: torch.Tensor) -> torch.Tensor | None:
         if not applied and _gemv_runs(lin, gate_up.shape[0]):
-            return tk.gemv(gate_up, lin.weight, lin.bias, silu_mul=True)
+            add_to = x if tk.FUSE_NORMS else None
+            out = tk.gemv(gate_up, lin.weight, lin.bias, silu_mul=True, add_to=add_to)
+            return None if add_to is not None else out
         return lin(gate_up if applied else self.silu_mul(gate_up))
 
     def add_rms_norm(

@@ -10,7 +10,9 @@ A layer is: ``x += res; h = rmsnorm(x)`` -> qkv matmul -> RoPE on q and k,
 K/V into the cache -> attention -> o matmul -> ``x += o; h = rmsnorm(x)`` ->
 gate_up matmul -> ``silu(gate) * up`` (in the matmul's epilogue with the CPU
 kernels' packed weights: ``Linear.silu_mul``) -> down matmul (its output
-``res`` is added by the next layer's norm). The non-matmul parts are a ``StepOps``:
+``res`` is added by the next layer's norm). A ``StepOps`` may fuse a norm into the product after it
+(``norm_linear``) and a residual add into the product before it (``residual``, ``down``: the CUDA
+backend's one-row gemv does). The non-matmul parts are a ``StepOps``:
 ``TorchStepOps`` follows transformers' Llama modules op for op (RMSNorm in
 float32, RoPE as ``x * cos + rotate_half(x) * sin`` in the model dtype) and
 runs on any device; ``KernelStepOps`` does each part in one C call
@@ -107,8 +109,20 @@ class StepOps(Protocol):
         """``lin(x)``."""
         ...
 
-    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool) -> torch.Tensor:
-        """The MLP's down product of ``silu(gate) * up``; ``applied``: ``gate_up`` already is that."""
+    def norm_linear(
+        self, lin: Linear, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``x += res`` in place (when given); returns ``lin(rmsnorm(x) * weight)``."""
+        ...
+
+    def residual(self, lin: Linear, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """``lin(a)``, a residual for ``x``: returned for the next norm to add, or added into ``x`` at
+        once (then None)."""
+        ...
+
+    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool, x: torch.Tensor) -> torch.Tensor | None:
+        """The MLP's down product of ``silu(gate) * up`` (``applied``: ``gate_up`` already is that), a
+        residual for ``x`` as ``residual`` returns it."""
         ...
 
     def add_rms_norm(
@@ -130,13 +144,27 @@ class StepOps(Protocol):
 
 
 class Products:
-    """``StepOps``' products as the ``Linear`` runs them (the CUDA backend's small batches differ)."""
+    """``StepOps``' products as the ``Linear`` runs them, each norm and residual add on its own (the CUDA
+    backend's small batches differ)."""
 
     def linear(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
         return lin(x)
 
-    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool) -> torch.Tensor:
+    def norm_linear(
+        self, lin: Linear, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.linear(lin, self.add_rms_norm(x, res, weight, eps))
+
+    def residual(self, lin: Linear, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        return self.linear(lin, a)
+
+    def down(self, lin: Linear, gate_up: torch.Tensor, applied: bool, x: torch.Tensor) -> torch.Tensor | None:
         return lin(gate_up if applied else self.silu_mul(gate_up))
+
+    def add_rms_norm(
+        self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -241,16 +269,19 @@ def forward_hidden(
     before the last norm. Each layer's K/V go into ``kv[layer]`` before it attends."""
     eps = config.rms_norm_eps
     x = F.embedding(token_ids, weights.embed)  # [T, hidden]; a fresh tensor, so the residual adds go in place
-    res: torch.Tensor | None = None  # the last sub-block's output, added into x by the next norm
+    # The last sub-block's output, added into x by the next norm (None: nothing, or already added into x
+    # by the product itself).
+    res: torch.Tensor | None = None
     for i, lw in enumerate(weights.layers):
-        qkv = ops.linear(lw.qkv, ops.add_rms_norm(x, res, lw.input_norm, eps))  # [T, (H + 2Hkv) * D]
+        qkv = ops.norm_linear(lw.qkv, x, res, lw.input_norm, eps)  # [T, (H + 2Hkv) * D]
         q, k, v = ops.rope_store(kv[i], qkv)
         o = attend(i, q, k, v)  # [T, H * D]
         if layer_hook is not None:
             layer_hook(i, k, v)
-        h = ops.add_rms_norm(x, ops.linear(lw.o_proj, o), lw.post_norm, eps)
-        gu = ops.linear(lw.gate_up, h)  # [T, I] when the product applied silu(gate) * up itself, else [T, 2I]
-        res = ops.down(lw.down, gu, lw.gate_up.silu_mul)  # [T, hidden]
+        res = ops.residual(lw.o_proj, o, x)
+        # [T, I] when the product applied silu(gate) * up itself, else [T, 2I]
+        gu = ops.norm_linear(lw.gate_up, x, res, lw.post_norm, eps)
+        res = ops.down(lw.down, gu, lw.gate_up.silu_mul, x)  # [T, hidden]
     if res is not None:
         x.add_(res)
     return x

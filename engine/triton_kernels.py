@@ -234,6 +234,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # the 49k-row lm_head 23.7 against 16.0 (cuBLAS fills the GPU there). At four rows cuBLAS was as fast or
 # faster on every product. A decode step at batch 1: 0.959 ms against 1.012 ms.
 GEMV_MAX_ROWS = int(os.environ.get("PDSERVE_GEMV_MAX_ROWS", "1"))
+# Where the products around a norm run as ``gemv``: the norm goes into the product after it (``norm``)
+# and the residual add into the product before it (``add_to``), two launches less a layer: 60 of a
+# SmolLM2 step's ~270 at batch 1, where a step is launches, not bytes (each ~1.6 us inside a graph on
+# the H200). PDSERVE_GEMV_FUSE_NORMS=0 keeps the separate add_rms_norm kernel (bench.gpu_micro's A/B).
+FUSE_NORMS = os.environ.get("PDSERVE_GEMV_FUSE_NORMS", "1") != "0"
 
 
 def gemv_wins(rows: int, n_out: int, num_sms: int) -> bool:
@@ -250,10 +255,15 @@ def _gemv_kernel(
     N,
     K,
     x_stride,
+    nw_ptr,
+    eps,
     M: tl.constexpr,
     MP: tl.constexpr,  # M padded to a power of two
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [M, 2K] gate|up: the input is silu(gate) * up, rounded as silu_mul does
+    NORM: tl.constexpr,  # the input is rmsnorm(x) * nw, rounded as add_rms_norm does (every program
+    # normalises the rows itself: they are a few KB, read anyway)
+    ADD: tl.constexpr,  # out += the product (out is the residual stream; each program owns its outputs)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -263,6 +273,14 @@ def _gemv_kernel(
     mm = m < M
     kk = tl.arange(0, BLOCK_K)
     dt = out_ptr.dtype.element_ty
+    if NORM:
+        ss = tl.zeros([MP], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            xm = mm[:, None] & (k < K)[None, :]
+            xs = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        inv = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros([MP, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kk
@@ -278,10 +296,17 @@ def _gemv_kernel(
             x = (s * u).to(dt).to(tl.float32)
         else:
             x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=xm, other=0.0).to(tl.float32)
+            if NORM:
+                nw = tl.load(nw_ptr + k, mask=km, other=0.0).to(tl.float32)
+                x = ((x * inv[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt).to(tl.float32)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc = acc.to(dt).to(tl.float32) + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dt), mask=mm[:, None] & nm[None, :])
+    om = mm[:, None] & nm[None, :]
+    if ADD:  # as ``out += product`` with the product rounded to the model dtype first
+        prev = tl.load(out_ptr + m[:, None] * N + n[None, :], mask=om, other=0.0).to(tl.float32)
+        acc = prev + acc.to(dt).to(tl.float32)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dt), mask=om)
 
 
 def gemv(
@@ -289,26 +314,38 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     silu_mul: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
+    add_to: torch.Tensor | None = None,
     block_n: int = 4,
     block_k: int | None = None,
     num_warps: int = 2,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a few rows (``x [M, K]``, ``M <= 8``; ``weight [N, K]``), float32
     accumulation, rounded once to the model dtype (as cuBLAS). ``silu_mul``: ``x`` is ``[M, 2K]``
-    gate|up and the product takes ``silu(gate) * up`` (``silu_mul``'s rounding) as its input."""
+    gate|up and the product takes ``silu(gate) * up`` (``silu_mul``'s rounding) as its input.
+    ``norm=(weight, eps)``: the input is ``rmsnorm(x) * weight``, rounded as ``add_rms_norm`` rounds it
+    (that kernel fused in: one launch less). ``add_to [M, N]``: the product is added into it in place
+    (``add_to += product``, the product rounded first, as ``add_rms_norm`` adds a residual), and it is
+    returned."""
     m = x.shape[0]
     n, k = weight.shape
     assert 1 <= m <= 8 and weight.is_contiguous() and x.stride(1) == 1
     assert x.shape[1] == (2 * k if silu_mul else k)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert not (silu_mul and norm is not None)
+    if add_to is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        assert add_to.shape == (m, n) and add_to.dtype == x.dtype and add_to.is_contiguous()
+        out = add_to
+    nw, eps = norm if norm is not None else (out, 0.0)
     mp = triton.next_power_of_2(m)
     # Defaults: the fastest tiling measured at one row on every SmolLM2 product (4 outputs, 2 warps).
     if block_k is None:
         block_k = max(64, min(512, 256 // mp * (4 if block_n <= 8 else 2 if block_n <= 16 else 1)))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out if bias is None else bias, out, n, k, x.stride(0),
-        M=m, MP=mp, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        x, weight, out if bias is None else bias, out, n, k, x.stride(0), nw, eps,
+        M=m, MP=mp, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
+        ADD=add_to is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return out
 

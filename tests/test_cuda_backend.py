@@ -119,6 +119,52 @@ def test_interpreted_triton_engine_matches_the_torch_engine(tiny_llama_dir):
     assert _greedy(tri, PROMPTS[:2], 5, seeded) == _greedy(ref, PROMPTS[:2], 5, seeded)
 
 
+def _count_fused_gemv(monkeypatch) -> dict[str, int]:
+    """Counts of ``triton_kernels.gemv`` calls taking a norm (``norm``) or adding into the residual stream
+    (``add_to``), as the CUDA backend makes them."""
+    from pdserve.engine import triton_kernels as tk
+
+    calls = {"norm": 0, "add_to": 0, "plain": 0}
+    gemv = tk.gemv
+
+    def counted(*args, **kwargs):
+        kinds = [k for k in ("norm", "add_to") if kwargs.get(k) is not None] or ["plain"]
+        for k in kinds:
+            calls[k] += 1
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "gemv", counted)
+    return calls
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu test below covers it")
+@pytest.mark.parametrize(
+    ("kind", "fuse"), [("llama", True), ("qwen2", True), ("llama", False)],
+    ids=["llama-fused-norms", "qwen2-fused-norms", "llama-separate-norms"],
+)  # fmt: skip
+def test_interpreted_batch_one_products_match_transformers(kind, fuse, tmp_path, monkeypatch):
+    """Decode at batch 1 runs its products as ``gemv`` (plain weights, as on a GPU), the norms and
+    residual adds taken into them (``triton_kernels.FUSE_NORMS``) or not: transformers' greedy tokens
+    either way, qwen2's biases included."""
+    from pdserve.engine import triton_kernels as tk
+    from tests.tiny_models import make_tiny_model
+
+    monkeypatch.setenv("PDSERVE_LINEAR", "plain")  # the CPU would pack its weights for its C kernels
+    monkeypatch.setattr(tk, "FUSE_NORMS", fuse)
+    calls = _count_fused_gemv(monkeypatch)
+    d = make_tiny_model(kind, tmp_path / kind)
+    runner = ModelRunner(d, backend="triton", block_size=16, num_blocks=64)
+    engine = LLMEngine(runner, None, EngineConfig(dtype="float32", max_num_seqs=1))
+    prompt = PROMPTS[1]
+    assert _greedy(engine, [prompt], 6) == _hf_greedy(d, [prompt], 6)
+    layers = runner.config.num_layers
+    steps = 5  # decode steps (token 0 comes from the prefill)
+    if fuse:  # qkv and gate_up normalise, o and down add: two of each a layer and step
+        assert calls["norm"] == calls["add_to"] == 2 * layers * steps
+    else:
+        assert calls["norm"] == calls["add_to"] == 0 and calls["plain"] >= 4 * layers * steps
+
+
 def test_triton_backend_is_refused_where_it_cannot_run(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if CUDA:
@@ -150,6 +196,19 @@ def test_gpu_float32_greedy_matches_transformers_for_64_steps(kind, tmp_path):
     llm = LLM(d, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8)
     assert llm.engine.runner.backend is Backend.TRITON and llm.engine.runner.graph_capture_s is not None
     got = _greedy(llm.engine, PROMPTS, 64)
+    assert got == _hf_greedy(d, PROMPTS, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_gpu_float32_greedy_at_batch_one_matches_transformers_for_64_steps(kind, tmp_path):
+    """One request at a time: decode's batch-1 graph, whose products run as ``gemv`` with the norms and
+    residual adds fused in (where they win: ``triton_kernels.gemv_wins``)."""
+    from tests.tiny_models import make_tiny_model
+
+    d = make_tiny_model(kind, tmp_path / kind)
+    llm = LLM(d, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8)
+    got = [_greedy(llm.engine, [p], 64)[0] for p in PROMPTS]
     assert got == _hf_greedy(d, PROMPTS, 64)
 
 

@@ -197,6 +197,39 @@ def test_gemv_matches_a_product_rounded_once(dtype, rows):
     torch.testing.assert_close(tk.gemv(x, w, block_n=4, block_k=64), tk.gemv(x, w, block_n=32), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_takes_the_norm_and_the_residual_add_of_its_neighbours(dtype, rows):
+    """``norm=``: the product of ``rmsnorm(x) * w`` equals ``add_rms_norm`` then ``gemv``; ``add_to=``:
+    ``x += product`` in place equals ``gemv`` then the residual add of ``add_rms_norm``; both together with
+    a bias and with ``silu_mul`` as a layer calls them."""
+    g = torch.Generator().manual_seed(10 + rows)
+    n, k = 40, 200
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype) * 3
+    nw = torch.randn(k, generator=g).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.25, "rtol": 1.0 / 128}
+    want = tk.gemv(tk.add_rms_norm(x.clone(), None, nw, 1e-5), w, b)
+    x_before = x.clone()
+    torch.testing.assert_close(tk.gemv(x, w, b, norm=(nw, 1e-5)), want, **tol)
+    assert torch.equal(x, x_before)  # the norm reads x, never writes it
+    # The residual stream: [rows, n]; the product is added into it and nothing else changes.
+    a = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    stream = torch.randn(rows, n, generator=g).to(DEVICE, dtype)
+    want_stream = stream.clone()
+    tk.add_rms_norm(want_stream, tk.gemv(a, w, b), torch.ones(n, dtype=dtype, device=DEVICE), 1e-5)
+    got = stream.clone()
+    assert tk.gemv(a, w, b, add_to=got) is got
+    exact = {"atol": 0, "rtol": 0} if dtype == torch.float32 else tol
+    torch.testing.assert_close(got, want_stream, **exact)
+    gu = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)
+    want_stream = stream + tk.gemv(gu, w, silu_mul=True)
+    got = stream.clone()
+    tk.gemv(gu, w, silu_mul=True, add_to=got)
+    torch.testing.assert_close(got, want_stream, **exact)
+
+
 def test_argmax_rows_gives_torch_argmax_first_index_on_ties():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 5000, generator=g).to(DEVICE)
