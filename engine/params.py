@@ -81,17 +81,23 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
 
+def check_prompt_length(tokens: int, max_model_len: int, name: str = "prompt", what: str = "") -> None:
+    """ValueError when a prompt of ``tokens`` tokens (``what``: how that is known, when it is a bound)
+    leaves no room to generate."""
+    if tokens >= max_model_len:
+        raise ValueError(
+            f"{name} has {what or tokens} tokens; the model's context is {max_model_len} tokens "
+            f"and at least one must be left to generate"
+        )
+
+
 def validate_prompt_token_ids(
     token_ids: Sequence[int], *, vocab_size: int, max_model_len: int, name: str = "prompt"
 ) -> None:
     """Empty prompts, ids outside the vocabulary and prompts that leave no room to generate are errors."""
     if len(token_ids) == 0:
         raise ValueError(f"{name} is empty")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(
-            f"{name} has {len(token_ids)} tokens; the model's context is {max_model_len} tokens "
-            f"and at least one must be left to generate"
-        )
+    check_prompt_length(len(token_ids), max_model_len, name)
     # A list of plain ints (every prompt the engine sees) is checked by C-level builtins: the loop
     # below costs ~0.1 us a token. Anything else, or a bad id, goes through the loop, which names it.
     if set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab_size:

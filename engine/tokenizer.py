@@ -31,6 +31,8 @@ from tokenizers.decoders import DecodeStream
 # rather than rendered into a prompt the model was never trained on.
 CHAT_ROLES_KEY = "pdserve_chat_roles"
 DEFAULT_CHAT_ROLES = ("system", "user", "assistant")
+# Texts longer than this encode through ``encode_batch`` (GIL released: ``Tokenizer.encode``).
+_GIL_HELD_CHARS = 4096
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
     "eos_token",
@@ -127,7 +129,28 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
+        if len(text) > _GIL_HELD_CHARS:
+            # ``tokenizers`` holds the GIL through ``encode`` but releases it in ``encode_batch``: a long
+            # text tokenized in a worker thread must not stop the event loop (a 3 MB prompt held it for
+            # 1.6 s here: long enough for a router to miss its workers' heartbeats).
+            batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(batch[0].ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, where that bounds a text's token count
+        from below (``len(text) / max_token_chars``): byte-level BPE with no normalizer, whose tokens are
+        runs of the text's own bytes (every added token counted too). None for any other tokenizer: a
+        normalizer may shorten a text, and an unknown token may stand for a run of any length."""
+        spec = json.loads(self._backend.to_str())
+        if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+            return None
+        pre = spec.get("pre_tokenizer") or {}
+        kinds = [p.get("type") for p in pre.get("pretokenizers") or []] + [pre.get("type")]
+        if "ByteLevel" not in kinds:
+            return None
+        return max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=None)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from pdserve.engine.params import (
+    SamplingParams,
+    check_prompt_length,
+    validate_params_for_model,
+    validate_prompt_token_ids,
+)
 from pdserve.proto import generation_pb2
 from pdserve.worker.convert import sampling_params_from_proto
 
@@ -86,6 +91,9 @@ class RouterTokenizer(Protocol):
 
     def id_to_token(self, token_id: int) -> str | None: ...
 
+    @property
+    def max_token_chars(self) -> int | None: ...
+
 
 @dataclass(frozen=True)
 class ModelLimits:
@@ -116,17 +124,30 @@ class Prepared:
     sampling: generation_pb2.SamplingParams  # forwarded to the workers: the client's, minus stop strings
 
 
-def _prompt_ids(request: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer) -> tuple[str, list[int]]:
-    """The prompt's token ids and the name of the field they came from."""
+def _prompt_ids(
+    request: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer, context_length: int
+) -> tuple[str, list[int]]:
+    """The prompt's token ids and the name of the field they came from. A prompt known to be longer than
+    the context before it is tokenized (its characters, by ``max_token_chars``) or copied (its ids) is
+    refused at once: megabytes of text cost seconds of tokenizing."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("prompt is empty: set one of prompt, prompt_token_ids or messages")
-    if kind == "prompt":
-        if not request.prompt:
-            raise InvalidRequest("prompt is empty")
-        return "prompt", list(tokenizer.encode(request.prompt))
-    if kind == "prompt_token_ids":
-        return "prompt_token_ids", list(request.prompt_token_ids.ids)
+    try:
+        if kind == "prompt":
+            if not request.prompt:
+                raise InvalidRequest("prompt is empty")
+            per_token = tokenizer.max_token_chars
+            if per_token:
+                chars = len(request.prompt)
+                at_least = f"{chars:,} characters, so at least {-(-chars // per_token):,}"
+                check_prompt_length(-(-chars // per_token), context_length, "prompt", at_least)
+            return "prompt", list(tokenizer.encode(request.prompt))
+        if kind == "prompt_token_ids":
+            check_prompt_length(len(request.prompt_token_ids.ids), context_length, "prompt_token_ids")
+            return "prompt_token_ids", list(request.prompt_token_ids.ids)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
     messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
     try:
         # The tokenizer checks roles against what the model's chat template allows.
@@ -151,7 +172,7 @@ def prepare(
         validate_params_for_model(params, vocab_size=limits.vocab_size or _UNKNOWN_VOCAB, can_detokenize=True)
     except ValueError as e:
         raise InvalidRequest(f"sampling.{e}") from e
-    field, ids = _prompt_ids(request, tokenizer)
+    field, ids = _prompt_ids(request, tokenizer, limits.context_length)
     try:
         validate_prompt_token_ids(
             ids,

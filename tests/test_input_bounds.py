@@ -40,6 +40,11 @@ HOSTILE = [
         f"at most {MAX_STOP_TOKEN_IDS}",
     ),
     (request("the cat", top_k=VOCAB + 1), "sampling.top_k", f"vocabulary size {VOCAB}"),
+    (
+        g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[1] * 1_000_000)),
+        "prompt_token_ids has 1000000 tokens",
+        f"context is {CONTEXT} tokens",
+    ),
 ]
 
 

@@ -159,6 +159,41 @@ def test_chat_refusals_and_malformed_bodies():
         assert info.value.status == 400
 
 
+def test_refusals_name_what_the_client_sent():
+    """Each message names the value as sent and the bound the field really has."""
+    err = error_of(completion, prompt="x", temperature=1e308)  # a 32-bit float field would hold inf
+    assert err.info.param == "temperature" and "1e+308" in err.info.message
+    err = error_of(completion, prompt="x", top_p=5e-324)  # ... or 0.0
+    assert err.info.param == "top_p" and "5e-324" in err.info.message
+    assert completion(prompt="x", temperature=0.7, top_p=1e-30).sampling.top_p > 0
+    for bad in (-1, 0):
+        err = error_of(completion, prompt="x", max_tokens=bad)
+        assert err.info.param == "max_tokens" and "[1, " in err.info.message, err.info.message
+    err = error_of(chat, messages=[{"role": "user", "content": [{"type": "text"}]}])
+    assert err.info.param == "messages" and "needs its text" in err.info.message
+    err = error_of(chat, messages=[{"content": "x"}])  # a nested field: the top-level field it is in
+    assert err.info.param == "messages" and "`role`" in err.info.message
+    err = error_of(chat)
+    assert err.info.param == "messages"
+    with pytest.raises(OpenAIError) as info:  # a string holding bytes that are not UTF-8
+        decode_request(b'{"prompt": "Hi\xff", "max_tokens": 2}', CompletionRequest)
+    assert info.value.status == 400 and "UTF-8" in info.value.info.message
+
+
+def test_token_ids_past_the_context_are_refused_by_their_count():
+    body = CompletionRequest(prompt=[1] * 5_000_000)
+    with pytest.raises(OpenAIError) as info:
+        completion_request(body, "cmpl-1", context_length=100)
+    err = info.value.info
+    assert (err.param, err.code) == ("prompt", "context_length_exceeded")
+    assert err.message.startswith("prompt has 5000000 tokens; the model's context is 100 tokens")
+    assert (
+        list(completion_request(CompletionRequest(prompt=[[3] * 99]), "c", 100).prompt_token_ids.ids)
+        == [3] * 99
+    )
+    assert error_of(completion, prompt=[[1, 2**32]]).info.param == "prompt"  # the proto's bound, by the loop
+
+
 def test_model_name_must_match_or_be_omitted():
     check_model(None, "smol")
     check_model("smol", "smol")

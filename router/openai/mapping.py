@@ -17,9 +17,12 @@ A request's life here (the HTTP handler in ``openai_server`` drives it):
 from __future__ import annotations
 
 import enum
+import math
+import struct
 
 import msgspec
 
+from pdserve.engine.params import check_prompt_length
 from pdserve.proto import generation_pb2 as g
 from pdserve.router.openai.protocol import (
     ChatChoice,
@@ -99,15 +102,27 @@ def _bounded(name: str, value: int, low: int, high: int) -> int:
     return value
 
 
+def _float32(name: str, value: float) -> float:
+    """A value the proto's 32-bit float field keeps meaning: one it would turn into infinity or zero is
+    refused here, naming what the client sent (the router would see only ``inf`` or ``0.0``)."""
+    try:
+        narrowed = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # (older Pythons refuse to pack what a float32 cannot hold)
+        narrowed = math.inf
+    if (math.isinf(narrowed) and math.isfinite(value)) or (narrowed == 0.0 and value != 0.0):
+        raise invalid(f"{name} is {value!r}: out of the range a 32-bit float holds", name)
+    return value
+
+
 def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> g.SamplingParams:
     """Only what the client sent is set: unset proto3 optionals keep the engine's defaults."""
     s = g.SamplingParams()
     if max_tokens is not None:
-        s.max_tokens = _bounded("max_tokens", max_tokens, 0, _UINT32)
+        s.max_tokens = _bounded("max_tokens", max_tokens, 1, _UINT32)
     if req.temperature is not None:
-        s.temperature = req.temperature
+        s.temperature = _float32("temperature", req.temperature)
     if req.top_p is not None:
-        s.top_p = req.top_p
+        s.top_p = _float32("top_p", req.top_p)
     if req.top_k is not None:
         # vLLM clients send 0 as well as -1 for "off"; the engine spells it -1.
         s.top_k = -1 if req.top_k == 0 else _bounded("top_k", req.top_k, -_INT32 - 1, _INT32)
@@ -124,8 +139,22 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | 
     return s
 
 
-def completion_request(req: CompletionRequest, request_id: str) -> g.GenerateRequest:
-    """``POST /v1/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
+def _token_ids(ids: list, context_length: int) -> list[int]:
+    """A prompt's token ids as the proto holds them: a list longer than the context (when known) is
+    refused before any id is looked at (a 64 MiB body holds millions), then C-level bounds checks."""
+    try:
+        check_prompt_length(len(ids), context_length or len(ids) + 1)
+    except ValueError as e:
+        raise invalid(str(e), "prompt", "context_length_exceeded") from None
+    if ids and (min(ids) < 0 or max(ids) > _UINT32):
+        for t in ids:  # names the first id out of range
+            _bounded("prompt", t, 0, _UINT32)
+    return ids
+
+
+def completion_request(req: CompletionRequest, request_id: str, context_length: int = 0) -> g.GenerateRequest:
+    """``POST /v1/completions`` as a ``GenerateRequest``; ``context_length``: the model's, when known (0:
+    not). Raises OpenAIError (400)."""
     _check_common(req)
     if req.echo:
         raise invalid("echo is not supported", "echo")
@@ -142,7 +171,7 @@ def completion_request(req: CompletionRequest, request_id: str) -> g.GenerateReq
         raise invalid("prompt is required", "prompt")
     if isinstance(prompt, list):
         if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            out.prompt_token_ids.ids.extend(_bounded("prompt", t, 0, _UINT32) for t in prompt)  # type: ignore[arg-type]
+            out.prompt_token_ids.ids.extend(_token_ids(prompt, context_length))
             return out
         if len(prompt) > 1:
             raise invalid(
@@ -152,7 +181,7 @@ def completion_request(req: CompletionRequest, request_id: str) -> g.GenerateReq
             raise invalid("prompt is empty", "prompt")
         one = prompt[0]
         if isinstance(one, list):
-            out.prompt_token_ids.ids.extend(_bounded("prompt", t, 0, _UINT32) for t in one)
+            out.prompt_token_ids.ids.extend(_token_ids(one, context_length))
             if not one:
                 out.prompt_token_ids.SetInParent()  # an empty id list: the router says "prompt is empty"
             return out
@@ -170,10 +199,12 @@ def text_content(i: int, content) -> str:
         return content or ""
     parts = []
     for part in content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise invalid(
                 f"messages[{i}].content: only text parts are supported, got {part.type!r}", "messages"
             )
+        if part.text is None:
+            raise invalid(f"messages[{i}].content: a text part needs its text", "messages")
         parts.append(part.text)
     return "".join(parts)
 

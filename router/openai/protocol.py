@@ -300,7 +300,10 @@ def error_from_status(code_name: str, details: str) -> OpenAIError:
     return OpenAIError(status, message, kind, param, code)
 
 
-_JSON_PATH = re.compile(r"at `\$\.([A-Za-z_]+)|missing required field `([A-Za-z_]+)`")
+# The top-level field an error is in: its path when msgspec gives one ("... - at `$.messages[0]`", for
+# a nested field too), else the missing top-level field it names.
+_JSON_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+_MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]+)`")
 
 
 T = TypeVar("T", bound=msgspec.Struct)
@@ -311,7 +314,9 @@ def decode_request(body: bytes, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        m = _JSON_PATH.search(str(e))
-        raise invalid(f"invalid request: {e}", (m.group(1) or m.group(2)) if m else None) from None
+        m = _JSON_PATH.search(str(e)) or _MISSING_FIELD.search(str(e))
+        raise invalid(f"invalid request: {e}", m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:  # a string holding bytes that are not UTF-8 (msgspec's own error)
+        raise invalid(f"the request body is not valid UTF-8: {e}") from None

@@ -240,7 +240,8 @@ class OpenAIFront:
         req = decode_request(await request.read(), CompletionRequest)
         check_model(req.model, self.model_name)
         rid = _request_id(request, Kind.COMPLETION)
-        return await self._run(request, Kind.COMPLETION, rid, completion_request(req, rid), req)
+        context = self.router.current_limits().context_length
+        return await self._run(request, Kind.COMPLETION, rid, completion_request(req, rid, context), req)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = decode_request(await request.read(), ChatCompletionRequest)

@@ -1,0 +1,75 @@
+"""``router.validate.prepare`` refuses prompts known to pass the context before the costly part: a text
+whose characters alone need more tokens than the context (by the tokenizer's ``max_token_chars``) is not
+tokenized, and a list of ids longer than the context is not copied."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from pdserve.proto import generation_pb2 as g
+from pdserve.router.validate import InvalidRequest, ModelLimits, prepare
+
+CONTEXT = 100
+
+
+class CountingTokenizer:
+    """A byte-per-character tokenizer whose tokens stand for at most ``max_token_chars`` characters; it
+    counts the characters it is asked to encode."""
+
+    eos_token_ids = (0,)
+
+    def __init__(self, max_token_chars: int | None) -> None:
+        self.max_token_chars = max_token_chars
+        self.encoded = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encoded += len(text)
+        per = self.max_token_chars or 1
+        return [1] * -(-len(text) // per)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode_stream(self, skip_special_tokens: bool = True):
+        raise NotImplementedError
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return "x"
+
+
+LIMITS = ModelLimits(context_length=CONTEXT, vocab_size=32)
+
+
+def test_a_text_too_long_for_the_context_by_its_characters_is_refused_untokenized():
+    tok = CountingTokenizer(max_token_chars=4)
+    with pytest.raises(InvalidRequest) as info:
+        prepare(g.GenerateRequest(prompt="a" * 4 * CONTEXT), tok, LIMITS)
+    assert tok.encoded == 0
+    assert str(info.value) == (
+        "prompt has 400 characters, so at least 100 tokens; the model's context is 100 tokens and at "
+        "least one must be left to generate"
+    )
+    # One token of room by the bound: tokenized, and the tokens decide.
+    prep = prepare(g.GenerateRequest(prompt="a" * (4 * CONTEXT - 4)), tok, LIMITS)
+    assert tok.encoded == 4 * CONTEXT - 4 and len(prep.prompt_token_ids) == CONTEXT - 1
+    # No bound from a tokenizer that cannot give one: the tokens decide.
+    tok = CountingTokenizer(max_token_chars=None)
+    with pytest.raises(InvalidRequest, match="prompt has 400 tokens"):
+        prepare(g.GenerateRequest(prompt="a" * 4 * CONTEXT), tok, LIMITS)
+    assert tok.encoded == 4 * CONTEXT
+
+
+def test_token_ids_past_the_context_are_refused_by_their_count():
+    tok = CountingTokenizer(max_token_chars=4)
+    ids = g.TokenIds(ids=[1] * 1_000_000)
+    with pytest.raises(
+        InvalidRequest, match="prompt_token_ids has 1000000 tokens; the model's context is 100"
+    ):
+        prepare(g.GenerateRequest(prompt_token_ids=ids), tok, LIMITS)
+    prep = prepare(g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[1] * (CONTEXT - 1))), tok, LIMITS)
+    assert len(prep.prompt_token_ids) == CONTEXT - 1
