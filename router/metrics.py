@@ -54,6 +54,9 @@ MIGRATIONS = "pdserve_router_migrations_total"
 # What failed under a migrated stream: the decode worker's call broke (it died or dropped the call), the
 # prefill worker's call broke before token 0, a KV transfer was aborted, or the worker missed heartbeats.
 MIGRATION_REASONS = ("decode_failed", "prefill_failed", "transfer_aborted", "heartbeat_lost")
+# Heartbeat sweeps that found the router's own event loop had stood still past a heartbeat interval
+# (the workers' deadlines were moved by as long; router/service.py sweep_forever).
+LOOP_STALLS = "pdserve_router_event_loop_stalls_total"
 PROMPT_TOKENS = "pdserve_prompt_tokens_total"
 GENERATION_TOKENS = "pdserve_generation_tokens_total"
 RUNNING = "pdserve_requests_running"
@@ -182,6 +185,12 @@ class RouterMetrics:
         )
         for reason in MIGRATION_REASONS:
             self._migrations.labels(ROLE, reason)
+        self.loop_stalls = Counter(
+            LOOP_STALLS,
+            "Times the router's event loop stood still past a heartbeat interval (deadlines moved).",
+            ["role"],
+            registry=reg,
+        ).labels(ROLE)
 
     def watch(
         self,

@@ -157,6 +157,12 @@ class Registry:
 
     mark_dead = remove
 
+    def postpone(self, seconds: float, now: float) -> None:
+        """Move every worker's last heartbeat ``seconds`` later (never past ``now``): the router itself
+        stood still that long, and heartbeats sent meanwhile may not have been read yet."""
+        for w in self._workers.values():
+            w.last_heartbeat = min(w.last_heartbeat + seconds, now)
+
     def expire(self, now: float) -> list[Worker]:
         """Drop workers whose heartbeats stopped; returns them so callers can fail their requests."""
         dead = [w for w in self._workers.values() if now - w.last_heartbeat > self.config.heartbeat_timeout_s]

@@ -210,9 +210,24 @@ class Router:
         return dead
 
     async def sweep_forever(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        woke = time.monotonic()
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
-            await self.sweep(time.monotonic())
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            stood_still, woke = now - woke - interval, now
+            if stood_still > interval:
+                # This loop could not run (a call holding the GIL, the host swapping, SIGSTOP): the
+                # heartbeats sent meanwhile may still wait unread, so the silence is the router's own,
+                # not the workers'. Their deadlines move by as much; a dead worker still expires, one
+                # timeout after the router runs again.
+                log.warning(
+                    "the router's event loop stood still for %.1f s: heartbeat deadlines moved by as much",
+                    stood_still,
+                )
+                self.metrics.loop_stalls.inc()
+                self.registry.postpone(stood_still, now)
+            await self.sweep(now)
 
     def counts_by_role(self) -> dict[Role, int]:
         out: dict[Role, int] = {}

@@ -422,6 +422,39 @@ def test_missed_heartbeats_expire_the_worker_and_fail_its_requests(model_dir):
     run(main())
 
 
+def test_a_router_that_stood_still_does_not_blame_its_workers(model_dir):
+    """The router's event loop blocked past the heartbeat timeout (a call holding the GIL, SIGSTOP):
+    the workers' heartbeats could not be read meanwhile, so none is dropped and a running stream goes on;
+    the stall is counted. A worker that stays silent after the stall still expires."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the"))
+        w.hold_at = 1
+        async with cluster(model_dir, [w], heartbeat_interval_s=0.05, heartbeat_timeout_s=0.3) as (
+            server,
+            stub,
+        ):
+            call = stub.Generate(request(max_tokens=3))
+            await w.wait_for(lambda: w.started)
+            entry = server.router.registry.get("b1")
+            time.sleep(1.0)  # blocks the one event loop: the router's and the worker's
+            await asyncio.sleep(0.2)
+            assert server.router.registry.get("b1") is entry  # kept, not dropped and registered again
+            assert server.router.metrics.loop_stalls._value.get() >= 1
+            w.hold_at = None
+            w.release.set()
+            tokens, _, msgs = await collect(call)
+            assert msgs[-1].finish_reason
+            await w.agent.close(deregister=False)  # now really silent
+            for _ in range(100):
+                if server.router.registry.get("b1") is None:
+                    break
+                await asyncio.sleep(0.05)
+            assert server.router.registry.get("b1") is None
+
+    run(main())
+
+
 def test_drain_worker_finishes_in_flight_then_the_worker_leaves(model_dir):
     async def main():
         w1 = FakeWorker("b1", Role.BOTH, ids("hello world"))
