@@ -96,6 +96,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"a cluster is already running from {state_dir} "
             f"(router {old.router_address}); `pdserve down` it first"
         )
+    if old is not None:
+        # Its router exited (a crash, kill -9): what it left running would be forgotten once this
+        # cluster's state file replaces the old one, and its workers would knock on the new router.
+        left = cluster.stop_survivors(state_dir)
+        if left:
+            print(
+                f"stopped what the cluster in {state_dir} left running after its router exited: "
+                + ", ".join(left),
+                file=sys.stderr,
+            )
     if not 0 < args.port < 65536:
         raise cluster.ClusterError(f"--port must be in [1, 65535] for a local cluster, got {args.port}")
     counts = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -47,6 +48,18 @@ def _nonneg(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high] (what the request's proto field holds)."""
+
+    def parse(text: str) -> int:
+        n = int(text)
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {n}")
+        return n
+
+    return parse
 
 
 def _device(text: str) -> str:
@@ -356,10 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion to stdout")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--max-tokens", type=_int_in(1, 2**32 - 1), default=None)
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per streamed message")
     p.add_argument("--timeout", type=float, default=600.0)

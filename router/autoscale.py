@@ -257,7 +257,13 @@ class Autoscaler:
             and since >= c.up_cooldown_s
         ):
             return self._changed(now, pool, Direction.UP, reason, s.size + 1, detail)
-        if st.low >= c.down_after and s.size > b.min and not s.draining and since >= c.down_cooldown_s:
+        if (
+            st.low >= c.down_after
+            and s.size > b.min
+            and not s.draining
+            and s.starting == 0  # the size counts a worker not serving yet: a drain could leave none
+            and since >= c.down_cooldown_s
+        ):
             return self._changed(now, pool, Direction.DOWN, Reason.IDLE, s.size - 1, detail)
         return None
 

@@ -148,6 +148,17 @@ def test_a_scale_up_still_starting_is_not_repeated():
     assert run(a, [(starting, IDLE_D)] * 5, t0=1.0) == []
 
 
+def test_no_drain_while_a_worker_of_the_pool_is_still_starting():
+    """Exploratory testing: the load went away while a scale-up was still loading; the idle pool's size
+    (1 serving + 1 starting) passed its minimum, and the only serving worker was drained: no decode
+    worker for 4 s. Now the pool waits until the new worker serves, then drains one."""
+    cfg = AutoscaleConfig(decode=PoolBounds(1, 2), down_after=1, down_cooldown_s=0.0)
+    a = Autoscaler(cfg)
+    assert run(a, [(IDLE_P, PoolSignals(serving=1, starting=1))] * 5) == []
+    got = run(a, [(IDLE_P, PoolSignals(serving=2))], t0=5.0)
+    assert [(d.pool, d.direction, d.target) for _, d in got] == [(Pool.DECODE, Direction.DOWN, 1)]
+
+
 def test_one_drain_at_a_time():
     cfg = AutoscaleConfig(decode=PoolBounds(1, 3), down_after=1, down_cooldown_s=0.0)
     a = Autoscaler(cfg)

@@ -48,6 +48,10 @@ def test_parser_defaults_and_validation():
         ["worker", "--role", "decode", "--router", "a:1", "--gpu-memory-utilization", "1.5"],
         ["worker", "--role", "prefill"],
         ["worker", "--role", "gpu", "--router", "a:1"],
+        ["generate", "hi", "--max-tokens", "-3"],  # the proto fields are unsigned: was a traceback
+        ["generate", "hi", "--max-tokens", "0"],
+        ["generate", "hi", "--max-tokens", "99999999999"],
+        ["generate", "hi", "--seed", "-1"],
         ["frobnicate"],
     ):
         with pytest.raises(SystemExit):
@@ -123,6 +127,41 @@ def test_up_fails_with_the_log_tail_and_stops_what_it_started(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "router" in err and "no-such-model" in err  # the router's own error, from its log
     assert cluster.load_state(tmp_path) is None
+
+
+def test_up_after_a_router_crash_stops_what_the_old_cluster_left_running(tmp_path, capsys):
+    """The old router is gone but a worker of its cluster still runs: ``up`` stops it before the new
+    state file forgets it (it would otherwise run on, knocking on the new router with the old token)."""
+    import subprocess
+    import sys
+
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        stat = cluster.proc_stat(orphan.pid)
+        assert stat is not None
+        dead_router = cluster.ProcessEntry(id="router", pid=orphan.pid, start=-1, log="r.log")  # not it
+        worker = cluster.ProcessEntry(
+            id="decode-1", pid=orphan.pid, start=stat[1], log="d.log", role=Role.DECODE
+        )
+        state = cluster.ClusterState(
+            router_address="127.0.0.1:1",
+            router=dead_router,
+            model="m",
+            dtype="float32",
+            threads=1,
+            host="127.0.0.1",
+            workers=(worker,),
+            next_index=2,
+        )
+        cluster.save_state(tmp_path, state)
+        args = ["up", "--prefill", "0", "--decode", "0", "--model", str(tmp_path / "no-such-model")]
+        args += ["--port", str(free_port()), "--timeout", "60", "--state-dir", str(tmp_path)]
+        assert cli.main(args) == 1  # the new router cannot load its model: beside the point here
+        assert "left running after its router exited: decode-1" in capsys.readouterr().err
+        assert orphan.wait(timeout=10) is not None
+    finally:
+        orphan.kill()
+        orphan.wait()
 
 
 def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
