@@ -648,8 +648,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_drain(args: argparse.Namespace) -> int:
     """The router stops sending the worker requests and tells it to drain; the worker finishes what it
-    has in flight, deregisters and exits. Returns once it is gone from the router's list (0), or 1 when
-    ``--timeout`` passes first."""
+    has in flight, deregisters and exits. Returns once it is gone from the router's list (0: drained, or
+    dropped for missed heartbeats, which the router's list does not tell apart), or 1 when ``--timeout``
+    passes first."""
     import time
 
     address = _router_address(args)
@@ -668,7 +669,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
             cluster_cmds.say(f"{args.worker_id} still registered after {args.timeout:.0f}s")
             return 1
         time.sleep(0.5)
-    cluster_cmds.say(f"{args.worker_id} drained and left")
+    # (The router also drops a worker that stops answering heartbeats while draining: a hung one. If that
+    # process comes back, it registers straight into its drain: router/registry.py.)
+    cluster_cmds.say(f"{args.worker_id} has left the router (drained, or dropped for missed heartbeats)")
     return 0
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.worker.role import Role
 
@@ -76,6 +76,9 @@ class Registry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
         self._workers: dict[str, Worker] = {}
+        # (worker_id, address) of workers dropped for missed heartbeats while draining: one that comes
+        # back (a process that was stopped, not dead) registers straight into its drain.
+        self._drains_of_dropped: set[tuple[str, str]] = set()
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -89,6 +92,9 @@ class Registry:
     def register(self, worker: Worker, now: float) -> None:
         """Add or replace a worker (a re-registration after a router restart keeps the worker usable)."""
         old = self._workers.get(worker.worker_id)
+        if old is None and (worker.worker_id, worker.address) in self._drains_of_dropped:
+            old = replace(worker, drain_requested=True)
+        self._drains_of_dropped.discard((worker.worker_id, worker.address))
         if old is not None:
             worker.assigned = old.assigned
             worker.assigned_prefill_tokens = old.assigned_prefill_tokens
@@ -168,6 +174,8 @@ class Registry:
         dead = [w for w in self._workers.values() if now - w.last_heartbeat > self.config.heartbeat_timeout_s]
         for w in dead:
             del self._workers[w.worker_id]
+            if w.drain_requested:
+                self._drains_of_dropped.add((w.worker_id, w.address))
         return dead
 
     def ready(self) -> list[Worker]:
