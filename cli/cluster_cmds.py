@@ -277,6 +277,11 @@ def cmd_scale(args: argparse.Namespace) -> int:
             f"the autoscaler (pid {state.autoscaler.pid}) sizes this cluster's pools (`up --autoscale` or "
             "`pdserve autoscale`): stop it to scale by hand, or restart it with other bounds"
         )
+    if not cluster.alive(state.router):
+        raise cluster.ClusterError(
+            f"the router of the cluster in {args.state_dir} (pid {state.router.pid}) has exited: "
+            "`pdserve down`, then `pdserve up` again"
+        )
     state, gone = cluster.live_workers(state)
     for w in gone:
         say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")

@@ -553,10 +553,19 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from pdserve.router.server import ListenError
     from pdserve.router.server import main as serve_router
 
     try:
-        serve_router(router_config(args))
+        config = router_config(args)
+    except ValueError as e:  # a setting out of range: one line, naming it
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 1
+    try:
+        serve_router(config)
+    except ListenError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:
         # A model that does not resolve or load: one line for `up` to show, not a traceback.
         print(f"pdserve router: cannot serve model {args.model!r}: {e}", file=sys.stderr)

@@ -76,6 +76,7 @@ class RouterConfig:
             raise ValueError(f"max_prefill_queue_tokens must be >= 0, got {self.max_prefill_queue_tokens}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        self.registry_config()  # its own checks (the heartbeat interval against the timeout), up front
 
     @property
     def bind_address(self) -> str:

@@ -88,20 +88,40 @@ class RouterServer:
         for name in ("", GENERATION_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set(REGISTRY_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-        self.port = add_port(server, self.config.bind_address, self.config.tls)
+        try:
+            self.port = add_port(server, self.config.bind_address, self.config.tls)
+        except RuntimeError as e:  # grpc's "Failed to bind to address ..."
+            raise ListenError(f"cannot serve gRPC on {self.config.bind_address}: {e}") from e
         await server.start()
         self._server = server
         self.router.address = f"{self.config.host}:{self.port}"
-        self.metrics = serve_metrics(self.router.metrics.registry, self.config.host, self.config.metrics_port)
-        self.router.metrics_url = self.metrics.url
-        if self.config.http_port is not None:
-            self.http = OpenAIFront(
-                self.router, self.config.host, self.config.http_port, self.config.model, self.config.tls
-            )
-            self.router.http_url = await self.http.start()
+        try:
+            await self._start_http()
+        except ListenError:
+            await self.stop(0.0)  # nothing of a failed start stays bound
+            raise
         self._sweep = asyncio.get_running_loop().create_task(self.router.sweep_forever())
         log.info("router listening on %s", self.router.address)
         return self.router.address
+
+    async def _start_http(self) -> None:
+        """The metrics endpoint and the OpenAI API, each on its port."""
+        try:
+            self.metrics = serve_metrics(
+                self.router.metrics.registry, self.config.host, self.config.metrics_port
+            )
+        except OSError as e:
+            raise ListenError(f"cannot serve metrics on port {self.config.metrics_port}: {e}") from e
+        self.router.metrics_url = self.metrics.url
+        if self.config.http_port is not None:
+            http = OpenAIFront(
+                self.router, self.config.host, self.config.http_port, self.config.model, self.config.tls
+            )
+            try:
+                self.router.http_url = await http.start()
+            except OSError as e:
+                raise ListenError(f"cannot serve the HTTP API on port {self.config.http_port}: {e}") from e
+            self.http = http
 
     async def set_frontend(self, tokenizer: RouterTokenizer, limits: ModelLimits) -> None:
         self.router.set_frontend(tokenizer, limits)
@@ -160,6 +180,10 @@ class RouterServer:
             for task in (load, stop):
                 task.cancel()
             await self.stop()
+
+
+class ListenError(Exception):
+    """A port the router was told to serve on cannot be bound (in use, not allowed)."""
 
 
 def main(config: RouterConfig) -> None:

@@ -343,3 +343,58 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         assert cluster.load_state(tmp_path / "state").workers == ()
     finally:
         assert cli.main(["down", *base]) == 0
+
+
+def test_router_start_errors_name_what_failed_not_the_model(capsys):
+    """A port in use and a bad setting are one line naming them (they were reported as the model failing
+    to load, and a taken gRPC port as a traceback)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        base = ["router", "--host", "127.0.0.1", "--metrics-port", "0"]
+        assert cli.main([*base, "--port", str(port)]) == 1
+        err = capsys.readouterr().err
+        assert f"cannot serve gRPC on 127.0.0.1:{port}" in err and "cannot serve model" not in err
+        assert "Traceback" not in err
+        assert cli.main([*base, "--port", "0", "--http-port", str(port)]) == 1
+        err = capsys.readouterr().err
+        assert f"cannot serve the HTTP API on port {port}" in err and "cannot serve model" not in err
+    assert cli.main(["router", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "0.2"]) == 1
+    err = capsys.readouterr().err
+    assert "heartbeat_timeout_s must exceed heartbeat_interval_s" in err and "cannot serve model" not in err
+
+
+def test_log_tail_shows_the_latest_run_only_and_scale_needs_a_live_router(tmp_path, capsys):
+    """A log is appended to across runs; what ``up`` shows of it when a start fails is the latest run's
+    (it showed earlier clusters' lines). ``scale`` refuses a cluster whose router has exited instead of
+    starting workers for it."""
+    import os
+    import sys
+    import time
+
+    log = tmp_path / "w.log"
+    log.write_text("an earlier cluster's line\n")
+    entry = cluster.spawn("decode-1", [sys.executable, "-c", "print('this run')"], log, dict(os.environ))
+    for _ in range(100):
+        if not cluster.alive(entry):
+            break
+        time.sleep(0.05)
+    assert "this run" in log.read_text() and "earlier" in log.read_text()
+    assert cluster.log_tail(log) == "this run"
+    state = cluster.ClusterState(
+        router_address="127.0.0.1:1",
+        router=cluster.ProcessEntry(id="router", pid=entry.pid, start=-1, log=""),
+        model="m",
+        dtype="float32",
+        threads=1,
+        host="127.0.0.1",
+        workers=(),
+        next_index=1,
+    )
+    cluster.save_state(tmp_path, state)
+    assert cli.main(["scale", "--decode", "2", "--state-dir", str(tmp_path)]) == 1
+    assert "router of the cluster" in capsys.readouterr().err
+    assert cluster.load_state(tmp_path) == state  # nothing started

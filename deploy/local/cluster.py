@@ -187,6 +187,9 @@ def spawn(
     """Start a background process in its own session, output to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
+        # Logs are appended (earlier runs stay for reading); ``log_tail`` shows this run's lines only.
+        log.write(f"{_RUN_MARK} {entry_id} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        log.flush()
         proc = subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,
@@ -265,12 +268,20 @@ def monitoring(state: ClusterState) -> tuple[ProcessEntry, ...]:
     return tuple(p for p in (state.prometheus, state.alertmanager) if p is not None)
 
 
+_RUN_MARK = "==== pdserve:"  # the line ``spawn`` writes before each process it starts on a log
+
+
 def log_tail(path: str | Path, lines: int = 30) -> str:
+    """The last ``lines`` lines the latest process started on this log wrote (not an earlier run's)."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
         return f"(no log at {path})"
-    return "\n".join(text.splitlines()[-lines:])
+    run = text.splitlines()
+    marks = [i for i, line in enumerate(run) if line.startswith(_RUN_MARK)]
+    if marks:
+        run = run[marks[-1] + 1 :]
+    return "\n".join(run[-lines:])
 
 
 # ---- talking to the router ----------------------------------------------------------------------------
