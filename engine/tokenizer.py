@@ -31,7 +31,8 @@ from tokenizers.decoders import DecodeStream
 # rather than rendered into a prompt the model was never trained on.
 CHAT_ROLES_KEY = "pdserve_chat_roles"
 DEFAULT_CHAT_ROLES = ("system", "user", "assistant")
-# Texts longer than this encode through ``encode_batch`` (GIL released: ``Tokenizer.encode``).
+# Texts longer than this (in characters; id lists in ids) go through ``encode_batch`` / ``decode_batch``,
+# which release the GIL (``Tokenizer.encode``).
 _GIL_HELD_CHARS = 4096
 _SPECIAL_TOKEN_KEYS = (
     "bos_token",
@@ -153,7 +154,10 @@ class Tokenizer:
         return max((len(t) for t in self._backend.get_vocab(with_added_tokens=True)), default=None)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) > _GIL_HELD_CHARS:  # as ``encode``: ``decode_batch`` releases the GIL
+            return self._backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary's string for one id (None outside the vocabulary)."""

@@ -260,6 +260,10 @@ def test_long_texts_encode_as_short_ones_do_without_holding_the_gil(ours):
     assert len(text) > tokenizer_module._GIL_HELD_CHARS
     assert ours.encode(text) == list(ours.backend.encode(text).ids)
     assert ours.encode(text, False) == list(ours.backend.encode(text, add_special_tokens=False).ids)
+    ids = ours.encode(text)
+    assert len(ids) > tokenizer_module._GIL_HELD_CHARS  # decode's threshold is in ids
+    for skip in (True, False):
+        assert ours.decode(ids, skip) == ours.backend.decode(ids, skip_special_tokens=skip)
     big = "ab " * 300_000  # a few hundred ms of tokenizing
     gaps: list[float] = []
     done = threading.Event()

@@ -228,7 +228,11 @@ class OpenAIFront:
         check_model(req.model, self.model_name)
         self._serving()
         assert self.router.tokenizer is not None
-        out = detokenize(req, self.router.tokenizer, self.router.current_limits().vocab_size)
+        args = (req, self.router.tokenizer, self.router.current_limits().vocab_size)
+        if len(req.tokens) > _INLINE_TOKENIZE_BYTES:  # long lists decode off the event loop, as tokenize
+            out = await asyncio.to_thread(detokenize, *args)
+        else:
+            out = detokenize(*args)
         return web.Response(body=encode(out), content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
