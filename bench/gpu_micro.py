@@ -149,7 +149,8 @@ def steps() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model = write_random_model("smollm2", Path(tmp) / "m", DT, "cuda")
         rows, fuse = tk.GEMV_MAX_ROWS, tk.FUSE_NORMS
-        for gemv_rows, fuse_norms in ((rows, fuse), (rows, not fuse), (0, False)):  # the defaults first
+        runs = dict.fromkeys(((rows, fuse), (rows, not fuse), (0, False)) if rows else ((0, False),))
+        for gemv_rows, fuse_norms in runs:  # the defaults first
             tk.GEMV_MAX_ROWS, tk.FUSE_NORMS = gemv_rows, fuse_norms  # read when the graphs are captured
             llm = LLM(str(model), dtype="bfloat16", device="cuda", max_num_seqs=8, num_blocks=400)
             prompts = _prompts(1, 128, VOCAB, 1)

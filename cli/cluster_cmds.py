@@ -96,16 +96,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"a cluster is already running from {state_dir} "
             f"(router {old.router_address}); `pdserve down` it first"
         )
-    if old is not None:
-        # Its router exited (a crash, kill -9): what it left running would be forgotten once this
-        # cluster's state file replaces the old one, and its workers would knock on the new router.
-        left = cluster.stop_survivors(state_dir)
-        if left:
-            print(
-                f"stopped what the cluster in {state_dir} left running after its router exited: "
-                + ", ".join(left),
-                file=sys.stderr,
-            )
     if not 0 < args.port < 65536:
         raise cluster.ClusterError(f"--port must be in [1, 65535] for a local cluster, got {args.port}")
     counts = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
@@ -134,6 +124,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     tls_config = TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
     tls_config.check_server()
     tls_flags = tls_config.cli_flags()
+    if old is not None:
+        # Its router exited (a crash, kill -9): what it left running would be forgotten once this
+        # cluster's state file replaces the old one, and its workers would knock on the new router.
+        # (After this command's own checks: a mistyped `up` stops nothing.)
+        left = cluster.stop_survivors(state_dir)
+        if left:
+            print(
+                f"stopped what the cluster in {state_dir} left running after its router exited: "
+                + ", ".join(left),
+                file=sys.stderr,
+            )
     state_dir.mkdir(parents=True, exist_ok=True)
     # A new secret per cluster: only the processes started here can join its pools (worker.auth).
     token_file = write_new_token(state_dir / "cluster-token")

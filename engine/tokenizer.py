@@ -143,9 +143,12 @@ class Tokenizer:
         """The most characters of text one token can stand for, where that bounds a text's token count
         from below (``len(text) / max_token_chars``): byte-level BPE with no normalizer, whose tokens are
         runs of the text's own bytes (every added token counted too). None for any other tokenizer: a
-        normalizer may shorten a text, and an unknown token may stand for a run of any length."""
+        normalizer may shorten a text, and an unknown token may stand for a run of any length; an added
+        token that strips the whitespace beside it (``lstrip``/``rstrip``) takes a run of any length too."""
         spec = json.loads(self._backend.to_str())
         if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+            return None
+        if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
             return None
         pre = spec.get("pre_tokenizer") or {}
         kinds = [p.get("type") for p in pre.get("pretokenizers") or []] + [pre.get("type")]

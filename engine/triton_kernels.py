@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "FUSE_NORMS",
     "GEMV_MAX_ROWS",
     "gemv_wins",
     "add_rms_norm",
@@ -323,10 +324,11 @@ def gemv(
     """``x @ weight.T (+ bias)`` for a few rows (``x [M, K]``, ``M <= 8``; ``weight [N, K]``), float32
     accumulation, rounded once to the model dtype (as cuBLAS). ``silu_mul``: ``x`` is ``[M, 2K]``
     gate|up and the product takes ``silu(gate) * up`` (``silu_mul``'s rounding) as its input.
-    ``norm=(weight, eps)``: the input is ``rmsnorm(x) * weight``, rounded as ``add_rms_norm`` rounds it
-    (that kernel fused in: one launch less). ``add_to [M, N]``: the product is added into it in place
-    (``add_to += product``, the product rounded first, as ``add_rms_norm`` adds a residual), and it is
-    returned."""
+    ``norm=(weight, eps)``: the input is ``rmsnorm(x) * weight``, rounded where ``add_rms_norm`` rounds it
+    (that kernel fused in: one launch less; its sum of squares goes in ``block_k`` chunks, so in half
+    precision a value may differ from the separate kernel's by an ulp). ``add_to [M, N]``: the product
+    is added into it in place (``add_to += product``, the product rounded first, as ``add_rms_norm``
+    adds a residual), and it is returned."""
     m = x.shape[0]
     n, k = weight.shape
     assert 1 <= m <= 8 and weight.is_contiguous() and x.stride(1) == 1
@@ -336,6 +338,8 @@ def gemv(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         assert add_to.shape == (m, n) and add_to.dtype == x.dtype and add_to.is_contiguous()
+        # Programs read all of x and write their own outputs: the two must not share memory.
+        assert norm is None and add_to.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
         out = add_to
     nw, eps = norm if norm is not None else (out, 0.0)
     mp = triton.next_power_of_2(m)

@@ -243,7 +243,7 @@ class Autoscaler:
         c, st, b = self.config, self._pools[pool], self.config.bounds(pool)
         if s.size < b.min:
             return self._changed(now, pool, Direction.UP, Reason.BELOW_MIN, s.size + 1, f"size {s.size}")
-        if s.size > b.max:
+        if s.size > b.max and (s.starting == 0 or s.serving > 1):  # (a drain never takes the last server)
             return self._changed(now, pool, Direction.DOWN, Reason.ABOVE_MAX, s.size - 1, f"size {s.size}")
         level, reason, detail = pressure(c, pool, s)
         st.high = st.high + 1 if level is Pressure.HIGH else 0

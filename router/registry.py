@@ -69,16 +69,20 @@ class RegistryConfig:
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat_interval_s must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+            raise ValueError(
+                f"the heartbeat timeout (--heartbeat-timeout, {self.heartbeat_timeout_s} s) must exceed the "
+                f"heartbeat interval (--heartbeat-interval, {self.heartbeat_interval_s} s)"
+            )
 
 
 class Registry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
         self._workers: dict[str, Worker] = {}
-        # (worker_id, address) of workers dropped for missed heartbeats while draining: one that comes
-        # back (a process that was stopped, not dead) registers straight into its drain.
-        self._drains_of_dropped: set[tuple[str, str]] = set()
+        # worker_id -> (address, pid) of a worker dropped for missed heartbeats while draining: the same
+        # process coming back (it was stopped, not dead) registers straight into its drain. Any other
+        # registration of that id (a restarted process) forgets it.
+        self._drains_of_dropped: dict[str, tuple[str, int]] = {}
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -92,9 +96,9 @@ class Registry:
     def register(self, worker: Worker, now: float) -> None:
         """Add or replace a worker (a re-registration after a router restart keeps the worker usable)."""
         old = self._workers.get(worker.worker_id)
-        if old is None and (worker.worker_id, worker.address) in self._drains_of_dropped:
+        dropped = self._drains_of_dropped.pop(worker.worker_id, None)
+        if old is None and dropped is not None and dropped == (worker.address, worker.pid) and worker.pid:
             old = replace(worker, drain_requested=True)
-        self._drains_of_dropped.discard((worker.worker_id, worker.address))
         if old is not None:
             worker.assigned = old.assigned
             worker.assigned_prefill_tokens = old.assigned_prefill_tokens
@@ -159,6 +163,7 @@ class Registry:
         return w
 
     def remove(self, worker_id: str) -> Worker | None:
+        self._drains_of_dropped.pop(worker_id, None)
         return self._workers.pop(worker_id, None)
 
     mark_dead = remove
@@ -175,7 +180,7 @@ class Registry:
         for w in dead:
             del self._workers[w.worker_id]
             if w.drain_requested:
-                self._drains_of_dropped.add((w.worker_id, w.address))
+                self._drains_of_dropped[w.worker_id] = (w.address, w.pid)
         return dead
 
     def ready(self) -> list[Worker]:

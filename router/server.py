@@ -53,6 +53,7 @@ def load_frontend(model: str, cache_dir=None) -> tuple[RouterTokenizer, ModelLim
     path = resolve_model(model, cache_dir, progress=False)
     tokenizer = Tokenizer.from_dir(path)
     _ = tokenizer.vocab_digest  # computed here, off the loop: registration compares workers' digests with it
+    _ = tokenizer.max_token_chars  # and this, which the first prompt would read (router/validate.py)
     return tokenizer, ModelLimits.from_model_dir(path)
 
 

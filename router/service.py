@@ -228,6 +228,7 @@ class Router:
                 self.metrics.loop_stalls.inc()
                 self.registry.postpone(stood_still, now)
             await self.sweep(now)
+            woke = time.monotonic()  # (the sweep's own time is not a stall)
 
     def counts_by_role(self) -> dict[Role, int]:
         out: dict[Role, int] = {}

@@ -157,6 +157,10 @@ def test_no_drain_while_a_worker_of_the_pool_is_still_starting():
     assert run(a, [(IDLE_P, PoolSignals(serving=1, starting=1))] * 5) == []
     got = run(a, [(IDLE_P, PoolSignals(serving=2))], t0=5.0)
     assert [(d.pool, d.direction, d.target) for _, d in got] == [(Pool.DECODE, Direction.DOWN, 1)]
+    # Above the maximum (bounds lowered) the pool shrinks, but never by its only serving worker.
+    assert run(Autoscaler(cfg), [(IDLE_P, PoolSignals(serving=1, starting=2))] * 3) == []
+    got = run(Autoscaler(cfg), [(IDLE_P, PoolSignals(serving=2, starting=1))])
+    assert [(d.direction, d.reason) for _, d in got] == [(Direction.DOWN, Reason.ABOVE_MAX)]
 
 
 def test_one_drain_at_a_time():

@@ -96,24 +96,31 @@ def test_registry_heartbeat_expiry_and_drain():
 
 def test_a_worker_dropped_while_draining_comes_back_draining():
     """A draining worker that stood still past the timeout (SIGSTOP) is dropped; when the same process
-    comes back (same id and address) it registers straight into its drain instead of taking requests
-    again. Another process with that id (another address) starts afresh; a postponed deadline keeps a
-    worker whose silence was the router's."""
+    comes back (same id, address and pid) it registers straight into its drain instead of taking requests
+    again. Another process with that id (another pid or address) starts afresh, and the memory of the
+    drain goes with it; a postponed deadline keeps a worker whose silence was the router's."""
+
+    def worker(wid: str, pid: int, address: str = "127.0.0.1:1") -> Worker:
+        w = mk(wid, Role.DECODE, state=State.READY)
+        w.pid, w.address = pid, address
+        return w
+
     reg = Registry(RegistryConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0))
-    reg.register(mk("a", Role.DECODE, state=State.READY), now=0.0)
-    reg.register(mk("b", Role.DECODE, state=State.READY), now=0.0)
+    reg.register(worker("a", 10), now=0.0)
+    reg.register(worker("b", 11), now=0.0)
     assert reg.drain("a")
     assert {w.worker_id for w in reg.expire(3.0)} == {"a", "b"}
-    reg.register(mk("b", Role.DECODE, state=State.READY), now=4.0)  # never asked to drain
-    reg.register(mk("a", Role.DECODE, state=State.READY), now=4.0)
+    reg.register(worker("b", 11), now=4.0)  # never asked to drain
+    reg.register(worker("a", 10), now=4.0)
     assert reg.get("a").drain_requested and reg.get("a").state is State.DRAINING
     assert [w.worker_id for w in reg.ready()] == ["b"]
     assert reg.expire(7.0) and len(reg) == 0
-    moved = mk("a", Role.DECODE, state=State.READY)
-    moved.address = "10.0.0.9:1"
-    reg.register(moved, now=8.0)
+    reg.register(worker("a", 12), now=8.0)  # a restarted process: same id and address, another pid
     assert not reg.get("a").drain_requested
-    reg.postpone(5.0, now=12.0)  # the router stood still 5 s: last heartbeat 8 -> 12 (not past now)
+    reg.remove("a")
+    reg.register(worker("a", 10), now=8.5)  # the drain was forgotten with the restart
+    assert not reg.get("a").drain_requested
+    reg.postpone(5.0, now=12.0)  # the router stood still 5 s: last heartbeat 8.5 -> 12 (not past now)
     assert reg.get("a").last_heartbeat == 12.0 and reg.expire(13.0) == []
 
 

@@ -284,16 +284,16 @@ def test_long_texts_encode_as_short_ones_do_without_holding_the_gil(ours):
     done.set()
     t.join()
     # A ratio within one run, not a time: with the GIL held, the other thread's longest wait is the
-    # whole encode (1.59 s of 1.68 s measured with 3 MB), without it a few of its ticks.
-    assert max(gaps) < 0.5 * took, (max(gaps), took)
+    # whole encode (0.93-0.95 of it measured), without it a few of its ticks.
+    assert max(gaps) < 0.75 * took, (max(gaps), took)
 
 
 def test_max_token_chars_bounds_the_token_count_of_byte_level_bpe(ours):
     """SmolLM2 (byte-level BPE, no normalizer): no token stands for more characters than
     ``max_token_chars``, so a text has at least ``len / max_token_chars`` tokens; other tokenizers have no
     such bound (None)."""
+    from tokenizers import AddedToken, models, normalizers
     from tokenizers import Tokenizer as Backend
-    from tokenizers import models, normalizers
 
     longest = ours.max_token_chars
     assert longest is not None and 16 <= longest <= 256
@@ -303,5 +303,8 @@ def test_max_token_chars_bounds_the_token_count_of_byte_level_bpe(ours):
     word_level = Backend(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
     bpe = Backend(models.BPE())
     bpe.normalizer = normalizers.NFC()
-    for backend in (word_level, bpe):
+    stripping = Backend.from_str(ours.backend.to_str())
+    stripping.add_special_tokens([AddedToken("<mask>", lstrip=True, rstrip=True)])
+    assert len(stripping.encode(" " * 5000 + "<mask>" + " " * 5000).ids) == 1  # 10,006 characters
+    for backend in (word_level, bpe, stripping):
         assert Tokenizer(backend, special_tokens={}).max_token_chars is None
