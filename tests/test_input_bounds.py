@@ -93,6 +93,16 @@ def test_hostile_http_requests_are_400_naming_the_field(model_dir):
                         assert resp.status == 400 and err["param"] == param, (body, err)
                         assert err["code"] == code
                 assert not w.requests
+                # Refused by the HTTP front itself (before the router's checks): counted all the same.
+                value = server.router.metrics.registry.get_sample_value
+                key = ("pdserve_requests_rejected_total", {"role": "router", "code": "INVALID_ARGUMENT"})
+                before = value(*key)
+                for body in ({"prompt": "x", "n": 2}, {"prompt": "x", "model": "nope"}, {"prompt": [[]]}):
+                    async with http.post(url, json=body) as resp:
+                        assert resp.status in (400, 404)
+                async with http.post(url, data=b"{not json") as resp:
+                    assert resp.status == 400
+                assert value(*key) == before + 4
                 async with http.post(url, json={"prompt": "the cat", "max_tokens": 2}) as resp:
                     assert resp.status == 200
 

@@ -135,6 +135,32 @@ def test_lifecycle_bit_exact_and_handover(dtype: torch.dtype, scattered: bool, b
     pre.leak_check()
 
 
+def test_transfer_seconds_are_finer_than_uvloops_clock() -> None:
+    """pdserve_kv_transfer_seconds on both sides: not uvloop's ``loop.time()``, which moves in whole
+    milliseconds (exploratory testing: every sum a whole number of ms, the 0.5 ms bucket never used)."""
+    dec, pre = make_side(seed=1), make_side(seed=2)
+
+    async def main() -> tuple[float, float]:
+        rx = await start_receiver(dec)
+        tx = KVSender(pre.kv, compat_for(pre.kv, "tiny"), CONFIG)
+        src = pre.blocks.allocate("r1", 9)
+        handle = await tx.open(rx.reserve("r1", 9).encode(), src)
+        push_from_thread(handle, range(L))
+        stats = await handle.complete(first_token_id=1)
+        result = await rx.wait("r1")
+        dec.blocks.free("r1")
+        pre.blocks.free("r1")
+        await tx.close()
+        await rx.close()
+        return stats.seconds, result.seconds
+
+    for seconds in run(main, use_uvloop=True):
+        ms = seconds * 1000
+        assert seconds > 0 and abs(ms - round(ms)) > 1e-6, seconds
+    dec.leak_check()
+    pre.leak_check()
+
+
 def test_reserve_out_of_blocks_reserves_nothing() -> None:
     dec = make_side(num_blocks=8)
 

@@ -33,10 +33,11 @@ write to a connection already gone raises, which ends the request the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
@@ -82,6 +83,10 @@ REQUEST_ID_HEADER = "X-Request-ID"
 _BODY_LIMIT: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 _INLINE_TOKENIZE_BYTES = 4096  # as the request path's own threshold (service.py)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# HTTP status of a refusal -> the gRPC status the router counts it under (router.metrics.REJECT_CODES).
+_REFUSAL_CODES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
 def _error_response(err: OpenAIError) -> web.Response:
@@ -241,17 +246,33 @@ class OpenAIFront:
         return web.Response(body=encode(cards), content_type="application/json")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), CompletionRequest)
-        check_model(req.model, self.model_name)
-        rid = _request_id(request, Kind.COMPLETION)
-        context = self.router.current_limits().context_length
-        return await self._run(request, Kind.COMPLETION, rid, completion_request(req, rid, context), req)
+        with self._refusals_counted():
+            req = decode_request(await request.read(), CompletionRequest)
+            check_model(req.model, self.model_name)
+            rid = _request_id(request, Kind.COMPLETION)
+            greq = completion_request(req, rid, self.router.current_limits().context_length)
+        return await self._run(request, Kind.COMPLETION, rid, greq, req)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = decode_request(await request.read(), ChatCompletionRequest)
-        check_model(req.model, self.model_name)
-        rid = _request_id(request, Kind.CHAT)
-        return await self._run(request, Kind.CHAT, rid, chat_request(req, rid), req)
+        with self._refusals_counted():
+            req = decode_request(await request.read(), ChatCompletionRequest)
+            check_model(req.model, self.model_name)
+            rid = _request_id(request, Kind.CHAT)
+            greq = chat_request(req, rid)
+        return await self._run(request, Kind.CHAT, rid, greq, req)
+
+    @contextlib.contextmanager
+    def _refusals_counted(self) -> Iterator[None]:
+        """A generation request this front refuses before the router's own checks is counted as the
+        router counts what it refuses (``pdserve_requests_rejected_total{code}``): the same bad request
+        is the same figure over HTTP and gRPC."""
+        try:
+            yield
+        except (OpenAIError, web.HTTPRequestEntityTooLarge) as e:
+            code = _REFUSAL_CODES.get(e.status, "INVALID_ARGUMENT") if isinstance(e, OpenAIError) else ""
+            if self.router is not None:  # (None: a front tested alone)
+                self.router.metrics.rejected(code or "INVALID_ARGUMENT")
+            raise
 
     # ---- the request path -----------------------------------------------------------------------------
 
