@@ -16,6 +16,7 @@ batching: sequences finish at different times and free their blocks at once).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
 from collections.abc import Iterator, Mapping
@@ -65,6 +66,10 @@ class LLM:
         self.model_dir = path
         self.engine = LLMEngine(path, tokenizer, config)
         self._ids = itertools.count()
+        # The deltas of every request this LLM started and has not yet handed out, by request id: whoever
+        # steps the engine (a stream's iterator, a generate call) files every request's deltas here, so
+        # streams and generate calls open at once each get all of their own.
+        self._inbox: dict[str, collections.deque[RequestOutputDelta]] = {}
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -83,7 +88,7 @@ class LLM:
         encoded = [self._encode(p, i) for i, p in enumerate(items)]
         for i, (ids, sp) in enumerate(zip(encoded, plist, strict=True)):
             try:
-                self.engine.validate_request(ids, sp)
+                self._validate(ids, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         texts = [p if isinstance(p, str) else None for p in items]
@@ -114,22 +119,42 @@ class LLM:
         """Deltas of one request as they are produced. Closing the iterator early aborts the request."""
         ids = self._encode(prompt, 0)
         params = SamplingParams() if params is None else params
-        self.engine.validate_request(ids, params)
+        self._validate(ids, params)
         rid = str(next(self._ids))
+        inbox = self._inbox[rid] = collections.deque()
         self.engine.add_request(rid, ids, params)
         try:
-            while self.engine.has_unfinished():
-                ran = self.engine.num_steps
-                deltas = self.engine.step()
-                if self.engine.num_steps == ran:
-                    raise RuntimeError("engine stalled")
-                for d in deltas:
-                    if d.request_id == rid:
-                        yield d
-                if self.engine.scheduler.get(rid) is None:
+            while True:
+                while inbox:
+                    d = inbox.popleft()
+                    yield d
+                    if d.finish_reason is not None:
+                        return
+                if self.engine.scheduler.get(rid) is None:  # ended without a last delta (aborted)
                     return
+                self._step()
         finally:
+            self._inbox.pop(rid, None)
             self.engine.abort(rid)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate_request(ids, params)
+        if params.stop and not self.engine.config.detokenize:
+            # The engine leaves stop strings to its caller when it does not detokenize; this is the caller,
+            # and it has no text to look in.
+            raise ValueError("stop strings need text: this LLM was made with detokenize=False")
+
+    def _step(self) -> None:
+        """One engine step; each delta goes to the inbox of its request (dropped: a request not started
+        by this LLM's API, e.g. added to ``engine`` directly)."""
+        ran = self.engine.num_steps
+        deltas = self.engine.step()
+        if self.engine.num_steps == ran:  # cannot happen for requests that passed validation
+            raise RuntimeError(f"engine stalled with {len(self._inbox)} requests open")
+        for d in deltas:
+            box = self._inbox.get(d.request_id)  # type: ignore[call-overload]
+            if box is not None:
+                box.append(d)
 
     # -- internals -------------------------------------------------------------
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
@@ -151,6 +176,10 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
+        if not isinstance(params, Seq):  # (a dict of fields, say: its keys would be named, not it)
+            raise ValueError(
+                f"params must be a SamplingParams or a list of them, got {type(params).__name__}"
+            )
         plist = list(params)
         if len(plist) != n:
             raise ValueError(f"got {len(plist)} SamplingParams for {n} prompts")
@@ -169,32 +198,36 @@ class LLM:
         order: list[str] = []
         for text, ids, sp in zip(texts, encoded, plist, strict=True):
             rid = str(next(self._ids))
+            self._inbox[rid] = collections.deque()
             engine.add_request(rid, ids, sp)
             outs[rid] = RequestOutput(rid, text, ids, [], "", "")
             pieces[rid] = []
             order.append(rid)
         bar = _progress(len(order), use_tqdm)
         try:
-            pending = len(order)
-            while pending:
-                ran = engine.num_steps
-                deltas = engine.step()
-                if engine.num_steps == ran:  # cannot happen for requests that passed validation
-                    raise RuntimeError(f"engine stalled with {pending} unfinished requests")
-                for d in deltas:
-                    out = outs[d.request_id]  # type: ignore[index]
-                    out.token_ids.extend(d.new_token_ids)
-                    if d.new_text:
-                        pieces[out.request_id].append(d.new_text)
-                    if d.finish_reason is not None:
-                        out.finish_reason = d.finish_reason
-                        pending -= 1
-                        if bar is not None:
-                            bar.update(1)
+            open_ = set(order)
+            while open_:
+                for rid in list(open_):
+                    inbox, out = self._inbox[rid], outs[rid]
+                    while inbox:
+                        d = inbox.popleft()
+                        out.token_ids.extend(d.new_token_ids)
+                        if d.new_text:
+                            pieces[rid].append(d.new_text)
+                        if d.finish_reason is not None:
+                            out.finish_reason = d.finish_reason
+                            open_.discard(rid)
+                            if bar is not None:
+                                bar.update(1)
+                    if rid in open_ and engine.scheduler.get(rid) is None:
+                        raise RuntimeError(f"request {rid} ended without finishing")
+                if open_:
+                    self._step()
         finally:
             if bar is not None:
                 bar.close()
             for rid in order:  # an interrupted call leaves nothing behind
+                self._inbox.pop(rid, None)
                 engine.abort(rid)
         for rid in order:
             outs[rid].text = "".join(pieces[rid])

@@ -170,6 +170,28 @@ def test_stream_yields_the_same_tokens_and_closing_it_aborts(tiny_llama_dir):
     assert_no_leak(llm)
 
 
+def test_streams_and_generate_open_at_once_each_get_all_their_tokens(tiny_llama_dir):
+    """Exploratory testing: a second stream, or a generate call, stepping the same engine took the first
+    stream's deltas (dropped: the stream ended without its tokens or its finish; generate raised KeyError).
+    Every request's deltas now go to its own consumer, whoever steps the engine."""
+    llm = LLM(tiny_llama_dir, dtype="float32")
+    a_prompt, b_prompt = prompts_of([12, 7], seed=6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want_a, want_b = (o.token_ids for o in llm.generate([a_prompt, b_prompt], params))
+    a, b = llm.stream(a_prompt, params), llm.stream(b_prompt, params)
+    got_a, got_b = [next(a)], [next(b)]
+    got_a += list(a)  # steps the engine to a's end: b's deltas wait for b
+    got_b += list(b)
+    for got, want in ((got_a, want_a), (got_b, want_b)):
+        assert [t for d in got for t in d.new_token_ids] == want
+        assert got[-1].finish_reason == "length"
+    s = llm.stream(a_prompt, params)
+    first = next(s)
+    assert llm.generate([b_prompt], params)[0].token_ids == want_b  # steps s's request too
+    assert [t for d in [first, *s] for t in d.new_token_ids] == want_a
+    assert_no_leak(llm)
+
+
 # -- stopping ---------------------------------------------------------------------------------------------
 def test_stop_token_ids_min_tokens_and_context_limit(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32")
@@ -202,6 +224,17 @@ def tiny_with_tokenizer(tiny_llama_dir, tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, dst / name)
     return dst
+
+
+def test_stop_strings_without_text_are_refused(tiny_with_tokenizer):
+    """``detokenize=False``: no text to look for stop strings in (they were accepted and ignored)."""
+    llm = LLM(tiny_with_tokenizer, dtype="float32", detokenize=False)
+    with pytest.raises(ValueError, match="detokenize=False"):
+        llm.generate([[5, 6]], SamplingParams(stop=["x"]))
+    with pytest.raises(ValueError, match="detokenize=False"):
+        next(llm.stream([5, 6], SamplingParams(stop=["x"])))
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+    assert_no_leak(llm)
 
 
 def test_stop_strings_cut_the_text_and_never_leak(tiny_with_tokenizer):
@@ -247,6 +280,7 @@ def strict_llm(tiny_llama_dir):
         ([[5, 6]], SamplingParams(stop_token_ids=[600]), "stop_token_ids"),
         ([[5, 6], [7]], [SamplingParams()], "2 prompts"),
         ([[5, 6]], [{"max_tokens": 3}], "SamplingParams"),
+        ([[5, 6]], {"max_tokens": 3}, "got dict"),
         ([[5, 6]], SamplingParams(max_tokens=2000), "KV blocks"),
         (42, None, "prompts must be"),
     ],
