@@ -56,6 +56,10 @@ class BenchError(RuntimeError):
     """A run that cannot start: no router, no cluster state."""
 
 
+# A week: longer request deadlines (1e10 s, inf) overflowed gRPC's and failed every request at once.
+MAX_REQUEST_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     router: str  # host:port
@@ -82,6 +86,10 @@ class BenchConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if not (self.request_timeout_s > 0 and self.connect_timeout_s > 0):
             raise ValueError("request_timeout_s and connect_timeout_s must be > 0")
+        if not self.request_timeout_s <= MAX_REQUEST_TIMEOUT_S:  # (gRPC's deadline overflows past it)
+            raise ValueError(
+                f"request_timeout_s must be at most {MAX_REQUEST_TIMEOUT_S:g} s, got {self.request_timeout_s}"
+            )
 
     def as_dict(self) -> dict[str, Any]:
         w, a = self.workload, self.arrivals

@@ -173,7 +173,7 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
         counts = {o.value: 0 for o in Outcome}
         for r in records:
             counts[r.outcome] += 1
-        return {**counts, "kills": len(kills), "crashes": len(watch.deaths)}
+        return {**counts, "kills": _done(kills), "crashes": len(watch.deaths)}
 
     async def sleep_or_stop(seconds: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -336,7 +336,7 @@ def run_soak(cfg: SoakConfig, command: str = "") -> dict[str, Any]:
     write_json(cfg.out_dir / "requests.json.gz", {"requests": records})
     title = (
         f"pdserve soak: {target.shape['prefill']}P+{target.shape['decode']}D {target.model}, "
-        f"{cfg.minutes:g} min, {len(doc['kills'])} SIGKILLs; {doc['requests']['completed']} completed, "
+        f"{cfg.minutes:g} min, {_done(doc['kills'])} SIGKILLs; {doc['requests']['completed']} completed, "
         f"{doc['requests']['lost']} lost, {doc['kv_blocks_leaked']} KV blocks leaked"
     )
     rss = doc["rss"]
@@ -352,11 +352,21 @@ def run_soak(cfg: SoakConfig, command: str = "") -> dict[str, Any]:
     return doc
 
 
+def _done(kills: list[dict[str, Any]]) -> int:
+    """Kills that killed (a kill is skipped where its pool has a single live worker)."""
+    return sum(1 for k in kills if "skipped" not in k)
+
+
 def format_summary(doc: dict[str, Any]) -> str:
     r, rss = doc["requests"], doc["rss"]
     lines = [
-        f"soak: {doc['load_s'] / 60:.1f} min of load, {len(doc['kills'])} kills, "
-        f"shape {doc['cluster']['shape']}",
+        f"soak: {doc['load_s'] / 60:.1f} min of load, {_done(doc['kills'])} kills"
+        + (
+            f" ({len(doc['kills']) - _done(doc['kills'])} skipped)"
+            if _done(doc["kills"]) < len(doc["kills"])
+            else ""
+        )
+        + f", shape {doc['cluster']['shape']}",
         f"requests: {r['sent']} sent, {r['completed']} completed, {r['lost']} lost, {r['refused']} refused, "
         f"{r['cancelled']} cancelled (by the client), {r['mismatched']} with wrong tokens",
         f"migrations: {doc['migrations']}",
@@ -369,6 +379,9 @@ def format_summary(doc: dict[str, Any]) -> str:
         + (", ".join(f"{k} {v:.1%}" for k, v in rss["max_drift"].items()) or "-"),
     ]
     for k in doc["kills"]:
+        if "skipped" in k:  # a pool with one worker left is not emptied by the soak
+            lines.append(f"  kill at {k['t_s']:.0f} s skipped: {k['role']} pool has {k['skipped']}")
+            continue
         who = f"{k.get('worker', '-')} -> {k.get('replacement')}"
         lines.append(f"  kill at {k['t_s']:.0f} s: {who} {k.get('error', '')}")
     lines.append(f"worker crashes (died without being killed): {len(doc['crashes'])}")

@@ -142,8 +142,24 @@ class ClusterSpec:
     extra_up_args: tuple[str, ...] = ()  # more `pdserve up` flags, the same for every shape
     timeout_s: float = 600.0
 
+    def __post_init__(self) -> None:
+        # The sweep sets these itself (the shape, the port it connects to, what the report records): an
+        # --up-arg naming one would start a cluster other than the one measured or recorded.
+        for arg in self.extra_up_args:
+            flag = arg.split("=", 1)[0]
+            if flag in _OWN_UP_FLAGS:
+                raise ValueError(
+                    f"--up-arg {arg}: the sweep sets {flag} itself (its own option, if it has one)"
+                )
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"extra_up_args": list(self.extra_up_args)}
+
+
+_OWN_UP_FLAGS = frozenset(
+    ("--prefill", "--decode", "--colocated", "--model", "--dtype", "--threads", "--host", "--port",
+     "--state-dir", "--timeout", "--pin-cpus")
+)  # fmt: skip
 
 
 # ---- clusters -----------------------------------------------------------------------------------------
@@ -333,6 +349,10 @@ class SweepConfig:
         slo = self.bench.slo
         if slo.ttft_ms is None or slo.tpot_ms is None:
             raise ValueError("goodput needs both SLOs: --goodput ttft:MS tpot:MS")
+        if slo.e2el_ms is not None:  # the scan, the summary and the plots are in TTFT and TPOT alone
+            raise ValueError("a sweep's goodput is by TTFT and TPOT: --goodput ttft:MS tpot:MS, no e2el")
+        if self.cdf_rate is not None and self.cdf_rate not in self.rates:
+            raise ValueError(f"cdf_rate must be one of the rates {sorted(self.rates)}, got {self.cdf_rate}")
         if not 0 < self.goal <= 1 or not 0 <= self.stop_below <= self.goal:
             raise ValueError(f"need 0 <= stop_below <= goal <= 1, got {self.stop_below}, {self.goal}")
 
@@ -477,9 +497,22 @@ def build_document(
             "shapes": [cfg.shapes[0].label, cfg.shapes[1].label],
             "goodput": _ratio(a["goodput_rps"], b["goodput_rps"]),
             "goodput_interpolated": _ratio(a["goodput_interpolated_rps"], b["goodput_interpolated_rps"]),
-            "lower_bound": not a["saturated"],  # the first shape never missed: its goodput is at least this
+            # Only the first shape never missed: its goodput is at least that, so the ratio is a lower
+            # bound (only the second: an upper bound; neither: both are bounds, the ratio says nothing).
+            "lower_bound": not a["saturated"] and b["saturated"],
+            "upper_bound": a["saturated"] and not b["saturated"],
+            "undetermined": not a["saturated"] and not b["saturated"],
         }
     return doc
+
+
+def _bound_note(ratio: Mapping[str, Any]) -> str:
+    """What a ratio of goodputs is when a shape never missed (older documents have ``lower_bound`` only)."""
+    if ratio.get("undetermined"):
+        return " (undetermined: neither shape missed at the swept rates; sweep higher)"
+    if ratio.get("upper_bound"):
+        return " (upper bound)"
+    return " (lower bound)" if ratio.get("lower_bound") else ""
 
 
 SCAN_TTFT = (0.5, 1.0, 2.0)  # multiples of the sweep's TTFT SLO
@@ -663,8 +696,7 @@ def format_summary(doc: Mapping[str, Any]) -> str:
         a, b = r["shapes"]
         lines.append(
             f"goodput ratio {a} / {b}: {_num(r['goodput'], 1, 2)} "
-            f"(interpolated {_num(r['goodput_interpolated'], 1, 2)})"
-            + (" (lower bound)" if r["lower_bound"] else "")
+            f"(interpolated {_num(r['goodput_interpolated'], 1, 2)})" + _bound_note(r)
         )
     scan = doc.get("slo_scan") or []
     if scan and "ratio" in doc:

@@ -473,6 +473,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _options_follow_the_mode(parser: argparse.ArgumentParser, argv: list[str], mode: str) -> None:
+    """``bench --num-prompts 4 sweep ...``: argparse lets the mode's own defaults overwrite what was given
+    before the mode word, silently (a goodput SLO, the state dir of a cluster to attach to). Refused."""
+    start, end = argv.index("bench") + 1, argv.index(mode)
+    before = [a for a in argv[start:end] if a.startswith("-")]
+    if before:
+        parser.error(
+            f"{' '.join(before)} before `{mode}`: the options of `pdserve bench {mode}` go after it "
+            f"(pdserve bench {mode} {' '.join(argv[start:end])} ...)"
+        )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench_mode in ("sweep", "compare"):
         from pdserve.bench.sweep import run_from_args as run_sweep
@@ -722,7 +734,11 @@ LONG_RUNNING = ("router", "worker", "autoscale")
 def main(argv: list[str] | None = None) -> int:
     from pdserve.worker.auth import TokenError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    if args.command == "bench" and args.bench_mode:
+        _options_follow_the_mode(parser, argv, args.bench_mode)
     if args.command in ("router", "worker"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in LONG_RUNNING:
@@ -747,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:
         cluster_cmds.say(f"pdserve {args.command}: {e.code().name}: {e.details()}")
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what the command started is stopped on the way out (its finally)
+        cluster_cmds.say(f"pdserve {args.command}: interrupted")
+        return 130
 
 
 if __name__ == "__main__":

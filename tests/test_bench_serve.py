@@ -221,3 +221,13 @@ def _one_line(tmp_path: Path) -> Path:
     path = tmp_path / "one.jsonl"
     path.write_text('{"prompt": "x"}\n')
     return path
+
+
+def test_request_timeouts_past_what_grpc_can_hold_are_refused():
+    """``--request-timeout 1e10`` (or inf) overflowed gRPC's deadline: every request failed at once."""
+    import math
+
+    for bad in (1e10, math.inf, 0.0, math.nan):
+        with pytest.raises(ValueError, match="request_timeout_s"):
+            _config("unset", request_timeout_s=bad)
+    assert _config("unset", request_timeout_s=86400.0).request_timeout_s == 86400.0

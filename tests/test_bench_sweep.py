@@ -160,11 +160,18 @@ def test_sweep_config_validation(tmp_path):
         ({"shapes": ()}, "shapes"),
         ({"shapes": (Shape(1, 1), Shape(1, 1))}, "differ"),
         ({"bench": _bench(slo=Slo(ttft_ms=100))}, "both SLOs"),
+        ({"bench": _bench(slo=Slo(ttft_ms=100, tpot_ms=50, e2el_ms=170))}, "no e2el"),
+        ({"cdf_rate": 2.0}, "cdf_rate must be one of the rates"),
         ({"goal": 1.5}, "goal"),
         ({"stop_below": 0.95}, "stop_below"),
     ):
         with pytest.raises(ValueError, match=match):
             SweepConfig(**(ok | bad))
+    # --up-arg cannot override what the sweep sets itself (it connects to its own port, records its dtype).
+    for up in (("--port=55300",), ("--dtype", "float32"), ("--state-dir=x",)):
+        with pytest.raises(ValueError, match="the sweep sets"):
+            ClusterSpec(extra_up_args=up)
+    assert ClusterSpec(extra_up_args=("--kv-cache-mib", "512", "--http-port=0")).extra_up_args
 
 
 def test_compare_refuses_unequal_worker_counts(tmp_path):
@@ -262,6 +269,8 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
         "goodput": math.inf,
         "goodput_interpolated": math.inf,
         "lower_bound": True,
+        "upper_bound": False,
+        "undetermined": False,
     }
 
     saved = json.loads((cfg.out_dir / "compare.json").read_text())
@@ -353,7 +362,9 @@ def test_live_compare_1p1d_vs_2c(tmp_path):
     assert placements["1P+1D"] == placements["2C"]
     if ncpu >= 2:
         assert len(set(placements["1P+1D"])) == 2
-    assert doc["ratio"]["goodput"] == 1.0 and doc["ratio"]["lower_bound"] is True
+    # Neither shape missed: the ratio of two lower bounds says nothing, and the summary says so.
+    assert doc["ratio"]["goodput"] == 1.0 and doc["ratio"]["undetermined"] is True
+    assert not doc["ratio"]["lower_bound"] and "(undetermined" in out.stdout
 
     streams = {}
     for label in ("1P+1D", "2C"):

@@ -74,7 +74,7 @@ def test_worker_args_threads_and_router_config():
     assert [cluster.default_threads(n, cpus=2) for n in (0, 1, 2, 3)] == [2, 2, 1, 1]
     c = cli.router_config(p.parse_args(["router", "--port", "0", "--max-waiting", "3"]))
     assert (c.port, c.max_waiting, c.bind_address) == (0, 3, "127.0.0.1:0")
-    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+    with pytest.raises(ValueError, match="--heartbeat-timeout, 0.1 s"):
         cli.router_config(p.parse_args(["router", "--heartbeat-timeout", "0.1"]))
 
 
@@ -398,3 +398,10 @@ def test_log_tail_shows_the_latest_run_only_and_scale_needs_a_live_router(tmp_pa
     assert cli.main(["scale", "--decode", "2", "--state-dir", str(tmp_path)]) == 1
     assert "router of the cluster" in capsys.readouterr().err
     assert cluster.load_state(tmp_path) == state  # nothing started
+
+
+def test_bench_options_before_the_mode_word_are_refused(capsys):
+    """argparse let `sweep`'s defaults overwrite options given before the mode word, silently."""
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--num-prompts", "4", "sweep", "--shape", "2C", "--rates", "1", "--out-dir", "x"])
+    assert "--num-prompts before `sweep`" in capsys.readouterr().err

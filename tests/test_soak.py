@@ -102,3 +102,24 @@ def test_short_soak_loses_and_leaks_nothing(tmp_path):
         with gzip.open(out / "requests.json.gz", "rt") as f:
             assert len(json.load(f)["requests"]) == r["sent"]
         c.assert_no_leaks()
+
+
+def test_skipped_kills_are_not_counted_as_kills():
+    """A pool with one live worker is not emptied: that kill is skipped, and the summary said "2 kills"
+    for two skipped ones (exploratory testing, a soak on 1P+1D)."""
+    from pdserve.bench.soak import format_summary
+
+    requests = dict(sent=3, completed=3, lost=0, refused=0, cancelled=0, mismatched=0)
+    rss = dict(warmup_s=10, flat_limit=0.1, flat=True, max_rise={}, max_rise_raw={}, max_drift={})
+    kills = [
+        {"t_s": 15.0, "role": "decode", "skipped": "1 live decode worker(s)"},
+        {"t_s": 30.0, "role": "prefill", "worker": "prefill-2", "replacement": ["prefill-3"]},
+    ]
+    doc = dict(
+        load_s=60.0, kills=kills, cluster={"shape": "1P+1D"}, requests=requests, migrations=0,
+        kv_blocks_leaked=0, leak_check={"clean": True}, rss=rss, crashes=[], lost=[], ok=True,
+    )  # fmt: skip
+    text = format_summary(doc)
+    assert "1 kills (1 skipped)" in text
+    assert "kill at 15 s skipped: decode pool has 1 live decode worker(s)" in text
+    assert "kill at 30 s: prefill-2 -> ['prefill-3']" in text
