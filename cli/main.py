@@ -604,7 +604,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"pdserve worker: {e}", file=sys.stderr)
             return 2
-    cpus = len(args.cpus) if args.cpus is not None else os.cpu_count() or 1
+    # The cores this process may run on (taskset, a container's cpuset), not the machine's.
+    cpus = len(args.cpus) if args.cpus is not None else len(os.sched_getaffinity(0)) or 1
     try:
         wargs = worker_args(args, socket.gethostname(), os.getpid(), cpus)
     except ValueError as e:  # e.g. a --host no interface of this machine carries

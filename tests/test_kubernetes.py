@@ -186,6 +186,14 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
     assert router.command == "router" and router.host == "0.0.0.0"
     assert svc_ports["grpc"] == router.port and svc_ports["metrics"] == router.metrics_port
     r_pod = deployments["pdserve-router"]["spec"]["template"]
+    # A gRPC probe's service must be one the router's health service knows: an unknown name answers
+    # NOT_FOUND, a failure to the kubelet (the liveness probe named pdserve.v1.Registry, which does not
+    # exist: the router was restarted every ~70 s).
+    from pdserve.router.server import GENERATION_SERVICE, REGISTRY_SERVICE
+
+    [rc] = r_pod["spec"]["containers"]
+    probes = {p: rc[p]["grpc"].get("service", "") for p in ("readinessProbe", "livenessProbe") if p in rc}
+    assert probes == {"readinessProbe": GENERATION_SERVICE, "livenessProbe": REGISTRY_SERVICE}
     assert router_svc["spec"]["selector"].items() <= r_pod["metadata"]["labels"].items()
 
     hpas = by_kind(docs, "HorizontalPodAutoscaler")
@@ -201,6 +209,7 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
         assert w.host == FIELD_REFS["status.podIP"] and w.worker_id == FIELD_REFS["metadata.name"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == w.port, probe
+            assert c[probe]["grpc"].get("service", "") == "", probe  # a worker serves the overall status
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(w.metrics_port)
         assert pod["spec"]["terminationGracePeriodSeconds"] > w.drain_timeout
         drain = parsed[f"pdserve-{role}/worker preStop"]
@@ -211,6 +220,8 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
         assert hpa["apiVersion"] == "autoscaling/v2"
         for m in hpa["spec"]["metrics"]:
             assert m[m["type"].lower()]["metric"]["name"] in exported
+        # torch threads: the cores requested (a pod sees all of its node's: one thread on each, else)
+        assert w.threads == int(c["resources"]["requests"]["cpu"])
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert (gpus == "1") == (overlay == "gpu"), (overlay, c["resources"])
         assert w.dtype == {"cpu": "float32", "gpu": "bfloat16"}[overlay]
