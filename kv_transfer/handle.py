@@ -531,7 +531,12 @@ class SenderHandle:
 
     def on_peer_abort(self, msg: wire.Abort) -> None:
         if self._error is None:
-            self.fail(error_for(msg.code, f"aborted by decode: {msg.reason}"), NotifyPeer.ACK)
+            reason = (
+                msg.reason
+                if msg.reason.startswith("aborted by decode")
+                else f"aborted by decode: {msg.reason}"
+            )
+            self.fail(error_for(msg.code, reason), NotifyPeer.ACK)
 
     def on_peer_died(self, exc: Exception | None) -> None:
         self.fail(

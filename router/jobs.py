@@ -5,7 +5,7 @@ so that something other than the request's own task (the heartbeat sweep,
 a worker's death seen by another request) can fail it.
 
 ``Ledger`` owns the router-side load figures the routing policy reads
-(``Worker.assigned`` and ``Worker.assigned_prefill_tokens``). Counts are kept
+(``Worker.assigned``, ``Worker.assigned_prefill_tokens`` and ``Worker.assigned_kv_blocks``). Counts are kept
 per worker id, not on the ``Worker`` objects, because a worker that
 re-registers gets a new object while its old requests are still running; the
 ledger writes the current count onto whichever object the registry holds.
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.router.policy import Route
+from pdserve.router.policy import Route, blocks_needed
 from pdserve.router.registry import Registry, Worker
 
 
@@ -46,6 +46,7 @@ class Job:
         "route",
         "prefill_claimed",
         "prefill_pending",
+        "kv_blocks",
         "calls",
         "failure",
     )
@@ -60,6 +61,7 @@ class Job:
         # The route's prefill worker still matters: its KV has not all landed on the decode worker (cleared
         # by the relay at the decode worker's first token). Losing it after that loses nothing.
         self.prefill_pending = False
+        self.kv_blocks = 0  # counted against the route's decode worker (Ledger.claim)
         self.calls: list[Cancellable] = []
         self.failure: Failure | None = None
 
@@ -83,6 +85,7 @@ class Ledger:
         self._registry = registry
         self._assigned: dict[str, int] = {}
         self._prefill_tokens: dict[str, int] = {}
+        self._kv_blocks: dict[str, int] = {}
         self.jobs: set[Job] = set()
 
     def __iter__(self) -> Iterator[Job]:
@@ -93,6 +96,8 @@ class Ledger:
         job.route = route
         self.jobs.add(job)
         self._bump(self._assigned, route.decode, 1, "assigned")
+        job.kv_blocks = blocks_needed(route.decode, job.prompt_len)
+        self._bump(self._kv_blocks, route.decode, job.kv_blocks, "assigned_kv_blocks")
         job.prefill_pending = route.prefill is not None
         if route.prefill is not None:
             job.prefill_claimed = True
@@ -110,12 +115,14 @@ class Ledger:
             return
         self.release_prefill(job)
         self._bump(self._assigned, job.route.decode, -1, "assigned")
+        self._bump(self._kv_blocks, job.route.decode, -job.kv_blocks, "assigned_kv_blocks")
         self.jobs.discard(job)
 
     def sync(self, worker: Worker) -> None:
         """A (re-)registered worker object takes over the counts of its id."""
         worker.assigned = self._assigned.get(worker.worker_id, 0)
         worker.assigned_prefill_tokens = self._prefill_tokens.get(worker.worker_id, 0)
+        worker.assigned_kv_blocks = self._kv_blocks.get(worker.worker_id, 0)
 
     def assigned(self, worker_id: str) -> int:
         return self._assigned.get(worker_id, 0)

@@ -40,6 +40,11 @@ class Route:
     prefill: Worker | None  # None: the decode worker prefills locally
 
 
+def blocks_needed(w: Worker, prompt_len: int) -> int:
+    """KV blocks a decode worker reserves for a prompt: the prompt plus the first generated token."""
+    return -(-(prompt_len + 1) // max(w.block_size, 1))
+
+
 def _has_room(w: Worker, blocks_needed: int) -> bool:
     return w.assigned < w.max_running and w.kv_blocks_free >= blocks_needed
 
@@ -50,9 +55,7 @@ def choose_route(ready: list[Worker], prompt_len: int, config: RoutingConfig) ->
     for w in ready:
         if not w.role.decodes:
             continue
-        # Blocks for the prompt plus the first generated token.
-        need = -(-(prompt_len + 1) // max(w.block_size, 1))
-        if _has_room(w, need):
+        if _has_room(w, blocks_needed(w, prompt_len)):
             decoders.append(w)
     if not decoders:
         return None
@@ -70,7 +73,7 @@ def choose_route(ready: list[Worker], prompt_len: int, config: RoutingConfig) ->
 def can_ever_serve(workers: list[Worker], prompt_len: int) -> bool:
     """True when some decoding worker could hold the prompt if it were idle."""
     for w in workers:
-        if w.role.decodes and -(-(prompt_len + 1) // max(w.block_size, 1)) <= w.kv_blocks_total:
+        if w.role.decodes and blocks_needed(w, prompt_len) <= w.kv_blocks_total:
             return True
     return False
 

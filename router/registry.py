@@ -50,13 +50,18 @@ class Worker:
     # Router-side view, updated on dispatch/finish; heartbeats lag behind it.
     assigned: int = 0
     assigned_prefill_tokens: int = 0
+    # KV blocks the router's requests on this worker reserve (prompt + 1 token each), counted at dispatch:
+    # a burst routed between two heartbeats sees the blocks of the requests routed before it.
+    assigned_kv_blocks: int = 0
     drain_requested: bool = False
     standby: bool = False  # held out of routing (the warm pool) until promoted
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def kv_blocks_free(self) -> int:
-        return max(self.kv_blocks_total - self.kv_blocks_used, 0)
+        """Free by the worker's last heartbeat, or by the router's own count of what it sent since, if
+        that is more (the heartbeat lags the dispatches; the count leaves out tokens generated since)."""
+        return max(self.kv_blocks_total - max(self.kv_blocks_used, self.assigned_kv_blocks), 0)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class Registry:
         if old is not None:
             worker.assigned = old.assigned
             worker.assigned_prefill_tokens = old.assigned_prefill_tokens
+            worker.assigned_kv_blocks = old.assigned_kv_blocks
             worker.drain_requested = old.drain_requested
             worker.standby = worker.standby and old.standby  # a promotion sticks
             if old.drain_requested:

@@ -94,8 +94,10 @@ def test_runs_and_layers_land_in_the_peers_shared_memory(child: Child) -> None:
         writer.write_runs(src.ctypes.data, 0, [(0, SIZE - 10, 100)])
     assert writer.check() is None
     writer.close()
-    with pytest.raises(PeerDiedError):  # a closed writer copies nothing
+    with pytest.raises(PeerDiedError, match="is closed"):  # a closed writer copies nothing
         writer.write_runs(src.ctypes.data, 0, [(0, 0, 10)])
+    # ... and says so: the peer has not exited (it was reported as exited while it kept serving)
+    assert "is closed" in str(writer.check()) and child.proc.poll() is None
     writer.close()  # twice: nothing more
 
 
@@ -107,7 +109,7 @@ def test_a_dead_peer_is_reported_and_never_crashes_a_write(child: Child) -> None
     while writer.check() is None:  # the pidfd reads ready once it has exited
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert isinstance(writer.check(), PeerDiedError)
+    assert isinstance(writer.check(), PeerDiedError) and "has exited" in str(writer.check())
     src = np.ones(4096, dtype=np.uint8)
     writer.write_runs(src.ctypes.data, 0, [(0, 0, 4096)])  # the mapping outlives it: lands nowhere read
     writer.close()

@@ -124,6 +124,39 @@ def test_a_worker_dropped_while_draining_comes_back_draining():
     assert reg.get("a").last_heartbeat == 12.0 and reg.expire(13.0) == []
 
 
+def test_a_burst_between_heartbeats_counts_the_blocks_it_already_sent():
+    """Exploratory testing: three 591-token prompts at once on a decode worker with 80 blocks; the
+    router saw 80 free (the last heartbeat) for each and sent all three, and the worker refused the third
+    (RESOURCE_EXHAUSTED). The router now counts the blocks of what it dispatched: the third waits."""
+    from pdserve.router.jobs import Job, Ledger
+
+    reg = Registry(RegistryConfig())
+    d = mk("d", Role.DECODE, total=80)
+    reg.register(d, now=0.0)
+    ledger = Ledger(reg)
+    jobs = [Job(f"r{i}", 591) for i in range(3)]
+    for job in jobs[:2]:
+        route = choose_route(reg.ready(), 591, CFG)
+        assert route is not None and route.decode is reg.get("d")
+        ledger.claim(job, route)
+    assert reg.get("d").assigned_kv_blocks == 2 * 37 and reg.get("d").kv_blocks_free == 6
+    assert choose_route(reg.ready(), 591, CFG) is None  # waits for room: no refusal from the worker
+    reg.heartbeat(
+        "d", 1.0, state=State.READY, running=2, queued=0, queued_prefill_tokens=0, kv_blocks_used=76
+    )
+    assert reg.get("d").kv_blocks_free == 4  # the heartbeat, once it says more is used (tokens generated)
+    ledger.release(jobs[0])
+    reg.heartbeat(
+        "d", 2.0, state=State.READY, running=1, queued=0, queued_prefill_tokens=0, kv_blocks_used=38
+    )
+    route = choose_route(reg.ready(), 591, CFG)
+    assert route is not None
+    ledger.claim(jobs[2], route)
+    for job in jobs[1:]:
+        ledger.release(job)
+    assert reg.get("d").assigned_kv_blocks == 0
+
+
 def test_admission_queue_bound_and_wakeup():
     async def main():
         adm = Admission(max_waiting=1)

@@ -153,6 +153,13 @@ class CmaWriter:
     def _alive(self) -> bool:
         return not self._closed and pidfd_alive(self._pidfd)
 
+    def _gone(self) -> PeerDiedError:
+        """Why the peer cannot be written: this writer was closed (the connection ended), or the process
+        exited (a closed writer was reported as the latter: misleading while the peer kept serving)."""
+        if self._closed:
+            return PeerDiedError(f"the connection to peer process {self._pid} is closed")
+        return PeerDiedError(f"peer process {self._pid} has exited")
+
     def put(self, buf: Any, offset: int) -> None:
         """Copy ``buf`` (a contiguous host numpy array or torch tensor) to ``base + offset`` now."""
         if hasattr(buf, "data_ptr"):  # torch
@@ -170,7 +177,7 @@ class CmaWriter:
         done = 0
         while done < nbytes:
             if not self._alive():
-                raise PeerDiedError(f"peer process {self._pid} has exited")
+                raise self._gone()
             step = min(nbytes - done, _MAX_WRITE)
             n = _call(fn, self._pid, address + done, self.base + offset + done, step)
             if n < 0:
@@ -210,7 +217,7 @@ class CmaWriter:
             self.write_runs(local, offset, group)
             return
         if not self._alive():
-            raise PeerDiedError(f"peer process {self._pid} has exited")
+            raise self._gone()
         liov, riov = (_IoVec * n)(), (_IoVec * n)()
         remote = self.base + offset
         for i, (src, dst, nbytes) in enumerate(runs):
@@ -245,7 +252,7 @@ class CmaWriter:
 
     def check(self) -> TransferError | None:
         """What ``flush`` reports, now: every write has landed when it returned."""
-        return None if self._alive() else PeerDiedError(f"peer process {self._pid} has exited")
+        return None if self._alive() else self._gone()
 
     def flush(self, on_done: Any) -> None:
         """Every write has landed when it returned; report at once (on the running loop)."""

@@ -114,6 +114,13 @@ class ShmWriter:
     def _alive(self) -> bool:
         return not self._closed and pidfd_alive(self._pidfd)
 
+    def _gone(self) -> PeerDiedError:
+        """Why the peer cannot be written: this writer was closed (the connection ended), or the process
+        exited (a closed writer was reported as the latter: misleading while the peer kept serving)."""
+        if self._closed:
+            return PeerDiedError(f"the connection to peer process {self._pid} is closed")
+        return PeerDiedError(f"peer process {self._pid} has exited")
+
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
         """Copy each run ``(source, destination, nbytes)`` from address ``local + source`` to ``offset +
         destination`` bytes into the peer's cache, now."""
@@ -143,7 +150,7 @@ class ShmWriter:
     def check(self) -> TransferError | None:
         """What ``flush`` reports, now: every copy landed when it returned; the peer must still be there
         to read it."""
-        return None if self._alive() else PeerDiedError(f"peer process {self._pid} has exited")
+        return None if self._alive() else self._gone()
 
     def flush(self, on_done: Any) -> None:
         asyncio.get_running_loop().call_soon(on_done, self.check())
