@@ -180,7 +180,12 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
             await asyncio.wait_for(stop.wait(), max(seconds, 0.0))
         return stop.is_set()
 
-    async with aio_channel(target.router, target.tls) as ch, aiohttp.ClientSession() as session:
+    # The OpenAI front over HTTPS when the cluster has TLS: trust its CA, as the gRPC half does.
+    connector = aiohttp.TCPConnector(ssl=target.tls.client_ssl_context() or True)
+    async with (
+        aio_channel(target.router, target.tls) as ch,
+        aiohttp.ClientSession(connector=connector) as session,
+    ):
         stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def client() -> None:

@@ -508,6 +508,22 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
     run(main())
 
 
+def test_an_agent_that_gives_up_says_what_the_last_try_got(model_dir):
+    """"did not answer within 60s" alone hid a router refusing the TLS handshake: the last error goes
+    with it."""
+
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        w = FakeWorker("b1", Role.BOTH, ids("hello"))
+        with pytest.raises(RegistrationError, match=r"did not answer within 0.3s \(last: UNAVAILABLE: "):
+            await w.start(f"127.0.0.1:{port}", retry_interval_s=0.05, register_timeout_s=0.3)
+        await w.stop()
+
+    run(main())
+
+
 def test_a_worker_with_another_kv_layout_is_refused_and_the_cluster_keeps_serving(model_dir):
     """The router compares every registration's KV record with the registered workers': a mismatch is
     FAILED_PRECONDITION naming both records and the flags, and the worker never joins."""

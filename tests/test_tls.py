@@ -92,6 +92,24 @@ def test_tls_files_are_checked(pki):
     assert out.returncode == 2 and "needs --tls-cert" in out.stderr, out.stderr
 
 
+def test_a_key_of_another_certificate_and_a_key_others_can_read_are_caught(pki, tmp_path, caplog):
+    """A key that does not go with its certificate was reported by the router as a port it could not bind
+    (gRPC's "Failed to bind to address"); a key readable by others passed without a word (a token file so
+    readable gets a warning)."""
+    with pytest.raises(TLSError, match="does not go with the certificate"):
+        TLSConfig.load(pki / "node.pem", pki / "cli.key", None)
+    loose = tmp_path / "node.key"
+    loose.write_bytes((pki / "node.key").read_bytes())
+    loose.chmod(0o644)
+    with caplog.at_level("WARNING", logger="pdserve.worker.tls"):
+        tls = TLSConfig.load(pki / "node.pem", loose, pki / "ca.pem")
+    assert "readable by other users" in caplog.text
+    # A client context for the HTTPS front: trusts the cluster's CA and presents the certificate.
+    ctx = tls.client_ssl_context()
+    assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED
+    assert TLSConfig.load(None, None, None).client_ssl_context() is None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_cluster_with_token_and_mutual_tls_serves_and_refuses_clients_without_a_valid_cert(tmp_path, pki):

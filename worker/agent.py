@@ -111,8 +111,10 @@ class RouterAgent:
                         f"{e.code().name}: {e.details()}"
                     ) from e
                 if time.monotonic() + cfg.retry_interval_s > give_up:
+                    # The last error says why: the router is not up, or it refused the TLS handshake.
                     raise RegistrationError(
-                        f"router {cfg.router_address} did not answer within {cfg.register_timeout_s}s"
+                        f"router {cfg.router_address} did not answer within {cfg.register_timeout_s}s "
+                        f"(last: {e.code().name}: {e.details()})"
                     ) from e
                 await asyncio.sleep(cfg.retry_interval_s)
         await self._heartbeat_once()

@@ -11,10 +11,15 @@ gRPC's own credentials do the work (``grpc.ssl_server_credentials``, ``grpc.ssl_
 and gRPC checks the server's name: a certificate must carry the address its process is dialled at
 (``--host``, e.g. an IP SAN ``127.0.0.1``) among its subject alternative names. The OpenAI HTTP front
 takes the same certificate and key for HTTPS (server authentication only).
+
+TLS covers gRPC and HTTP. The KV cache between a prefill and a decode worker goes over UCX, outside it:
+its connections are authenticated by the cluster token's handshake (``kv_transfer.auth``), and the KV
+bytes cross the network unencrypted (on one host they do not leave it).
 """
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+log = logging.getLogger(__name__)
 
 
 class TLSError(ValueError):
@@ -64,6 +71,16 @@ class TLSConfig:
         cert_file, cert = read(cert_file, "certificate")
         key_file, key = read(key_file, "key")
         ca_file, ca = read(ca_file, "CA file")
+        if key_file and Path(key_file).stat().st_mode & 0o077:
+            log.warning("TLS key %s is readable by other users (chmod 600 it)", key_file)
+        if cert_file and key_file:
+            # gRPC would only say "Failed to bind to address" for a key of another certificate.
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+            except ssl.SSLError as e:
+                raise TLSError(
+                    f"the TLS key {key_file} does not go with the certificate {cert_file} ({e.reason})"
+                ) from e
         return cls(cert_file, key_file, ca_file, cert, key, ca)
 
     @property
@@ -113,6 +130,16 @@ class TLSConfig:
         """An HTTPS server context with this certificate (the OpenAI front; no client certificates)."""
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(self.cert_file, self.key_file)
+        return ctx
+
+    def client_ssl_context(self) -> ssl.SSLContext | None:
+        """An HTTPS client context that trusts this cluster's CA and presents this certificate (None:
+        plain HTTP). For a pdserve tool calling the cluster's OpenAI front."""
+        if not self.enabled:
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        if self.cert_file:
+            ctx.load_cert_chain(self.cert_file, self.key_file)
         return ctx
 
 
