@@ -509,7 +509,7 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
 
 
 def test_an_agent_that_gives_up_says_what_the_last_try_got(model_dir):
-    """"did not answer within 60s" alone hid a router refusing the TLS handshake: the last error goes
+    """ "did not answer within 60s" alone hid a router refusing the TLS handshake: the last error goes
     with it."""
 
     async def main():
