@@ -72,7 +72,7 @@ def _router(**kw):
 
     router = Router(RouterConfig(port=0, local_prefill_threshold=10, **kw))
     for wid, role in (("p1", Role.PREFILL), ("p2", Role.PREFILL), ("d1", Role.DECODE)):
-        w = Worker(wid, role, f"127.0.0.1:{wid}", kv_blocks_total=100, block_size=16, max_running=8)
+        w = Worker(wid, role, f"127.0.0.1:{wid}", kv_blocks_total=1000, block_size=16, max_running=8)
         w.state = State.READY
         router.registry.register(w, 0.0)
     return router
