@@ -109,8 +109,13 @@ class Admission:
             raise QueueFullError(f"the router queue is full ({self.max_waiting} requests waiting)")
         self.waiting += 1
         try:
-            async with self._changed:
-                return await asyncio.wait_for(self._changed.wait_for(try_route), timeout_s)
+            # The timeout in this task, not ``asyncio.wait_for``'s inner one: a client's deadline cancels
+            # this task at about the time the wait times out, and the inner task then took the condition's
+            # lock back after this one had left it: every later notify blocked on it (the router stopped
+            # finishing requests and reading heartbeats). ``Condition.wait`` re-takes the lock in the
+            # cancelled task itself, and ``async with`` gives it back.
+            async with asyncio.timeout(timeout_s), self._changed:
+                return await self._changed.wait_for(try_route)
         except TimeoutError:
             return None
         finally:

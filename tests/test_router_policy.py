@@ -157,6 +157,47 @@ def test_a_burst_between_heartbeats_counts_the_blocks_it_already_sent():
     assert reg.get("d").assigned_kv_blocks == 0
 
 
+@pytest.mark.timeout(120)  # the bug this guards against hung the loop: fail, not hang
+def test_waiters_cancelled_as_their_wait_times_out_leave_the_queue_usable():
+    """Exploratory testing: a client's deadline equal to the queue wait cancels a waiting request as its
+    wait times out. With ``asyncio.wait_for`` the inner task took the condition's lock back after the
+    waiter had left it ("Lock is not acquired"), and every later notify (each finish, each heartbeat)
+    blocked forever: the router hung. Cancels at and around the timeout, with and without yields."""
+    import random
+
+    async def one_round(seed: int) -> None:
+        rng = random.Random(seed)
+        adm = Admission(max_waiting=100)
+        waiters = [asyncio.create_task(adm.wait_for_route(lambda: None, 0.02)) for _ in range(6)]
+
+        async def notifier() -> None:
+            for _ in range(5):
+                await asyncio.sleep(rng.uniform(0, 0.01))
+                await adm.notify()
+
+        notifying = asyncio.create_task(notifier())
+        await asyncio.sleep(0.02 + rng.uniform(-0.003, 0.003))
+        for t in waiters:
+            t.cancel()
+            if rng.random() < 0.5:
+                await asyncio.sleep(0)
+            if rng.random() < 0.3:
+                t.cancel()
+        done, pending = await asyncio.wait(waiters, timeout=2)
+        assert not pending and not adm._changed.locked(), seed
+        for t in done:
+            assert t.cancelled() or t.result() is None, (seed, t)
+        await asyncio.wait_for(adm.notify(), 1)  # the queue still works
+        await notifying
+        assert adm.waiting == 0
+
+    async def main() -> None:
+        for seed in range(1, 9):
+            await one_round(seed)
+
+    asyncio.run(main())
+
+
 def test_admission_queue_bound_and_wakeup():
     async def main():
         adm = Admission(max_waiting=1)
