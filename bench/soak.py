@@ -364,13 +364,10 @@ def _done(kills: list[dict[str, Any]]) -> int:
 
 def format_summary(doc: dict[str, Any]) -> str:
     r, rss = doc["requests"], doc["rss"]
+    done = _done(doc["kills"])
     lines = [
-        f"soak: {doc['load_s'] / 60:.1f} min of load, {_done(doc['kills'])} kills"
-        + (
-            f" ({len(doc['kills']) - _done(doc['kills'])} skipped)"
-            if _done(doc["kills"]) < len(doc["kills"])
-            else ""
-        )
+        f"soak: {doc['load_s'] / 60:.1f} min of load, {done} kills"
+        + (f" ({len(doc['kills']) - done} skipped)" if done < len(doc["kills"]) else "")
         + f", shape {doc['cluster']['shape']}",
         f"requests: {r['sent']} sent, {r['completed']} completed, {r['lost']} lost, {r['refused']} refused, "
         f"{r['cancelled']} cancelled (by the client), {r['mismatched']} with wrong tokens",

@@ -25,6 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _state(router: cluster.ProcessEntry, workers: tuple = (), next_index: int = 1) -> cluster.ClusterState:
+    """A cluster's state file as ``up`` writes it, for the processes given."""
+    return cluster.ClusterState(
+        router_address="127.0.0.1:1",
+        router=router,
+        model="m",
+        dtype="float32",
+        threads=1,
+        host="127.0.0.1",
+        workers=workers,
+        next_index=next_index,
+    )
+
+
 def test_parser_defaults_and_validation():
     p = cli.build_parser()
     a = p.parse_args(["up"])
@@ -80,15 +94,8 @@ def test_worker_args_threads_and_router_config():
 
 def test_state_file_roundtrip(tmp_path):
     router = cluster.ProcessEntry(id="router", pid=11, start=5, log="r.log")
-    state = cluster.ClusterState(
-        router_address="127.0.0.1:1",
-        router=router,
-        model="m",
-        dtype="float32",
-        threads=1,
-        host="127.0.0.1",
-        workers=(cluster.ProcessEntry(id="decode-1", pid=12, start=6, log="d.log", role=Role.DECODE),),
-        next_index=2,
+    state = _state(
+        router, (cluster.ProcessEntry(id="decode-1", pid=12, start=6, log="d.log", role=Role.DECODE),), 2
     )
     assert cluster.load_state(tmp_path) is None
     cluster.save_state(tmp_path, state)
@@ -143,16 +150,7 @@ def test_up_after_a_router_crash_stops_what_the_old_cluster_left_running(tmp_pat
         worker = cluster.ProcessEntry(
             id="decode-1", pid=orphan.pid, start=stat[1], log="d.log", role=Role.DECODE
         )
-        state = cluster.ClusterState(
-            router_address="127.0.0.1:1",
-            router=dead_router,
-            model="m",
-            dtype="float32",
-            threads=1,
-            host="127.0.0.1",
-            workers=(worker,),
-            next_index=2,
-        )
+        state = _state(dead_router, (worker,), 2)
         cluster.save_state(tmp_path, state)
         args = ["up", "--prefill", "0", "--decode", "0", "--model", str(tmp_path / "no-such-model")]
         args += ["--port", str(free_port()), "--timeout", "60", "--state-dir", str(tmp_path)]
@@ -384,16 +382,7 @@ def test_log_tail_shows_the_latest_run_only_and_scale_needs_a_live_router(tmp_pa
         time.sleep(0.05)
     assert "this run" in log.read_text() and "earlier" in log.read_text()
     assert cluster.log_tail(log) == "this run"
-    state = cluster.ClusterState(
-        router_address="127.0.0.1:1",
-        router=cluster.ProcessEntry(id="router", pid=entry.pid, start=-1, log=""),
-        model="m",
-        dtype="float32",
-        threads=1,
-        host="127.0.0.1",
-        workers=(),
-        next_index=1,
-    )
+    state = _state(cluster.ProcessEntry(id="router", pid=entry.pid, start=-1, log=""))
     cluster.save_state(tmp_path, state)
     assert cli.main(["scale", "--decode", "2", "--state-dir", str(tmp_path)]) == 1
     assert "router of the cluster" in capsys.readouterr().err

@@ -269,9 +269,8 @@ class OpenAIFront:
         try:
             yield
         except (OpenAIError, web.HTTPRequestEntityTooLarge) as e:
-            code = _REFUSAL_CODES.get(e.status, "INVALID_ARGUMENT") if isinstance(e, OpenAIError) else ""
             if self.router is not None:  # (None: a front tested alone)
-                self.router.metrics.rejected(code or "INVALID_ARGUMENT")
+                self.router.metrics.rejected(_REFUSAL_CODES.get(e.status, "INVALID_ARGUMENT"))
             raise
 
     # ---- the request path -----------------------------------------------------------------------------
