@@ -52,8 +52,9 @@ REJECTED = "pdserve_requests_rejected_total"
 REJECT_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE")
 MIGRATIONS = "pdserve_router_migrations_total"
 # What failed under a migrated stream: the decode worker's call broke (it died or dropped the call), the
-# prefill worker's call broke before token 0, a KV transfer was aborted, or the worker missed heartbeats.
-MIGRATION_REASONS = ("decode_failed", "prefill_failed", "transfer_aborted", "heartbeat_lost")
+# prefill worker's call broke before token 0, a KV transfer was aborted, the worker missed heartbeats, or
+# the decode worker had no room for the KV its last heartbeat promised (the request is routed again).
+MIGRATION_REASONS = ("decode_failed", "prefill_failed", "transfer_aborted", "heartbeat_lost", "decode_full")
 # Heartbeat sweeps that found the router's own event loop had stood still past a heartbeat interval
 # (the workers' deadlines were moved by as long; router/service.py sweep_forever).
 LOOP_STALLS = "pdserve_router_event_loop_stalls_total"

@@ -53,6 +53,7 @@ class Worker:
     # KV blocks the router's requests on this worker reserve (prompt + 1 token each), counted at dispatch:
     # a burst routed between two heartbeats sees the blocks of the requests routed before it.
     assigned_kv_blocks: int = 0
+    full_until_heartbeat: bool = False  # it refused a reservation for room (``refused_for_room``)
     drain_requested: bool = False
     standby: bool = False  # held out of routing (the warm pool) until promoted
     extra: dict[str, str] = field(default_factory=dict)
@@ -61,7 +62,14 @@ class Worker:
     def kv_blocks_free(self) -> int:
         """Free by the worker's last heartbeat, or by the router's own count of what it sent since, if
         that is more (the heartbeat lags the dispatches; the count leaves out tokens generated since)."""
+        if self.full_until_heartbeat:
+            return 0
         return max(self.kv_blocks_total - max(self.kv_blocks_used, self.assigned_kv_blocks), 0)
+
+    def refused_for_room(self) -> None:
+        """The worker refused a reservation its last heartbeat had room for (its running requests grew
+        since): count it full until its next heartbeat says what is free."""
+        self.full_until_heartbeat = True
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,7 @@ class Registry:
         w.running, w.queued = running, queued
         w.queued_prefill_tokens = queued_prefill_tokens
         w.kv_blocks_used = kv_blocks_used
+        w.full_until_heartbeat = False
         if state is State.STOPPED:
             del self._workers[worker_id]
             return w

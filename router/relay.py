@@ -465,4 +465,9 @@ class Relay:
             route = job.route
             culprit = route.prefill.worker_id if route is not None and route.prefill is not None else ""
             return RelayError(code, details, "transfer_aborted", culprit)
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED and role == "decode":
+            # Its reservation found fewer free blocks than its last heartbeat said (running requests grew
+            # since): nothing was sent, so route it again, on this worker too once a heartbeat shows room.
+            w.refused_for_room()
+            return RelayError(code, details, "decode_full")
         return RelayError(code, details)

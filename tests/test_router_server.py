@@ -361,6 +361,38 @@ def test_client_cancel_reaches_decode_stream_and_inflight_prefill(model_dir):
 # ---- worker failures, heartbeats, drain ---------------------------------------------------------------
 
 
+def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_request_again(model_dir):
+    """Its running requests grew since its last heartbeat: the reservation is refused. Nothing was sent, so
+    the router routes the request again (here the same worker, once a heartbeat shows room), and the
+    client sees one whole stream."""
+
+    async def main():
+        transfers = Transfers()
+        out = ids("hello world the cat")
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers)
+        d.refuse_room = 1
+        async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (server, stub):
+            tokens, text, msgs = await collect(stub.Generate(request("the cat sat", max_tokens=4)))
+            assert tokens == out and text == "hello world the cat" and msgs[-1].finish_reason == "length"
+            # The second try prefills on P again, or on D itself after P's first token reached the client.
+            assert len(d.requests) == 2 and d.refuse_room == 0
+            assert d.requests[0].mode == worker_pb2.PREFILL_MODE_REMOTE
+            reg = server.router.metrics.registry
+            labels = {"role": "router", "reason": "decode_full"}
+            assert reg.get_sample_value("pdserve_router_migrations_total", labels) == 1
+            assert not server.router.registry.get("d1").full_until_heartbeat
+
+            # Refused more often than --max-migrations allows: the client gets the refusal, clearly.
+            d.refuse_room = 10
+            details = await expect_error(
+                stub.Generate(request("the cat sat", max_tokens=4)), grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
+            assert "no room" in details and "migration" in details
+
+    run(main())
+
+
 def test_worker_killed_mid_stream_fails_the_request_and_leaves_the_registry(model_dir):
     async def main():
         async with cluster(model_dir, []) as (server, stub):
