@@ -89,21 +89,42 @@ class Router:
         )
 
     def current_limits(self) -> ModelLimits:
-        """The model's limits; the context length falls back to what the workers registered."""
-        if self.limits.context_length > 0:
-            return self.limits
-        known = [i.context_length for i in self.infos.values() if i.context_length > 0]
-        return ModelLimits(context_length=min(known, default=0), vocab_size=self.limits.vocab_size)
+        """The model's limits; the context length falls back to what the workers registered. ``kv_tokens``:
+        the largest live decoding worker's KV cache, in tokens."""
+        kv_tokens = max(
+            (
+                w.kv_blocks_total * w.block_size
+                for w in self.registry
+                if w.role.decodes and w.state in (State.READY, State.LOADING)
+            ),
+            default=0,
+        )
+        context = self.limits.context_length
+        if context <= 0:
+            context = min((i.context_length for i in self.infos.values() if i.context_length > 0), default=0)
+        return ModelLimits(context_length=context, vocab_size=self.limits.vocab_size, kv_tokens=kv_tokens)
 
-    async def admit(self, job: Job, timeout_s: float | None) -> Route:
+    async def admit(self, job: Job, timeout_s: float | None, max_tokens: int = 0) -> Route:
+        """Claim a route for ``job``, waiting in the admission queue for room. A request that no live
+        decoding worker could hold even alone (its prompt plus ``max_tokens``, within the context) is
+        refused at once, INVALID_ARGUMENT as the worker itself would."""
         entered = time.monotonic()
         n = job.prompt_len
         live = [w for w in self.registry if w.state in (State.READY, State.LOADING)]
-        if not can_ever_serve(live, n):
-            if not any(w.role.decodes for w in live):
-                raise RelayError(grpc.StatusCode.UNAVAILABLE, "no decode or colocated worker is available")
+        decoders = [w for w in live if w.role.decodes]
+        if not decoders:
+            raise RelayError(grpc.StatusCode.UNAVAILABLE, "no decode or colocated worker is available")
+        context = self.current_limits().context_length
+        total = n + max(max_tokens, 1)
+        if context > 0:
+            total = min(total, context)
+        if not can_ever_serve(decoders, total - 1):
+            biggest = max(decoders, key=lambda w: w.kv_blocks_total * w.block_size)
             raise RelayError(
-                grpc.StatusCode.UNAVAILABLE, f"no decode worker has KV cache for a {n}-token prompt"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request needs KV for up to {total} tokens ({n} prompt + max_tokens {max_tokens}) but the "
+                f"largest decode worker's cache holds {biggest.kv_blocks_total * biggest.block_size}: "
+                "lower max_tokens or the prompt, or give the decode workers more KV memory",
             )
 
         def try_route() -> Route | None:
@@ -325,7 +346,7 @@ async def _admit(
     job = Job(prep.request_id, len(prep.prompt_token_ids), arrival)
     router.inflight_ids.add(job.request_id)
     try:
-        await router.admit(job, remaining)
+        await router.admit(job, remaining, prep.params.max_tokens)
     except BaseException:
         await router.finish(job)
         raise

@@ -101,6 +101,9 @@ class ModelLimits:
 
     context_length: int = 0
     vocab_size: int | None = None
+    # Tokens (prompt and output) one request may hold in the largest decode worker's KV cache: an unset
+    # max_tokens is cut to fit it as well as the context. 0: unknown.
+    kv_tokens: int = 0
 
     @classmethod
     def from_model_dir(cls, path: Path) -> ModelLimits:
@@ -191,12 +194,14 @@ def prepare(
             f"max_tokens is {max_tokens}, but the prompt has {len(ids)} tokens and the model's context is "
             f"{limits.context_length} tokens: at most {room} can be generated"
         )
+    if not sampling.HasField("max_tokens") and limits.kv_tokens > len(ids):
+        room = min(room, limits.kv_tokens - len(ids))  # unset: what fits the cache too
     if sampling.stop or max_tokens > room:
         sampling = generation_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         # The router owns stop strings (it detokenizes); workers stop only on token ids.
         del sampling.stop[:]
-        if max_tokens > room:  # the default, unset by the client: what fits the context
+        if max_tokens > room:  # the default, unset by the client: what fits the context and the cache
             params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
             sampling.max_tokens = room
             if sampling.HasField("min_tokens"):

@@ -219,6 +219,32 @@ def test_no_decode_worker_is_unavailable(model_dir):
     run(main())
 
 
+def test_a_request_no_decode_worker_could_ever_hold_is_invalid_argument_at_once(model_dir):
+    """The router refuses what no decode worker's whole cache holds, as the worker itself would: the
+    prompt alone, or the prompt with its max_tokens (bounded by the context)."""
+
+    async def main():
+        d = FakeWorker("d1", Role.DECODE, ids("hello"), kv_blocks_total=3, block_size=4)  # 12 tokens
+        async with cluster(model_dir, [d]) as (_, stub):
+            long = "hello world the cat sat " * 3  # 15 tokens
+            details = await expect_error(
+                stub.Generate(request(long, max_tokens=1)), grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert "15 prompt" in details and "holds 12" in details
+            details = await expect_error(
+                stub.Generate(request("hello world", max_tokens=20)), grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert "max_tokens 20" in details and "lower max_tokens" in details
+            assert not d.requests  # refused before any worker saw it
+            tokens, _, _ = await collect(stub.Generate(request("hello world", max_tokens=10)))
+            assert tokens == ids("hello")
+            # An unset max_tokens is cut to what fits the cache (12 tokens), not only the context (24).
+            tokens, _, _ = await collect(stub.Generate(request("hello world")))
+            assert tokens == ids("hello") and d.requests[-1].sampling.max_tokens == 10
+
+    run(main())
+
+
 # ---- the request path -------------------------------------------------------------------------------
 
 
