@@ -60,8 +60,10 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
     totals = {
         "workers": len(workers),
         "by_role": by_role,
-        "ready": sum(w["state"] == "ready" for w in workers),
-        **{k: sum(w[k] for w in workers) for k in ("running", "queued", "kv_blocks_used", "kv_blocks_total")},
+        **_sums(workers),
+        # Each pool on its own: a prefill worker's KV blocks hold prompts in flight, a decode worker's
+        # the running requests, and the sum of the two means neither.
+        "pools": {role: _sums([w for w in workers if w["role"] == role]) for role in by_role},
     }
     router = {
         "address": status.router_address,
@@ -71,6 +73,13 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
         "http_url": status.http_url,  # the OpenAI-compatible API's base URL; empty: off
     }
     return {"router": router, "workers": workers, "totals": totals}
+
+
+def _sums(workers: list[dict[str, Any]]) -> dict[str, int]:
+    return {
+        "ready": sum(w["state"] == "ready" for w in workers),
+        **{k: sum(w[k] for w in workers) for k in ("running", "queued", "kv_blocks_used", "kv_blocks_total")},
+    }
 
 
 def _dtype_cell(w: dict[str, Any]) -> str:
@@ -104,8 +113,7 @@ def status_table(doc: dict[str, Any]) -> str:
             w["role"],
             w["state"],
             w["device"],
-            (w["dtype"] or "-")
-            + ("" if w.get("quantization", "none") == "none" else f"/{w['quantization']}"),
+            _dtype_cell(w),
             w["address"],
             str(w["running"]),
             str(w["queued"]),
@@ -114,20 +122,22 @@ def status_table(doc: dict[str, Any]) -> str:
         )
         for w in doc["workers"]
     ]
-    rows.append(
-        (
-            "TOTAL",
-            f"{t['workers']} workers",
-            f"{t['ready']} ready",
-            "",
-            "",
-            "",
-            str(t["running"]),
-            str(t["queued"]),
-            f"{t['kv_blocks_used']}/{t['kv_blocks_total']}",
-            "",
+    # A TOTAL row per pool (see ``status_doc``): the KV of prefill and decode workers is not one sum.
+    for role, p in sorted(t.get("pools", {}).items()):
+        rows.append(
+            (
+                "TOTAL",
+                role,
+                f"{p['ready']}/{t['by_role'][role]} ready",
+                "",
+                "",
+                "",
+                str(p["running"]),
+                str(p["queued"]),
+                f"{p['kv_blocks_used']}/{p['kv_blocks_total']}",
+                "",
+            )
         )
-    )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(wd) for c, wd in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)

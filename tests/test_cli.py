@@ -261,9 +261,16 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
             3,
             20,
         )
+        assert t["pools"]["decode"]["kv_blocks_used"] == 3 and t["pools"]["prefill"]["kv_blocks_used"] == 0
+        assert t["pools"]["decode"]["kv_blocks_total"] == 10 and t["pools"]["prefill"]["ready"] == 1
         assert cli.main(["status", "--state-dir", str(state_dir)]) == 0
         table = capsys.readouterr().out
         assert "d1" in table and "p1" in table and "3/10" in table
+        totals = [line.split() for line in table.splitlines() if line.startswith("TOTAL")]
+        assert [(r[1], r[2], r[-1]) for r in totals] == [
+            ("decode", "1/1", "3/10"),
+            ("prefill", "1/1", "0/10"),
+        ]
         [d1_row] = [line for line in table.splitlines() if line.startswith("d1 ")]
         assert "DEVICE" in table and "cuda:0" in d1_row and "bfloat16 " in d1_row
         [p1_row] = [line for line in table.splitlines() if line.startswith("p1 ")]
