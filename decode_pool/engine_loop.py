@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from pdserve.engine.llm_engine import LLMEngine, RequestOutputDelta
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.scheduler import Batch
 
 T = TypeVar("T")
 
@@ -65,7 +66,7 @@ class EngineLoop:
         self._queues: dict[Hashable, asyncio.Queue[QueueItem]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_batch_size = 0
-        self._on_step: Callable[[float, int], None] | None = None
+        self._on_step: Callable[[float, Batch], None] | None = None
 
     @classmethod
     async def build(cls, factory: Callable[[], LLMEngine], *, idle_wait_s: float = 0.05) -> EngineLoop:
@@ -116,8 +117,8 @@ class EngineLoop:
         await fut
         self._thread.join(timeout=5)
 
-    def on_step(self, fn: Callable[[float, int], None]) -> None:
-        """``fn(seconds, batch_size)`` runs on the engine thread after every step."""
+    def on_step(self, fn: Callable[[float, Batch], None]) -> None:
+        """``fn(seconds, batch)`` runs on the engine thread after every step (``batch``: what it ran)."""
         self._on_step = fn
 
     def submit(
@@ -227,8 +228,8 @@ class EngineLoop:
                 continue
             dt = time.perf_counter() - t0
             self.last_batch_size = len(deltas)
-            if self._on_step is not None:
-                self._on_step(dt, len(deltas))
+            if self._on_step is not None and eng.last_batch is not None:
+                self._on_step(dt, eng.last_batch)
             for d in deltas:
                 self._put(d.request_id, d)
                 if d.finish_reason is not None:

@@ -3,8 +3,11 @@
 The worker creates one ``DecodeMetrics`` on its process registry
 (``telemetry.exporter.process_registry``) and calls:
 
-- ``observe_step(seconds, batch_size)`` after every engine step (from the
-  engine thread: prometheus_client's objects are thread-safe);
+- ``observe_batch(seconds, batch)`` after every engine step (from the
+  engine thread: prometheus_client's objects are thread-safe): a step that
+  decodes (alone or mixed with prefill chunks) is a decode step of its decode
+  batch size; one that only prefills (a local prefill) goes to the prefill
+  forward time and tokens (``telemetry.prefill``) under this worker's role;
 - ``set_kv_usage(used_blocks, total_blocks)`` whenever it reads its block
   manager (every heartbeat's load report is often enough for a gauge scraped
   every few seconds, and it also covers an idle worker whose blocks were freed
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pdserve.engine.scheduler import Batch, BatchKind
+from pdserve.telemetry.prefill import PrefillForwardMetrics
 from pdserve.telemetry.slo import BATCH_SIZE_BUCKETS, STEP_BUCKETS
 
 KV_CACHE_USAGE = "pdserve_kv_cache_usage_ratio"
@@ -49,7 +54,7 @@ class DecodeMetrics:
         ).labels(role)
         self.step_seconds = Histogram(
             DECODE_STEP,
-            "Wall time of one engine step (one forward of the running batch).",
+            "Wall time of one engine step that decodes (one forward of the running batch).",
             ["role"],
             buckets=STEP_BUCKETS,
             registry=registry,
@@ -61,10 +66,21 @@ class DecodeMetrics:
             registry=registry,
         ).labels(role)
         self._preemptions_seen = 0
+        self.prefill = PrefillForwardMetrics(registry, role)
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         self.step_seconds.observe(seconds)
         self.batch_size.observe(batch_size)
+
+    def observe_batch(self, seconds: float, batch: Batch) -> None:
+        """One engine step that ran ``batch``."""
+        if batch.kind is BatchKind.PREFILL:
+            self.prefill.observe_prefill(seconds, batch.num_tokens)
+            return
+        decodes = len(batch.items) if batch.kind is BatchKind.DECODE else batch.decodes
+        self.observe_step(seconds, decodes)
+        if decodes < len(batch.items):  # a mixed step's prefill chunks: their tokens, not its time
+            self.prefill.tokens.inc(batch.num_tokens - decodes)
 
     def set_kv_usage(self, used_blocks: int, total_blocks: int) -> None:
         self.kv_usage.set(used_blocks / total_blocks if total_blocks > 0 else 0.0)

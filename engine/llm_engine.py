@@ -201,6 +201,7 @@ class LLMEngine:
         self.runner.prepare_prefill(config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
         self.num_steps = 0  # batches run since start
+        self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
             "engine: %s on %s in %s (dtype %s asked)%s, %d KV blocks of %d tokens",
             self.runner.model_dir.name,
@@ -307,7 +308,7 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
         """Run one prefill or decode batch; returns a delta per request that got a token."""
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if batch is None:
             return []
         self.num_steps += 1

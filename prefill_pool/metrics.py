@@ -9,44 +9,31 @@ The worker creates one ``PrefillMetrics`` on its process registry
   (every heartbeat's load report).
 
 The KV transfer's own metrics (bytes, seconds, failures) are made by
-``kv_transfer`` on the same registry. Series carry ``role="prefill"``.
+``kv_transfer`` on the same registry. Series carry ``role="prefill"``. The forward time and tokens
+are ``telemetry.prefill``'s, which decode and colocated workers use for their local prefills.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 
-from pdserve.telemetry.slo import STEP_BUCKETS
+from pdserve.telemetry.prefill import PREFILL_TIME, PREFILL_TOKENS, PrefillForwardMetrics
 
-PREFILL_TIME = "pdserve_prefill_time_seconds"
+__all__ = ["PREFILL_QUEUE_TOKENS", "PREFILL_TIME", "PREFILL_TOKENS", "PrefillMetrics"]
+
 PREFILL_QUEUE_TOKENS = "pdserve_prefill_queue_tokens"
-PREFILL_TOKENS = "pdserve_prefill_tokens_total"
 ROLE = "prefill"
 
 
-class PrefillMetrics:
+class PrefillMetrics(PrefillForwardMetrics):
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
-        self.prefill_time = Histogram(
-            PREFILL_TIME,
-            "Wall time of one batched prefill forward.",
-            ["role"],
-            buckets=STEP_BUCKETS,
-            registry=registry,
-        ).labels(ROLE)
-        self.tokens = Counter(PREFILL_TOKENS, "Prompt tokens prefilled.", ["role"], registry=registry).labels(
-            ROLE
-        )
+        super().__init__(registry, ROLE)
         self.queue_tokens = Gauge(
             PREFILL_QUEUE_TOKENS,
             "Prompt tokens queued or being prefilled on this worker.",
             ["role"],
             registry=registry,
         ).labels(ROLE)
-
-    def observe_prefill(self, seconds: float, tokens: int) -> None:
-        self.prefill_time.observe(seconds)
-        self.tokens.inc(tokens)
 
     def set_queue_tokens(self, n: int) -> None:
         self.queue_tokens.set(n)

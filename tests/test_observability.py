@@ -278,6 +278,27 @@ def test_metrics_endpoint_serves_the_registry_and_releases_its_port():
         urllib.request.urlopen(ep.url, timeout=2)
 
 
+def test_a_decoding_workers_local_prefills_are_prefill_time_not_decode_steps():
+    from pdserve.engine.scheduler import Batch, BatchKind, ScheduledSeq
+
+    def items(*tokens: int) -> tuple[ScheduledSeq, ...]:
+        return tuple(ScheduledSeq(None, 0, t, True) for t in tokens)  # type: ignore[arg-type]
+
+    reg = CollectorRegistry()
+    m = DecodeMetrics(reg, "both")
+    m.observe_batch(0.5, Batch(BatchKind.PREFILL, items(100, 20)))
+    m.observe_batch(0.01, Batch(BatchKind.DECODE, items(1, 1, 1), 3))
+    m.observe_batch(0.2, Batch(BatchKind.MIXED, items(1, 1, 30), 2))
+    get = reg.get_sample_value
+    both = {"role": "both"}
+    assert get("pdserve_prefill_time_seconds_count", both) == 1
+    assert get("pdserve_prefill_time_seconds_sum", both) == pytest.approx(0.5)
+    assert get("pdserve_prefill_tokens_total", both) == 150  # 120 alone + 30 in the mixed step
+    assert get("pdserve_decode_step_seconds_count", both) == 2
+    assert get("pdserve_decode_step_seconds_sum", both) == pytest.approx(0.21)
+    assert get("pdserve_decode_batch_size_sum", both) == 5
+
+
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()

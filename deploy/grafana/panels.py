@@ -212,9 +212,10 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
             [
                 PanelSpec(
                     "Prefill time",
-                    "Wall time of one batched prefill forward.",
+                    "Wall time of one batched prefill forward, by role: prefill workers, and the local "
+                    "prefills of decode and colocated workers.",
                     "s",
-                    quantiles(pm.PREFILL_TIME),
+                    quantiles(pm.PREFILL_TIME, "role", "{{role}}"),
                 ),
                 PanelSpec(
                     "Prefill queue",

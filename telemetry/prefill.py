@@ -1,0 +1,38 @@
+"""Prefill forward time and prompt tokens prefilled, for every worker that prefills.
+
+A prefill worker (``prefill_pool.metrics``) observes every batched prefill forward here with
+``role="prefill"``. Decode and colocated workers observe their local prefills (engine steps that
+prefill and decode nothing) under their own role (``decode``, ``both``), so that their decode step
+time (``decode_pool.metrics``) times only steps that decode.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pdserve.telemetry.slo import STEP_BUCKETS
+
+PREFILL_TIME = "pdserve_prefill_time_seconds"
+PREFILL_TOKENS = "pdserve_prefill_tokens_total"
+PREFILL_ROLES = ("prefill", "decode", "both")
+
+
+class PrefillForwardMetrics:
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        if role not in PREFILL_ROLES:
+            raise ValueError(f"role must be one of {PREFILL_ROLES}, got {role!r}")
+        self.registry = registry
+        self.prefill_time = Histogram(
+            PREFILL_TIME,
+            "Wall time of one batched prefill forward.",
+            ["role"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        ).labels(role)
+        self.tokens = Counter(PREFILL_TOKENS, "Prompt tokens prefilled.", ["role"], registry=registry).labels(
+            role
+        )
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        self.prefill_time.observe(seconds)
+        self.tokens.inc(tokens)
