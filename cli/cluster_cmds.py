@@ -17,6 +17,7 @@ from pdserve.deploy.local import alertmanager, cluster, prometheus
 from pdserve.deploy.local import autoscaler as autoscaler_mod
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
 from pdserve.router.autoscale import AutoscaleConfig, PoolBounds
+from pdserve.worker.address import host_port
 from pdserve.worker.auth import write_new_token
 from pdserve.worker.role import Role
 from pdserve.worker.tls import TLSConfig
@@ -144,7 +145,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + http + cache + tls
     )
     state = cluster.ClusterState(
-        router_address=f"{args.host}:{args.port}",
+        router_address=host_port(args.host, args.port),
         router=router,
         model=args.model,
         dtype=args.dtype,
@@ -180,11 +181,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         write_targets(state_dir, state)
         am_listen = ""
         if args.alertmanager:
-            am_listen = f"{args.host}:{args.alertmanager_port}"
+            am_listen = host_port(args.host, args.alertmanager_port)
             state = start_alertmanager(state_dir, state, am_listen)
             cluster.save_state(state_dir, state)
         if args.prometheus or args.alertmanager:
-            listen = f"{args.host}:{args.prometheus_port}"
+            listen = host_port(args.host, args.prometheus_port)
             state = start_prometheus(
                 state_dir, state, listen, args.scrape_interval, am_listen, args.alert_for
             )

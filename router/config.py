@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.router.policy import RoutingConfig
 from pdserve.router.registry import RegistryConfig
+from pdserve.worker.address import host_port
 from pdserve.worker.tls import NO_TLS, TLSConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -80,7 +81,7 @@ class RouterConfig:
 
     @property
     def bind_address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     def registry_config(self) -> RegistryConfig:
         return RegistryConfig(

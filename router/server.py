@@ -34,6 +34,7 @@ from pdserve.router.openai.server import OpenAIFront
 from pdserve.router.service import GenerationService, Router
 from pdserve.router.validate import ModelLimits, RouterTokenizer
 from pdserve.telemetry.exporter import MetricsEndpoint, serve_metrics
+from pdserve.worker.address import host_port
 from pdserve.worker.auth import RequireToken
 from pdserve.worker.shell import SERVER_OPTIONS, RejectUndecodable
 from pdserve.worker.tls import add_port
@@ -95,7 +96,7 @@ class RouterServer:
             raise ListenError(f"cannot serve gRPC on {self.config.bind_address}: {e}") from e
         await server.start()
         self._server = server
-        self.router.address = f"{self.config.host}:{self.port}"
+        self.router.address = host_port(self.config.host, self.port)
         try:
             await self._start_http()
         except ListenError:

@@ -113,8 +113,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         context_length: int = 0,
         kv_layout: str = "",
         tokenizer_digest: str = "",
+        host: str = "127.0.0.1",
     ) -> None:
         self.worker_id = worker_id
+        self.host = host
         self.kv_layout = kv_layout
         self.tokenizer_digest = tokenizer_digest
         self.role = role
@@ -194,7 +196,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     now = time.perf_counter()
                     self.decode_metrics.observe_step(now - step_start, len(self.active))
                     step_start = now
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A stream cancelled while the handler waits at a ``yield`` is closed there (GeneratorExit).
             self.cancelled.append(rid)
             self._note()
             raise
@@ -266,7 +269,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def start(self, router_address: str, **agent_kw) -> None:
         """Serve, register with the router (heartbeating in the background)."""
-        self.shell = WorkerShell(ShellConfig(drain_timeout_s=10.0, stop_grace_s=0.1))
+        self.shell = WorkerShell(ShellConfig(host=self.host, drain_timeout_s=10.0, stop_grace_s=0.1))
         address = await self.shell.start(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(self, s))
         await self.shell.set_serving()
         info = worker_pb2.WorkerInfo(

@@ -387,6 +387,33 @@ def test_client_cancel_reaches_decode_stream_and_inflight_prefill(model_dir):
 # ---- worker failures, heartbeats, drain ---------------------------------------------------------------
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_ipv6_hosts_bind_register_and_serve_in_brackets(model_dir):
+    """A pod IP may be IPv6: the router and the workers bind to it and register ``[addr]:port``."""
+
+    async def main():
+        transfers = Transfers()
+        out = ids("hello world")
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers, host="::1")
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers, host="::1")
+        async with cluster(model_dir, [p, d], host="::1", local_prefill_threshold=2) as (server, stub):
+            assert server.address.startswith("[::1]:")
+            assert {w.address.rpartition(":")[0] for w in server.router.registry} == {"[::1]"}
+            tokens, _, _ = await collect(stub.Generate(request("the cat sat", max_tokens=2)))
+            assert tokens == out and p.requests and d.requests
+
+    run(main())
+
+
 def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_request_again(model_dir):
     """Its running requests grew since its last heartbeat: the reservation is refused. Nothing was sent, so
     the router routes the request again (here the same worker, once a heartbeat shows room), and the

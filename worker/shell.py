@@ -37,7 +37,6 @@ import enum
 import inspect
 import logging
 import signal
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +46,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.proto import worker_pb2
+from pdserve.worker.address import dial_host, host_port
 from pdserve.worker.auth import RequireToken
 from pdserve.worker.tls import NO_TLS, TLSConfig, add_port
 
@@ -259,13 +259,10 @@ class WorkerShell:
         reflection.enable_server_reflection(names, server)
         for name in ("", *self._services):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = add_port(server, f"{self.config.host}:{self.config.port}", self.config.tls)
+        self.port = add_port(server, host_port(self.config.host, self.config.port), self.config.tls)
         await server.start()
         self._server = server
-        host = self.config.host
-        if host in ("0.0.0.0", "::", "[::]", ""):
-            host = socket.gethostname()  # a wildcard bind is not an address others can dial
-        self.address = f"{host}:{self.port}"
+        self.address = host_port(dial_host(self.config.host), self.port)
         return self.address
 
     async def set_serving(self) -> None:

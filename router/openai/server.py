@@ -71,6 +71,7 @@ from pdserve.router.relay import RelayError
 from pdserve.router.service import Router, generate
 from pdserve.router.validate import InvalidRequest, check_request_id
 from pdserve.telemetry.exporter import pdserve_version
+from pdserve.worker.address import host_port
 from pdserve.worker.role import Role
 from pdserve.worker.tls import NO_TLS, TLSConfig
 
@@ -143,7 +144,7 @@ class OpenAIFront:
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.tls.serves else 'http'}://{self.host}:{self.port}"
+        return f"{'https' if self.tls.serves else 'http'}://{host_port(self.host, self.port)}"
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_openai_errors], client_max_size=self.max_body_bytes)
