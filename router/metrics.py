@@ -85,7 +85,7 @@ class _Message(Protocol):
 
 def outcome_of(exc: BaseException) -> str:
     """The ``finish_reason`` label of a request that ended with ``exc`` before a finish was sent."""
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):  # the client went away
         return "abort"
     code = getattr(exc, "code", None)  # RelayError and grpc errors carry a StatusCode
     code = code() if callable(code) else code
@@ -255,13 +255,17 @@ class RequestRecord:
             self.finish_reason = finish_reason
             m.e2e.observe(now - self.arrival)
 
-    def wrap(self, write: Callable[[M], Awaitable[None]]) -> Callable[[M], Awaitable[None]]:
-        """``write`` that also records each message (tokens, finish) as it goes to the client."""
+    def wrap(self, write: Callable[[M], Awaitable[bool | None]]) -> Callable[[M], Awaitable[None]]:
+        """``write`` that also records each message (tokens, finish) once it went to the client: a write
+        that fails records nothing. A ``write`` that returns False delivered nothing of the message
+        (the HTTP front holds back text that may begin a stop string): its tokens are not a first token
+        or an inter-token gap the client saw, so only the finish is recorded."""
 
         async def observed(resp: M) -> None:
             n = len(resp.token_ids)  # type: ignore[arg-type]
-            self.on_message(n, resp.finish_reason, time.monotonic())
-            await write(resp)
+            now = time.monotonic()  # handed to the transport now
+            delivered = await write(resp)
+            self.on_message(n if delivered is not False else 0, resp.finish_reason, now)
             if n:
                 # Counted once written: the counter is what clients actually received.
                 self._m.generation_tokens.inc(n)

@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 _EOF = grpc.aio.EOF
 _REROUTE_WAIT_S = 10.0  # how long a migrating stream may wait for a worker with room
 _Resp = generation_pb2.GenerateResponse
-Write = Callable[[generation_pb2.GenerateResponse], Awaitable[None]]
+# Sends one message to the client. False: it delivered nothing of it (yet), as the HTTP front holding back
+# text that may begin a stop string; the metrics then see no token arrive (``RequestRecord.wrap``).
+Write = Callable[[generation_pb2.GenerateResponse], Awaitable[bool | None]]
 # worker, dead (True: drop it from the registry; False: it is draining), reason
 OnWorkerFailed = Callable[[Worker, bool, str], None]
 # (job, prompt length, seconds to wait for room, worker id to avoid, whether a prefill worker may prefill
@@ -449,6 +451,10 @@ class Relay:
         if job.failure is not None:
             return RelayError.of(job.failure)
         code = e.code()
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            # The request's time ran out (the client's deadline or --request-timeout): no worker failed.
+            where = f"{role} worker {w.worker_id}"
+            return RelayError(code, f"the request passed its deadline (it was on {where})")
         details = f"{role} worker {w.worker_id} failed: {code.name}: {e.details()}"
         lost = f"{role}_failed"
         if code is grpc.StatusCode.UNAVAILABLE:

@@ -76,7 +76,13 @@ class RouterServer:
 
     async def start(self) -> str:
         """Bind and serve (Generation NOT_SERVING until ``set_frontend``/``load``). Returns the address."""
-        interceptors: list[grpc.aio.ServerInterceptor] = [RejectUndecodable()]
+        generate = f"/{generation_pb2.DESCRIPTOR.services_by_name['Generation'].full_name}/Generate"
+
+        def refused(method: str) -> None:  # bad bytes are a refused request, as bad fields are
+            if method == generate:
+                self.router.metrics.rejected("INVALID_ARGUMENT")
+
+        interceptors: list[grpc.aio.ServerInterceptor] = [RejectUndecodable(refused)]
         if self.config.cluster_token:
             refused = self.router.metrics.auth_refused
             interceptors.insert(0, RequireToken(self.config.cluster_token, {REGISTRY_SERVICE}, refused))

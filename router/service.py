@@ -142,6 +142,13 @@ class Router:
         except QueueFullError as e:
             raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         if route is None:
+            if timeout_s is not None and timeout_s <= self.config.queue_timeout_s:
+                # The request's own deadline (the client's, or --request-timeout) ended the wait.
+                raise RelayError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the request's deadline ({timeout_s:.3g}s) passed while it waited for a worker "
+                    "with room",
+                )
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no worker had room within {wait:.3g}s")
         self.metrics.queue_time.observe(time.monotonic() - entered)
         return route
@@ -291,7 +298,10 @@ async def generate(router: Router, request, write: Write, time_remaining: float 
     try:
         job, prep, deadline = await _admit(router, request, time_remaining, arrival)
     except RelayError as e:
-        router.metrics.rejected(e.code.name)
+        if e.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            router.metrics.finished("abort")  # its deadline passed in the queue: not a refusal
+        else:
+            router.metrics.rejected(e.code.name)
         raise
     except asyncio.CancelledError:
         router.metrics.finished("abort")  # the client left while its request queued

@@ -55,7 +55,10 @@ def test_hostile_grpc_requests_are_invalid_argument_naming_field_and_limit(model
             for req, field, limit in HOSTILE:
                 details = await expect_error(stub.Generate(req), grpc.StatusCode.INVALID_ARGUMENT)
                 assert details.startswith(field) and limit in details, (field, details)
-            # Bytes that are not a GenerateRequest at all.
+            # Bytes that are not a GenerateRequest at all: refused, and counted as refused requests are.
+            reg = server.router.metrics.registry
+            labels = {"role": "router", "code": "INVALID_ARGUMENT"}
+            refused = reg.get_sample_value("pdserve_requests_rejected_total", labels)
             async with grpc.aio.insecure_channel(server.address) as channel:
                 raw = channel.unary_stream("/pdserve.v1.Generation/Generate")  # no serializer: raw bytes
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -63,6 +66,7 @@ def test_hostile_grpc_requests_are_invalid_argument_naming_field_and_limit(model
                         pass
                 assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "not a valid /pdserve.v1.Generation/Generate message" in info.value.details()
+            assert reg.get_sample_value("pdserve_requests_rejected_total", labels) == refused + 1
             assert not w.requests  # nothing hostile reached the worker
             # The limit itself is served, and an unset max_tokens is cut to what the context holds.
             tokens, _, msgs = await collect(stub.Generate(request("the cat", max_tokens=CONTEXT - 2)))

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import logging
 import re
@@ -369,6 +370,38 @@ def test_request_outcomes_of_errors():
     assert rm.outcome_of(SimpleNamespace(code=grpc.StatusCode.DEADLINE_EXCEEDED)) == "abort"  # type: ignore[arg-type]
     assert rm.outcome_of(SimpleNamespace(code=grpc.StatusCode.UNAVAILABLE)) == "error"  # type: ignore[arg-type]
     assert rm.outcome_of(RuntimeError("boom")) == "error"
+    # aiohttp's ClientConnectionResetError: an HTTP client gone mid-stream.
+    assert rm.outcome_of(ConnectionResetError("Cannot write to closing transport")) == "abort"
+
+
+def test_a_message_is_recorded_once_written_and_only_as_far_as_it_was_delivered():
+    reg = CollectorRegistry()
+    m = rm.RouterMetrics(reg)
+    msg = SimpleNamespace(token_ids=[7], finish_reason="")
+
+    async def failing(_msg) -> None:
+        raise ConnectionResetError("gone")
+
+    async def held(_msg) -> bool:
+        return False  # its text is held back: the client saw nothing of it
+
+    async def sent(_msg) -> None:
+        return None
+
+    async def main():
+        rec = rm.RequestRecord(m, time.monotonic())
+        with pytest.raises(ConnectionResetError):
+            await rec.wrap(failing)(msg)
+        await rec.wrap(held)(msg)
+        assert rec.last_token is None  # neither a first token nor a gap yet
+        await rec.wrap(sent)(msg)
+        await rec.wrap(sent)(SimpleNamespace(token_ids=[8], finish_reason="length"))
+
+    asyncio.run(main())
+    get = reg.get_sample_value
+    assert get("pdserve_time_to_first_token_seconds_count", {"role": "router"}) == 1
+    assert get("pdserve_inter_token_latency_seconds_count", {"role": "router"}) == 1
+    assert get("pdserve_generation_tokens_total", {"role": "router"}) == 3  # the held one, delivered later
 
 
 def test_targets_file_lists_every_process_with_a_metrics_url(tmp_path):

@@ -227,6 +227,10 @@ def test_metrics_version_and_health_on_the_api_port(model_dir):
         async with http_cluster(model_dir, [w]) as (server, _):
             client = sdk(server)
             await client.completions.create(model=str(model_dir), prompt="the cat", max_tokens=2)
+            card = await client.models.retrieve(str(model_dir))  # a path: the route takes its slashes
+            assert card.id == str(model_dir) and card.max_model_len == CONTEXT  # type: ignore[attr-defined]
+            with pytest.raises(openai.NotFoundError):
+                await client.models.retrieve("other")
             async with aiohttp.ClientSession() as http:
                 async with http.get(f"{server.http.url}/metrics") as resp:
                     assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
@@ -242,6 +246,10 @@ def test_metrics_version_and_health_on_the_api_port(model_dir):
                     assert resp.headers["Content-Type"].startswith("application/openmetrics-text")
                     assert (await resp.text()).rstrip().endswith("# EOF")
 
+                # A 405 says which methods the path takes (HTTP requires Allow).
+                async with http.get(f"{server.http.url}/v1/chat/completions") as resp:
+                    assert resp.status == 405 and resp.headers["Allow"] == "POST"
+                    assert (await resp.json())["error"]["type"] == "invalid_request_error"
                 async with http.get(f"{server.http.url}/version") as resp:
                     assert resp.status == 200 and await resp.json() == {
                         "version": metadata.version("pdserve")

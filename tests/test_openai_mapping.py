@@ -14,6 +14,7 @@ from pdserve.router.openai.mapping import (
     Kind,
     chat_request,
     check_model,
+    client_field_names,
     completion_request,
     sse_error,
 )
@@ -149,9 +150,35 @@ def test_chat_refusals_and_malformed_bodies():
     ):
         err = error_of(chat, **body)
         assert (err.status, err.info.param) == (400, param), body
+    # Chat options pdserve does not implement: refused by name, never answered with plain text.
+    msgs = [{"role": "user", "content": "x"}]
+    for name, value in (
+        ("echo", True),
+        ("best_of", 3),
+        ("best_of", True),
+        ("functions", [{"name": "f", "parameters": {}}]),
+        ("function_call", "auto"),
+        ("tool_choice", "required"),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("prediction", {"type": "content", "content": "x"}),
+    ):
+        err = error_of(chat, messages=msgs, **{name: value})
+        assert (err.status, err.info.param) == (400, name) and "not supported" in err.info.message, name
     # Accepted as absent: what SDKs send by default.
     chat(
-        messages=[{"role": "user", "content": "x"}], tools=[], response_format={"type": "text"}, n=1, user="u"
+        messages=msgs,
+        tools=[],
+        response_format={"type": "text"},
+        n=1,
+        user="u",
+        echo=False,
+        best_of=1,
+        tool_choice="auto",
+        function_call="none",
+        modalities=["text"],
+        functions=[],
+        audio=None,
     )
     for raw in (b"{not json", b"[1, 2]"):
         with pytest.raises(OpenAIError) as info:
@@ -169,6 +196,20 @@ def test_refusals_name_what_the_client_sent():
     for bad in (-1, 0):
         err = error_of(completion, prompt="x", max_tokens=bad)
         assert err.info.param == "max_tokens" and "[1, " in err.info.message, err.info.message
+        err = error_of(chat, messages=[{"role": "user", "content": "x"}], max_completion_tokens=bad)
+        assert err.info.param == "max_completion_tokens" and err.info.message.startswith(
+            "max_completion_tokens"
+        )
+    # The router's errors too name the field as the client sent it.
+    sent_as = client_field_names(ChatCompletionRequest(messages=[], max_completion_tokens=9000))
+    e = error_from_status("INVALID_ARGUMENT", "max_tokens is 9000, but the prompt has 3 tokens", sent_as)
+    assert e.info.param == "max_completion_tokens" and e.info.message.startswith(
+        "max_completion_tokens is 9000"
+    )
+    sent_as = client_field_names(CompletionRequest(prompt=[[]]))
+    e = error_from_status("INVALID_ARGUMENT", "prompt_token_ids is empty", sent_as)
+    assert (e.info.param, e.info.message) == ("prompt", "prompt is empty")
+    assert client_field_names(ChatCompletionRequest(messages=[], max_tokens=5)) == {}
     err = error_of(chat, messages=[{"role": "user", "content": [{"type": "text"}]}])
     assert err.info.param == "messages" and "needs its text" in err.info.message
     err = error_of(chat, messages=[{"content": "x"}])  # a nested field: the top-level field it is in

@@ -357,6 +357,33 @@ def test_queue_bound_rejects_excess_while_admitted_requests_complete(model_dir):
     run(main())
 
 
+def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded_and_counted_as_aborted(model_dir):
+    """Not UNAVAILABLE counted as a refusal: the cluster did not turn the request away, its time ran out."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the"), max_running=1)
+        w.hold_at = 1
+        async with cluster(model_dir, [w], request_timeout_s=0.5, queue_timeout_s=30.0) as (server, stub):
+            reg = server.router.metrics.registry
+            a = stub.Generate(request(max_tokens=3), timeout=30)
+            await w.wait_for(lambda: len(w.started) == 1)
+            details = await expect_error(
+                stub.Generate(request(max_tokens=3)), grpc.StatusCode.DEADLINE_EXCEEDED
+            )
+            assert "deadline" in details and "waited for a worker with room" in details
+            assert (
+                reg.get_sample_value("pdserve_requests_total", {"role": "router", "finish_reason": "abort"})
+                == 1
+            )
+            for code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
+                labels = {"role": "router", "code": code}
+                assert reg.get_sample_value("pdserve_requests_rejected_total", labels) == 0
+            w.release.set()
+            await collect(a)
+
+    run(main())
+
+
 def test_client_cancel_reaches_decode_stream_and_inflight_prefill(model_dir):
     async def main():
         transfers = Transfers()

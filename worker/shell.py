@@ -111,8 +111,12 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
     """A request whose bytes do not parse as its message type gets INVALID_ARGUMENT.
 
     Left to grpc, a failed deserialization ends the call with a status that says nothing of the cause
-    (UNKNOWN or INTERNAL): to a client that is a server fault, not its own bad input.
+    (UNKNOWN or INTERNAL): to a client that is a server fault, not its own bad input. ``on_refuse``
+    (the method's full name) runs for each refusal, for the server's metrics.
     """
+
+    def __init__(self, on_refuse: Callable[[str], None] | None = None) -> None:
+        self._on_refuse = on_refuse
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -127,6 +131,8 @@ class RejectUndecodable(grpc.aio.ServerInterceptor):
                 return _Undecodable(e)
 
         async def refuse(request, context) -> None:
+            if self._on_refuse is not None:
+                self._on_refuse(method)
             text = f"the request is not a valid {method} message: {request.error}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, text)
 

@@ -114,11 +114,16 @@ def _float32(name: str, value: float) -> float:
     return value
 
 
-def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> g.SamplingParams:
-    """Only what the client sent is set: unset proto3 optionals keep the engine's defaults."""
+def _sampling(
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    max_tokens_name: str = "max_tokens",
+) -> g.SamplingParams:
+    """Only what the client sent is set: unset proto3 optionals keep the engine's defaults.
+    ``max_tokens_name``: the field the client sent it in."""
     s = g.SamplingParams()
     if max_tokens is not None:
-        s.max_tokens = _bounded("max_tokens", max_tokens, 1, _UINT32)
+        s.max_tokens = _bounded(max_tokens_name, max_tokens, 1, _UINT32)
     if req.temperature is not None:
         s.temperature = _float32("temperature", req.temperature)
     if req.top_p is not None:
@@ -209,16 +214,55 @@ def text_content(i: int, content) -> str:
     return "".join(parts)
 
 
+# Chat options refused when sent with a value other than their default (``ChatCompletionRequest``).
+_CHAT_UNSUPPORTED = (
+    "echo",
+    "best_of",
+    "functions",
+    "function_call",
+    "tool_choice",
+    "modalities",
+    "audio",
+    "prediction",
+)
+_CHAT_DEFAULTS: dict[str, tuple[object, ...]] = {
+    "echo": (False,),
+    "best_of": (1,),
+    "function_call": ("none",),
+    "tool_choice": ("none", "auto"),  # without tools, auto calls none
+    "modalities": (["text"],),
+}
+
+
+def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """The router's names of fields this request sent under another name, and the client's names: for
+    the router's errors to name what the client sent (``protocol.error_from_status``)."""
+    names = {}
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    if isinstance(req, CompletionRequest) and isinstance(req.prompt, list):
+        names["prompt_token_ids"] = "prompt"
+    return names
+
+
 def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateRequest:
     """``POST /v1/chat/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
     _check_common(req)
     if req.logprobs or req.top_logprobs:
         raise invalid("logprobs is not supported", "logprobs")
+    for name in _CHAT_UNSUPPORTED:
+        raw = getattr(req, name)
+        value = msgspec.json.decode(bytes(raw)) if present(raw) else None
+        defaults = _CHAT_DEFAULTS.get(name, ())
+        if value is not None and not any(type(value) is type(d) and value == d for d in defaults):
+            raise invalid(f"{name} is not supported", name)
     if req.messages is None:
         raise invalid("messages is required", "messages")
     # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted, the new one wins.
+    sent_as = client_field_names(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    out = g.GenerateRequest(request_id=request_id, sampling=_sampling(req, max_tokens))
+    sampling = _sampling(req, max_tokens, sent_as.get("max_tokens", "max_tokens"))
+    out = g.GenerateRequest(request_id=request_id, sampling=sampling)
     out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
     out.messages.messages.extend(
         g.ChatMessage(role=m.role, content=text_content(i, m.content)) for i, m in enumerate(req.messages)

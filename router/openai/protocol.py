@@ -15,6 +15,7 @@ extensions vLLM accepts (``top_k``, ``min_tokens``, ``ignore_eos``,
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Literal, TypeVar
 
 import msgspec
@@ -78,6 +79,17 @@ class ChatCompletionRequest(_GenerationFields, frozen=True, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Options of OpenAI's chat API (or vLLM's) that pdserve does not implement, kept raw to be refused
+    # by name when sent with a value (``mapping.chat_request``): a client asking for a function call,
+    # audio or a predicted output must not get plain text as if it had been honoured.
+    echo: msgspec.Raw = msgspec.Raw()
+    best_of: msgspec.Raw = msgspec.Raw()
+    functions: msgspec.Raw = msgspec.Raw()
+    function_call: msgspec.Raw = msgspec.Raw()
+    tool_choice: msgspec.Raw = msgspec.Raw()
+    modalities: msgspec.Raw = msgspec.Raw()
+    audio: msgspec.Raw = msgspec.Raw()
+    prediction: msgspec.Raw = msgspec.Raw()
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -280,12 +292,14 @@ _PARAM_NAMES = {
 _LEADING_FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 
 
-def error_from_status(code_name: str, details: str) -> OpenAIError:
+def error_from_status(code_name: str, details: str, sent_as: Mapping[str, str] | None = None) -> OpenAIError:
     """The HTTP error for a request the router ended with gRPC status ``code_name``.
 
     The router names the offending field first ("sampling.top_p must be ..."):
     that becomes ``param``, and the proto's ``sampling.`` prefix is dropped,
-    since an HTTP client sent ``top_p`` at the top level.
+    since an HTTP client sent ``top_p`` at the top level. ``sent_as``: the
+    router's names of fields the client sent under another name
+    (``mapping.client_field_names``), named as the client sent them.
     """
     status, kind, code = _STATUS.get(code_name, _SERVER_ERROR)
     param = None
@@ -297,6 +311,10 @@ def error_from_status(code_name: str, details: str) -> OpenAIError:
             message = details.removeprefix("sampling.")
         if "the model's context" in details:
             code = "context_length_exceeded"
+        for ours, theirs in (sent_as or {}).items():
+            message = re.sub(rf"\b{ours}\b", theirs, message)
+            if param == _PARAM_NAMES.get(ours, ours):
+                param = theirs
     return OpenAIError(status, message, kind, param, code)
 
 

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
@@ -49,6 +49,7 @@ from pdserve.router.openai.mapping import (
     Kind,
     chat_request,
     check_model,
+    client_field_names,
     completion_request,
     sse_error,
 )
@@ -90,8 +91,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REFUSAL_CODES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
-def _error_response(err: OpenAIError) -> web.Response:
-    return web.Response(status=err.status, body=err.body(), content_type="application/json")
+def _error_response(err: OpenAIError, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -109,7 +110,10 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         if e.status < 400:
             raise
         kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return _error_response(OpenAIError(e.status, f"{e.reason}: {request.method} {request.path}", kind))
+        err = OpenAIError(e.status, f"{e.reason}: {request.method} {request.path}", kind)
+        # aiohttp's own headers that HTTP requires of the status (a 405's Allow), not its body's.
+        keep = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return _error_response(err, keep)
     except ConnectionResetError:
         raise  # the client went away: there is no one to answer
     except Exception:
@@ -152,6 +156,7 @@ class OpenAIFront:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)  # a served model's name may be a path
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
@@ -241,10 +246,17 @@ class OpenAIFront:
             out = detokenize(*args)
         return web.Response(body=encode(out), content_type="application/json")
 
-    async def models(self, request: web.Request) -> web.Response:
+    def _card(self) -> ModelCard:
         context = self.router.current_limits().context_length or None
-        cards = ModelList([ModelCard(id=self.model_name, created=self.created, max_model_len=context)])
-        return web.Response(body=encode(cards), content_type="application/json")
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=context)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.Response(body=encode(ModelList([self._card()])), content_type="application/json")
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}`` (the SDK's ``models.retrieve``): the served model's card, or 404."""
+        check_model(request.match_info["model"], self.model_name)
+        return web.Response(body=encode(self._card()), content_type="application/json")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         with self._refusals_counted():
@@ -288,7 +300,7 @@ class OpenAIFront:
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return await self._stream(
-                request, greq, EventStream(kind, rid, created, self.model_name, include_usage)
+                request, greq, EventStream(kind, rid, created, self.model_name, include_usage), req
             )
         collected = Collected(kind, rid, created, self.model_name)
 
@@ -298,28 +310,37 @@ class OpenAIFront:
         try:
             await generate(self.router, greq, collect, None)
         except RelayError as e:
-            raise error_from_status(e.code.name, e.details) from None
+            raise error_from_status(e.code.name, e.details, client_field_names(req)) from None
         return web.Response(
             body=collected.response(), content_type="application/json", headers={REQUEST_ID_HEADER: rid}
         )
 
     async def _stream(
-        self, request: web.Request, greq: g.GenerateRequest, events: EventStream
+        self,
+        request: web.Request,
+        greq: g.GenerateRequest,
+        events: EventStream,
+        req: CompletionRequest | ChatCompletionRequest,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: events.id})
 
-        async def write(msg: g.GenerateResponse) -> None:
+        async def write(msg: g.GenerateResponse) -> bool:
             data = events.feed(msg)
             if not data:
-                return
+                return False  # its text is held back (a possible stop string): the client saw nothing
             if not resp.prepared:
                 await resp.prepare(request)  # the status line goes out with the first token
             await resp.write(data)
+            return True
 
         try:
             await generate(self.router, greq, write, None)
+        except ConnectionResetError:
+            # The client went away mid-stream (the request counts as aborted): nothing to answer, and
+            # nothing for aiohttp to log as a server error.
+            return resp
         except RelayError as e:
-            err = error_from_status(e.code.name, e.details)
+            err = error_from_status(e.code.name, e.details, client_field_names(req))
             if not resp.prepared:
                 raise err from None
             await resp.write(sse_error(err))
