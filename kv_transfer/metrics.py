@@ -53,7 +53,9 @@ class _Families:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.bytes = Counter(
             "pdserve_kv_transfer_bytes_total",
-            "KV bytes moved by completed and partial transfers.",
+            "KV bytes moved: by the prefill side as it sends them (partial transfers included); by the "
+            "decode side as they land for tagged pushes, and at completion for one-sided writes, whose "
+            "bytes of an aborted transfer it never counts.",
             ["role"],
             registry=registry,
         )
@@ -82,7 +84,9 @@ class _Families:
         self.paths = Counter(
             "pdserve_kv_transfer_opened_total",
             "Transfers opened, by how their KV moves: puts (one-sided UCX puts into the decode worker's "
-            "KV cache), cross_memory (one-sided writes on one host, process_vm_writev), tagged (messages).",
+            "KV cache), cross_memory (one-sided writes on one host, process_vm_writev), shared_memory "
+            "(copies into a KV cache both processes map, --kv-shared-memory), cuda_ipc (device copies "
+            "into the decode GPU's KV cache through CUDA IPC), tagged (messages).",
             ["role", "path"],
             registry=registry,
         )

@@ -62,7 +62,8 @@ Write = Callable[[generation_pb2.GenerateResponse], Awaitable[bool | None]]
 OnWorkerFailed = Callable[[Worker, bool, str], None]
 # (job, prompt length, seconds to wait for room, worker id to avoid, whether a prefill worker may prefill
 # it) -> a new route claimed for the job, or None
-Reroute = Callable[[Job, int, float, str, bool], Awaitable[Route | None]]
+# A new route for a failed request, or why there is none (``Router.reroute``).
+Reroute = Callable[[Job, int, float, str, bool], Awaitable[Route | str]]
 
 
 class RelayError(Exception):
@@ -194,10 +195,8 @@ class Relay:
                     failed.worker_id,
                     not out.sent,  # nothing sent yet: any prefill worker may prefill it again
                 )
-                if route is None:
-                    raise RelayError(
-                        failed.code, f"{failed.details}; no healthy worker had room to take the request over"
-                    )
+                if isinstance(route, str):
+                    raise RelayError(failed.code, f"{failed.details}; {route}")
                 migrations += 1
                 if self._metrics is not None:
                     self._metrics.migrated(failed.migrate)

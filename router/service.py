@@ -170,17 +170,20 @@ class Router:
 
     async def reroute(
         self, job: Job, prompt_len: int, wait_s: float, avoid: str = "", remote: bool = False
-    ) -> Route | None:
+    ) -> Route | str:
         """Move ``job`` off its failed route: release it, then claim a route on READY workers other than
         ``avoid`` (the one that failed), waiting up to ``wait_s`` for room. ``remote``: nothing was sent
         yet, so the route may name a prefill worker as admission would; else the decode worker prefills
-        ``prompt_len`` tokens (prompt + tokens sent) itself. None: no worker took it."""
+        ``prompt_len`` tokens (prompt + tokens sent) itself. A string: why no worker took it."""
         self.ledger.release(job)
         await self.admission.notify()  # its old claim no longer counts
         job.prompt_len = prompt_len
         live = [w for w in self.registry if w.state in (State.READY, State.LOADING) and w.worker_id != avoid]
+        # No decoding worker left that could hold it: fail now rather than wait.
+        if not any(w.role.decodes for w in live):
+            return "no other decode or colocated worker is left to take the request over"
         if not can_ever_serve(live, prompt_len):
-            return None  # no decoding worker left that could hold it: fail now rather than wait
+            return f"no other decode worker has KV cache for its {prompt_len} tokens"
         routing = self.routing if remote else RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
 
         def try_route() -> Route | None:
@@ -191,9 +194,10 @@ class Router:
             return route
 
         try:
-            return await self.admission.wait_for_route(try_route, max(wait_s, 0.0))
-        except QueueFullError:
-            return None
+            route = await self.admission.wait_for_route(try_route, max(wait_s, 0.0))
+        except QueueFullError as e:
+            return str(e)
+        return route if route is not None else f"no healthy worker had room within {wait_s:.3g}s"
 
     async def finish(self, job: Job) -> None:
         self.inflight_ids.discard(job.request_id)

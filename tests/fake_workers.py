@@ -132,7 +132,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.decode_gate: asyncio.Event | None = None  # remote mode: streaming waits for this too
         self.prefill_gate: asyncio.Event | None = None
         self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
-        self.refuse_room = 0  # remote Generate calls still to refuse for room (as a full decode worker)
+        self.refuse_room = 0  # Generate calls still to refuse for room (as a full decode worker)
         self.attached: list[tuple[str, bytes]] = []  # AttachTicket calls: (request id, ticket or b"")
         self.tickets: dict[str, bytes] = {}  # attached before their prefill was done
         self.prefilled: set[str] = set()  # request ids whose (fake) prefill is done
@@ -170,10 +170,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.timeouts.append(context.time_remaining())
         self.active.add(rid)
         try:
+            if self.refuse_room:
+                self.refuse_room -= 1
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker has no room")
             if request.mode == worker_pb2.PREFILL_MODE_REMOTE:
-                if self.refuse_room:
-                    self.refuse_room -= 1
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker has no room")
                 ticket = f"ticket:{rid}".encode()
                 yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket)
                 if self.transfers is not None:  # a fake in its own process has no transfer to wait for

@@ -89,11 +89,14 @@ def test_a_prefill_retried_before_token_0_goes_to_another_prefill_worker():
         first = await router.admit(job, None)
         assert first.prefill is not None and first.decode.worker_id == "d1"
         again = await router.reroute(job, 100, 1.0, avoid=first.prefill.worker_id, remote=True)
-        assert again is not None and again.prefill is not None
+        assert not isinstance(again, str) and again.prefill is not None
         assert again.prefill.worker_id != first.prefill.worker_id
         # After token 0 was sent the decode worker prefills prompt + sent tokens itself.
         late = await router.reroute(job, 101, 1.0, avoid=again.prefill.worker_id)
-        assert late is not None and late.prefill is None
+        assert not isinstance(late, str) and late.prefill is None
+        # Off the only decode worker: the reason says no decoding worker is left, not "no room".
+        why = await router.reroute(job, 101, 1.0, avoid="d1")
+        assert why == "no other decode or colocated worker is left to take the request over"
         await router.finish(job)
         assert router.ledger.assigned("d1") == 0 and router.ledger.prefill_tokens("p1") == 0
 

@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 import logging
 import re
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
