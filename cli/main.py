@@ -625,7 +625,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     # Set before the model loads: every worker shares the machine's cores with the others.
     torch.set_num_threads(wargs.threads)
-    uvloop.run(module.serve(wargs))
+    from pdserve.worker.bringup import WorkerFailed
+
+    try:
+        uvloop.run(module.serve(wargs))
+    except WorkerFailed as e:  # logged where it happened; a supervisor restarts on the exit status
+        print(f"pdserve worker: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

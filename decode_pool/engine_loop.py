@@ -14,12 +14,18 @@ the engine holds for the id.
 
 Stages of a request here: submitted -> (engine) waiting -> running -> finished;
 or aborted at any stage (client cancel, deadline, drain timeout).
+
+The thread never ends silently. A failed step fails the requests of the engine (they may succeed
+elsewhere); ``MAX_FAILED_STEPS`` failed steps in a row, or any error outside a step, is the engine's
+death (``EngineDied``): every request and pending call gets it, later ones get it at once, and
+``on_fatal`` runs on the event loop (the worker drains and exits, to be replaced).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import queue
 import threading
 import time
@@ -32,6 +38,13 @@ from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import Batch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3  # failed steps in a row: the engine is broken, not one batch
+
+
+class EngineDied(RuntimeError):
+    """The engine thread ended on an error: this worker can serve nothing more."""
 
 
 class _Op(enum.Enum):
@@ -67,6 +80,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_batch_size = 0
         self._on_step: Callable[[float, Batch], None] | None = None
+        self._on_fatal: Callable[[EngineDied], None] | None = None
+        self.failure: EngineDied | None = None  # set once the thread died
+        self._failed_steps = 0
+        self._step_hook_failed = False
 
     @classmethod
     async def build(cls, factory: Callable[[], LLMEngine], *, idle_wait_s: float = 0.05) -> EngineLoop:
@@ -112,14 +129,27 @@ class EngineLoop:
         self._thread.start()
 
     async def stop(self) -> None:
-        fut = self._loop.create_future()
-        self._cmds.put(_Cmd(_Op.STOP, future=fut))
-        await fut
-        self._thread.join(timeout=5)
+        if self.failure is None:
+            fut = self._loop.create_future()
+            self._put_cmd(_Cmd(_Op.STOP, future=fut))
+            await fut
+        await asyncio.to_thread(self._thread.join, 5)
 
     def on_step(self, fn: Callable[[float, Batch], None]) -> None:
-        """``fn(seconds, batch)`` runs on the engine thread after every step (``batch``: what it ran)."""
+        """``fn(seconds, batch)`` runs on the engine thread after every step (``batch``: what it ran).
+        An error in it is logged; it does not stop the engine."""
         self._on_step = fn
+
+    def on_fatal(self, fn: Callable[[EngineDied], None]) -> None:
+        """``fn(error)`` runs on the event loop once, if the engine thread dies."""
+        self._on_fatal = fn
+
+    def _put_cmd(self, cmd: _Cmd) -> None:
+        """Queue a command for the thread; once it died, the command fails at once (a command queued as
+        it died is failed by whichever side sees it last)."""
+        self._cmds.put(cmd)
+        if self.failure is not None:
+            self._fail_pending(self.failure)
 
     def submit(
         self,
@@ -131,7 +161,7 @@ class EngineLoop:
         """``output_offset``: a migrated stream's tokens already sent (``LLMEngine.add_request``)."""
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = q
-        self._cmds.put(_Cmd(_Op.ADD, request_id, (list(prompt_token_ids), params, output_offset)))
+        self._put_cmd(_Cmd(_Op.ADD, request_id, (list(prompt_token_ids), params, output_offset)))
         return q
 
     def submit_prefilled(
@@ -143,17 +173,17 @@ class EngineLoop:
     ) -> asyncio.Queue[QueueItem]:
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = q
-        self._cmds.put(_Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), first_token_id, params)))
+        self._put_cmd(_Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), first_token_id, params)))
         return q
 
     def abort(self, request_id: Hashable) -> None:
         """Free everything the engine holds for the id (idempotent); its queue gets None."""
-        self._cmds.put(_Cmd(_Op.ABORT, request_id))
+        self._put_cmd(_Cmd(_Op.ABORT, request_id))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         fut: asyncio.Future[T] = self._loop.create_future()
-        self._cmds.put(_Cmd(_Op.CALL, args=(fn,), future=fut))
+        self._put_cmd(_Cmd(_Op.CALL, args=(fn,), future=fut))
         return await fut
 
     # -- engine thread ------------------------------------------------------------
@@ -204,6 +234,50 @@ class EngineLoop:
         return True
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the thread must not end silently
+            self._die(e)
+
+    def _die(self, cause: BaseException) -> None:
+        err = EngineDied(f"the engine thread died: {cause!r}")
+        err.__cause__ = cause
+        log.critical("%s", err, exc_info=cause)
+        self.failure = err
+        self._fail_pending(err)
+        if self._on_fatal is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._on_fatal, err)
+            except RuntimeError:  # the event loop is closed: the process is ending anyway
+                pass
+
+    def _fail_pending(self, err: EngineDied) -> None:
+        """Every queued command's future and every request's stream end with ``err`` (a STOP succeeds:
+        there is nothing left to stop). Safe from either thread."""
+        try:
+            while True:
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd.future is not None:
+                    self._resolve(cmd.future, exc=None if cmd.op is _Op.STOP else err)
+            for rid in list(self._queues):
+                self._put(rid, err)
+        except RuntimeError:  # the event loop is closed: no one is waiting any more
+            pass
+
+    def _step_done(self, seconds: float, batch: Batch) -> None:
+        if self._on_step is None:
+            return
+        try:
+            self._on_step(seconds, batch)
+        except Exception:  # a metric must not stop the engine
+            if not self._step_hook_failed:
+                log.exception("the step callback failed (logged once; the engine goes on)")
+                self._step_hook_failed = True
+
+    def _serve(self) -> None:
         eng = self.engine
         while True:
             # Commands first: aborts free blocks before the next step needs them.
@@ -221,15 +295,20 @@ class EngineLoop:
             t0 = time.perf_counter()
             try:
                 deltas = eng.step()
-            except BaseException as e:  # noqa: BLE001 - fail every request, keep the worker alive
+            except Exception as e:  # fail every request, keep the worker alive (unless it keeps failing)
+                self._failed_steps += 1
+                log.exception("engine step failed (%d in a row)", self._failed_steps)
+                if self._failed_steps >= MAX_FAILED_STEPS:
+                    raise RuntimeError(f"{self._failed_steps} engine steps in a row failed") from e
                 for rid in list(self._queues):
                     eng.abort(rid)
                     self._put(rid, RuntimeError(f"engine step failed: {e!r}"))
                 continue
+            self._failed_steps = 0
             dt = time.perf_counter() - t0
             self.last_batch_size = len(deltas)
-            if self._on_step is not None and eng.last_batch is not None:
-                self._on_step(dt, eng.last_batch)
+            if eng.last_batch is not None:
+                self._step_done(dt, eng.last_batch)
             for d in deltas:
                 self._put(d.request_id, d)
                 if d.finish_reason is not None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdserve.decode_pool.engine_loop import EngineLoop
+from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop
 from pdserve.decode_pool.metrics import DecodeMetrics
 from pdserve.decode_pool.remote import RemotePrefill, blocks_freed
 from pdserve.decode_pool.stream import relay_deltas
@@ -156,6 +156,10 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                         self.loop.abort(rid)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} passed its deadline")
+        except EngineDied as e:
+            # This worker can serve nothing more (it drains and exits): UNAVAILABLE, which the router
+            # reads as a dead worker, moving the request to another one.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
@@ -174,8 +178,15 @@ class DecodePool:
         self.metrics = DecodeMetrics(registry, args.role.value)
         self.transfer_config = args.transfer_config()
         self.servicer = DecodeServicer(shell, self.transfer_config, self.metrics)
+        self.shell = shell
         self.loop: EngineLoop | None = None
         self.remote: RemotePrefill | None = None
+        self.failure: BaseException | None = None  # the engine died: the worker drains and exits with it
+
+    def _fatal(self, err: EngineDied) -> None:
+        self.failure = err
+        log.critical("worker draining: %s", err)
+        self.shell.begin_drain()
 
     async def load(self, model_dir: Path) -> Capacity:
         try:
@@ -185,6 +196,7 @@ class DecodePool:
         # Built on its own stepping thread: that one thread makes every CPU-kernel call of this process.
         self.loop = await EngineLoop.build(lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)))
         self.loop.on_step(self.metrics.observe_batch)
+        self.loop.on_fatal(self._fatal)
         engine = self.loop.engine
         # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
         compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))

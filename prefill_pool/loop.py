@@ -40,7 +40,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Hashable
+from collections.abc import Callable, Coroutine, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +56,13 @@ from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.prefill_pool.scheduler import PrefillJob, PrefillScheduler, Stage
 
 log = logging.getLogger(__name__)
+
+
+MAX_FAILED_FORWARDS = 3  # failed forwards in a row: the model is broken, not one batch
+
+
+class PrefillLoopStopped(RuntimeError):
+    """The prefill loop died: this worker prefills nothing more (it drains and exits)."""
 
 
 class _BatchCancelled(Exception):
@@ -148,6 +155,10 @@ class PrefillLoop:
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.failure: BaseException | None = None  # why the loop stopped, if it did
+        self._on_fatal: Callable[[PrefillLoopStopped], None] | None = None
+        self._inflight: list[PrefillJob] = []  # the batch between scheduling and its answers
+        self._failed_forwards = 0
+        self._metrics_failed = False
         # Jobs submitted without a ticket, by (request id, attach key): the key is the router's per attempt,
         # so a late drop or ticket of an earlier attempt of the request never reaches a retry.
         self._awaiting: dict[tuple[Hashable, str], PrefillJob] = {}
@@ -161,16 +172,32 @@ class PrefillLoop:
         self._task = asyncio.get_running_loop().create_task(self._loop())
         self._task.add_done_callback(self._stopped)
 
+    def on_fatal(self, fn: Callable[[PrefillLoopStopped], None]) -> None:
+        """``fn(error)`` runs once if the loop dies (the worker then drains and exits)."""
+        self._on_fatal = fn
+
     def _stopped(self, task: asyncio.Task[None]) -> None:
         """The loop must not die quietly: a worker that takes prompts and never prefills them
-        hangs every request sent to it. Fail what is queued; ``submit`` refuses from now on."""
+        hangs every request sent to it. Fail what is queued and the batch in flight (its transfers
+        aborted, its blocks freed); ``submit`` refuses from now on; ``on_fatal`` runs."""
         if task.cancelled() or task.exception() is None:
             return
         self.failure = task.exception()
         log.critical("prefill loop stopped: %r; refusing new prompts", self.failure, exc_info=self.failure)
+        err = PrefillLoopStopped(f"prefill loop stopped: {self.failure!r}")
         while (job := self.sched.pop_queued()) is not None:
             if not job.payload.result.done():
-                job.payload.result.set_exception(RuntimeError(f"prefill loop stopped: {self.failure!r}"))
+                job.payload.result.set_exception(err)
+        inflight, self._inflight = self._inflight, []
+        for job in inflight:
+            try:
+                if not job.payload.result.done():
+                    job.payload.result.set_exception(err)
+                self._forward_over(job, None)
+            except Exception:  # noqa: BLE001 - the others are still failed and freed
+                log.exception("request %s: could not be failed cleanly", job.request_id)
+        if self._on_fatal is not None:
+            self._on_fatal(err)
 
     def _forward(self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]) -> list[int]:
         """On the forward thread: the prefill and the first tokens' sampling (torch ops large enough to
@@ -201,7 +228,7 @@ class PrefillLoop:
         Raises ValueError (nothing queued) when the prompt can never fit this worker's cache.
         """
         if self.failure is not None:
-            raise RuntimeError(f"prefill loop stopped: {self.failure!r}")
+            raise PrefillLoopStopped(f"prefill loop stopped: {self.failure!r}")
         loop = asyncio.get_running_loop()
         job = PrefillJob(request_id, prompt)
         self.sched.add(job)
@@ -426,7 +453,9 @@ class PrefillLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._inflight = batch  # until answered (``_stopped`` fails it should this loop die)
             live = await self._open(batch)
+            self._inflight = live
             if not live:
                 continue
             items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
@@ -442,18 +471,24 @@ class PrefillLoop:
             except _BatchCancelled:
                 for j in live:
                     self._forward_over(j, None)
+                self._inflight = []
                 continue
-            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-                log.exception("prefill forward failed")
+            except Exception as e:  # noqa: BLE001 - fail the batch, keep serving (unless it keeps failing)
+                self._failed_forwards += 1
+                log.exception("prefill forward failed (%d in a row)", self._failed_forwards)
+                if self._failed_forwards >= MAX_FAILED_FORWARDS:
+                    raise RuntimeError(f"{self._failed_forwards} prefill forwards in a row failed") from e
                 for j in live:
                     if not j.payload.result.done():
                         j.payload.result.set_exception(RuntimeError(f"prefill failed: {e!r}"))
                     self._forward_over(j, None)
+                self._inflight = []
                 continue
             finally:
                 self.running, self.running_tokens = 0, 0
+            self._failed_forwards = 0
             dt = time.perf_counter() - t0
-            self.metrics.observe_prefill(dt, sum(j.num_tokens for j in live))
+            self._observe(dt, sum(j.num_tokens for j in live))
             for j, tok in zip(live, tokens, strict=True):
                 req = j.payload
                 if req.cancelled or req.result.done():
@@ -464,3 +499,12 @@ class PrefillLoop:
                 req.first_token_unix = time.time()
                 req.result.set_result((int(tok), dt))
                 self._forward_over(j, int(tok))
+            self._inflight = []
+
+    def _observe(self, seconds: float, tokens: int) -> None:
+        try:
+            self.metrics.observe_prefill(seconds, tokens)
+        except Exception:  # a metric must not stop the loop
+            if not self._metrics_failed:
+                log.exception("prefill metrics failed (logged once; the loop goes on)")
+                self._metrics_failed = True

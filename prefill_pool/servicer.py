@@ -26,7 +26,7 @@ from pdserve.engine.params import validate_prompt_token_ids
 from pdserve.engine.quant import kv_model_id
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import IncompatibleError, KVSender, TransferError, TransferTicket, compat_for
-from pdserve.prefill_pool.loop import PrefillLoop
+from pdserve.prefill_pool.loop import PrefillLoop, PrefillLoopStopped
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.args import WorkerArgs
@@ -102,7 +102,7 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             )
         except (ValueError, IncompatibleError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RuntimeError as e:  # the prefill loop stopped: another prefill worker should take it
+        except PrefillLoopStopped as e:  # another prefill worker should take it
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         timeout = request.deadline_unix - time.time() if request.deadline_unix > 0 else None
         try:
@@ -119,6 +119,8 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         except TransferError as e:
             # ABORTED, not UNAVAILABLE: this worker is alive; the transfer failed.
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
+        except PrefillLoopStopped as e:  # this worker drains and exits: the router moves the request
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         # When the token was sampled: the answer itself may go out after the decode worker has the KV.
@@ -152,6 +154,8 @@ class PrefillPool:
         self.args, self.registry = args, registry
         self.metrics = PrefillMetrics(registry)
         self.servicer = PrefillServicer(shell, self.metrics)
+        self.shell = shell
+        self.failure: BaseException | None = None  # the loop died: the worker drains and exits with it
         self.loop: PrefillLoop | None = None
         self.sender: KVSender | None = None
         # Builds the runner and runs every forward: one thread makes this process's CPU-kernel calls (the
@@ -197,6 +201,7 @@ class PrefillPool:
         self.loop = PrefillLoop(
             runner, sampler, self.sender, args.max_batched_tokens, self.metrics, self.forward_thread
         )
+        self.loop.on_fatal(self._fatal)
         self.loop.start()
         self.servicer.attach(self.loop)
         return Capacity(
@@ -207,6 +212,11 @@ class PrefillPool:
             runner.startup_seconds,
             compat.describe(),
         )
+
+    def _fatal(self, err: PrefillLoopStopped) -> None:
+        self.failure = err
+        log.critical("worker draining: %s", err)
+        self.shell.begin_drain()
 
     async def close(self) -> None:
         if self.loop is not None:

@@ -335,3 +335,57 @@ def test_a_dropped_request_gets_an_answer() -> None:
         await loop.close()
 
     asyncio.run(main())
+
+
+def test_forwards_that_keep_failing_stop_the_loop_and_the_worker_is_told(runner: ModelRunner) -> None:
+    """One failed forward fails its batch; MAX_FAILED_FORWARDS in a row mean the model is broken: the loop
+    stops (its batch failed and freed), ``on_fatal`` runs, and new prompts are refused at once."""
+
+    async def main() -> None:
+        loop, _ = _loop(runner)
+        fatal: list[BaseException] = []
+        loop.on_fatal(fatal.append)
+
+        def broken(*_args):  # type: ignore[no-untyped-def]
+            raise RuntimeError("device lost")
+
+        loop._forward = broken  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0)
+        for i in range(loop_mod.MAX_FAILED_FORWARDS - 1):
+            _, rx = loop.submit(f"r{i}", PROMPT, params, None)
+            with pytest.raises(RuntimeError, match="prefill failed"):
+                await asyncio.wait_for(rx, 10)
+            assert not fatal
+        _, rx = loop.submit("last", PROMPT, params, _ticket())  # type: ignore[arg-type]
+        with pytest.raises(loop_mod.PrefillLoopStopped):
+            await asyncio.wait_for(rx, 10)
+        assert len(fatal) == 1 and isinstance(fatal[0], loop_mod.PrefillLoopStopped)
+        with pytest.raises(loop_mod.PrefillLoopStopped):
+            loop.submit("after", PROMPT, params, None)
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+def test_an_error_outside_the_forward_fails_and_frees_the_batch_in_flight(runner: ModelRunner) -> None:
+    """The loop dies between scheduling a batch and answering it: that batch is answered with the error
+    and its blocks come back (they were not in the queue any more)."""
+
+    async def main() -> None:
+        loop, _ = _loop(runner)
+        fatal: list[BaseException] = []
+        loop.on_fatal(fatal.append)
+
+        def unlucky(*_args):  # type: ignore[no-untyped-def]
+            raise KeyError("a bug after the forward")
+
+        loop._observe = unlucky  # type: ignore[method-assign]
+        _, rx = loop.submit("r", PROMPT, SamplingParams(temperature=0.0), None)
+        with pytest.raises(loop_mod.PrefillLoopStopped, match="KeyError"):
+            await asyncio.wait_for(rx, 10)
+        assert len(fatal) == 1
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())

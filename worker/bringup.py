@@ -65,6 +65,10 @@ class Capacity:
     kv_layout: str = ""
 
 
+class WorkerFailed(RuntimeError):
+    """The worker drained and stopped because its pool could serve nothing more."""
+
+
 class Pool(Protocol):
     """One pool's part of a worker process."""
 
@@ -77,6 +81,11 @@ class Pool(Protocol):
 
     async def close(self) -> None:
         """Stop the pool's loops and transfers; called once, after the shell has drained."""
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Set once the pool's engine or loop died (it began the shell's drain): the process then exits
+        with this error, to be replaced, rather than serve nothing while it looks healthy."""
 
 
 async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegistry], Pool]) -> None:
@@ -145,6 +154,9 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 on_drain=shell.begin_drain,
             )
             await run_worker(shell, agent, on_registered=lambda: _ready(startup, args, phases))
+            failure = pool.failure
+            if failure is not None:
+                raise WorkerFailed(f"{args.role.value} worker {args.worker_id}: {failure}") from failure
         finally:
             await pool.close()
     finally:

@@ -1,0 +1,115 @@
+"""A decode worker's engine thread never ends silently (``decode_pool.engine_loop``).
+
+A worker whose engine thread died used to keep heartbeating READY: every request sent to it hung until its
+deadline, and ``stop()`` never returned. Now an error outside a step, or ``MAX_FAILED_STEPS`` failed steps
+in a row, fails every request and call with ``EngineDied``, later ones at once, and the pool begins the
+shell's drain (the process then exits non-zero, to be replaced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.decode_pool import engine_loop
+from pdserve.decode_pool.engine_loop import EngineDied
+from pdserve.decode_pool.servicer import DecodePool
+from pdserve.engine.params import SamplingParams
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.role import Role
+from pdserve.worker.shell import ShellState, WorkerShell
+
+LONG = SamplingParams(max_tokens=2000, ignore_eos=True)  # still decoding when the engine breaks
+
+
+def _pool(model: Path) -> tuple[DecodePool, WorkerShell]:
+    args = WorkerArgs(
+        role=Role.BOTH, router="r:1", worker_id="w", model=str(model), dtype="float32", kv_blocks=160
+    )
+    shell = WorkerShell(args.shell_config())
+    return DecodePool(args, shell, CollectorRegistry()), shell
+
+
+async def _drain(q: asyncio.Queue) -> list:
+    items = []
+    while True:
+        item = await asyncio.wait_for(q.get(), 60)
+        items.append(item)
+        if item is None or isinstance(item, BaseException):
+            return items
+
+
+def test_a_failing_step_callback_is_logged_once_and_the_engine_goes_on(tiny_llama_dir, caplog) -> None:
+    async def main() -> None:
+        pool, _ = _pool(tiny_llama_dir)
+        await pool.load(Path(tiny_llama_dir))
+        assert pool.loop is not None
+        try:
+
+            def broken(_s, _b):  # type: ignore[no-untyped-def]
+                raise ValueError("a metric bug")
+
+            pool.loop.on_step(broken)
+            items = await _drain(
+                pool.loop.submit("r", [1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+            )
+            assert items[-1] is None and sum(len(d.new_token_ids) for d in items[:-1]) == 5
+            assert pool.failure is None
+        finally:
+            await pool.close()
+
+    with caplog.at_level(logging.ERROR, logger=engine_loop.__name__):
+        asyncio.run(main())
+    assert sum("step callback failed" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("how", ["outside_a_step", "steps_keep_failing"])
+def test_an_engine_that_dies_fails_everything_at_once_and_drains_the_worker(tiny_llama_dir, how) -> None:
+    async def main() -> None:
+        pool, shell = _pool(tiny_llama_dir)
+        await shell.start(lambda _server: None)
+        await shell.set_serving()
+        await pool.load(Path(tiny_llama_dir))
+        loop = pool.loop
+        assert loop is not None
+        running = loop.submit("running", [1, 2, 3], LONG)
+        assert not isinstance(await asyncio.wait_for(running.get(), 60), BaseException)  # it decodes
+        if how == "outside_a_step":
+
+            def abort(_rid):  # type: ignore[no-untyped-def]
+                raise KeyError("a bug in abort")
+
+            loop.engine.abort = abort  # type: ignore[method-assign]
+            loop.abort("someone-else")
+        else:
+
+            def step():  # type: ignore[no-untyped-def]
+                raise RuntimeError("device lost")
+
+            loop.engine.step = step  # type: ignore[method-assign]
+            # A failed step fails its requests only; the engine dies at the MAX_FAILED_STEPS-th in a row.
+            for i in range(engine_loop.MAX_FAILED_STEPS - 1):
+                items = await _drain(running)
+                assert isinstance(items[-1], RuntimeError) and not isinstance(items[-1], EngineDied)
+                assert pool.failure is None
+                running = loop.submit(f"again-{i}", [1, 2, 3], LONG)
+        items = await _drain(running)
+        assert isinstance(items[-1], EngineDied)
+        async with asyncio.timeout(10):
+            while pool.failure is None:
+                await asyncio.sleep(0.01)
+        assert isinstance(pool.failure, EngineDied)
+        assert shell.state in (ShellState.DRAINING, ShellState.STOPPED)  # the worker leaves the cluster
+        # Everything after the death fails at once instead of hanging.
+        later = await asyncio.wait_for(loop.submit("later", [1, 2], LONG).get(), 5)
+        assert isinstance(later, EngineDied)
+        with pytest.raises(EngineDied):
+            await asyncio.wait_for(loop.call(lambda e: e.block_manager.num_used), 5)
+        await asyncio.wait_for(pool.close(), 10)  # stop() returns
+        await asyncio.wait_for(shell.stop(), 10)
+
+    asyncio.run(main())
