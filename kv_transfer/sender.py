@@ -284,7 +284,14 @@ class KVSender:
             if reply.rma.layer_bytes * self.compat.num_layers > reply.rma.length:
                 log.warning("ignoring a malformed KV region from %s", describe(peer.address))
             else:
-                peer.writer, peer.region = peer.conn.remote_writer(reply.rma, self.spans.flat), reply.rma
+                try:
+                    peer.writer, peer.region = peer.conn.remote_writer(reply.rma, self.spans.flat), reply.rma
+                except Exception:  # noqa: BLE001 - tagged pushes then; never a peer left half open
+                    # (``ready`` must resolve: every later Open to this peer waits for it.)
+                    log.exception(
+                        "one-sided writes to %s failed to set up: tagged pushes", describe(peer.address)
+                    )
+                    peer.writer, peer.region = None, None
                 if peer.writer is not None:
                     peer.hello_seq = reply.seq
         peer.refusal = reply.code or FailureReason.INCOMPATIBLE.value

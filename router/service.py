@@ -248,19 +248,26 @@ class Router:
             await asyncio.sleep(interval)
             now = time.monotonic()
             stood_still, woke = now - woke - interval, now
-            if stood_still > interval:
-                # This loop could not run (a call holding the GIL, the host swapping, SIGSTOP): the
-                # heartbeats sent meanwhile may still wait unread, so the silence is the router's own,
-                # not the workers'. Their deadlines move by as much; a dead worker still expires, one
-                # timeout after the router runs again.
-                log.warning(
-                    "the router's event loop stood still for %.1f s: heartbeat deadlines moved by as much",
-                    stood_still,
-                )
-                self.metrics.loop_stalls.inc()
-                self.registry.postpone(stood_still, now)
-            await self.sweep(now)
+            try:
+                await self._sweep_tick(now, stood_still, interval)
+            except Exception:  # noqa: BLE001 - the sweep must outlive a bad tick (it expires dead workers)
+                log.exception("the heartbeat sweep failed; it runs again in %.3g s", interval)
             woke = time.monotonic()  # (the sweep's own time is not a stall)
+
+    async def _sweep_tick(self, now: float, stood_still: float, interval: float) -> None:
+        """One sweep (``sweep_forever``): first, a stall of this loop moves the workers' deadlines."""
+        if stood_still > interval:
+            # This loop could not run (a call holding the GIL, the host swapping, SIGSTOP): the
+            # heartbeats sent meanwhile may still wait unread, so the silence is the router's own,
+            # not the workers'. Their deadlines move by as much; a dead worker still expires, one
+            # timeout after the router runs again.
+            log.warning(
+                "the router's event loop stood still for %.1f s: heartbeat deadlines moved by as much",
+                stood_still,
+            )
+            self.metrics.loop_stalls.inc()
+            self.registry.postpone(stood_still, now)
+        await self.sweep(now)
 
     def counts_by_role(self) -> dict[Role, int]:
         out: dict[Role, int] = {}

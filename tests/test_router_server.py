@@ -515,7 +515,10 @@ def test_worker_killed_mid_stream_fails_the_request_and_leaves_the_registry(mode
     run(main())
 
 
-def test_missed_heartbeats_expire_the_worker_and_fail_its_requests(model_dir):
+@pytest.mark.parametrize("sweep_fails_once", [False, True])
+def test_missed_heartbeats_expire_the_worker_and_fail_its_requests(model_dir, sweep_fails_once):
+    """(A sweep that failed once, by a bug, runs again at its next tick: it is what expires workers.)"""
+
     async def main():
         w = FakeWorker("b1", Role.BOTH, ids("hello world the"))
         w.hold_at = 1
@@ -523,6 +526,17 @@ def test_missed_heartbeats_expire_the_worker_and_fail_its_requests(model_dir):
             server,
             stub,
         ):
+            if sweep_fails_once:
+                real, failed = server.router.sweep, []
+
+                async def sweep(now):  # type: ignore[no-untyped-def]
+                    if not failed:
+                        failed.append(now)
+                        raise KeyError("a bug in one sweep")
+                    return await real(now)
+
+                server.router.sweep = sweep  # type: ignore[method-assign]
+                await until(lambda: failed, what="the failing sweep")
             call = stub.Generate(request(max_tokens=3))
             await w.wait_for(lambda: w.started)
             await w.agent.close(deregister=False)  # the worker hangs: alive, but silent
@@ -616,6 +630,30 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
         finally:
             await w.stop()
             await server.stop(grace_s=0)
+
+    run(main())
+
+
+def test_a_heartbeat_whose_load_report_fails_does_not_end_the_heartbeats(model_dir):
+    """The agent keeps beating after an error of its own (its load report raised): a silent worker that
+    still runs would be dropped by the router and never come back."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello"))
+        async with cluster(model_dir, [w], heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5) as (server, _):
+            real, failures = w.load, []
+
+            def load():  # type: ignore[no-untyped-def]
+                if len(failures) < 3:
+                    failures.append(1)
+                    raise ValueError("a load report bug")
+                return real()
+
+            w.agent._load = load  # type: ignore[union-attr]
+            await until(lambda: len(failures) == 3, what="three failed beats")
+            await asyncio.sleep(0.8)  # past the heartbeat timeout: the beats after them kept it registered
+            assert server.router.registry.get("b1") is not None
+            assert not w.agent._task.done()  # type: ignore[union-attr]
 
     run(main())
 

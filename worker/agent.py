@@ -180,6 +180,11 @@ class RouterAgent:
                 if not failing:
                     log.warning("heartbeat to %s failed: %s", self.config.router_address, e.code().name)
                 failing = True
+            except Exception:  # noqa: BLE001 - a bad beat (its load report failed): the next one goes
+                # The worker keeps beating: silent, the router would drop it while it still runs.
+                if not failing:
+                    log.exception("heartbeat to %s failed", self.config.router_address)
+                failing = True
 
 
 async def run_worker(

@@ -303,15 +303,21 @@ class WorkerShell:
             loop.add_signal_handler(sig, self.begin_drain)
 
     async def _drain(self) -> None:
-        await self.health.enter_graceful_shutdown()
         try:
-            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
-        except TimeoutError:
-            log.warning("drain timed out with %d requests in flight; cancelling them", self.inflight)
-        if self._server is not None:
-            await self._server.stop(self.config.stop_grace_s)
-        self.state = ShellState.STOPPED
-        self._stopped.set()
+            await self.health.enter_graceful_shutdown()
+            try:
+                await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+            except TimeoutError:
+                log.warning("drain timed out with %d requests in flight; cancelling them", self.inflight)
+            if self._server is not None:
+                await self._server.stop(self.config.stop_grace_s)
+        except Exception:
+            # Stopped all the same: a worker that began its drain must end (``run_worker`` waits for it).
+            log.exception("the drain failed; stopping anyway")
+            raise
+        finally:
+            self.state = ShellState.STOPPED
+            self._stopped.set()
 
     def _enter(self) -> bool:
         if self.state is not ShellState.SERVING:
