@@ -293,14 +293,25 @@ def cmd_scale(args: argparse.Namespace) -> int:
     util = (
         state.gpu_memory_utilization if args.gpu_memory_utilization is None else args.gpu_memory_utilization
     )
+    serving = {
+        r: sum(w.role is r and not w.standby for w in state.workers) if targets[r] is None else targets[r]
+        for r in targets
+    }
+    if not serving[Role.DECODE] and not serving[Role.BOTH]:
+        raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
     removing: list[cluster.ProcessEntry] = []
     adding: dict[Role, int] = {}
+    promoted: list[str] = []
     for role, target in targets.items():
         if target is None:
             continue
-        current = [w for w in state.workers if w.role is role]
+        # Serving workers only: a warm-pool worker the autoscaler left (standby) is promoted first.
+        current = [w for w in state.workers if w.role is role and not w.standby]
         if target > len(current):
-            adding[role] = target - len(current)
+            state, promoted_now = _promote_standby(state, args.state_dir, role, target - len(current))
+            promoted += promoted_now
+            if target - len(current) > len(promoted_now):
+                adding[role] = target - len(current) - len(promoted_now)
         else:
             removing += current[target:]  # the newest go first
     # The GPU must hold the workers that stay and the new ones: refuse before starting any.
@@ -322,9 +333,38 @@ def cmd_scale(args: argparse.Namespace) -> int:
         state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w not in removing))
         cluster.save_state(args.state_dir, state)
     write_targets(args.state_dir, state)
-    counts = {r.value: sum(w.role is r for w in state.workers) for r in Role}
-    say("workers: " + ", ".join(f"{n} {role}" for role, n in counts.items()))
+    if promoted:
+        say(f"promoted from the warm pool: {', '.join(promoted)}")
+    counts = {r.value: sum(w.role is r and not w.standby for w in state.workers) for r in Role}
+    standby = sum(w.standby for w in state.workers)
+    say(
+        "workers: "
+        + ", ".join(f"{n} {role}" for role, n in counts.items())
+        + (f" (and {standby} standby)" if standby else "")
+    )
     return 0
+
+
+def _promote_standby(
+    state: cluster.ClusterState, state_dir: Path, role: Role, n: int
+) -> tuple[cluster.ClusterState, list[str]]:
+    """Promote up to ``n`` live warm-pool workers of ``role`` into routing (the autoscaler's standby
+    workers, once it is gone): loaded already, they serve at once."""
+    token, tls = cluster.state_token(state), cluster.state_tls(state)
+    promoted = []
+    for w in [w for w in state.workers if w.role is role and w.standby and cluster.alive(w)][:n]:
+        resp = cluster.promote_worker(state.router_address, w.id, token, tls)
+        if not resp.found:
+            continue  # not registered (yet): left as it is
+        state = msgspec.structs.replace(
+            state,
+            workers=tuple(
+                msgspec.structs.replace(x, standby=False) if x.id == w.id else x for x in state.workers
+            ),
+        )
+        cluster.save_state(state_dir, state)
+        promoted.append(w.id)
+    return state, promoted
 
 
 def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
@@ -338,7 +378,10 @@ def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    state = cluster.load_state(args.state_dir)
+    try:
+        state = cluster.load_state(args.state_dir)
+    except cluster.ClusterError as e:
+        return _down_without_state(args, e)
     if state is None:
         say(f"no cluster in {args.state_dir}")
         return 0
@@ -353,6 +396,23 @@ def cmd_down(args: argparse.Namespace) -> int:
     prometheus.write_expected(args.state_dir, {})  # ... and expects no workers of it
     cluster.remove_state(args.state_dir)
     say(f"stopped the cluster of {args.state_dir}")
+    return 0
+
+
+def _down_without_state(args: argparse.Namespace, unreadable: cluster.ClusterError) -> int:
+    """The state file is there but unreadable: stop the processes ``up`` started for this state dir,
+    found by the mark in their environment (``cluster.marked_processes``), then remove the file."""
+    say(f"{unreadable}")
+    procs = cluster.marked_processes(args.state_dir)
+    if procs:
+        say(f"stopping what this state dir started: {', '.join(p.id for p in procs)}")
+        killed = cluster.stop_processes(procs, term_timeout_s=args.timeout)
+        if killed:
+            say(f"killed (did not stop within {args.timeout:.0f}s): {', '.join(killed)}")
+    else:
+        say("no process started for this state dir runs")
+    cluster.remove_state(args.state_dir)
+    say(f"removed {cluster.state_path(args.state_dir)}")
     return 0
 
 

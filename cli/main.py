@@ -645,10 +645,16 @@ def _router_address(args: argparse.Namespace) -> str:
 
 
 def _state(args: argparse.Namespace) -> cluster.ClusterState:
+    """The local cluster these client commands talk to (its router must run)."""
     state = cluster.load_state(args.state_dir)
     if state is None:
         raise cluster.ClusterError(
             f"no cluster in {args.state_dir} (run `pdserve up` there first, or pass --router)"
+        )
+    if not cluster.alive(state.router):
+        raise cluster.ClusterError(
+            f"the router of the cluster in {args.state_dir} (pid {state.router.pid}) has exited: "
+            "`pdserve down`, then `pdserve up` again"
         )
     return state
 

@@ -311,9 +311,17 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         return {w["id"]: w["state"] for w in json.loads(capsys.readouterr().out)["workers"]}
 
     try:
+        # A warm-pool worker an autoscaler left behind is promoted, not counted as serving.
+        state_dir = tmp_path / "state"
+        state = cluster.spawn_workers(state_dir, cluster.load_state(state_dir), Role.DECODE, 1, standby=True)
+        cluster.save_state(state_dir, state)
+        cluster.wait_ready(state, {"decode-2"}, 60, lambda _msg: None)
+        assert workers() == {"decode-1": "ready", "decode-2": "standby"}
         assert cli.main(["scale", "--decode", "2", "--timeout", "60", *base]) == 0
+        assert "promoted from the warm pool: decode-2" in capsys.readouterr().err
         assert workers() == {"decode-1": "ready", "decode-2": "ready"}
         started = cluster.load_state(tmp_path / "state").workers
+        assert not any(w.standby for w in started)
         assert cli.main(["scale", "--decode", "1", "--timeout", "60", *base]) == 0
         assert workers() == {"decode-1": "ready"}  # the newest went first
         assert not cluster.alive(started[1])
@@ -337,15 +345,18 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         thread.start()
         try:
             assert first.wait(30)
-            assert cli.main(["scale", "--decode", "0", "--timeout", "60", *base]) == 0
+            # No decoding worker left: refused as `up` refuses it, before anything changes.
+            assert cli.main(["scale", "--decode", "0", "--timeout", "60", *base]) == 1
+            assert "at least one decode or colocated worker" in capsys.readouterr().err
+            assert cli.main(["scale", "--decode", "0", "--colocated", "1", "--timeout", "60", *base]) == 0
         finally:
             thread.join(60)
         assert all(isinstance(m, generation_pb2.GenerateResponse) for m in got), got
         assert [t for m in got for t in m.token_ids] == [4, 5, 6, 7] and got[-1].finish_reason == "length"
-        assert workers() == {}
+        assert workers() == {"both-3": "ready"}
         assert not cluster.alive(started[0])
         assert "draining (1 in flight)" in Path(started[0].log).read_text()
-        assert cluster.load_state(tmp_path / "state").workers == ()
+        assert [w.id for w in cluster.load_state(tmp_path / "state").workers] == ["both-3"]
     finally:
         assert cli.main(["down", *base]) == 0
 
@@ -394,6 +405,43 @@ def test_log_tail_shows_the_latest_run_only_and_scale_needs_a_live_router(tmp_pa
     assert cli.main(["scale", "--decode", "2", "--state-dir", str(tmp_path)]) == 1
     assert "router of the cluster" in capsys.readouterr().err
     assert cluster.load_state(tmp_path) == state  # nothing started
+    for command in (["status"], ["drain", "--worker-id", "decode-1"], ["generate", "hi"]):
+        assert cli.main([*command, "--state-dir", str(tmp_path)]) == 1  # not a raw gRPC error
+        assert "has exited: `pdserve down`, then `pdserve up` again" in capsys.readouterr().err, command
+
+
+def test_a_broken_state_file_is_named_and_down_still_stops_its_cluster(tmp_path, capsys):
+    """Every command names the unreadable file in one line; ``down`` finds the processes ``up`` started
+    for the state dir by the mark in their environment, stops them and removes the file."""
+    import os
+    import sys
+
+    other = tmp_path / "other"
+    mine = cluster.spawn(
+        "router",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        tmp_path / "logs" / "r.log",
+        dict(os.environ),
+    )
+    theirs = cluster.spawn(
+        "router",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        other / "logs" / "r.log",
+        dict(os.environ),
+    )
+    try:
+        (tmp_path / "cluster.json").write_text('{"router_address": "127.0.0.1:1", "rou')  # cut short
+        for command in (["status"], ["scale", "--decode", "2"], ["up"]):
+            assert cli.main([*command, "--state-dir", str(tmp_path)]) == 1
+            err = capsys.readouterr().err
+            assert "cluster.json is not a readable pdserve state file" in err and "Traceback" not in err
+        assert [p.pid for p in cluster.marked_processes(tmp_path)] == [mine.pid]
+        assert cli.main(["down", "--timeout", "10", "--state-dir", str(tmp_path)]) == 0
+        assert f"python (pid {mine.pid})" in capsys.readouterr().err
+        assert not cluster.alive(mine) and cluster.alive(theirs)  # another state dir's is left alone
+        assert not (tmp_path / "cluster.json").exists()
+    finally:
+        cluster.stop_processes([mine, theirs], term_timeout_s=5)
 
 
 def test_bench_options_before_the_mode_word_are_refused(capsys):

@@ -85,10 +85,19 @@ def state_path(state_dir: Path) -> Path:
 
 
 def load_state(state_dir: Path) -> ClusterState | None:
+    """The cluster ``up`` started in ``state_dir``; None: none there. ClusterError: the file is there but
+    unreadable (``save_state`` writes it whole, so only something else can have broken it)."""
     path = state_path(state_dir)
     if not path.is_file():
         return None
-    return msgspec.json.decode(path.read_bytes(), type=ClusterState)
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=ClusterState)
+    except (OSError, msgspec.DecodeError) as e:  # (ValidationError is a DecodeError)
+        raise ClusterError(
+            f"{path} is not a readable pdserve state file ({e}). The processes it listed may still run: "
+            f"their logs are in {path.parent / 'logs'}, each starting with its pid; stop them, then remove "
+            "the file"
+        ) from None
 
 
 def save_state(state_dir: Path, state: ClusterState) -> None:
@@ -184,8 +193,11 @@ def spawn(
     role: Role | None = None,
     cpus: tuple[int, ...] = (),
 ) -> ProcessEntry:
-    """Start a background process in its own session, output to ``log_path``."""
+    """Start a background process in its own session, output to ``log_path`` (``<state-dir>/logs/``).
+    Its environment names the state dir (``CLUSTER_ENV``): ``marked_processes`` finds it by that should
+    the state file be lost."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**env, CLUSTER_ENV: str(log_path.parent.parent.resolve())}
     with open(log_path, "ab") as log:
         # Logs are appended (earlier runs stay for reading); ``log_tail`` shows this run's lines only.
         log.write(f"{_RUN_MARK} {entry_id} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
@@ -232,6 +244,34 @@ def wait_exit(procs: Iterable[ProcessEntry], timeout_s: float) -> list[ProcessEn
             break
         time.sleep(_POLL_S)
     return pending
+
+
+# Set in the environment of every process ``spawn`` starts: the absolute state dir of its cluster.
+CLUSTER_ENV = "PDSERVE_CLUSTER_STATE_DIR"
+
+
+def marked_processes(state_dir: Path) -> list[ProcessEntry]:
+    """The live processes ``spawn`` started for the cluster of ``state_dir`` (this user's), found by
+    ``CLUSTER_ENV`` in their environment: how ``down`` stops a cluster whose state file is unreadable."""
+    mark = f"{CLUSTER_ENV}={state_dir.resolve()}".encode()
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if mark not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        stat = proc_stat(int(d.name))
+        if stat is None or stat[0] == "Z":
+            continue
+        # ``python -m pdserve.cli router`` (or worker, autoscale); else the program (prometheus, ...)
+        words = [a.decode(errors="replace") for a in argv]
+        name = words[3] if len(words) > 3 and words[2] == "pdserve.cli" else Path(words[0]).name
+        found.append(ProcessEntry(id=f"{name} (pid {d.name})", pid=int(d.name), start=stat[1], log=""))
+    return found
 
 
 def stop_processes(
