@@ -625,11 +625,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     # Set before the model loads: every worker shares the machine's cores with the others.
     torch.set_num_threads(wargs.threads)
+    from pdserve.worker.agent import RegistrationError
     from pdserve.worker.bringup import WorkerFailed
 
     try:
         uvloop.run(module.serve(wargs))
-    except WorkerFailed as e:  # logged where it happened; a supervisor restarts on the exit status
+    except (WorkerFailed, RegistrationError) as e:
+        # One line: the message says it all (a refusal names the flags to match); a failed worker's
+        # cause is in its log. A supervisor restarts on the exit status.
         print(f"pdserve worker: {e}", file=sys.stderr)
         return 1
     return 0
@@ -775,6 +778,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except grpc.RpcError as e:
         cluster_cmds.say(f"pdserve {args.command}: {e.code().name}: {e.details()}")
+        return 1
+    except OSError as e:
+        if args.command in LONG_RUNNING:
+            raise  # a server's own fault: its traceback, in its log
+        # The state dir read-only, full or a file: one line naming the path, as the other errors.
+        cluster_cmds.say(f"pdserve {args.command}: {e}")
         return 1
     except KeyboardInterrupt:  # Ctrl-C: what the command started is stopped on the way out (its finally)
         cluster_cmds.say(f"pdserve {args.command}: interrupted")

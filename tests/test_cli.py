@@ -112,6 +112,12 @@ def test_commands_without_a_cluster_fail_cleanly(tmp_path, capsys):
     assert cli.main(["status", "--state-dir", str(tmp_path)]) == 1
     assert "no cluster" in capsys.readouterr().err
     assert cli.main(["down", "--state-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    # A state dir that cannot be one (a file here): one line naming it, no traceback.
+    (tmp_path / "a-file").write_text("")
+    assert cli.main(["up", "--state-dir", str(tmp_path / "a-file"), "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert "a-file" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_up_fails_with_the_log_tail_and_stops_what_it_started(tmp_path, capsys):

@@ -21,6 +21,7 @@ first). SIGTERM/SIGINT end it between ticks; the workers stay.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import logging
 import os
 import signal
@@ -180,6 +181,8 @@ class Driver:
         for d in decisions:
             state = self._apply(state, status, d, now)
         state = self._keep_warm(state, status)
+        if decisions:  # what is starting or draining now: the targets reported follow the decisions
+            signals = self.signals(state, status, latency)
         self._report(state, status, signals)
         return decisions
 
@@ -207,12 +210,14 @@ class Driver:
                 and w.id in entries
                 and entries[w.id].load.state == worker_pb2.WORKER_STATE_STANDBY
             ]
+            # Loading, not registered yet, or promoted out of the warm pool but not READY yet.
+            coming = (worker_pb2.WORKER_STATE_LOADING, worker_pb2.WORKER_STATE_STANDBY)
             starting = [
                 w
                 for w in procs
                 if not w.standby
                 and w.id not in self.draining
-                and (w.id not in entries or entries[w.id].load.state == worker_pb2.WORKER_STATE_LOADING)
+                and (w.id not in entries or entries[w.id].load.state in coming)
             ]
             draining = tuple(w.id for w in procs if w.id in self.draining)
             loads = [e.load for e in serving]
@@ -374,10 +379,10 @@ class Driver:
         try:
             with urllib.request.urlopen(url, timeout=2.0) as resp:
                 text = resp.read().decode()
-        except OSError as e:
-            log.warning("router metrics at %s: %s", url, e)
+            now = _buckets(text, (TTFT, ITL))
+        except (OSError, http.client.HTTPException, ValueError) as e:  # (a body cut short: no sample)
+            log.warning("router metrics at %s: %r", url, e)
             return {}
-        now = _buckets(text, (TTFT, ITL))
         q = self.config.policy.latency_quantile
         out = {
             Pool.PREFILL: window_quantile(self._hist.get(TTFT, {}), now.get(TTFT, {}), q)
@@ -470,5 +475,8 @@ def run(config: DriverConfig, host: str = "127.0.0.1", metrics_port: int = 0) ->
             except cluster.ClusterError as e:
                 log.error("%s; stopping", e)
                 return 1
+            except Exception:  # noqa: BLE001 - one bad tick must not end the autoscaling
+                log.exception("autoscaler tick failed; next tick")
             stop.wait(max(config.policy.interval_s - (time.monotonic() - started), 0.0))
+    log.info("autoscaler stopped")
     return 0

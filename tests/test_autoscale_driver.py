@@ -1,0 +1,103 @@
+"""The local autoscaler's driver (deploy/local/autoscaler.py) against a scripted cluster: no processes.
+
+What the driver reports must follow its own decisions: the target it shows (the status file that
+`pdserve status` prints, and pdserve_autoscaler_target_workers) is the new size from the tick that decided
+it, not the old one until the pool settles; and one bad tick does not end the autoscaler.
+"""
+
+from __future__ import annotations
+
+import http.client
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.deploy.local import autoscaler as mod
+from pdserve.deploy.local import cluster
+from pdserve.proto import worker_pb2
+from pdserve.router.autoscale import AutoscaleConfig, Pool, PoolBounds
+from pdserve.worker.role import Role
+
+READY = worker_pb2.WORKER_STATE_READY
+
+
+def _entry(wid: str, role: Role, standby: bool = False) -> cluster.ProcessEntry:
+    return cluster.ProcessEntry(id=wid, pid=1, start=0, log="", role=role, standby=standby)
+
+
+class Scripted:
+    """The cluster the driver sees: its state file, and the router's answer (every listed worker READY and
+    as busy as ``running``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, state_dir: Path) -> None:
+        self.state = cluster.ClusterState(
+            router_address="127.0.0.1:1",
+            router=_entry("router", Role.BOTH),
+            model="m",
+            dtype="float32",
+            threads=1,
+            host="127.0.0.1",
+            next_index=3,
+            workers=(_entry("prefill-1", Role.PREFILL), _entry("decode-2", Role.DECODE)),
+        )
+        self.registered = {"prefill-1", "decode-2"}
+        self.running = 8
+        monkeypatch.setattr(cluster, "load_state", lambda _d: self.state)
+        monkeypatch.setattr(cluster, "save_state", self._save)
+        monkeypatch.setattr(cluster, "alive", lambda _p: True)
+        monkeypatch.setattr(cluster, "live_workers", lambda s: (s, []))
+        monkeypatch.setattr(cluster, "cluster_status", lambda *_a, **_k: self.status())
+        monkeypatch.setattr(cluster, "spawn_workers", self._spawn)
+
+    def _save(self, _d: Path, state: cluster.ClusterState) -> None:
+        self.state = state
+
+    def _spawn(self, _d, state, role, n, *_a, standby=False, **_k):  # type: ignore[no-untyped-def]
+        new = tuple(_entry(f"{role.value}-{state.next_index + i}", role, standby) for i in range(n))
+        return msgspec.structs.replace(state, workers=state.workers + new, next_index=state.next_index + n)
+
+    def status(self) -> worker_pb2.ClusterStatus:
+        out = worker_pb2.ClusterStatus()
+        for w in self.state.workers:
+            if w.id not in self.registered:
+                continue  # started, not registered yet
+            e = out.workers.add()
+            e.info.worker_id, e.info.max_running = w.id, 8
+            e.load.state, e.load.kv_blocks_total = READY, 100
+            e.load.running = self.running if w.role is Role.DECODE else 0
+        return out
+
+
+def _driver(tmp_path: Path) -> tuple[mod.Driver, CollectorRegistry]:
+    policy = AutoscaleConfig(
+        decode=PoolBounds(1, 2), up_after=1, up_cooldown_s=0.0, down_after=100, running_high=0.8
+    )
+    reg = CollectorRegistry()
+    return mod.Driver(mod.DriverConfig(tmp_path, policy), mod.Metrics(reg)), reg
+
+
+def test_the_target_reported_is_the_decided_one_from_the_deciding_tick(tmp_path, monkeypatch) -> None:
+    world = Scripted(monkeypatch, tmp_path)
+    driver, reg = _driver(tmp_path)
+    decisions = driver.tick(0.0)
+    assert [(d.pool, d.target) for d in decisions] == [(Pool.DECODE, 2)]
+    target = reg.get_sample_value("pdserve_autoscaler_target_workers", {"pool": "decode"})
+    assert target == 2  # was 1 (the old size) until the new worker served
+    shown = mod.load_status(tmp_path)
+    assert shown is not None and (shown.pools["decode"].target, shown.pools["decode"].starting) == (2, 1)
+    world.running = 0  # the new worker registers; the load is gone
+    world.registered.add("decode-3")
+    driver.tick(1.0)
+    assert reg.get_sample_value("pdserve_autoscaler_target_workers", {"pool": "decode"}) == 2
+
+
+def test_a_router_metrics_body_cut_short_is_no_sample_not_a_crash(tmp_path, monkeypatch) -> None:
+    driver, _ = _driver(tmp_path)
+
+    def cut(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise http.client.IncompleteRead(b"# HELP pdserve_time", 100)
+
+    monkeypatch.setattr(mod.urllib.request, "urlopen", cut)
+    assert driver._latencies("http://127.0.0.1:1/metrics") == {}
