@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.cli import lifeline
 from pdserve.deploy.local import alertmanager, cluster, prometheus
 from pdserve.deploy.local import autoscaler as autoscaler_mod
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -223,7 +224,10 @@ def write_targets(state_dir: Path, state: cluster.ClusterState) -> None:
 
 
 def _start_server(state_dir: Path, name: str, argv: list[str], url: str) -> cluster.ProcessEntry:
-    """Spawn one monitoring server and wait (bounded) until it answers ``/-/ready``."""
+    """Spawn one monitoring server and wait (bounded) until it answers ``/-/ready``. Under
+    ``PDSERVE_EXIT_WITH_PID`` it runs tied to that process, as pdserve's own processes do."""
+    if lifeline.exit_with_pid() is not None:
+        argv = [sys.executable, "-m", "pdserve.cli.lifeline", *argv]
     proc = cluster.spawn(name, argv, state_dir / "logs" / f"{name}.log", cluster.child_env(1))
     if not prometheus.wait_ready(url, 60.0, lambda: cluster.alive(proc)):
         cluster.stop_processes([proc], term_timeout_s=10.0)

@@ -7,6 +7,10 @@ stops itself as SIGTERM would: a worker drains, the router stops serving. If it 
 
 For supervisors and test runs: a killed test session (a CI timeout, kill -9 of pytest) otherwise leaves
 its clusters running, since ``pdserve up`` starts them in their own sessions to outlive the shell.
+
+Programs that are not pdserve's (the Prometheus and Alertmanager of ``up --prometheus``) run under
+``python -m pdserve.cli.lifeline PROGRAM ARGS...`` when the variable is set: a small parent that forwards
+signals to the program, stops it the same way once N is gone, and whose own death ends it too.
 """
 
 from __future__ import annotations
@@ -39,10 +43,18 @@ def exit_with_pid(environ: Mapping[str, str] | None = None) -> int | None:
     return pid
 
 
-def process_gone(pid: int) -> bool:
-    """True once ``pid`` has exited: no such process, or a zombie waiting to be reaped."""
+def process_gone(pid: int, start: int | None = None) -> bool:
+    """True once ``pid`` has exited: no such process, a zombie waiting to be reaped, or (``start``: its
+    start time when the watch began) another process that got the pid since."""
     stat = cluster.proc_stat(pid)
-    return stat is None or stat[0] == "Z"
+    return stat is None or stat[0] == "Z" or (start is not None and stat[1] != start)
+
+
+def _watch_until_gone(pid: int, interval_s: float) -> None:
+    stat = cluster.proc_stat(pid)
+    start = stat[1] if stat is not None else None
+    while not process_gone(pid, start):
+        time.sleep(interval_s)
 
 
 def start_lifeline(
@@ -52,8 +64,7 @@ def start_lifeline(
     SIGTERM, then SIGKILL ``kill_after_s`` later if it is still running."""
 
     def watch() -> None:
-        while not process_gone(pid):
-            time.sleep(interval_s)
+        _watch_until_gone(pid, interval_s)
         log.warning("%s: process %d (%s) is gone; stopping", what, pid, EXIT_WITH_PID_ENV)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(kill_after_s)
@@ -63,3 +74,43 @@ def start_lifeline(
     thread = threading.Thread(target=watch, name="pdserve-lifeline", daemon=True)
     thread.start()
     return thread
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when its parent (this wrapper) dies, however it dies."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def supervise(argv: list[str], *, interval_s: float = 0.5, kill_after_s: float = 30.0) -> int:
+    """Run ``argv`` tied to ``PDSERVE_EXIT_WITH_PID`` (module docstring); returns its exit status."""
+    import subprocess
+
+    child = subprocess.Popen(argv, preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (SIGHUP: Prometheus reloads)
+        signal.signal(sig, lambda s, _frame: child.send_signal(s))
+    parent = exit_with_pid()
+    if parent is not None:
+
+        def watch() -> None:
+            _watch_until_gone(parent, interval_s)
+            log.warning("%s: process %d (%s) is gone; stopping", argv[0], parent, EXIT_WITH_PID_ENV)
+            child.terminate()
+            try:
+                child.wait(kill_after_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+        threading.Thread(target=watch, name="pdserve-lifeline", daemon=True).start()
+    rc = child.wait()
+    return 128 - rc if rc < 0 else rc  # killed by signal N: 128 + N, as a shell reports it
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m pdserve.cli.lifeline PROGRAM [ARGS...]")
+    sys.exit(supervise(sys.argv[1:]))

@@ -86,6 +86,58 @@ def test_the_lifeline_sends_sigterm_once_the_process_is_gone():
                 p.stdout.close()
 
 
+def test_a_pid_taken_by_another_process_counts_as_gone():
+    stat = cluster.proc_stat(os.getpid())
+    assert stat is not None
+    assert not lifeline.process_gone(os.getpid(), stat[1])
+    assert lifeline.process_gone(os.getpid(), stat[1] - 1)  # same pid, another start: not the one watched
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[-1].split()[1]) == pid:
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.parametrize("how", ["parent_gone", "wrapper_killed"])
+def test_a_program_run_under_the_lifeline_stops_with_the_process_or_its_wrapper(how):
+    """What ``up --prometheus`` starts under PDSERVE_EXIT_WITH_PID (Prometheus, Alertmanager): the
+    wrapper stops the program once the process is gone, and the program dies with a killed wrapper."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    env = {**os.environ, lifeline.EXIT_WITH_PID_ENV: str(sleeper.pid)}
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli.lifeline", "sleep", "120"], cwd=ROOT, env=env
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (kids := _children(wrapper.pid)):
+            assert time.monotonic() < deadline, "the program did not start"
+            time.sleep(0.05)
+        program = kids[0]
+        if how == "parent_gone":
+            sleeper.kill()
+            assert wrapper.wait(timeout=30) == 128 + signal.SIGTERM  # the program's status, as a shell's
+        else:
+            wrapper.kill()
+            wrapper.wait()
+        deadline = time.monotonic() + 30
+        while not lifeline.process_gone(program):
+            assert time.monotonic() < deadline, "the program outlived its wrapper's reason to run"
+            time.sleep(0.05)
+    finally:
+        for p in (sleeper, wrapper):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 @pytest.mark.slow
 def test_a_cluster_stops_when_the_process_it_is_tied_to_is_killed(tmp_path):
     """A parent with PDSERVE_EXIT_WITH_PID set to itself runs `pdserve up` (router, 1 prefill and 1 decode
