@@ -91,6 +91,11 @@ def each_share(device: str, workers: int, given: float | None) -> float:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    with cluster.state_lock(args.state_dir, create=True):
+        return _up(args)
+
+
+def _up(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir
     old = cluster.load_state(state_dir)
     if old is not None and cluster.alive(old.router):
@@ -275,6 +280,11 @@ def start_alertmanager(state_dir: Path, state: cluster.ClusterState, listen: str
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
+    with cluster.state_lock(args.state_dir):
+        return _scale(args)
+
+
+def _scale(args: argparse.Namespace) -> int:
     state = cluster.load_state(args.state_dir)
     if state is None:
         raise cluster.ClusterError(f"no cluster in {args.state_dir}")
@@ -382,6 +392,11 @@ def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    with cluster.state_lock(args.state_dir):
+        return _down(args)
+
+
+def _down(args: argparse.Namespace) -> int:
     try:
         state = cluster.load_state(args.state_dir)
     except cluster.ClusterError as e:

@@ -119,7 +119,17 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             pid=info.pid,
             standby=info.standby,
         )
-        router.registry.register(w, time.monotonic())
+        now = time.monotonic()
+        holder = router.registry.held_by_another(w, now)
+        if holder is not None:
+            # The agent retries (a restarted process waits out its predecessor's heartbeat timeout), then
+            # exits saying this.
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"worker id {w.worker_id} is registered at {holder.address} (pid {holder.pid}), which still "
+                "heartbeats: give each worker its own --worker-id",
+            )
+        router.registry.register(w, now)
         router.ledger.sync(w)
         router.infos[info.worker_id] = info
         await router.admission.notify()

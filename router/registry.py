@@ -106,6 +106,16 @@ class Registry:
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
 
+    def held_by_another(self, worker: Worker, now: float) -> Worker | None:
+        """The registered worker of the same id that is another process (address or pid) and still
+        heartbeats: two live processes under one id, whose heartbeats the router could not tell apart.
+        None: the id is free, the same process's, or its holder has stopped heartbeating."""
+        old = self._workers.get(worker.worker_id)
+        if old is None or now - old.last_heartbeat > self.config.heartbeat_timeout_s:
+            return None
+        other_pid = bool(old.pid and worker.pid and old.pid != worker.pid)
+        return old if old.address != worker.address or other_pid else None
+
     def register(self, worker: Worker, now: float) -> None:
         """Add or replace a worker (a re-registration after a router restart keeps the worker usable)."""
         old = self._workers.get(worker.worker_id)

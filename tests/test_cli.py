@@ -416,6 +416,17 @@ def test_log_tail_shows_the_latest_run_only_and_scale_needs_a_live_router(tmp_pa
         assert "has exited: `pdserve down`, then `pdserve up` again" in capsys.readouterr().err, command
 
 
+def test_a_second_command_changing_the_cluster_at_once_is_refused(tmp_path, capsys):
+    """Two `scale` calls at once started two workers under one id; one command holds the state dir."""
+    import os
+
+    with cluster.state_lock(tmp_path):
+        for command in (["scale", "--decode", "2"], ["down"], ["up"]):
+            assert cli.main([*command, "--state-dir", str(tmp_path)]) == 1
+            assert f"another pdserve command (pid {os.getpid()}) is changing" in capsys.readouterr().err
+    assert cli.main(["down", "--state-dir", str(tmp_path)]) == 0  # free again
+
+
 def test_a_broken_state_file_is_named_and_down_still_stops_its_cluster(tmp_path, capsys):
     """Every command names the unreadable file in one line; ``down`` finds the processes ``up`` started
     for the state dir by the mark in their environment, stops them and removes the file."""

@@ -658,6 +658,34 @@ def test_a_heartbeat_whose_load_report_fails_does_not_end_the_heartbeats(model_d
     run(main())
 
 
+def test_a_second_live_process_under_a_registered_worker_id_is_refused(model_dir):
+    """Two processes under one id (two `scale` calls at once) would share heartbeats the router cannot
+    tell apart: the second is refused while the first heartbeats, and takes the id once it is gone."""
+
+    async def main():
+        first = FakeWorker("d1", Role.BOTH, ids("hello"))
+        async with cluster(model_dir, [first], heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5) as (
+            server,
+            stub,
+        ):
+            second = FakeWorker("d1", Role.BOTH, ids("world"))
+            try:
+                with pytest.raises(RegistrationError, match="ALREADY_EXISTS|still heartbeats") as info:
+                    await second.start(server.address, register_timeout_s=0.5, retry_interval_s=0.05)
+                assert "give each worker its own --worker-id" in str(info.value)
+                assert server.router.registry.get("d1").address == first.shell.address  # type: ignore[union-attr]
+                await first.stop()  # deregisters: the id is free
+                await second.agent.register()  # type: ignore[union-attr]
+                second.agent.start()  # type: ignore[union-attr]
+                assert server.router.registry.get("d1").address == second.shell.address  # type: ignore[union-attr]
+                tokens, _, _ = await collect(stub.Generate(request(max_tokens=1)))
+                assert tokens == ids("world")
+            finally:
+                await second.stop()
+
+    run(main())
+
+
 def test_an_agent_that_gives_up_says_what_the_last_try_got(model_dir):
     """ "did not answer within 60s" alone hid a router refusing the TLS handshake: the last error goes
     with it."""

@@ -105,12 +105,24 @@ class RouterAgent:
                 await self._register_once()
                 break
             except grpc.aio.AioRpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # ALREADY_EXISTS: the id is another live process's; retried in case that one is this
+                # worker's own predecessor, about to expire.
+                retry = (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.ALREADY_EXISTS,
+                )
+                if e.code() not in retry:
                     raise RegistrationError(
                         f"router {cfg.router_address} rejected {self.info.worker_id}: "
                         f"{e.code().name}: {e.details()}"
                     ) from e
                 if time.monotonic() + cfg.retry_interval_s > give_up:
+                    if e.code() is grpc.StatusCode.ALREADY_EXISTS:
+                        raise RegistrationError(
+                            f"router {cfg.router_address} refused {self.info.worker_id} for "
+                            f"{cfg.register_timeout_s}s: {e.details()}"
+                        ) from e
                     # The last error says why: the router is not up, or it refused the TLS handshake.
                     raise RegistrationError(
                         f"router {cfg.router_address} did not answer within {cfg.register_timeout_s}s "

@@ -13,12 +13,14 @@ then SIGTERM, then SIGKILL, each step bounded.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -82,6 +84,37 @@ class ClusterError(RuntimeError):
 
 def state_path(state_dir: Path) -> Path:
     return Path(state_dir) / STATE_FILE
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def state_lock(state_dir: Path, *, create: bool = False) -> Iterator[None]:
+    """Hold the state dir for one command that changes its cluster (``up``, ``scale``, ``down``): a second
+    one at the same time is refused (ClusterError) instead of racing it (two ``scale`` calls started
+    workers under one id). ``create``: make the dir (``up``); else a missing dir is nothing to hold."""
+    d = Path(state_dir)
+    if not d.is_dir():
+        if not create:
+            yield
+            return
+        d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)  # (not inherited by children)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise ClusterError(
+                f"another pdserve command (pid {holder}) is changing the cluster in {d}: try again once it "
+                "is done"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
 
 
 def load_state(state_dir: Path) -> ClusterState | None:
