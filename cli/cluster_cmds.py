@@ -343,7 +343,7 @@ def _scale(args: argparse.Namespace) -> int:
         say(f"draining {', '.join(w.id for w in removing)}")
         stuck = cluster.remove_workers(state, removing, args.timeout, say)
         for wid in stuck:
-            say(f"{wid} did not drain within {args.timeout:.0f}s and was stopped by signal")
+            say(f"{wid} did not drain within {args.timeout:.0f}s: stopped, cutting its requests in flight")
         state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w not in removing))
         cluster.save_state(args.state_dir, state)
     write_targets(args.state_dir, state)
@@ -384,7 +384,8 @@ def _promote_standby(
 def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
     workers = [w for w in state.workers if cluster.alive(w)]
     if workers and drain_timeout_s > 0 and cluster.alive(state.router):
-        cluster.remove_workers(state, workers, drain_timeout_s, say)
+        for wid in cluster.remove_workers(state, workers, drain_timeout_s, say):
+            say(f"{wid} did not drain within {drain_timeout_s:.0f}s: stopped, cutting its requests in flight")
     else:
         cluster.stop_processes(workers, term_timeout_s=10.0)
     cluster.stop_processes([state.router], term_timeout_s=15.0)

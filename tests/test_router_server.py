@@ -793,6 +793,29 @@ class WriterWorker(FakeWorker):
             await context.write(m)
 
 
+def test_a_second_stop_signal_while_draining_cuts_what_is_in_flight(model_dir):
+    """SIGTERM drains; another one (``down``/``scale`` once their --timeout passed) stops at once, the
+    requests in flight cut, rather than after the whole drain timeout."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the"))
+        w.hold_at = 1
+        async with cluster(model_dir, [w]) as (_, stub):
+            call = stub.Generate(request(max_tokens=3))
+            await w.wait_for(lambda: w.started)
+            shell = w.shell
+            assert shell is not None and shell.config.drain_timeout_s >= 10
+            shell._on_signal()  # SIGTERM: drain (the held request would keep it waiting)
+            await asyncio.sleep(0.2)
+            assert not shell._stopped.is_set()
+            shell._on_signal()  # again: stop now
+            await asyncio.wait_for(shell.wait_stopped(), 5)  # well before the drain timeout
+            with pytest.raises(grpc.aio.AioRpcError):
+                await collect(call)
+
+    run(main())
+
+
 def test_shell_waits_for_writer_style_streams_and_rejects_new_calls_while_draining(model_dir):
     async def main():
         w = WriterWorker("b1", Role.BOTH, ids("hello world"))

@@ -239,6 +239,7 @@ class WorkerShell:
         self._idle.set()
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task | None = None
+        self._stop_now = asyncio.Event()  # a second SIGTERM: the drain stops waiting for in-flight calls
 
     async def start(
         self,
@@ -298,16 +299,31 @@ class WorkerShell:
             await self._stopped.wait()
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM or SIGINT: drain. Another one while draining: stop now, cutting what is in flight
+        (the router moves those requests), as ``pdserve down`` / ``scale`` ask once ``--timeout`` passed."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.begin_drain)
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self.state is ShellState.DRAINING and not self._stop_now.is_set():
+            log.warning("asked again to stop: cutting %d requests in flight", self.inflight)
+            self._stop_now.set()
+        self.begin_drain()
 
     async def _drain(self) -> None:
         try:
             await self.health.enter_graceful_shutdown()
+            idle = asyncio.ensure_future(self._idle.wait())
+            now = asyncio.ensure_future(self._stop_now.wait())
             try:
-                await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
-            except TimeoutError:
+                await asyncio.wait(
+                    (idle, now), timeout=self.config.drain_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                idle.cancel()
+                now.cancel()
+            if self.inflight and not self._stop_now.is_set():
                 log.warning("drain timed out with %d requests in flight; cancelling them", self.inflight)
             if self._server is not None:
                 await self._server.stop(self.config.stop_grace_s)
