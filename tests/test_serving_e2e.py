@@ -258,7 +258,7 @@ def test_kill_decode_worker_mid_stream(tmp_path):
                     pass
             # No other decoding worker to move to: the stream fails at once, saying so.
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "no healthy worker" in e.value.details()
+            assert "no other decode or colocated worker is left" in e.value.details()
             assert time.monotonic() - t0 < 3.0
         # The router stopped routing to it, and the prefill side holds nothing.
         ws = c.workers()
