@@ -359,6 +359,23 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def forget_worker(state_dir: Path, worker_id: str, exit_wait_s: float = 10.0) -> None:
+    """A worker of the local cluster drained by hand (``pdserve drain``): once its process has exited, it
+    leaves the state file, the Prometheus targets and the workers the alerts expect, as after ``scale``
+    (else the worker-count alert fired for a worker removed on purpose)."""
+    with cluster.state_lock(state_dir):
+        state = cluster.load_state(state_dir)
+        entry = next((w for w in state.workers if w.id == worker_id), None) if state else None
+        if state is None or entry is None:
+            return
+        if cluster.wait_exit([entry], exit_wait_s):
+            say(f"{worker_id} (pid {entry.pid}) still runs: left in the cluster's state file")
+            return
+        state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w.id != worker_id))
+        cluster.save_state(state_dir, state)
+        write_targets(state_dir, state)
+
+
 def _promote_standby(
     state: cluster.ClusterState, state_dir: Path, role: Role, n: int
 ) -> tuple[cluster.ClusterState, list[str]]:

@@ -709,6 +709,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
     # (The router also drops a worker that stops answering heartbeats while draining: a hung one. If that
     # process comes back, it registers straight into its drain: router/registry.py.)
     cluster_cmds.say(f"{args.worker_id} has left the router (drained, or dropped for missed heartbeats)")
+    if not args.router:
+        cluster_cmds.forget_worker(args.state_dir, args.worker_id)
     return 0
 
 

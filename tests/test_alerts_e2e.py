@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.local import alertmanager, cluster
+from pdserve.deploy.local import alertmanager, cluster, prometheus
 from tests.cluster_harness import free_port, pdserve, running_cluster
 from tests.test_observability_prometheus import api, prometheus_binary, wait_for  # noqa: F401 - fixture
 
@@ -151,6 +151,13 @@ def test_killing_a_worker_fires_the_worker_count_alert_at_alertmanager_and_it_re
         )
         assert back.id not in {w["id"] for w in c.workers()}
         assert cluster.wait_exit([back], 30) == []
+        # ... and leaves the state file and the workers the alert expects: no alert for a removal on purpose.
+        state = cluster.load_state(c.state_dir)
+        assert state is not None and back.id not in {w.id for w in state.workers}
+        assert back.id not in prometheus.targets_path(c.state_dir).read_text()
+        assert "expr: vector(0)\n        labels:\n          role: prefill" in (
+            prometheus.expected_path(c.state_dir).read_text()
+        )
     left = [p.id for p in started if cluster.alive(p)]
     assert left == [], f"still running after the cluster was stopped: {left}"
 
