@@ -76,19 +76,23 @@ def start_lifeline(
     return thread
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when its parent (this wrapper) dies, however it dies."""
+def _die_with(parent: int) -> None:
+    """In the child, before exec: SIGTERM when ``parent`` (this wrapper) dies, however it dies (and at
+    once if it died already, before the request took effect)."""
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def supervise(argv: list[str], *, interval_s: float = 0.5, kill_after_s: float = 30.0) -> int:
     """Run ``argv`` tied to ``PDSERVE_EXIT_WITH_PID`` (module docstring); returns its exit status."""
     import subprocess
 
-    child = subprocess.Popen(argv, preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only
+    me = os.getpid()
+    child = subprocess.Popen(argv, preexec_fn=lambda: _die_with(me))  # noqa: PLW1509 - prctl only
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (SIGHUP: Prometheus reloads)
         signal.signal(sig, lambda s, _frame: child.send_signal(s))
     parent = exit_with_pid()

@@ -402,7 +402,6 @@ def build_parser() -> argparse.ArgumentParser:
     _router_tuning(p)
     _token_arg(p)
     _tls_args(p, server=True)
-    _state_dir(p)
 
     p = sub.add_parser("worker", help="run a worker in the foreground")
     p.add_argument("--role", choices=[r.value for r in Role], required=True)
@@ -436,7 +435,6 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_tuning(p)
     _token_arg(p)
     _tls_args(p, server=True)
-    _state_dir(p)
 
     p = sub.add_parser("bench", help="load-test a running router (workloads, arrivals, goodput under SLOs)")
     # bench adds its own --router / --state-dir.

@@ -129,9 +129,19 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
                 f"worker id {w.worker_id} is registered at {holder.address} (pid {holder.pid}), which still "
                 "heartbeats: give each worker its own --worker-id",
             )
+        again = router.registry.get(w.worker_id) is not None
         router.registry.register(w, now)
         router.ledger.sync(w)
         router.infos[info.worker_id] = info
+        log.info(
+            "worker %s %s: %s at %s (pid %d)%s",
+            w.worker_id,
+            "registered again" if again else "registered",
+            w.role.value,
+            w.address,
+            w.pid,
+            ", standby" if w.standby else "",
+        )
         await router.admission.notify()
         return worker_pb2.RegisterResponse(heartbeat_interval_s=router.config.heartbeat_interval_s)
 
@@ -152,6 +162,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             w.kv_blocks_total = load.kv_blocks_total
         if router.registry.get(load.worker_id) is None:
             router.infos.pop(load.worker_id, None)  # it reported STOPPED
+            log.info("worker %s stopped", load.worker_id)
         await router.admission.notify()
         return worker_pb2.HeartbeatResponse(known=True, drain=w.drain_requested, standby=w.standby)
 
@@ -163,6 +174,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             router.registry.remove(info.worker_id)
             # Its calls are not failed here: a worker deregisters after its in-flight calls ended.
             router.infos.pop(info.worker_id, None)
+            log.info("worker %s left (deregistered)", info.worker_id)
         return worker_pb2.Empty()
 
     async def GetClusterStatus(self, request: worker_pb2.Empty, context: grpc.aio.ServicerContext):
@@ -202,8 +214,12 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             return worker_pb2.PromoteWorkerResponse(found=False)
         if request.worker_id in router.infos:
             router.infos[request.worker_id].standby = False
+        log.info("worker %s promoted from the warm pool", request.worker_id)
         await router.admission.notify()  # requests waiting for room may take it now
         return worker_pb2.PromoteWorkerResponse(found=True, serving=w.state is State.READY)
 
     async def DrainWorker(self, request: worker_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext):
-        return worker_pb2.DrainWorkerResponse(found=self._router.registry.drain(request.worker_id))
+        found = self._router.registry.drain(request.worker_id)
+        if found:
+            log.info("worker %s: drain requested", request.worker_id)
+        return worker_pb2.DrainWorkerResponse(found=found)

@@ -149,6 +149,7 @@ class RouterServer:
         """NOT_SERVING, refuse new requests, let in-flight ones finish (bounded), stop."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         self.router.closing = True
+        log.info("router stopping (%d requests in flight)", len(self.router.ledger.jobs))
         await self.health.enter_graceful_shutdown()
         give_up = time.monotonic() + grace
         while self.router.ledger.jobs and time.monotonic() < give_up:
@@ -170,6 +171,7 @@ class RouterServer:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        log.info("router stopped")
 
     async def serve(self) -> None:
         """Run until SIGTERM/SIGINT."""

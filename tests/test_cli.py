@@ -50,7 +50,7 @@ def test_parser_defaults_and_validation():
     assert (a.prefill, a.decode, a.colocated, str(a.state_dir)) == (None, 2, None, "x")
     a = p.parse_args(["generate", "hi", "--chat", "--max-tokens", "5", "--seed", "3", "--json"])
     assert a.chat and a.json and (a.prompt, a.max_tokens, a.seed, a.temperature) == ("hi", 5, 3, None)
-    for command in ("status", "down", "router"):
+    for command in ("status", "down"):
         assert str(p.parse_args([command, "--state-dir", "d"]).state_dir) == "d"
     for bad in (
         ["up", "--prefill", "-1"],
@@ -62,6 +62,8 @@ def test_parser_defaults_and_validation():
         ["worker", "--role", "decode", "--router", "a:1", "--gpu-memory-utilization", "1.5"],
         ["worker", "--role", "prefill"],
         ["worker", "--role", "gpu", "--router", "a:1"],
+        ["router", "--state-dir", "d"],  # the foreground pieces keep no state: it did nothing there
+        ["worker", "--role", "decode", "--router", "a:1", "--state-dir", "d"],
         ["generate", "hi", "--max-tokens", "-3"],  # the proto fields are unsigned: was a traceback
         ["generate", "hi", "--max-tokens", "0"],
         ["generate", "hi", "--max-tokens", "99999999999"],
