@@ -425,9 +425,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup", type=float, default=d.warmup_s, help="seconds of each process's RSS not judged"
     )
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="each request's deadline (s)",
+    )
+    p.add_argument("--seed", type=int, default=d.seed, help="the traffic's random seed")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:

@@ -764,7 +764,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, compare: bool) -> None:
     else:
         where.add_argument("--shape", type=_shape, required=True, help="cluster shape, e.g. 1P+1D or 2C")
     where.add_argument("--model", default=DEFAULT_MODEL, help="model name or path (default: %(default)s)")
-    where.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    where.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
+        help="the clusters' dtype, fixed rather than `up`'s auto so that runs compare across hosts "
+        "(default: %(default)s)",
+    )
     where.add_argument(
         "--threads",
         type=int,

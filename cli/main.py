@@ -194,7 +194,11 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
         "(RESOURCE_EXHAUSTED; 0: no bound; default %(default)s)",
     )
     p.add_argument(
-        "--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds a request may wait"
+        "--queue-timeout",
+        type=float,
+        default=d.queue_timeout_s,
+        help="seconds a request may wait in the router's queue for a decode worker with room, then "
+        "UNAVAILABLE (HTTP 503)",
     )
     p.add_argument(
         "--local-prefill-threshold",
@@ -202,8 +206,18 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
         default=d.local_prefill_threshold,
         help="prompts shorter than this many tokens prefill on the decode worker",
     )
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
-    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s)
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=d.heartbeat_interval_s,
+        help="seconds between workers' heartbeats",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        help="seconds without a heartbeat after which a worker is dropped and its requests move",
+    )
     p.add_argument(
         "--request-timeout",
         type=float,
@@ -293,18 +307,42 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default unless the text already says it (or there is none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings
+            and "default" not in text
+            and default is not None
+            and default is not False  # (a store_true flag; 0 is a default worth showing)
+            and default != argparse.SUPPRESS
+            and not (isinstance(default, (list, tuple)) and not default)
+        ):
+            text = f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
+    parser = _Parser(prog="pdserve", description="Prefill/decode disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start a router and workers as local background processes")
-    p.add_argument("--prefill", type=_nonneg, default=1)
-    p.add_argument("--decode", type=_nonneg, default=1)
+    p.add_argument("--prefill", type=_nonneg, default=1, help="prefill workers")
+    p.add_argument("--decode", type=_nonneg, default=1, help="decode workers")
     p.add_argument("--colocated", type=_nonneg, default=0, help="workers that prefill and decode (role both)")
     _model_args(p)
     _device_args(p, "up")
-    p.add_argument("--host", default=DEFAULT_HOST)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--host", default=DEFAULT_HOST, help="the address every process binds to")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the router's gRPC port")
     p.add_argument(
         "--threads",
         type=int,
@@ -343,9 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cmds.autoscale_arguments(p, on_up=True)
 
     p = sub.add_parser("scale", help="grow or shrink the pools of the local cluster")
-    p.add_argument("--prefill", type=_nonneg, default=None)
-    p.add_argument("--decode", type=_nonneg, default=None)
-    p.add_argument("--colocated", type=_nonneg, default=None)
+    p.add_argument(
+        "--prefill", type=_nonneg, default=None, help="prefill workers wanted (default: unchanged)"
+    )
+    p.add_argument("--decode", type=_nonneg, default=None, help="decode workers wanted (default: unchanged)")
+    p.add_argument(
+        "--colocated", type=_nonneg, default=None, help="colocated workers wanted (default: as now)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for new workers / drains")
     _device_args(p, "scale")
     _state_dir(p)
@@ -360,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     _state_dir(p)
 
     p = sub.add_parser("status", help="workers, their state and load")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the whole status as JSON")
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
     _token_arg(p)
     _tls_args(p, server=False)
@@ -369,13 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion to stdout")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    p.add_argument("--max-tokens", type=_int_in(1, 2**32 - 1), default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None)
+    unset = "(default: the engine's, as for an unset field)"
+    p.add_argument(
+        "--max-tokens", type=_int_in(1, 2**32 - 1), default=None, help=f"tokens to generate {unset}"
+    )
+    p.add_argument("--temperature", type=float, default=None, help=f"0: greedy {unset}")
+    p.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling mass {unset}")
+    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, help="a seed: reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per streamed message")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=600.0, help="the request's deadline in seconds")
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
     _tls_args(p, server=False)
     _state_dir(p)
@@ -396,17 +441,17 @@ def build_parser() -> argparse.ArgumentParser:
     _state_dir(p)
 
     p = sub.add_parser("router", help="run the router in the foreground")
-    p.add_argument("--host", default=DEFAULT_HOST)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--host", default=DEFAULT_HOST, help="the address to bind")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the gRPC port")
     _model_args(p)
     _router_tuning(p)
     _token_arg(p)
     _tls_args(p, server=True)
 
     p = sub.add_parser("worker", help="run a worker in the foreground")
-    p.add_argument("--role", choices=[r.value for r in Role], required=True)
+    p.add_argument("--role", choices=[r.value for r in Role], required=True, help="the worker's pool")
     p.add_argument("--router", required=True, help="the router's address, host:port")
-    p.add_argument("--host", default=DEFAULT_HOST)
+    p.add_argument("--host", default=DEFAULT_HOST, help="the address to bind and register (a pod IP)")
     p.add_argument("--port", type=_nonneg, default=0, help="0: pick a free port")
     _model_args(p)
     _device_args(p, "worker")
@@ -423,7 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="join the warm pool: load and register, but take requests only once promoted (the autoscaler)",
     )
-    p.add_argument("--drain-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--drain-timeout", type=float, default=300.0, help="seconds a drain waits for requests in flight"
+    )
     p.add_argument(
         "--load-failure-linger",
         type=float,
