@@ -6,7 +6,7 @@
 
 ``auto`` picks what the device computes fast: bfloat16 on CUDA (float16 on GPUs older than Ampere, which
 have no bf16 tensor cores), bfloat16 on CPUs with bf16 dot-product instructions, float32 elsewhere (on an
-AVX2-only CPU bfloat16 runs several times slower than float32: DESIGN.md, reference points).
+AVX2-only CPU bfloat16 runs several times slower than float32: README, "Measured figures").
 
 Syntax checks (``check_device``, ``check_dtype``, ``check_gpu_memory_utilization``) import nothing heavy,
 so configs and the CLI validate without torch; ``resolve_*`` look at the host (torch, /proc/cpuinfo).
