@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import msgspec
 
 from pdserve.cli import lifeline
@@ -338,7 +340,19 @@ def _scale(args: argparse.Namespace) -> int:
     cluster.save_state(args.state_dir, state)
     if added:
         say(f"starting {', '.join(added)}")
-        cluster.wait_ready(state, set(added), args.timeout, say)
+        try:
+            cluster.wait_ready(state, set(added), args.timeout, say)
+        except (cluster.ClusterError, KeyboardInterrupt):
+            # Not stopped (as `up` stops what it started): they stay in the cluster and join once ready.
+            starting = [w for w in state.workers if w.id in added and cluster.alive(w)]
+            if starting:
+                with contextlib.suppress(grpc.RpcError, OSError):
+                    write_targets(args.state_dir, state)  # scraped from the start, as after a scale
+                say(
+                    f"{', '.join(w.id for w in starting)} still starting: joins the cluster once ready "
+                    "(`pdserve status`); `pdserve scale` again to remove it"
+                )
+            raise
     if removing:
         say(f"draining {', '.join(w.id for w in removing)}")
         stuck = cluster.remove_workers(state, removing, args.timeout, say)

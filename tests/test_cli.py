@@ -365,6 +365,11 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         assert not cluster.alive(started[0])
         assert "draining (1 in flight)" in Path(started[0].log).read_text()
         assert [w.id for w in cluster.load_state(tmp_path / "state").workers] == ["both-3"]
+        # A scale that gives up waiting says its worker goes on starting (it does, and joins).
+        assert cli.main(["scale", "--colocated", "2", "--timeout", "0.01", *base]) == 1
+        assert "both-4 still starting: joins the cluster once ready" in capsys.readouterr().err
+        cluster.wait_ready(cluster.load_state(state_dir), {"both-4"}, 60)
+        assert workers() == {"both-3": "ready", "both-4": "ready"}
     finally:
         assert cli.main(["down", *base]) == 0
 
