@@ -192,7 +192,13 @@ class EngineLoop:
         if q is not None:
             self._loop.call_soon_threadsafe(q.put_nowait, item)
             if item is None or isinstance(item, BaseException):
-                self._loop.call_soon_threadsafe(self._queues.pop, request_id, None)
+                self._loop.call_soon_threadsafe(self._forget, request_id, q)
+
+    def _forget(self, request_id: Hashable, q: asyncio.Queue[QueueItem]) -> None:
+        """(Event loop.) Drop the ended request's queue: that one, not a newer request's of the same id
+        (a client retrying its own id at once) submitted in between."""
+        if self._queues.get(request_id) is q:
+            del self._queues[request_id]
 
     def _resolve(
         self, fut: asyncio.Future[Any] | None, value: Any = None, exc: BaseException | None = None

@@ -113,3 +113,21 @@ def test_an_engine_that_dies_fails_everything_at_once_and_drains_the_worker(tiny
         await asyncio.wait_for(shell.stop(), 10)
 
     asyncio.run(main())
+
+
+def test_an_ended_request_never_takes_the_queue_of_a_newer_one_with_its_id() -> None:
+    """A client retrying its own request id at once: the old request's end (queued to the event loop by the
+    engine thread) must not drop the new request's queue, submitted in between."""
+
+    async def main() -> None:
+        loop = engine_loop.EngineLoop(object(), asyncio.get_running_loop())  # type: ignore[arg-type]
+        old: asyncio.Queue = asyncio.Queue()
+        loop._queues["r"] = old
+        loop._put("r", None)  # (from the engine thread) the old one ended
+        new: asyncio.Queue = asyncio.Queue()
+        loop._queues["r"] = new  # the retry, submitted before the loop ran the end's callbacks
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert old.get_nowait() is None and loop._queues.get("r") is new
+
+    asyncio.run(main())
