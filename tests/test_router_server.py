@@ -793,6 +793,30 @@ class WriterWorker(FakeWorker):
             await context.write(m)
 
 
+def test_one_sigterm_after_a_drain_the_router_asked_for_still_waits(model_dir):
+    """A drain begun by the router (pdserve drain, a preStop hook, a scale-down): the kubelet's SIGTERM
+    that follows is the first signal, and drains; only a second one cuts."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the"))
+        w.hold_at = 1
+        async with cluster(model_dir, [w]) as (server, stub):
+            call = stub.Generate(request(max_tokens=3))
+            await w.wait_for(lambda: w.started)
+            server.router.registry.drain("b1")
+            shell = w.shell
+            assert shell is not None
+            await until(lambda: shell.state.name == "DRAINING", what="the drain the router asked for")
+            shell._on_signal()
+            await asyncio.sleep(0.3)
+            assert not shell._stopped.is_set()  # still waiting for the held request
+            w.release.set()
+            tokens, _, _ = await collect(call)
+            assert tokens == ids("hello world the")
+
+    run(main())
+
+
 def test_a_second_stop_signal_while_draining_cuts_what_is_in_flight(model_dir):
     """SIGTERM drains; another one (``down``/``scale`` once their --timeout passed) stops at once, the
     requests in flight cut, rather than after the whole drain timeout."""

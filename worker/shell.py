@@ -240,6 +240,7 @@ class WorkerShell:
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task | None = None
         self._stop_now = asyncio.Event()  # a second SIGTERM: the drain stops waiting for in-flight calls
+        self._signalled = False
 
     async def start(
         self,
@@ -306,9 +307,12 @@ class WorkerShell:
             loop.add_signal_handler(sig, self._on_signal)
 
     def _on_signal(self) -> None:
-        if self.state is ShellState.DRAINING and not self._stop_now.is_set():
+        # Only a second signal cuts: a drain the router asked for (pdserve drain, a preStop hook, a
+        # scale-down) still lets the first SIGTERM after it wait for the requests in flight.
+        if self._signalled and not self._stop_now.is_set():
             log.warning("asked again to stop: cutting %d requests in flight", self.inflight)
             self._stop_now.set()
+        self._signalled = True
         self.begin_drain()
 
     async def _drain(self) -> None:

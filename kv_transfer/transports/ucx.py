@@ -631,6 +631,16 @@ class UcxTransport:
         )
         self._connect_request.future.add_done_callback(self._connect_received)
 
+    def _rearm(self, delay_s: float = 0.0) -> None:
+        """Post the next connect receive; should posting fail, try again (up to every 5 s) rather than
+        leave a worker that looks ready but accepts no prefill peer ever again."""
+        try:
+            self._post_connect_recv()
+        except Exception:  # noqa: BLE001 - retried below
+            delay_s = min(max(2 * delay_s, 0.1), 5.0)
+            log.exception("could not listen for KV connections; trying again in %.1f s", delay_s)
+            self.loop.call_later(delay_s, self._rearm, delay_s)
+
     def _connect_received(self, fut: asyncio.Future[Any]) -> None:
         self._connect_request = None
         exc = None if fut.cancelled() else fut.exception()  # retrieved either way
@@ -641,7 +651,7 @@ class UcxTransport:
             (n,) = _LEN.unpack_from(self._connect_buf.data)
             if _CHANNEL.size < n <= _MAX_CONNECT_BYTES:
                 frame = bytes(self._connect_buf[_LEN.size : _LEN.size + n])
-        self._post_connect_recv()
+        self._rearm()
         if frame is None:
             log.warning("dropped a malformed KV connect frame%s", f": {exc}" if exc else "")
             return
