@@ -16,7 +16,8 @@ Stages of a request here: submitted -> (engine) waiting -> running -> finished;
 or aborted at any stage (client cancel, deadline, drain timeout).
 
 The thread never ends silently. A failed step fails the requests of the engine (they may succeed
-elsewhere); ``MAX_FAILED_STEPS`` failed steps in a row, or any error outside a step, is the engine's
+elsewhere: ``StepFailed``); ``MAX_FAILED_STEPS`` failed steps in a row (no success between them, none
+``FAILED_STEPS_WINDOW_S`` after the one before), or any error outside a step, is the engine's
 death (``EngineDied``): every request and pending call gets it, later ones get it at once, and
 ``on_fatal`` runs on the event loop (the worker drains and exits, to be replaced).
 """
@@ -43,8 +44,16 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3  # failed steps in a row: the engine is broken, not one batch
 
 
+FAILED_STEPS_WINDOW_S = 60.0  # failures further apart than this do not count as "in a row"
+
+
 class EngineDied(RuntimeError):
     """The engine thread ended on an error: this worker can serve nothing more."""
+
+
+class StepFailed(RuntimeError):
+    """A step failed: its requests (every request of the engine) end with this; another worker may serve
+    them."""
 
 
 class _Op(enum.Enum):
@@ -83,6 +92,7 @@ class EngineLoop:
         self._on_fatal: Callable[[EngineDied], None] | None = None
         self.failure: EngineDied | None = None  # set once the thread died
         self._failed_steps = 0
+        self._last_failed_step = 0.0
         self._step_hook_failed = False
 
     @classmethod
@@ -302,13 +312,18 @@ class EngineLoop:
             try:
                 deltas = eng.step()
             except Exception as e:  # fail every request, keep the worker alive (unless it keeps failing)
-                self._failed_steps += 1
+                now = time.monotonic()
+                recent = now - self._last_failed_step < FAILED_STEPS_WINDOW_S
+                self._failed_steps = self._failed_steps + 1 if recent else 1
+                self._last_failed_step = now
                 log.exception("engine step failed (%d in a row)", self._failed_steps)
                 if self._failed_steps >= MAX_FAILED_STEPS:
-                    raise RuntimeError(f"{self._failed_steps} engine steps in a row failed") from e
+                    raise RuntimeError(
+                        f"{self._failed_steps} engine steps in a row failed, the last: {e!r}"
+                    ) from e
                 for rid in list(self._queues):
                     eng.abort(rid)
-                    self._put(rid, RuntimeError(f"engine step failed: {e!r}"))
+                    self._put(rid, StepFailed(f"engine step failed: {e!r}"))
                 continue
             self._failed_steps = 0
             dt = time.perf_counter() - t0

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 from prometheus_client import CollectorRegistry
 
-from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop
+from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop, StepFailed
 from pdserve.decode_pool.metrics import DecodeMetrics
 from pdserve.decode_pool.remote import RemotePrefill, blocks_freed
 from pdserve.decode_pool.stream import relay_deltas
@@ -43,7 +43,7 @@ from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
 from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
 from pdserve.worker.role import Role
-from pdserve.worker.shell import PoolServicer, WorkerShell
+from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,10 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             # This worker can serve nothing more (it drains and exits): UNAVAILABLE, which the router
             # reads as a dead worker, moving the request to another one.
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except StepFailed as e:  # this worker's fault, not the request's: the router moves it
+            await context.abort(
+                grpc.StatusCode.INTERNAL, str(e), trailing_metadata=((RETRY_ELSEWHERE_KEY, "step_failed"),)
+            )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 

@@ -61,8 +61,15 @@ log = logging.getLogger(__name__)
 MAX_FAILED_FORWARDS = 3  # failed forwards in a row: the model is broken, not one batch
 
 
+FAILED_FORWARDS_WINDOW_S = 60.0  # failures further apart than this do not count as "in a row"
+
+
 class PrefillLoopStopped(RuntimeError):
     """The prefill loop died: this worker prefills nothing more (it drains and exits)."""
+
+
+class ForwardFailed(RuntimeError):
+    """A prefill forward failed: its prompts end with this; another worker may prefill them."""
 
 
 class _BatchCancelled(Exception):
@@ -158,6 +165,7 @@ class PrefillLoop:
         self._on_fatal: Callable[[PrefillLoopStopped], None] | None = None
         self._inflight: list[PrefillJob] = []  # the batch between scheduling and its answers
         self._failed_forwards = 0
+        self._last_failed_forward = 0.0
         self._metrics_failed = False
         # Jobs submitted without a ticket, by (request id, attach key): the key is the router's per attempt,
         # so a late drop or ticket of an earlier attempt of the request never reaches a retry.
@@ -474,13 +482,18 @@ class PrefillLoop:
                 self._inflight = []
                 continue
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving (unless it keeps failing)
-                self._failed_forwards += 1
+                now = time.monotonic()
+                recent = now - self._last_failed_forward < FAILED_FORWARDS_WINDOW_S
+                self._failed_forwards = self._failed_forwards + 1 if recent else 1
+                self._last_failed_forward = now
                 log.exception("prefill forward failed (%d in a row)", self._failed_forwards)
                 if self._failed_forwards >= MAX_FAILED_FORWARDS:
-                    raise RuntimeError(f"{self._failed_forwards} prefill forwards in a row failed") from e
+                    raise RuntimeError(
+                        f"{self._failed_forwards} prefill forwards in a row failed, the last: {e!r}"
+                    ) from e
                 for j in live:
                     if not j.payload.result.done():
-                        j.payload.result.set_exception(RuntimeError(f"prefill failed: {e!r}"))
+                        j.payload.result.set_exception(ForwardFailed(f"prefill failed: {e!r}"))
                     self._forward_over(j, None)
                 self._inflight = []
                 continue

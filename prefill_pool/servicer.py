@@ -26,13 +26,13 @@ from pdserve.engine.params import validate_prompt_token_ids
 from pdserve.engine.quant import kv_model_id
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import IncompatibleError, KVSender, TransferError, TransferTicket, compat_for
-from pdserve.prefill_pool.loop import PrefillLoop, PrefillLoopStopped
+from pdserve.prefill_pool.loop import ForwardFailed, PrefillLoop, PrefillLoopStopped
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
 from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
-from pdserve.worker.shell import PoolServicer, WorkerShell
+from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,10 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
         except PrefillLoopStopped as e:  # this worker drains and exits: the router moves the request
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ForwardFailed as e:  # this worker's fault, not the prompt's: another worker prefills it
+            await context.abort(
+                grpc.StatusCode.INTERNAL, str(e), trailing_metadata=((RETRY_ELSEWHERE_KEY, "step_failed"),)
+            )
         except RuntimeError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         # When the token was sampled: the answer itself may go out after the decode worker has the KV.

@@ -53,8 +53,16 @@ REJECT_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE")
 MIGRATIONS = "pdserve_router_migrations_total"
 # What failed under a migrated stream: the decode worker's call broke (it died or dropped the call), the
 # prefill worker's call broke before token 0, a KV transfer was aborted, the worker missed heartbeats, or
-# the decode worker had no room for the KV its last heartbeat promised (the request is routed again).
-MIGRATION_REASONS = ("decode_failed", "prefill_failed", "transfer_aborted", "heartbeat_lost", "decode_full")
+# the decode worker had no room for the KV its last heartbeat promised (the request is routed again), or an
+# engine step or prefill forward failed on a worker that lives on.
+MIGRATION_REASONS = (
+    "decode_failed",
+    "prefill_failed",
+    "transfer_aborted",
+    "heartbeat_lost",
+    "decode_full",
+    "step_failed",
+)
 # Heartbeat sweeps that found the router's own event loop had stood still past a heartbeat interval
 # (the workers' deadlines were moved by as long; router/service.py sweep_forever).
 LOOP_STALLS = "pdserve_router_event_loop_stalls_total"

@@ -47,7 +47,7 @@ from pdserve.router.registry import Worker
 from pdserve.router.validate import Prepared, RouterTokenizer
 from pdserve.worker.auth import token_metadata
 from pdserve.worker.convert import request_id_metadata
-from pdserve.worker.shell import REJECT_METADATA_KEY
+from pdserve.worker.shell import REJECT_METADATA_KEY, RETRY_ELSEWHERE_KEY
 from pdserve.worker.tls import NO_TLS, TLSConfig, aio_channel
 
 log = logging.getLogger(__name__)
@@ -450,6 +450,12 @@ class Relay:
         if job.failure is not None:
             return RelayError.of(job.failure)
         code = e.code()
+        trailing = e.trailing_metadata() or ()
+        if any(k == RETRY_ELSEWHERE_KEY for k, _ in trailing):
+            # A failed engine step or prefill forward: the worker lives on; another one serves the request.
+            return RelayError(
+                code, f"{role} worker {w.worker_id} failed: {e.details()}", "step_failed", w.worker_id
+            )
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             # The request's time ran out (the client's deadline or --request-timeout): no worker failed.
             where = f"{role} worker {w.worker_id}"
@@ -457,7 +463,6 @@ class Relay:
         details = f"{role} worker {w.worker_id} failed: {code.name}: {e.details()}"
         lost = f"{role}_failed"
         if code is grpc.StatusCode.UNAVAILABLE:
-            trailing = e.trailing_metadata() or ()
             draining = any(k == REJECT_METADATA_KEY for k, _ in trailing)
             self._on_worker_failed(w, not draining, details)
             return RelayError(code, details, lost, w.worker_id)

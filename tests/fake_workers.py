@@ -35,7 +35,7 @@ from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.convert import ROLE_TO_PROTO, request_id_from_metadata
 from pdserve.worker.role import Role
-from pdserve.worker.shell import ShellConfig, WorkerShell
+from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, ShellConfig, WorkerShell
 
 # The test model: a WordLevel vocabulary, so ids("hello world") == [4, 5] and text is easy to check.
 WORDS = [
@@ -133,6 +133,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.prefill_gate: asyncio.Event | None = None
         self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
         self.refuse_room = 0  # Generate calls still to refuse for room (as a full decode worker)
+        self.fail_steps = 0  # Generate calls still to fail as a failed engine step (the worker lives on)
         self.attached: list[tuple[str, bytes]] = []  # AttachTicket calls: (request id, ticket or b"")
         self.tickets: dict[str, bytes] = {}  # attached before their prefill was done
         self.prefilled: set[str] = set()  # request ids whose (fake) prefill is done
@@ -173,6 +174,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             if self.refuse_room:
                 self.refuse_room -= 1
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker has no room")
+            if self.fail_steps:
+                self.fail_steps -= 1
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    "engine step failed: RuntimeError('device lost')",
+                    trailing_metadata=((RETRY_ELSEWHERE_KEY, "step_failed"),),
+                )
             if request.mode == worker_pb2.PREFILL_MODE_REMOTE:
                 ticket = f"ticket:{rid}".encode()
                 yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket)

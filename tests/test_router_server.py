@@ -414,6 +414,30 @@ def test_client_cancel_reaches_decode_stream_and_inflight_prefill(model_dir):
 # ---- worker failures, heartbeats, drain ---------------------------------------------------------------
 
 
+def test_a_failed_engine_step_moves_its_request_and_leaves_the_worker_serving(model_dir):
+    """A failed step is the worker's fault, not the request's: the router moves the request (the worker
+    said so in the call's trailing metadata) and keeps routing to the worker, which lives on."""
+
+    async def main():
+        bad = FakeWorker("b1", Role.BOTH, ids("hello world the"))
+        good = FakeWorker("b2", Role.BOTH, ids("hello world the"))
+        bad.fail_steps = 1
+        async with cluster(model_dir, [bad, good]) as (server, stub):
+            tokens, _, msgs = await collect(stub.Generate(request(max_tokens=3)))
+            assert tokens == ids("hello world the") and msgs[-1].finish_reason == "length"
+            assert [len(bad.requests), len(good.requests)] == [1, 1]  # b1 first (least loaded, by id)
+            labels = {"role": "router", "reason": "step_failed"}
+            assert (
+                server.router.metrics.registry.get_sample_value("pdserve_router_migrations_total", labels)
+                == 1
+            )
+            assert server.router.registry.get("b1") is not None  # not taken for dead
+            await collect(stub.Generate(request(max_tokens=3)))
+            assert len(bad.requests) == 2  # routed to again
+
+    run(main())
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:

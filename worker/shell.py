@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 REJECT_METADATA_KEY = "pdserve-rejected"
+# Trailing metadata of a call that failed on this worker for a reason of the worker's, not the request's (a
+# failed engine step or prefill forward): the router moves the request to another worker.
+RETRY_ELSEWHERE_KEY = "pdserve-retry-elsewhere"
 # gRPC enables SO_REUSEPORT by default; a fixed port already taken must fail to bind instead.
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 _TRACKED = frozenset({f"/{WORKER_SERVICE}/Generate", f"/{WORKER_SERVICE}/Prefill"})
