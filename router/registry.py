@@ -17,6 +17,7 @@ routing sees load between heartbeats.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -53,7 +54,7 @@ class Worker:
     # KV blocks the router's requests on this worker reserve (prompt + 1 token each), counted at dispatch:
     # a burst routed between two heartbeats sees the blocks of the requests routed before it.
     assigned_kv_blocks: int = 0
-    full_until_heartbeat: bool = False  # it refused a reservation for room (``refused_for_room``)
+    full_until: float = 0.0  # monotonic: it refused a reservation for room (``refused_for_room``)
     drain_requested: bool = False
     standby: bool = False  # held out of routing (the warm pool) until promoted
     extra: dict[str, str] = field(default_factory=dict)
@@ -62,14 +63,15 @@ class Worker:
     def kv_blocks_free(self) -> int:
         """Free by the worker's last heartbeat, or by the router's own count of what it sent since, if
         that is more (the heartbeat lags the dispatches; the count leaves out tokens generated since)."""
-        if self.full_until_heartbeat:
+        if self.full_until and time.monotonic() < self.full_until:
             return 0
         return max(self.kv_blocks_total - max(self.kv_blocks_used, self.assigned_kv_blocks), 0)
 
-    def refused_for_room(self) -> None:
+    def refused_for_room(self, hold_s: float) -> None:
         """The worker refused a reservation its last heartbeat had room for (its running requests grew
-        since): count it full until its next heartbeat says what is free."""
-        self.full_until_heartbeat = True
+        since): count it full for ``hold_s`` (past the next heartbeat it sends: one already on its way
+        still shows the old room)."""
+        self.full_until = time.monotonic() + hold_s
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,6 @@ class Registry:
         w.running, w.queued = running, queued
         w.queued_prefill_tokens = queued_prefill_tokens
         w.kv_blocks_used = kv_blocks_used
-        w.full_until_heartbeat = False
         if state is State.STOPPED:
             del self._workers[worker_id]
             return w

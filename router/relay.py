@@ -141,8 +141,11 @@ class Relay:
         metrics: RouterMetrics | None = None,
         reroute: Reroute | None = None,
         max_migrations: int = 0,
+        on_worker_full: Callable[[Worker], None] | None = None,
     ) -> None:
+        """``on_worker_full``: a decode worker refused a reservation for room (it is counted full a while)."""
         self._tok = tokenizer
+        self._on_worker_full = on_worker_full
         self._channels = channels
         self._release_prefill = release_prefill
         self._on_worker_failed = on_worker_failed
@@ -478,6 +481,7 @@ class Relay:
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and role == "decode":
             # Its reservation found fewer free blocks than its last heartbeat said (running requests grew
             # since): nothing was sent, so route it again, on this worker too once a heartbeat shows room.
-            w.refused_for_room()
+            if self._on_worker_full is not None:
+                self._on_worker_full(w)
             return RelayError(code, details, "decode_full")
         return RelayError(code, details)

@@ -86,6 +86,7 @@ class Router:
             metrics=self.metrics,
             reroute=self.reroute,
             max_migrations=self.config.max_migrations,
+            on_worker_full=self.worker_full,
         )
 
     def current_limits(self) -> ModelLimits:
@@ -203,6 +204,13 @@ class Router:
         self.inflight_ids.discard(job.request_id)
         self.ledger.release(job)
         await self.admission.notify()
+
+    def worker_full(self, w: Worker) -> None:
+        """``w`` refused a reservation its last heartbeat had room for: route nothing more to it until a
+        heartbeat it sends after the refusal can have arrived (two intervals)."""
+        current = self.registry.get(w.worker_id)
+        if current is not None and current.address == w.address:
+            current.refused_for_room(2 * self.config.heartbeat_interval_s)
 
     def worker_failed(self, w: Worker, dead: bool, reason: str) -> None:
         """A call to ``w`` failed with UNAVAILABLE: it died (stop routing to it, and move every other

@@ -485,7 +485,7 @@ def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_reques
             reg = server.router.metrics.registry
             labels = {"role": "router", "reason": "decode_full"}
             assert reg.get_sample_value("pdserve_router_migrations_total", labels) == 1
-            assert not server.router.registry.get("d1").full_until_heartbeat
+            assert server.router.registry.get("d1").full_until > 0  # counted full a while
 
             # Refused more often than --max-migrations allows: the client gets the refusal, clearly.
             d.refuse_room = 10
