@@ -47,6 +47,7 @@ class Job:
         "prefill_claimed",
         "prefill_pending",
         "kv_blocks",
+        "total_tokens",
         "calls",
         "failure",
     )
@@ -62,6 +63,9 @@ class Job:
         # by the relay at the decode worker's first token). Losing it after that loses nothing.
         self.prefill_pending = False
         self.kv_blocks = 0  # counted against the route's decode worker (Ledger.claim)
+        # Prompt + max_tokens (within the context): a decode worker whose whole cache is smaller never
+        # gets the request (0: unknown, not checked).
+        self.total_tokens = 0
         self.calls: list[Cancellable] = []
         self.failure: Failure | None = None
 

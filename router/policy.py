@@ -49,11 +49,16 @@ def _has_room(w: Worker, blocks_needed: int) -> bool:
     return w.assigned < w.max_running and w.kv_blocks_free >= blocks_needed
 
 
-def choose_route(ready: list[Worker], prompt_len: int, config: RoutingConfig) -> Route | None:
-    """Pick workers for a request, or None when no READY worker has room now."""
+def choose_route(
+    ready: list[Worker], prompt_len: int, config: RoutingConfig, total_tokens: int = 0
+) -> Route | None:
+    """Pick workers for a request, or None when no READY worker has room now. ``total_tokens``: prompt +
+    max_tokens; a decode worker whose whole cache cannot hold them is never picked (it would refuse)."""
     decoders = []
     for w in ready:
         if not w.role.decodes:
+            continue
+        if total_tokens and blocks_needed(w, total_tokens - 1) > w.kv_blocks_total:
             continue
         if _has_room(w, blocks_needed(w, prompt_len)):
             decoders.append(w)

@@ -119,17 +119,24 @@ class Router:
         total = n + max(max_tokens, 1)
         if context > 0:
             total = min(total, context)
+        job.total_tokens = total
         if not can_ever_serve(decoders, total - 1):
-            biggest = max(decoders, key=lambda w: w.kv_blocks_total * w.block_size)
-            raise RelayError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request needs KV for up to {total} tokens ({n} prompt + max_tokens {max_tokens}) but the "
-                f"largest decode worker's cache holds {biggest.kv_blocks_total * biggest.block_size}: "
-                "lower max_tokens or the prompt, or give the decode workers more KV memory",
-            )
+            holds = max(w.kv_blocks_total * w.block_size for w in decoders)
+            if not can_ever_serve(decoders, n):  # the prompt alone (and its first token)
+                why = (
+                    f"prompt has {n} tokens but the largest decode worker's KV cache holds {holds}: shorten "
+                    "it, or give the decode workers more KV memory"
+                )
+            else:  # (an unset max_tokens was cut to fit: the client set this one)
+                why = (
+                    f"max_tokens is {max_tokens}, but the prompt has {n} tokens and the largest decode "
+                    f"worker's KV cache holds {holds}: at most {holds - n} can be generated, or give the "
+                    "decode workers more KV memory"
+                )
+            raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, why)
 
         def try_route() -> Route | None:
-            route = choose_route(self.registry.ready(), n, self.routing)
+            route = choose_route(self.registry.ready(), n, self.routing, job.total_tokens)
             if route is not None:
                 self._check_prefill_queue(route, n)
                 self.ledger.claim(job, route)
@@ -183,13 +190,13 @@ class Router:
         # No decoding worker left that could hold it: fail now rather than wait.
         if not any(w.role.decodes for w in live):
             return "no other decode or colocated worker is left to take the request over"
-        if not can_ever_serve(live, prompt_len):
-            return f"no other decode worker has KV cache for its {prompt_len} tokens"
+        if not can_ever_serve(live, max(prompt_len, job.total_tokens - 1)):
+            return f"no other decode worker has KV cache for its {max(prompt_len, job.total_tokens)} tokens"
         routing = self.routing if remote else RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
 
         def try_route() -> Route | None:
             ready = [w for w in self.registry.ready() if w.worker_id != avoid]
-            route = choose_route(ready, prompt_len, routing)
+            route = choose_route(ready, prompt_len, routing, job.total_tokens)
             if route is not None:
                 self.ledger.claim(job, route)
             return route

@@ -227,20 +227,41 @@ def test_a_request_no_decode_worker_could_ever_hold_is_invalid_argument_at_once(
         d = FakeWorker("d1", Role.DECODE, ids("hello"), kv_blocks_total=3, block_size=4)  # 12 tokens
         async with cluster(model_dir, [d]) as (_, stub):
             long = "hello world the cat sat " * 3  # 15 tokens
-            details = await expect_error(
-                stub.Generate(request(long, max_tokens=1)), grpc.StatusCode.INVALID_ARGUMENT
-            )
-            assert "15 prompt" in details and "holds 12" in details
+            for sampling in ({"max_tokens": 1}, {}):  # the prompt alone: named, not an unset max_tokens
+                details = await expect_error(
+                    stub.Generate(request(long, **sampling)), grpc.StatusCode.INVALID_ARGUMENT
+                )
+                assert details.startswith("prompt has 15 tokens") and "holds 12" in details, details
             details = await expect_error(
                 stub.Generate(request("hello world", max_tokens=20)), grpc.StatusCode.INVALID_ARGUMENT
             )
-            assert "max_tokens 20" in details and "lower max_tokens" in details
+            assert details.startswith("max_tokens is 20") and "at most 10 can be generated" in details
             assert not d.requests  # refused before any worker saw it
             tokens, _, _ = await collect(stub.Generate(request("hello world", max_tokens=10)))
             assert tokens == ids("hello")
             # An unset max_tokens is cut to what fits the cache (12 tokens), not only the context (24).
             tokens, _, _ = await collect(stub.Generate(request("hello world")))
             assert tokens == ids("hello") and d.requests[-1].sampling.max_tokens == 10
+
+    run(main())
+
+
+def test_a_request_goes_only_to_a_decode_worker_whose_cache_can_hold_it(model_dir):
+    """Decode workers with caches of different sizes (a scale with another --gpu-memory-utilization): a
+    request that only the big one can hold is never routed to the small one, which would refuse it."""
+
+    async def main():
+        small = FakeWorker("d1", Role.DECODE, ids("hello"), kv_blocks_total=3, block_size=4)  # 12 tokens
+        big = FakeWorker("d2", Role.DECODE, ids("world the"), kv_blocks_total=64, block_size=4)
+        async with cluster(model_dir, [small, big]) as (_, stub):
+            busy = request("hello", max_tokens=2)
+            busy.request_id = "hold-1"  # held on d2 after its first token: the small one is less loaded
+            held = stub.Generate(busy)
+            await big.wait_for(lambda: big.started)
+            tokens, _, _ = await collect(stub.Generate(request("hello world", max_tokens=20)))
+            assert tokens == ids("world the") and not small.requests
+            big.release.set()
+            await collect(held)
 
     run(main())
 
