@@ -157,7 +157,7 @@ def test_chat_refusals_and_malformed_bodies():
         ("best_of", 3),
         ("best_of", True),
         ("functions", [{"name": "f", "parameters": {}}]),
-        ("function_call", "auto"),
+        ("function_call", {"name": "f"}),
         ("tool_choice", "required"),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
@@ -175,11 +175,14 @@ def test_chat_refusals_and_malformed_bodies():
         echo=False,
         best_of=1,
         tool_choice="auto",
-        function_call="none",
+        function_call="auto",
         modalities=["text"],
         functions=[],
         audio=None,
     )
+    # Empty however it is spaced: `[ ]` is `[]`.
+    raw = b'{"messages": [{"role": "user", "content": "x"}], "tools": [ ], "functions": { }}'
+    chat_request(decode_request(raw, ChatCompletionRequest), "chatcmpl-1")
     for raw in (b"{not json", b"[1, 2]"):
         with pytest.raises(OpenAIError) as info:
             decode_request(raw, ChatCompletionRequest)

@@ -242,7 +242,10 @@ def test_error_after_the_stream_began_is_an_error_event(model_dir):
             error, done = [e.removeprefix("data: ") for e in rest.split("\n\n") if e]
             # No other worker to move the stream to: the error says both.
             message = json.loads(error)["error"]["message"]
-            assert message.startswith("worker b1 missed heartbeats; no healthy worker") and done == "[DONE]"
+            assert (
+                message.startswith("worker b1 missed heartbeats; no other decode or colocated worker is left")
+                and done == "[DONE]"
+            )
 
     run(main())
 

@@ -228,7 +228,7 @@ _CHAT_UNSUPPORTED = (
 _CHAT_DEFAULTS: dict[str, tuple[object, ...]] = {
     "echo": (False,),
     "best_of": (1,),
-    "function_call": ("none",),
+    "function_call": ("none", "auto"),  # without functions, auto calls none
     "tool_choice": ("none", "auto"),  # without tools, auto calls none
     "modalities": (["text"],),
 }

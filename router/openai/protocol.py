@@ -232,8 +232,13 @@ class ErrorBody(msgspec.Struct, frozen=True):
 
 
 def present(raw: msgspec.Raw) -> bool:
-    """Whether a raw field was sent with a value (absent, null and empty count as not sent)."""
-    return bytes(raw) not in (b"", b"null", b"[]", b"{}")
+    """Whether a raw field was sent with a value (absent, null and empty count as not sent, however
+    spaced: ``[ ]`` is ``[]``)."""
+    data = bytes(raw)
+    if not data:
+        return False
+    value = msgspec.json.decode(data)
+    return value is not None and value != [] and value != {}
 
 
 _encoder = msgspec.json.Encoder()
