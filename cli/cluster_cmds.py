@@ -316,22 +316,28 @@ def _scale(args: argparse.Namespace) -> int:
     if not serving[Role.DECODE] and not serving[Role.BOTH]:
         raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
     removing: list[cluster.ProcessEntry] = []
-    adding: dict[Role, int] = {}
-    promoted: list[str] = []
+    wanted: dict[Role, int] = {}  # more serving workers than now: promoted standby ones, else new ones
     for role, target in targets.items():
         if target is None:
             continue
         # Serving workers only: a warm-pool worker the autoscaler left (standby) is promoted first.
         current = [w for w in state.workers if w.role is role and not w.standby]
         if target > len(current):
-            state, promoted_now = _promote_standby(state, args.state_dir, role, target - len(current))
-            promoted += promoted_now
-            if target - len(current) > len(promoted_now):
-                adding[role] = target - len(current) - len(promoted_now)
+            wanted[role] = target - len(current)
         else:
             removing += current[target:]  # the newest go first
-    # The GPU must hold the workers that stay and the new ones: refuse before starting any.
-    cluster.check_gpu_shares(device, cluster.gpu_share(state, device, removing), sum(adding.values()), util)
+    # The GPU must hold the workers that stay and the new ones (a standby one holds its share already):
+    # refuse before changing anything.
+    standby = {r: sum(w.role is r and w.standby and cluster.alive(w) for w in state.workers) for r in wanted}
+    new = sum(max(n - standby[r], 0) for r, n in wanted.items())
+    cluster.check_gpu_shares(device, cluster.gpu_share(state, device, removing), new, util)
+    adding: dict[Role, int] = {}
+    promoted: list[str] = []
+    for role, n in wanted.items():
+        state, promoted_now = _promote_standby(state, args.state_dir, role, n)
+        promoted += promoted_now
+        if n > len(promoted_now):
+            adding[role] = n - len(promoted_now)
     added: list[str] = []
     for role, n in adding.items():
         before = {w.id for w in state.workers}
@@ -377,17 +383,24 @@ def forget_worker(state_dir: Path, worker_id: str, exit_wait_s: float = 10.0) ->
     """A worker of the local cluster drained by hand (``pdserve drain``): once its process has exited, it
     leaves the state file, the Prometheus targets and the workers the alerts expect, as after ``scale``
     (else the worker-count alert fired for a worker removed on purpose)."""
-    with cluster.state_lock(state_dir):
-        state = cluster.load_state(state_dir)
-        entry = next((w for w in state.workers if w.id == worker_id), None) if state else None
-        if state is None or entry is None:
-            return
-        if cluster.wait_exit([entry], exit_wait_s):
-            say(f"{worker_id} (pid {entry.pid}) still runs: left in the cluster's state file")
-            return
-        state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w.id != worker_id))
-        cluster.save_state(state_dir, state)
-        write_targets(state_dir, state)
+    try:
+        with cluster.state_lock(state_dir, wait_s=30.0):
+            _forget(state_dir, worker_id, exit_wait_s)
+    except cluster.ClusterError as e:  # the drain itself succeeded: say what was left undone
+        say(f"{worker_id} left the router, but stays in the state file: {e}")
+
+
+def _forget(state_dir: Path, worker_id: str, exit_wait_s: float) -> None:
+    state = cluster.load_state(state_dir)
+    entry = next((w for w in state.workers if w.id == worker_id), None) if state else None
+    if state is None or entry is None:
+        return
+    if cluster.wait_exit([entry], exit_wait_s):
+        say(f"{worker_id} (pid {entry.pid}) still runs: left in the cluster's state file")
+        return
+    state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w.id != worker_id))
+    cluster.save_state(state_dir, state)
+    write_targets(state_dir, state)
 
 
 def _promote_standby(
@@ -424,7 +437,9 @@ def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    with cluster.state_lock(args.state_dir):
+    # A command still changing the cluster (a hung `up`, a long `scale`) is interrupted first: `down` is
+    # how an operator stops it all.
+    with cluster.state_lock(args.state_dir, wait_s=60.0, interrupt=True, progress=say):
         return _down(args)
 
 

@@ -96,7 +96,13 @@ class EngineLoop:
         self._step_hook_failed = False
 
     @classmethod
-    async def build(cls, factory: Callable[[], LLMEngine], *, idle_wait_s: float = 0.05) -> EngineLoop:
+    async def build(
+        cls,
+        factory: Callable[[], LLMEngine],
+        *,
+        idle_wait_s: float = 0.05,
+        on_fatal: Callable[[EngineDied], None] | None = None,
+    ) -> EngineLoop:
         """Build the engine with ``factory()`` on the loop's own thread, then start stepping there. Use this
         rather than building the engine elsewhere: the CPU kernels' OpenMP pools belong to the thread that
         calls them, and a second calling thread halves their speed (``engine.cpu_kernels``, "One thread")."""
@@ -110,6 +116,7 @@ class EngineLoop:
                 cls._resolve_on(loop, built, exc=e)
                 return
             engine_loop._thread = threading.current_thread()
+            engine_loop._on_fatal = on_fatal  # before the first step: a death then drains the worker too
             cls._resolve_on(loop, built, engine_loop)
             engine_loop._run()
 

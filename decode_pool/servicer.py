@@ -198,9 +198,10 @@ class DecodePool:
         except FileNotFoundError:
             tokenizer = None
         # Built on its own stepping thread: that one thread makes every CPU-kernel call of this process.
-        self.loop = await EngineLoop.build(lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)))
+        self.loop = await EngineLoop.build(
+            lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)), on_fatal=self._fatal
+        )
         self.loop.on_step(self.metrics.observe_batch)
-        self.loop.on_fatal(self._fatal)
         engine = self.loop.engine
         # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
         compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))

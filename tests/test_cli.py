@@ -428,10 +428,42 @@ def test_a_second_command_changing_the_cluster_at_once_is_refused(tmp_path, caps
     import os
 
     with cluster.state_lock(tmp_path):
-        for command in (["scale", "--decode", "2"], ["down"], ["up"]):
+        for command in (["scale", "--decode", "2"], ["up"]):
             assert cli.main([*command, "--state-dir", str(tmp_path)]) == 1
             assert f"another pdserve command (pid {os.getpid()}) is changing" in capsys.readouterr().err
     assert cli.main(["down", "--state-dir", str(tmp_path)]) == 0  # free again
+
+    # `down` is how an operator stops it all: it interrupts the holder (as Ctrl-C: `up` then stops what it
+    # started), then goes on.
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pdserve.deploy.local import cluster\n"
+            f"with cluster.state_lock({str(tmp_path)!r}):\n"
+            "    print('holding', flush=True)\n"
+            "    time.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        assert cli.main(["down", "--state-dir", str(tmp_path)]) == 0
+        assert f"asking the pdserve command holding {tmp_path} (pid {holder.pid}) to stop" in (
+            capsys.readouterr().err
+        )
+        assert holder.wait(timeout=10) != 0  # interrupted
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
 
 
 def test_a_broken_state_file_is_named_and_down_still_stops_its_cluster(tmp_path, capsys):

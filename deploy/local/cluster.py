@@ -90,10 +90,19 @@ LOCK_FILE = ".lock"
 
 
 @contextlib.contextmanager
-def state_lock(state_dir: Path, *, create: bool = False) -> Iterator[None]:
+def state_lock(
+    state_dir: Path,
+    *,
+    create: bool = False,
+    wait_s: float = 0.0,
+    interrupt: bool = False,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Iterator[None]:
     """Hold the state dir for one command that changes its cluster (``up``, ``scale``, ``down``): a second
     one at the same time is refused (ClusterError) instead of racing it (two ``scale`` calls started
-    workers under one id). ``create``: make the dir (``up``); else a missing dir is nothing to hold."""
+    workers under one id). ``create``: make the dir (``up``); else a missing dir is nothing to hold.
+    ``wait_s``: wait that long for the holder; ``interrupt``: first ask it to stop as Ctrl-C would (``down``
+    stops a hung ``up``: it stops what it started on the way out)."""
     d = Path(state_dir)
     if not d.is_dir():
         if not create:
@@ -102,14 +111,24 @@ def state_lock(state_dir: Path, *, create: bool = False) -> Iterator[None]:
         d.mkdir(parents=True, exist_ok=True)
     fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)  # (not inherited by children)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            raise ClusterError(
-                f"another pdserve command (pid {holder}) is changing the cluster in {d}: try again once it "
-                "is done"
-            ) from None
+        give_up, asked = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            if interrupt and not asked and holder.isdigit() and int(holder) != os.getpid():
+                progress(f"asking the pdserve command holding {d} (pid {holder}) to stop")
+                with contextlib.suppress(OSError):
+                    os.kill(int(holder), signal.SIGINT)
+                asked = True
+            if time.monotonic() >= give_up:
+                raise ClusterError(
+                    f"another pdserve command (pid {holder}) is changing the cluster in {d}: try again once "
+                    "it is done"
+                )
+            time.sleep(_POLL_S)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
