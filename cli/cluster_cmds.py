@@ -617,13 +617,17 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
         stat = cluster.proc_stat(os.getpid())
         assert stat is not None
         me = cluster.ProcessEntry(id="autoscaler", pid=os.getpid(), start=stat[1], log="")
-        cluster.save_state(args.state_dir, msgspec.structs.replace(state, autoscaler=me))
+        with cluster.state_lock(args.state_dir, wait_s=30.0):
+            state = cluster.load_state(args.state_dir) or state
+            cluster.save_state(args.state_dir, msgspec.structs.replace(state, autoscaler=me))
     try:
         return autoscaler_mod.run(config, state.host, args.metrics_port)
     finally:
-        now = cluster.load_state(args.state_dir) if me is not None else None
-        if now is not None and now.autoscaler == me:  # (gone after `down`)
-            cluster.save_state(args.state_dir, msgspec.structs.replace(now, autoscaler=None))
+        # Not waiting: a `down` holding the state dir stops this process and removes the file itself.
+        with contextlib.suppress(cluster.StateBusy), cluster.state_lock(args.state_dir):
+            now = cluster.load_state(args.state_dir) if me is not None else None
+            if now is not None and now.autoscaler == me:  # (gone after `down`)
+                cluster.save_state(args.state_dir, msgspec.structs.replace(now, autoscaler=None))
 
 
 def autoscaler_status(state: cluster.ClusterState, state_dir: Path) -> dict[str, Any] | None:

@@ -469,7 +469,12 @@ def run(config: DriverConfig, host: str = "127.0.0.1", metrics_port: int = 0) ->
         while not stop.is_set():
             started = time.monotonic()
             try:
-                driver.tick(started)
+                # Held for the tick: a `scale`, `drain` or `down` changing the state file meanwhile would
+                # lose its change to this tick's, or this tick's to its.
+                with cluster.state_lock(config.state_dir):
+                    driver.tick(started)
+            except cluster.StateBusy:
+                log.info("another pdserve command is changing the cluster; next tick")
             except grpc.RpcError as e:
                 log.warning("router unreachable (%s); next tick", e.code().name)
             except cluster.ClusterError as e:

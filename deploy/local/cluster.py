@@ -82,6 +82,10 @@ class ClusterError(RuntimeError):
     pass
 
 
+class StateBusy(ClusterError):
+    """Another pdserve command holds the state dir (``state_lock``)."""
+
+
 def state_path(state_dir: Path) -> Path:
     return Path(state_dir) / STATE_FILE
 
@@ -124,7 +128,7 @@ def state_lock(
                     os.kill(int(holder), signal.SIGINT)
                 asked = True
             if time.monotonic() >= give_up:
-                raise ClusterError(
+                raise StateBusy(
                     f"another pdserve command (pid {holder}) is changing the cluster in {d}: try again once "
                     "it is done"
                 )
