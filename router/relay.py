@@ -47,6 +47,7 @@ from pdserve.router.registry import Worker
 from pdserve.router.validate import Prepared, RouterTokenizer
 from pdserve.worker.auth import token_metadata
 from pdserve.worker.convert import request_id_metadata
+from pdserve.worker.role import Role
 from pdserve.worker.shell import REJECT_METADATA_KEY, RETRY_ELSEWHERE_KEY
 from pdserve.worker.tls import NO_TLS, TLSConfig, aio_channel
 
@@ -454,16 +455,15 @@ class Relay:
             return RelayError.of(job.failure)
         code = e.code()
         trailing = e.trailing_metadata() or ()
+        # In messages a worker is named by its role ("colocated" for role both); ``role`` is the call's.
+        where = f"{'colocated' if w.role is Role.BOTH else role} worker {w.worker_id}"
         if any(k == RETRY_ELSEWHERE_KEY for k, _ in trailing):
             # A failed engine step or prefill forward: the worker lives on; another one serves the request.
-            return RelayError(
-                code, f"{role} worker {w.worker_id} failed: {e.details()}", "step_failed", w.worker_id
-            )
+            return RelayError(code, f"{where} failed: {e.details()}", "step_failed", w.worker_id)
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             # The request's time ran out (the client's deadline or --request-timeout): no worker failed.
-            where = f"{role} worker {w.worker_id}"
             return RelayError(code, f"the request passed its deadline (it was on {where})")
-        details = f"{role} worker {w.worker_id} failed: {code.name}: {e.details()}"
+        details = f"{where} failed: {code.name}: {e.details()}"
         lost = f"{role}_failed"
         if code is grpc.StatusCode.UNAVAILABLE:
             draining = any(k == REJECT_METADATA_KEY for k, _ in trailing)
