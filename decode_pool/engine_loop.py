@@ -16,10 +16,10 @@ Stages of a request here: submitted -> (engine) waiting -> running -> finished;
 or aborted at any stage (client cancel, deadline, drain timeout).
 
 The thread never ends silently. A failed step fails the requests of the engine (they may succeed
-elsewhere: ``StepFailed``); ``MAX_FAILED_STEPS`` failed steps in a row (no success between them, none
-``FAILED_STEPS_WINDOW_S`` after the one before), or any error outside a step, is the engine's
-death (``EngineDied``): every request and pending call gets it, later ones get it at once, and
-``on_fatal`` runs on the event loop (the worker drains and exits, to be replaced).
+elsewhere: ``StepFailed``); ``MAX_FAILED_STEPS`` failed steps in a row (``worker.failures``), or any
+error outside a step, is the engine's death (``EngineDied``): every request and pending call gets it,
+later ones get it at once, and ``on_fatal`` runs on the event loop (the worker drains and exits, to be
+replaced).
 """
 
 from __future__ import annotations
@@ -37,14 +37,13 @@ from typing import Any, TypeVar
 from pdserve.engine.llm_engine import LLMEngine, RequestOutputDelta
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import Batch
+from pdserve.worker import failures
+from pdserve.worker.failures import FailureStreak
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-MAX_FAILED_STEPS = 3  # failed steps in a row: the engine is broken, not one batch
-
-
-FAILED_STEPS_WINDOW_S = 60.0  # failures further apart than this do not count as "in a row"
+MAX_FAILED_STEPS = failures.LIMIT  # failed steps in a row: the engine is broken, not one batch
 
 
 class EngineDied(RuntimeError):
@@ -91,8 +90,7 @@ class EngineLoop:
         self._on_step: Callable[[float, Batch], None] | None = None
         self._on_fatal: Callable[[EngineDied], None] | None = None
         self.failure: EngineDied | None = None  # set once the thread died
-        self._failed_steps = 0
-        self._last_failed_step = 0.0
+        self._failures = FailureStreak()  # failed steps in a row (worker.failures)
         self._step_hook_failed = False
 
     @classmethod
@@ -319,20 +317,16 @@ class EngineLoop:
             try:
                 deltas = eng.step()
             except Exception as e:  # fail every request, keep the worker alive (unless it keeps failing)
-                now = time.monotonic()
-                recent = now - self._last_failed_step < FAILED_STEPS_WINDOW_S
-                self._failed_steps = self._failed_steps + 1 if recent else 1
-                self._last_failed_step = now
-                log.exception("engine step failed (%d in a row)", self._failed_steps)
-                if self._failed_steps >= MAX_FAILED_STEPS:
-                    raise RuntimeError(
-                        f"{self._failed_steps} engine steps in a row failed, the last: {e!r}"
-                    ) from e
+                broken = self._failures.failed()
+                log.exception("engine step failed (%d in a row)", self._failures.count)
+                if broken:
+                    n = self._failures.count
+                    raise RuntimeError(f"{n} engine steps in a row failed, the last: {e!r}") from e
                 for rid in list(self._queues):
                     eng.abort(rid)
                     self._put(rid, StepFailed(f"engine step failed: {e!r}"))
                 continue
-            self._failed_steps = 0
+            self._failures.succeeded()
             dt = time.perf_counter() - t0
             self.last_batch_size = len(deltas)
             if eng.last_batch is not None:

@@ -54,14 +54,13 @@ from pdserve.engine.sampler import Sampler, SampleRow
 from pdserve.kv_transfer import AbortedError, KVSender, SenderHandle, TransferError, TransferTicket
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.prefill_pool.scheduler import PrefillJob, PrefillScheduler, Stage
+from pdserve.worker import failures
+from pdserve.worker.failures import FailureStreak
 
 log = logging.getLogger(__name__)
 
 
-MAX_FAILED_FORWARDS = 3  # failed forwards in a row: the model is broken, not one batch
-
-
-FAILED_FORWARDS_WINDOW_S = 60.0  # failures further apart than this do not count as "in a row"
+MAX_FAILED_FORWARDS = failures.LIMIT  # failed forwards in a row: the model is broken, not one batch
 
 
 class PrefillLoopStopped(RuntimeError):
@@ -164,8 +163,7 @@ class PrefillLoop:
         self.failure: BaseException | None = None  # why the loop stopped, if it did
         self._on_fatal: Callable[[PrefillLoopStopped], None] | None = None
         self._inflight: list[PrefillJob] = []  # the batch between scheduling and its answers
-        self._failed_forwards = 0
-        self._last_failed_forward = 0.0
+        self._failures = FailureStreak()  # failed forwards in a row (worker.failures)
         self._metrics_failed = False
         # Jobs submitted without a ticket, by (request id, attach key): the key is the router's per attempt,
         # so a late drop or ticket of an earlier attempt of the request never reaches a retry.
@@ -482,15 +480,11 @@ class PrefillLoop:
                 self._inflight = []
                 continue
             except Exception as e:  # noqa: BLE001 - fail the batch, keep serving (unless it keeps failing)
-                now = time.monotonic()
-                recent = now - self._last_failed_forward < FAILED_FORWARDS_WINDOW_S
-                self._failed_forwards = self._failed_forwards + 1 if recent else 1
-                self._last_failed_forward = now
-                log.exception("prefill forward failed (%d in a row)", self._failed_forwards)
-                if self._failed_forwards >= MAX_FAILED_FORWARDS:
-                    raise RuntimeError(
-                        f"{self._failed_forwards} prefill forwards in a row failed, the last: {e!r}"
-                    ) from e
+                broken = self._failures.failed()
+                log.exception("prefill forward failed (%d in a row)", self._failures.count)
+                if broken:
+                    n = self._failures.count
+                    raise RuntimeError(f"{n} prefill forwards in a row failed, the last: {e!r}") from e
                 for j in live:
                     if not j.payload.result.done():
                         j.payload.result.set_exception(ForwardFailed(f"prefill failed: {e!r}"))
@@ -499,7 +493,7 @@ class PrefillLoop:
                 continue
             finally:
                 self.running, self.running_tokens = 0, 0
-            self._failed_forwards = 0
+            self._failures.succeeded()
             dt = time.perf_counter() - t0
             self._observe(dt, sum(j.num_tokens for j in live))
             for j, tok in zip(live, tokens, strict=True):
