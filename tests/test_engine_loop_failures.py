@@ -131,3 +131,20 @@ def test_an_ended_request_never_takes_the_queue_of_a_newer_one_with_its_id() -> 
         assert old.get_nowait() is None and loop._queues.get("r") is new
 
     asyncio.run(main())
+
+
+def test_failures_hours_apart_are_no_streak(monkeypatch) -> None:
+    """Three failed steps on an idle worker an hour apart (three arrivals of a prompt that breaks a
+    forward) must not kill it; three within the window do, and a success between them resets the count."""
+    from pdserve.worker import failures
+
+    now = [1000.0]
+    monkeypatch.setattr(failures.time, "monotonic", lambda: now[0])
+    streak = failures.FailureStreak(limit=3, window_s=60.0)
+    for _ in range(5):
+        assert not streak.failed()
+        now[0] += 3600.0
+    assert not streak.failed() and not streak.failed()
+    streak.succeeded()
+    assert not streak.failed() and not streak.failed()
+    assert streak.failed()  # the third within a minute, none succeeding between
