@@ -193,7 +193,9 @@ class EngineLoop:
 
     def abort(self, request_id: Hashable) -> None:
         """Free everything the engine holds for the id (idempotent); its queue gets None."""
-        self._put_cmd(_Cmd(_Op.ABORT, request_id))
+        # The stream it ends is the one registered now: a newer request of the same id submitted before
+        # the engine thread gets to this command (a client retrying its id at once) is left alone.
+        self._put_cmd(_Cmd(_Op.ABORT, request_id, (self._queues.get(request_id),)))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
@@ -238,6 +240,9 @@ class EngineLoop:
                 self._resolve(cmd.future, exc=e)
             return True
         if cmd.op is _Op.ABORT:
+            (q,) = cmd.args
+            if self._queues.get(cmd.request_id) is not q:
+                return True  # the id is a newer request's now: not this abort's to end
             eng.abort(cmd.request_id)
             self._put(cmd.request_id, None)
             return True

@@ -148,3 +148,38 @@ def test_failures_hours_apart_are_no_streak(monkeypatch) -> None:
     streak.succeeded()
     assert not streak.failed() and not streak.failed()
     assert streak.failed()  # the third within a minute, none succeeding between
+
+
+def test_the_abort_after_a_finish_leaves_a_retry_of_the_same_id_alone() -> None:
+    """A stream's end is followed by an abort (idempotent cleanup) that waits behind the engine's current
+    step; the client retries its id meanwhile: that abort must not end or abort the new request."""
+
+    class Eng:
+        aborted: list = []
+
+        def abort(self, rid) -> None:  # type: ignore[no-untyped-def]
+            self.aborted.append(rid)
+
+    async def main() -> None:
+        eng = Eng()
+        loop = engine_loop.EngineLoop(eng, asyncio.get_running_loop())  # type: ignore[arg-type]
+        old: asyncio.Queue = asyncio.Queue()
+        loop._queues["r"] = old
+        loop._put("r", None)  # the old request finished
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        loop.abort("r")  # the servicer's cleanup, queued for the engine thread
+        new = loop.submit("r", [1, 2], LONG)  # the retry
+        while not loop._cmds.empty():  # the engine thread, between steps
+            cmd = loop._cmds.get_nowait()
+            if cmd.op is engine_loop._Op.ABORT:
+                loop._apply(cmd)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert new.empty() and loop._queues.get("r") is new and eng.aborted == []
+        loop.abort("r")  # its own abort still works
+        loop._apply(loop._cmds.get_nowait())
+        await asyncio.sleep(0)
+        assert new.get_nowait() is None and eng.aborted == ["r"]
+
+    asyncio.run(main())
