@@ -505,3 +505,30 @@ def test_bench_options_before_the_mode_word_are_refused(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--num-prompts", "4", "sweep", "--shape", "2C", "--rates", "1", "--out-dir", "x"])
     assert "--num-prompts before `sweep`" in capsys.readouterr().err
+
+
+def test_a_drain_past_its_time_is_cut_by_a_second_sigterm_not_killed(tmp_path):
+    """A worker still draining when --timeout passed takes its first SIGTERM for a drain; ``cut_drains``
+    sends a second, which cuts (the worker deregisters and exits cleanly), before any SIGKILL."""
+    import os
+    import sys
+    import time
+
+    code = (
+        "import signal, sys, time\n"
+        "seen = []\n"
+        "def on(*_):\n"
+        "    seen.append(1)\n"
+        "    if len(seen) == 2: sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on)\n"
+        "print('draining', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    log = tmp_path / "w.log"
+    entry = cluster.spawn("decode-1", [sys.executable, "-c", code], log, dict(os.environ))
+    deadline = time.monotonic() + 30
+    while "draining" not in log.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert cluster.cut_drains([entry], term_timeout_s=10.0) == []  # not killed: it stopped on the second
+    assert not cluster.alive(entry)

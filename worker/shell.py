@@ -303,8 +303,9 @@ class WorkerShell:
             await self._stopped.wait()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM or SIGINT: drain. Another one while draining: stop now, cutting what is in flight
-        (the router moves those requests), as ``pdserve down`` / ``scale`` ask once ``--timeout`` passed."""
+        """SIGTERM or SIGINT: drain (also when a drain the router asked for runs already). A second
+        signal: stop now, cutting what is in flight (the router moves those requests), as ``pdserve down``
+        / ``scale`` and the autoscaler ask once their drain time passed (``cluster.cut_drains``)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)

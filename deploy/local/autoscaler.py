@@ -356,7 +356,7 @@ class Driver:
         ]
         if stuck:
             log.warning("drain timed out: stopping %s by signal", ", ".join(w.id for w in stuck))
-            cluster.stop_processes(stuck, term_timeout_s=10.0)
+            cluster.cut_drains(stuck)
             state, _ = cluster.live_workers(state)
         if gone or stuck:
             cluster.save_state(self.config.state_dir, state)

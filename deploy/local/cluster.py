@@ -330,6 +330,16 @@ def marked_processes(state_dir: Path) -> list[ProcessEntry]:
     return found
 
 
+def cut_drains(procs: Sequence[ProcessEntry], term_timeout_s: float = 10.0) -> list[str]:
+    """Workers still draining past their time: stop them now, cutting their requests in flight. A draining
+    worker takes its first SIGTERM for a drain (it may be the one a preStop hook's drain is followed by);
+    the second one cuts (``worker.shell``). SIGKILL after ``term_timeout_s``. Returns the ids killed."""
+    for p in procs:
+        send(p, signal.SIGTERM)
+    time.sleep(0.5)  # (signals sent at once may be taken as one)
+    return stop_processes(procs, term_timeout_s)
+
+
 def stop_processes(
     procs: Sequence[ProcessEntry], term_timeout_s: float, kill_timeout_s: float = 5.0
 ) -> list[str]:
@@ -615,7 +625,7 @@ def remove_workers(
         except grpc.RpcError as err:
             progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")
     stuck = wait_exit(entries, drain_timeout_s)
-    stop_processes(stuck, term_timeout_s=10.0)
+    cut_drains(stuck)
     return [p.id for p in stuck]
 
 
