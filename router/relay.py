@@ -172,11 +172,17 @@ class Relay:
     ) -> None:
         out = _Out(prep, Detokenizer(self._tok.decode_stream(skip_special_tokens=True), prep.params))
         migrations = 0
+        step_moves = 0  # moves after a failed step: one only (the request itself may be what breaks it)
         try:
             while True:
                 try:
                     return await self._attempt(job, prep, out, write, timeout, deadline_unix)
                 except RelayError as e:
+                    if e.migrate == "step_failed" and step_moves:
+                        raise RelayError(
+                            e.code, f"{e.details} (a step failed under it on two workers: not moved again)"
+                        ) from None
+                    step_moves += e.migrate == "step_failed"
                     if not e.migrate or migrations >= self._max_migrations:
                         if migrations:
                             raise RelayError(
