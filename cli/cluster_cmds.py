@@ -19,6 +19,7 @@ from pdserve.cli import lifeline
 from pdserve.deploy.local import alertmanager, cluster, prometheus
 from pdserve.deploy.local import autoscaler as autoscaler_mod
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
+from pdserve.proto import worker_pb2
 from pdserve.router.autoscale import AutoscaleConfig, PoolBounds
 from pdserve.worker.address import host_port
 from pdserve.worker.auth import write_new_token
@@ -328,7 +329,18 @@ def _scale(args: argparse.Namespace) -> int:
             removing += current[target:]  # the newest go first
     # The GPU must hold the workers that stay and the new ones (a standby one holds its share already):
     # refuse before changing anything.
-    standby = {r: sum(w.role is r and w.standby and cluster.alive(w) for w in state.workers) for r in wanted}
+    registered = set()
+    if wanted:  # (only a standby worker the router knows can be promoted: one still loading gets replaced)
+        status = cluster.cluster_status(
+            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
+        )
+        registered = {
+            e.info.worker_id for e in status.workers if e.load.state == worker_pb2.WORKER_STATE_STANDBY
+        }
+    standby = {
+        r: sum(w.role is r and w.standby and w.id in registered and cluster.alive(w) for w in state.workers)
+        for r in wanted
+    }
     new = sum(max(n - standby[r], 0) for r, n in wanted.items())
     cluster.check_gpu_shares(device, cluster.gpu_share(state, device, removing), new, util)
     adding: dict[Role, int] = {}
@@ -619,6 +631,9 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
         me = cluster.ProcessEntry(id="autoscaler", pid=os.getpid(), start=stat[1], log="")
         with cluster.state_lock(args.state_dir, wait_s=30.0):
             state = cluster.load_state(args.state_dir) or state
+            other = state.autoscaler  # again, held: two started at once would both run
+            if other is not None and other.pid != os.getpid() and cluster.alive(other):
+                raise cluster.ClusterError(f"an autoscaler already runs for this cluster (pid {other.pid})")
             cluster.save_state(args.state_dir, msgspec.structs.replace(state, autoscaler=me))
     try:
         return autoscaler_mod.run(config, state.host, args.metrics_port)

@@ -191,7 +191,8 @@ class Router:
         if not any(w.role.decodes for w in live):
             return "no other decode or colocated worker is left to take the request over"
         if not can_ever_serve(live, max(prompt_len, job.total_tokens - 1)):
-            return f"no other decode worker has KV cache for its {max(prompt_len, job.total_tokens)} tokens"
+            n = max(prompt_len, job.total_tokens)
+            return f"no other decode or colocated worker has KV cache for its {n} tokens"
         routing = self.routing if remote else RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
 
         def try_route() -> Route | None:
