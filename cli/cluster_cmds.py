@@ -468,6 +468,12 @@ def _down(args: argparse.Namespace) -> int:
         cluster.stop_processes([state.autoscaler], term_timeout_s=15.0)
         state = cluster.load_state(args.state_dir) or state
     _stop_all(state, args.timeout)
+    # What the state file does not list (an interrupted `up` or `scale` had started it, or a lost write):
+    # found by the mark every process this state dir started carries.
+    leftovers = cluster.marked_processes(args.state_dir)
+    if leftovers:
+        say(f"stopping what the state file did not list: {', '.join(p.id for p in leftovers)}")
+        cluster.stop_processes(leftovers, term_timeout_s=15.0)
     prometheus.write_targets(args.state_dir, [])  # an outside Prometheus stops scraping the dead cluster
     if prometheus.autoscaler_targets_path(args.state_dir).exists():
         prometheus.write_autoscaler_target(args.state_dir, "")  # (an autoscaler that was killed)

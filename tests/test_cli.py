@@ -447,6 +447,7 @@ def test_a_second_command_changing_the_cluster_at_once_is_refused(tmp_path, caps
             f"with cluster.state_lock({str(tmp_path)!r}):\n"
             "    print('holding', flush=True)\n"
             "    time.sleep(120)\n",
+            "scale",  # (what `down` checks it interrupts: a pdserve command that changes the cluster)
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -532,3 +533,24 @@ def test_a_drain_past_its_time_is_cut_by_a_second_sigterm_not_killed(tmp_path):
         time.sleep(0.05)
     assert cluster.cut_drains([entry], term_timeout_s=10.0) == []  # not killed: it stopped on the second
     assert not cluster.alive(entry)
+
+
+def test_down_also_stops_what_the_state_file_does_not_list(tmp_path, capsys):
+    """A worker an interrupted `up` or `scale` started before it was written down: `down` finds it by the
+    mark every process of this state dir carries."""
+    import os
+    import sys
+
+    unlisted = cluster.spawn(
+        "decode-9",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        tmp_path / "logs" / "d.log",
+        dict(os.environ),
+    )
+    try:
+        cluster.save_state(tmp_path, _state(cluster.ProcessEntry(id="router", pid=1, start=-1, log="")))
+        assert cli.main(["down", "--state-dir", str(tmp_path)]) == 0
+        assert f"(pid {unlisted.pid})" in capsys.readouterr().err
+        assert not cluster.alive(unlisted)
+    finally:
+        cluster.stop_processes([unlisted], term_timeout_s=5)

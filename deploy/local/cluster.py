@@ -115,18 +115,27 @@ def state_lock(
         d.mkdir(parents=True, exist_ok=True)
     fd = os.open(d / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)  # (not inherited by children)
     try:
-        give_up, asked = time.monotonic() + wait_s, False
+        start = time.monotonic()
+        give_up, asked = start + wait_s, {}
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            if interrupt and not asked and holder.isdigit() and int(holder) != os.getpid():
-                progress(f"asking the pdserve command holding {d} (pid {holder}) to stop")
-                with contextlib.suppress(OSError):
-                    os.kill(int(holder), signal.SIGINT)
-                asked = True
+            if interrupt and holder.isdigit() and _interruptible(int(holder)):
+                # As Ctrl-C first (`up` then stops what it started); SIGTERM if that was not enough (a
+                # process started with SIGINT ignored, as `&` in a script does).
+                pid, now = int(holder), time.monotonic()
+                if pid not in asked:
+                    progress(f"asking the pdserve command holding {d} (pid {pid}) to stop")
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGINT)
+                    asked[pid] = now
+                elif asked[pid] and now - asked[pid] > _INTERRUPT_GRACE_S:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGTERM)
+                    asked[pid] = 0.0
             if time.monotonic() >= give_up:
                 raise StateBusy(
                     f"another pdserve command (pid {holder}) is changing the cluster in {d}: try again once "
@@ -138,6 +147,24 @@ def state_lock(
         yield
     finally:
         os.close(fd)  # (releases the lock)
+
+
+_INTERRUPT_GRACE_S = 15.0
+
+
+def _interruptible(pid: int) -> bool:
+    """A pdserve command ``down`` may interrupt to take the state dir: not itself, not another ``down``
+    or a ``drain`` (they end by themselves), and not a pid reused by something else since."""
+    if pid == os.getpid():
+        return False
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    words = [a.decode(errors="replace") for a in argv]
+    command = next((w for w in words if w in ("up", "scale", "down", "drain", "autoscale")), "")
+    is_pdserve = any("pdserve" in w for w in words[:3])
+    return is_pdserve and command in ("up", "scale", "autoscale")
 
 
 def load_state(state_dir: Path) -> ClusterState | None:
