@@ -183,3 +183,59 @@ def test_the_abort_after_a_finish_leaves_a_retry_of_the_same_id_alone() -> None:
         assert new.get_nowait() is None and eng.aborted == ["r"]
 
     asyncio.run(main())
+
+
+def test_the_decode_servicer_tells_the_router_to_retry_a_failed_step_elsewhere() -> None:
+    """StepFailed -> INTERNAL with the trailing metadata the router moves the request on; EngineDied ->
+    UNAVAILABLE (a dead worker)."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from pdserve.decode_pool.metrics import DecodeMetrics
+    from pdserve.decode_pool.servicer import DecodeServicer
+    from pdserve.kv_transfer import TransferConfig
+    from pdserve.proto import worker_pb2
+    from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, ShellConfig
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        aborted: tuple = ()
+
+        def invocation_metadata(self):  # type: ignore[no-untyped-def]
+            return ()
+
+        async def abort(self, code, details, trailing_metadata=()):  # type: ignore[no-untyped-def]
+            self.aborted = (code, details, tuple(trailing_metadata))
+            raise Aborted
+
+    async def call(error: BaseException) -> tuple:
+        def submit(*_a, **_k):  # type: ignore[no-untyped-def]
+            q: asyncio.Queue = asyncio.Queue()
+            q.put_nowait(error)
+            return q
+
+        fake = SimpleNamespace(
+            engine=SimpleNamespace(block_manager=set()), submit=submit, abort=lambda _rid: None
+        )
+        servicer = DecodeServicer(
+            WorkerShell(ShellConfig()), TransferConfig(), DecodeMetrics(CollectorRegistry())
+        )
+        servicer.attach(fake, None)  # type: ignore[arg-type]
+        ctx = Context()
+        with pytest.raises(Aborted):
+            async for _ in servicer.Generate(
+                worker_pb2.WorkerGenerateRequest(request_id="r", prompt_token_ids=[1]), ctx
+            ):
+                pass
+        return ctx.aborted
+
+    async def main() -> None:
+        code, _, trailing = await call(engine_loop.StepFailed("engine step failed: RuntimeError('x')"))
+        assert code is grpc.StatusCode.INTERNAL and (RETRY_ELSEWHERE_KEY, "step_failed") in trailing
+        code, _, trailing = await call(EngineDied("the engine thread died"))
+        assert code is grpc.StatusCode.UNAVAILABLE and not trailing
+
+    asyncio.run(main())

@@ -389,3 +389,53 @@ def test_an_error_outside_the_forward_fails_and_frees_the_batch_in_flight(runner
         await loop.close()
 
     asyncio.run(main())
+
+
+def test_the_prefill_servicer_tells_the_router_to_retry_a_failed_forward_elsewhere() -> None:
+    """A failed forward is the worker's fault: the call ends with the trailing metadata the router moves
+    the request on (and INTERNAL for anything else, which it does not)."""
+    import grpc
+
+    from pdserve.prefill_pool.servicer import PrefillServicer
+    from pdserve.proto import worker_pb2
+    from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, ShellConfig, WorkerShell
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def __init__(self) -> None:
+            self.aborted: tuple = ()
+
+        def invocation_metadata(self):  # type: ignore[no-untyped-def]
+            return ()
+
+        async def abort(self, code, details, trailing_metadata=()):  # type: ignore[no-untyped-def]
+            self.aborted = (code, details, tuple(trailing_metadata))
+            raise Aborted
+
+    async def call(error: BaseException) -> tuple:
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+        result.set_exception(error)
+        fake = SimpleNamespace(
+            runner=SimpleNamespace(config=SimpleNamespace(vocab_size=100, max_position_embeddings=64)),
+            submit=lambda *a, **k: (SimpleNamespace(payload=SimpleNamespace(first_token_unix=0.0)), result),
+            give_up=lambda *a: None,
+        )
+        servicer = PrefillServicer(WorkerShell(ShellConfig()), PrefillMetrics(CollectorRegistry()))
+        servicer.attach(fake)  # type: ignore[arg-type]
+        ctx = Context()
+        with pytest.raises(Aborted):
+            await servicer.Prefill(worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2]), ctx)
+        return ctx.aborted
+
+    async def main() -> None:
+        code, _, trailing = await call(loop_mod.ForwardFailed("prefill failed: RuntimeError('x')"))
+        assert code is grpc.StatusCode.INTERNAL and (RETRY_ELSEWHERE_KEY, "step_failed") in trailing
+        code, _, trailing = await call(RuntimeError("something else"))
+        assert code is grpc.StatusCode.INTERNAL and not trailing
+        code, _, _ = await call(loop_mod.PrefillLoopStopped("stopped"))
+        assert code is grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(main())
