@@ -330,7 +330,8 @@ def _scale(args: argparse.Namespace) -> int:
     # The GPU must hold the workers that stay and the new ones (a standby one holds its share already):
     # refuse before changing anything.
     registered = set()
-    if wanted:  # (only a standby worker the router knows can be promoted: one still loading gets replaced)
+    if any(w.standby and w.role in wanted for w in state.workers):
+        # (only a standby worker the router knows can be promoted: one still loading gets replaced)
         status = cluster.cluster_status(
             state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
         )
