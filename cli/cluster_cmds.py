@@ -427,12 +427,7 @@ def _promote_standby(
         resp = cluster.promote_worker(state.router_address, w.id, token, tls)
         if not resp.found:
             continue  # not registered (yet): left as it is
-        state = msgspec.structs.replace(
-            state,
-            workers=tuple(
-                msgspec.structs.replace(x, standby=False) if x.id == w.id else x for x in state.workers
-            ),
-        )
+        state = cluster.replace_worker(state, msgspec.structs.replace(w, standby=False))
         cluster.save_state(state_dir, state)
         promoted.append(w.id)
     return state, promoted

@@ -197,19 +197,7 @@ def test_the_decode_servicer_tells_the_router_to_retry_a_failed_step_elsewhere()
     from pdserve.kv_transfer import TransferConfig
     from pdserve.proto import worker_pb2
     from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, ShellConfig
-
-    class Aborted(Exception):
-        pass
-
-    class Context:
-        aborted: tuple = ()
-
-        def invocation_metadata(self):  # type: ignore[no-untyped-def]
-            return ()
-
-        async def abort(self, code, details, trailing_metadata=()):  # type: ignore[no-untyped-def]
-            self.aborted = (code, details, tuple(trailing_metadata))
-            raise Aborted
+    from tests.fake_grpc import Aborted, AbortingContext
 
     async def call(error: BaseException) -> tuple:
         def submit(*_a, **_k):  # type: ignore[no-untyped-def]
@@ -224,7 +212,7 @@ def test_the_decode_servicer_tells_the_router_to_retry_a_failed_step_elsewhere()
             WorkerShell(ShellConfig()), TransferConfig(), DecodeMetrics(CollectorRegistry())
         )
         servicer.attach(fake, None)  # type: ignore[arg-type]
-        ctx = Context()
+        ctx = AbortingContext()
         with pytest.raises(Aborted):
             async for _ in servicer.Generate(
                 worker_pb2.WorkerGenerateRequest(request_id="r", prompt_token_ids=[1]), ctx

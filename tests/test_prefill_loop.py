@@ -399,20 +399,7 @@ def test_the_prefill_servicer_tells_the_router_to_retry_a_failed_forward_elsewhe
     from pdserve.prefill_pool.servicer import PrefillServicer
     from pdserve.proto import worker_pb2
     from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, ShellConfig, WorkerShell
-
-    class Aborted(Exception):
-        pass
-
-    class Context:
-        def __init__(self) -> None:
-            self.aborted: tuple = ()
-
-        def invocation_metadata(self):  # type: ignore[no-untyped-def]
-            return ()
-
-        async def abort(self, code, details, trailing_metadata=()):  # type: ignore[no-untyped-def]
-            self.aborted = (code, details, tuple(trailing_metadata))
-            raise Aborted
+    from tests.fake_grpc import Aborted, AbortingContext
 
     async def call(error: BaseException) -> tuple:
         loop = asyncio.get_running_loop()
@@ -425,7 +412,7 @@ def test_the_prefill_servicer_tells_the_router_to_retry_a_failed_forward_elsewhe
         )
         servicer = PrefillServicer(WorkerShell(ShellConfig()), PrefillMetrics(CollectorRegistry()))
         servicer.attach(fake)  # type: ignore[arg-type]
-        ctx = Context()
+        ctx = AbortingContext()
         with pytest.raises(Aborted):
             await servicer.Prefill(worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2]), ctx)
         return ctx.aborted

@@ -289,7 +289,7 @@ class Driver:
                 continue
             if not resp.found and w.id in entries:
                 continue
-            state = _replace_worker(state, msgspec.structs.replace(w, standby=False))
+            state = cluster.replace_worker(state, msgspec.structs.replace(w, standby=False))
             cluster.save_state(self.config.state_dir, state)
             if resp.serving:
                 self.metrics.scale_up.labels(pool.value, "warm").observe(time.monotonic() - now)
@@ -417,12 +417,6 @@ class Driver:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(msgspec.json.encode(doc))
         os.replace(tmp, path)
-
-
-def _replace_worker(state: cluster.ClusterState, entry: cluster.ProcessEntry) -> cluster.ClusterState:
-    return msgspec.structs.replace(
-        state, workers=tuple(entry if w.id == entry.id else w for w in state.workers)
-    )
 
 
 def _index(worker_id: str) -> int:

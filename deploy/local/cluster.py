@@ -656,6 +656,13 @@ def remove_workers(
     return [p.id for p in stuck]
 
 
+def replace_worker(state: ClusterState, entry: ProcessEntry) -> ClusterState:
+    """The state with the worker of ``entry``'s id replaced by ``entry``."""
+    return msgspec.structs.replace(
+        state, workers=tuple(entry if w.id == entry.id else w for w in state.workers)
+    )
+
+
 def live_workers(state: ClusterState) -> tuple[ClusterState, list[ProcessEntry]]:
     """Drop workers whose process is gone from the state; returns (state, the dropped ones)."""
     gone = [w for w in state.workers if not alive(w)]
