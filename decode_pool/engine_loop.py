@@ -155,6 +155,10 @@ class EngineLoop:
         An error in it is logged; it does not stop the engine."""
         self._on_step = fn
 
+    def on_step_failed(self, fn: Callable[[], object]) -> None:
+        """``fn()`` runs on the engine thread after every failed step (a metric)."""
+        self._failures.on_failure = fn
+
     def on_fatal(self, fn: Callable[[EngineDied], None]) -> None:
         """``fn(error)`` runs on the event loop once, if the engine thread dies."""
         self._on_fatal = fn

@@ -202,6 +202,7 @@ class DecodePool:
             lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)), on_fatal=self._fatal
         )
         self.loop.on_step(self.metrics.observe_batch)
+        self.loop.on_step_failed(self.metrics.prefill.failed_steps.inc)
         engine = self.loop.engine
         # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
         compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))

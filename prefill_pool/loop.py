@@ -178,6 +178,10 @@ class PrefillLoop:
         self._task = asyncio.get_running_loop().create_task(self._loop())
         self._task.add_done_callback(self._stopped)
 
+    def on_forward_failed(self, fn: Callable[[], object]) -> None:
+        """``fn()`` runs after every failed forward (a metric)."""
+        self._failures.on_failure = fn
+
     def on_fatal(self, fn: Callable[[PrefillLoopStopped], None]) -> None:
         """``fn(error)`` runs once if the loop dies (the worker then drains and exits)."""
         self._on_fatal = fn

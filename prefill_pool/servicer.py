@@ -206,6 +206,7 @@ class PrefillPool:
             runner, sampler, self.sender, args.max_batched_tokens, self.metrics, self.forward_thread
         )
         self.loop.on_fatal(self._fatal)
+        self.loop.on_forward_failed(self.metrics.failed_steps.inc)
         self.loop.start()
         self.servicer.attach(self.loop)
         return Capacity(

@@ -14,6 +14,7 @@ from pdserve.telemetry.slo import STEP_BUCKETS
 
 PREFILL_TIME = "pdserve_prefill_time_seconds"
 PREFILL_TOKENS = "pdserve_prefill_tokens_total"
+FAILED_STEPS = "pdserve_failed_steps_total"
 PREFILL_ROLES = ("prefill", "decode", "both")
 
 
@@ -32,6 +33,13 @@ class PrefillForwardMetrics:
         self.tokens = Counter(PREFILL_TOKENS, "Prompt tokens prefilled.", ["role"], registry=registry).labels(
             role
         )
+        self.failed_steps = Counter(
+            FAILED_STEPS,
+            "Engine steps (decode, colocated) or prefill forwards that raised: their requests moved to "
+            "another worker; 3 in a row and the worker drains and exits (worker.failures).",
+            ["role"],
+            registry=registry,
+        ).labels(role)
 
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         self.prefill_time.observe(seconds)

@@ -63,6 +63,7 @@ def test_rules_read_only_metrics_the_processes_export():
         "PdserveInterTokenLatencyHigh",
         "PdserveKVCacheUsageHigh",
         "PdserveDecodePreemptions",
+        "PdserveWorkerStepsFailing",
         "PdserveKVTransferFailures",
         "PdserveWorkersBelowExpected",
         "PdserveModelLoadFailed",
@@ -117,6 +118,14 @@ CASES: list[tuple[str, list[dict[str, str]], str, list[dict[str, str]]]] = [
     # preemptions long ago, none since
     ("PdserveDecodePreemptions", [
         {"series": 'pdserve_decode_preemptions_total{role="decode",instance="d:1"}', "values": "0 5 7x18"},
+    ], "15m", []),
+    ("PdserveWorkerStepsFailing", [
+        {"series": 'pdserve_failed_steps_total{role="decode",instance="d:1"}', "values": "0x4 1x16"},
+        {"series": 'pdserve_failed_steps_total{role="prefill",instance="p:1"}', "values": "0x20"},
+    ], "6m", [{"instance": "d:1", "role": "decode"}]),
+    # one failure long ago: over once it is out of the window
+    ("PdserveWorkerStepsFailing", [
+        {"series": 'pdserve_failed_steps_total{role="decode",instance="d:1"}', "values": "0x4 1x16"},
     ], "15m", []),
     ("PdserveKVTransferFailures", [
         {"series": KV_FAIL.format("peer_died"), "values": "0x4 1x16"},

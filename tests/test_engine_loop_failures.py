@@ -99,6 +99,8 @@ def test_an_engine_that_dies_fails_everything_at_once_and_drains_the_worker(tiny
                 running = loop.submit(f"again-{i}", [1, 2, 3], LONG)
         items = await _drain(running)
         assert isinstance(items[-1], EngineDied)
+        failed = pool.registry.get_sample_value("pdserve_failed_steps_total", {"role": "both"})
+        assert failed == (0 if how == "outside_a_step" else engine_loop.MAX_FAILED_STEPS)
         async with asyncio.timeout(10):
             while pool.failure is None:
                 await asyncio.sleep(0.01)

@@ -350,6 +350,7 @@ def test_forwards_that_keep_failing_stop_the_loop_and_the_worker_is_told(runner:
             raise RuntimeError("device lost")
 
         loop._forward = broken  # type: ignore[method-assign]
+        loop.on_forward_failed(loop.metrics.failed_steps.inc)
         params = SamplingParams(temperature=0.0)
         for i in range(loop_mod.MAX_FAILED_FORWARDS - 1):
             _, rx = loop.submit(f"r{i}", PROMPT, params, None)
@@ -360,6 +361,8 @@ def test_forwards_that_keep_failing_stop_the_loop_and_the_worker_is_told(runner:
         with pytest.raises(loop_mod.PrefillLoopStopped):
             await asyncio.wait_for(rx, 10)
         assert len(fatal) == 1 and isinstance(fatal[0], loop_mod.PrefillLoopStopped)
+        failed = loop.metrics.registry.get_sample_value("pdserve_failed_steps_total", {"role": "prefill"})
+        assert failed == loop_mod.MAX_FAILED_FORWARDS
         with pytest.raises(loop_mod.PrefillLoopStopped):
             loop.submit("after", PROMPT, params, None)
         await _until(lambda: _used(loop) == 0)

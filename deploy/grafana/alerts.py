@@ -34,6 +34,7 @@ from pdserve.decode_pool import metrics as dm
 from pdserve.deploy.grafana import panels
 from pdserve.router import metrics as rm
 from pdserve.telemetry import exporter
+from pdserve.telemetry import prefill as prefill_metrics
 from pdserve.telemetry.slo import DEFAULT_SLO, SloThresholds
 
 OUT_FILE = Path(__file__).resolve().parent.parent / "prometheus" / "alerts.yml"
@@ -108,6 +109,16 @@ def alerts(slo: SloThresholds = DEFAULT_SLO) -> tuple[Alert, ...]:
             "decode worker {{ $labels.instance }} has been preempting sequences for 10 minutes",
             "Preempted sequences give up their KV blocks and are recomputed, wasting work: the decode "
             "pool is short of KV cache; scale it out or raise --kv-cache-mib.",
+        ),
+        Alert(
+            "PdserveWorkerStepsFailing",
+            f"sum by (instance, role) (increase({prefill_metrics.FAILED_STEPS}[{WINDOW}])) > 0",
+            0,
+            "ticket",
+            "engine steps or prefill forwards fail on {{ $labels.role }} worker {{ $labels.instance }}",
+            "Their requests moved to another worker, but something breaks forwards: read the worker's log "
+            "for the exception (a prompt that breaks the model, out of memory, a device error). Three in a "
+            "row within a minute and the worker drains and exits (PdserveWorkersBelowExpected follows).",
         ),
         Alert(
             "PdserveKVTransferFailures",

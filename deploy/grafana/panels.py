@@ -16,6 +16,7 @@ from pdserve.decode_pool import metrics as dm
 from pdserve.prefill_pool import metrics as pm
 from pdserve.router import metrics as rm
 from pdserve.telemetry import gpu as gm
+from pdserve.telemetry.prefill import FAILED_STEPS
 from pdserve.telemetry.slo import DEFAULT_SLO
 
 # Made by kv_transfer on the prefill and decode workers' registries (``role`` label: which side).
@@ -204,6 +205,13 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                 ),
                 PanelSpec(
                     "Decode step time", "Wall time of one engine step.", "s", quantiles(dm.DECODE_STEP)
+                ),
+                PanelSpec(
+                    "Failed steps",
+                    "Engine steps and prefill forwards that raised, per second, by role: their requests "
+                    "moved to another worker (3 in a row and the worker drains and exits).",
+                    "short",
+                    (Query(rate(FAILED_STEPS, "role"), "{{role}}"),),
                 ),
             ],
         ),
