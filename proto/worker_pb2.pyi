@@ -114,7 +114,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby", "quantization", "kv_layout", "tokenizer_digest")
+    __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby", "quantization", "kv_layout", "tokenizer_digest", "instance")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class WorkerInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -147,7 +148,8 @@ class WorkerInfo(_message.Message):
     quantization: str
     kv_layout: str
     tokenizer_digest: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., max_running: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., standby: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_layout: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
+    instance: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., max_running: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., standby: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_layout: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "state", "running", "queued", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total")

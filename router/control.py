@@ -117,6 +117,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             max_running=info.max_running,
             metrics_url=info.metrics_url,
             pid=info.pid,
+            instance=info.instance,
             standby=info.standby,
         )
         now = time.monotonic()

@@ -42,6 +42,7 @@ class Worker:
     max_running: int
     metrics_url: str = ""
     pid: int = 0
+    instance: str = ""  # random per process (WorkerInfo.instance); "": unknown
     state: State = State.LOADING
     running: int = 0
     queued: int = 0
@@ -94,10 +95,10 @@ class Registry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
         self._workers: dict[str, Worker] = {}
-        # worker_id -> (address, pid) of a worker dropped for missed heartbeats while draining: the same
-        # process coming back (it was stopped, not dead) registers straight into its drain. Any other
-        # registration of that id (a restarted process) forgets it.
-        self._drains_of_dropped: dict[str, tuple[str, int]] = {}
+        # worker_id -> the process identity (``_process``) of a worker dropped for missed heartbeats while
+        # draining: the same process coming back (it was stopped, not dead) registers straight into its
+        # drain. Any other registration of that id (a restarted process) forgets it.
+        self._drains_of_dropped: dict[str, tuple[str, int, str]] = {}
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -118,19 +119,33 @@ class Registry:
         other_pid = bool(old.pid and worker.pid and old.pid != worker.pid)
         return old if old.address != worker.address or other_pid else None
 
+    @staticmethod
+    def _process(w: Worker) -> tuple[str, int, str]:
+        return (w.address, w.pid, w.instance)
+
+    @staticmethod
+    def _same_process(old: tuple[str, int, str], new: tuple[str, int, str]) -> bool:
+        """Whether a registration comes from the process registered before: its instance where both
+        have one (address and pid repeat in a restarted container), else its address and pid."""
+        if old[2] and new[2]:
+            return old[2] == new[2]
+        return old[:2] == new[:2] and bool(new[1])
+
     def register(self, worker: Worker, now: float) -> None:
         """Add or replace a worker (a re-registration after a router restart keeps the worker usable)."""
         old = self._workers.get(worker.worker_id)
         dropped = self._drains_of_dropped.pop(worker.worker_id, None)
-        if old is None and dropped is not None and dropped == (worker.address, worker.pid) and worker.pid:
+        if old is None and dropped is not None and self._same_process(dropped, self._process(worker)):
             old = replace(worker, drain_requested=True)
         if old is not None:
             worker.assigned = old.assigned
             worker.assigned_prefill_tokens = old.assigned_prefill_tokens
             worker.assigned_kv_blocks = old.assigned_kv_blocks
-            worker.drain_requested = old.drain_requested
-            worker.standby = worker.standby and old.standby  # a promotion sticks
-            if old.drain_requested:
+            # A drain asked of a process is its own: a restarted one under the id starts serving.
+            if self._same_process(self._process(old), self._process(worker)):
+                worker.drain_requested = old.drain_requested
+                worker.standby = worker.standby and old.standby  # a promotion sticks
+            if worker.drain_requested:
                 worker.state = State.DRAINING
         if worker.standby and worker.state is State.READY:
             worker.state = State.STANDBY
@@ -206,7 +221,7 @@ class Registry:
         for w in dead:
             del self._workers[w.worker_id]
             if w.drain_requested:
-                self._drains_of_dropped[w.worker_id] = (w.address, w.pid)
+                self._drains_of_dropped[w.worker_id] = self._process(w)
         return dead
 
     def ready(self) -> list[Worker]:

@@ -124,6 +124,31 @@ def test_a_worker_dropped_while_draining_comes_back_draining():
     assert reg.get("a").last_heartbeat == 12.0 and reg.expire(13.0) == []
 
 
+def test_a_restarted_container_is_not_the_process_asked_to_drain():
+    """In a restarted container the address (pod IP) and pid (1) repeat: the registered instance (random per
+    process) tells the processes apart. A drain asked of one process is not the next one's, whether the
+    old entry was dropped or is still there (a crash and a restart within the heartbeat timeout)."""
+
+    def worker(instance: str) -> Worker:
+        w = mk("a", Role.DECODE, state=State.READY)
+        w.pid, w.address, w.instance = 1, "10.0.0.7:50052", instance
+        return w
+
+    reg = Registry(RegistryConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0))
+    reg.register(worker("one"), now=0.0)
+    assert reg.drain("a")
+    reg.register(worker("one"), now=0.5)  # the same process again (a router restart): still draining
+    assert reg.get("a").state is State.DRAINING
+    reg.register(worker("two"), now=1.0)  # crashed and restarted before its entry expired
+    assert not reg.get("a").drain_requested and reg.get("a").state is State.READY
+    assert reg.drain("a") and reg.expire(4.0)
+    reg.register(worker("three"), now=5.0)  # dropped while draining, then a restart
+    assert not reg.get("a").drain_requested
+    assert reg.drain("a") and reg.expire(8.0)
+    reg.register(worker("three"), now=9.0)  # dropped while draining, the same process back
+    assert reg.get("a").state is State.DRAINING
+
+
 def test_a_burst_between_heartbeats_counts_the_blocks_it_already_sent():
     """Exploratory testing: three 591-token prompts at once on a decode worker with 80 blocks; the
     router saw 80 free (the last heartbeat) for each and sent all three, and the worker refused the third

@@ -6,6 +6,7 @@ it and derives the rest (shell, transfer and registration settings) from it.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from pdserve.worker.tls import NO_TLS, TLSConfig
 # --kv-puts: when KV moves by one-sided writes (UCX puts, or cross-memory writes on one host) rather than
 # tagged messages.
 KV_PUTS = ("auto", "always", "never")
+INSTANCE = uuid.uuid4().hex  # this process's, registered as WorkerInfo.instance
 
 
 @dataclass(frozen=True)
@@ -185,4 +187,5 @@ class WorkerArgs:
             quantization=self.quantization,
             kv_layout=kv_layout,
             tokenizer_digest=tokenizer_digest,
+            instance=INSTANCE,
         )
