@@ -45,7 +45,7 @@ from pdserve.telemetry.gpu import add_gpu_metrics
 from pdserve.worker.agent import RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.auth import refusal_counter
-from pdserve.worker.shell import PoolServicer, WorkerShell
+from pdserve.worker.shell import PoolServicer, ShellState, WorkerShell
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,11 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
             phases = {"model_resolve": t1 - t0, **capacity.startup_seconds, "load": t2 - t1}
             for phase, seconds in phases.items():
                 startup.labels(args.role.value, phase).set(seconds)
+            if shell.state is not ShellState.STARTING:  # a SIGTERM while it loaded: it never joins
+                role, wid = args.role.value, args.worker_id
+                log.info("%s worker %s: asked to stop while loading: not joining", role, wid)
+                await shell.stop()
+                return
             await shell.set_serving()
             agent = RouterAgent(
                 args.agent_config(),
