@@ -304,6 +304,14 @@ def _scale(args: argparse.Namespace) -> int:
     state, gone = cluster.live_workers(state)
     for w in gone:
         say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")
+    status = None
+    if any(w.standby for w in state.workers):
+        status = cluster.cluster_status(
+            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
+        )
+        state, adopted = cluster.adopt_promotions(state, status)
+        for w in adopted:
+            say(f"{w.id} serves: the router promoted it from the warm pool when its pool had none left")
     targets = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
     device = state.device if args.device is None else resolve_device(args.device)
     _check_shared_kv("--kv-shared-memory" in state.worker_flags, device)
@@ -330,11 +338,8 @@ def _scale(args: argparse.Namespace) -> int:
     # The GPU must hold the workers that stay and the new ones (a standby one holds its share already):
     # refuse before changing anything.
     registered = set()
-    if any(w.standby and w.role in wanted for w in state.workers):
+    if status is not None and any(w.standby and w.role in wanted for w in state.workers):
         # (only a standby worker the router knows can be promoted: one still loading gets replaced)
-        status = cluster.cluster_status(
-            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
-        )
         registered = {
             e.info.worker_id for e in status.workers if e.load.state == worker_pb2.WORKER_STATE_STANDBY
         }

@@ -230,10 +230,29 @@ class Router:
             log.warning("worker %s marked dead: %s", w.worker_id, reason)
             self.registry.mark_dead(w.worker_id)
             self.infos.pop(w.worker_id, None)
+            self.cover_with_standby(w.role)  # before its requests move: they may move there
             lost = "decode_failed" if w.role.decodes else "prefill_failed"
             self.fail_jobs_on(w.worker_id, f"worker {w.worker_id} died: {reason}", lost)
         else:
             current.state = State.DRAINING
+
+    def cover_with_standby(self, role: Role) -> Worker | None:
+        """A worker of ``role`` died: if none of that role is left serving, promote one of its warm
+        standby workers now (the one whose heartbeat said it is loaded), rather than refuse requests until
+        the autoscaler's next tick. Returns the promoted worker; the autoscaler sees the promotion in
+        ``ClusterStatus`` and starts a replacement standby."""
+        if any(w.role is role for w in self.registry.ready()):
+            return None
+        standby = [w for w in self.registry if w.role is role and w.state is State.STANDBY]
+        if not standby:
+            return None
+        w = self.registry.promote(standby[0].worker_id)
+        if w is None:
+            return None
+        if w.worker_id in self.infos:
+            self.infos[w.worker_id].standby = False
+        log.warning("no %s worker left serving: standby worker %s promoted", role.value, w.worker_id)
+        return w
 
     def fail_jobs_on(self, worker_id: str, reason: str, migrate: str = "") -> None:
         """Fail every request that still needs ``worker_id`` (``migrate``: why, for the relay's move)."""
@@ -247,6 +266,9 @@ class Router:
         for w in dead:
             log.warning("worker %s (%s) missed heartbeats; removed", w.worker_id, w.address)
             self.infos.pop(w.worker_id, None)
+        if [role for role in {w.role for w in dead} if self.cover_with_standby(role)]:
+            await self.admission.notify()
+        for w in dead:
             self.fail_jobs_on(w.worker_id, f"worker {w.worker_id} missed heartbeats")
         keep = {w.address for w in self.registry}
         for job in self.ledger:

@@ -43,6 +43,7 @@ class Scripted:
             workers=(_entry("prefill-1", Role.PREFILL), _entry("decode-2", Role.DECODE)),
         )
         self.registered = {"prefill-1", "decode-2"}
+        self.promoted: set[str] = set()  # standby workers the router promoted on its own
         self.running = 8
         monkeypatch.setattr(cluster, "load_state", lambda _d: self.state)
         monkeypatch.setattr(cluster, "save_state", self._save)
@@ -65,7 +66,9 @@ class Scripted:
                 continue  # started, not registered yet
             e = out.workers.add()
             e.info.worker_id, e.info.max_running = w.id, 8
-            e.load.state, e.load.kv_blocks_total = READY, 100
+            e.info.standby = w.standby and w.id not in self.promoted
+            e.load.state = worker_pb2.WORKER_STATE_STANDBY if e.info.standby else READY
+            e.load.kv_blocks_total = 100
             e.load.running = self.running if w.role is Role.DECODE else 0
         return out
 
@@ -101,3 +104,26 @@ def test_a_router_metrics_body_cut_short_is_no_sample_not_a_crash(tmp_path, monk
 
     monkeypatch.setattr(mod.urllib.request, "urlopen", cut)
     assert driver._latencies("http://127.0.0.1:1/metrics") == {}
+
+
+def test_a_standby_the_router_promoted_is_adopted_and_replaced(tmp_path, monkeypatch) -> None:
+    """The router promotes a standby worker itself when its pool's last serving worker dies
+    (``RouterService.cover_with_standby``): the driver records it as serving and starts a new standby."""
+    world = Scripted(monkeypatch, tmp_path)
+    world.running = 0
+    warm = _entry("decode-3", Role.DECODE, standby=True)
+    world.state = msgspec.structs.replace(world.state, workers=(*world.state.workers, warm), next_index=4)
+    world.registered.add("decode-3")
+    policy = AutoscaleConfig(decode=PoolBounds(1, 2, warm=1), down_after=100)
+    driver = mod.Driver(mod.DriverConfig(tmp_path, policy), mod.Metrics(CollectorRegistry()))
+    driver.tick(0.0)
+    assert [w.id for w in world.state.workers if w.standby] == ["decode-3"]  # warm pool full
+    world.state = msgspec.structs.replace(
+        world.state, workers=tuple(w for w in world.state.workers if w.id != "decode-2")
+    )  # the serving decode worker died; the router promoted decode-3
+    world.registered.discard("decode-2")
+    world.promoted.add("decode-3")
+    driver.tick(1.0)
+    by_id = {w.id: w for w in world.state.workers}
+    assert not by_id["decode-3"].standby
+    assert [w.id for w in world.state.workers if w.standby and w.role is Role.DECODE] == ["decode-4"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -370,6 +371,48 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         assert "both-4 still starting: joins the cluster once ready" in capsys.readouterr().err
         cluster.wait_ready(cluster.load_state(state_dir), {"both-4"}, 60)
         assert workers() == {"both-3": "ready", "both-4": "ready"}
+    finally:
+        assert cli.main(["down", *base]) == 0
+
+
+def test_the_death_of_the_last_decode_worker_promotes_a_standby_and_scale_counts_it(tmp_path, capsys):
+    """A warm decode worker stands by; the only serving one is SIGKILLed: the router promotes the standby
+    on its own (requests are not refused until an autoscaler tick), and `scale` then counts it as serving
+    rather than starting workers beside it."""
+    import os
+    import signal
+
+    model = make_model_dir(tmp_path / "model")
+    state_dir = tmp_path / "state"
+    base = ["--state-dir", str(state_dir)]
+    up = [
+        "up", "--prefill", "0", "--decode", "1", "--model", str(model), "--port", str(free_port()),
+        "--heartbeat-interval", "0.1", "--worker-module", "tests.fake_workers", "--timeout", "60", *base,
+    ]  # fmt: skip
+    assert cli.main(up) == 0
+    capsys.readouterr()
+
+    def workers() -> dict[str, str]:
+        assert cli.main(["status", "--json", *base]) == 0
+        return {w["id"]: w["state"] for w in json.loads(capsys.readouterr().out)["workers"]}
+
+    try:
+        state = cluster.spawn_workers(state_dir, cluster.load_state(state_dir), Role.DECODE, 1, standby=True)
+        cluster.save_state(state_dir, state)
+        cluster.wait_ready(state, {"decode-2"}, 60, lambda _msg: None)
+        assert workers() == {"decode-1": "ready", "decode-2": "standby"}
+        [d1] = [w for w in state.workers if w.id == "decode-1"]
+        os.kill(d1.pid, signal.SIGKILL)
+        for _ in range(200):
+            if workers() == {"decode-2": "ready"}:
+                break
+            time.sleep(0.05)
+        assert workers() == {"decode-2": "ready"}
+        assert "standby worker decode-2 promoted" in (state_dir / "logs" / "router.log").read_text()
+        assert cli.main(["scale", "--decode", "1", "--timeout", "60", *base]) == 0
+        assert "decode-2 serves: the router promoted it" in capsys.readouterr().err
+        [w] = cluster.load_state(state_dir).workers
+        assert (w.id, w.standby) == ("decode-2", False)  # nothing started beside it
     finally:
         assert cli.main(["down", *base]) == 0
 

@@ -133,6 +133,47 @@ def test_a_worker_seen_dead_fails_the_jobs_that_still_need_it():
     asyncio.run(go())
 
 
+def test_the_last_serving_workers_death_promotes_a_standby_of_its_pool():
+    """With warm standby workers (``--warm``), the death of a pool's last serving worker promotes one at
+    once: its requests move there rather than failing until the autoscaler's next tick. A pool that still
+    has a serving worker keeps its standby; a pool with none keeps failing over as before."""
+    import asyncio
+
+    from pdserve.router.jobs import Job
+    from pdserve.router.registry import State, Worker
+    from pdserve.worker.role import Role
+
+    async def go():
+        router = _router()
+        for wid, role in (("d2", Role.DECODE), ("p3", Role.PREFILL)):
+            w = Worker(wid, role, f"127.0.0.1:{wid}", kv_blocks_total=1000, block_size=16, max_running=8)
+            w.state, w.standby = State.READY, True
+            router.registry.register(w, 0.0)
+        assert {w.worker_id: w.state for w in router.registry}["d2"] is State.STANDBY
+        job = Job("a", 100)
+        first = await router.admit(job, None)
+        assert first.decode.worker_id == "d1"
+        assert first.prefill is not None
+        other = "p2" if first.prefill.worker_id == "p1" else "p1"
+        router.worker_failed(router.registry.get(other), True, "UNAVAILABLE")  # one prefill still serves
+        assert router.registry.get("p3").state is State.STANDBY
+        router.worker_failed(first.decode, True, "UNAVAILABLE")
+        d2 = router.registry.get("d2")
+        assert d2.state is State.READY and not d2.standby
+        assert job.failure is not None and job.failure.reason == "decode_failed"
+        moved = await router.reroute(job, 100, 1.0, avoid="d1")
+        assert not isinstance(moved, str) and moved.decode.worker_id == "d2"
+        await router.finish(job)
+        # Missed heartbeats: the sweep promotes too (the last prefill worker last heard of at 0.0).
+        load = dict(running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0)
+        router.registry.heartbeat("p3", 5.0, state=State.READY, **load)
+        router.registry.heartbeat("d2", 5.0, state=State.READY, **load)
+        assert [w.worker_id for w in await router.sweep(6.0)] == [first.prefill.worker_id]
+        assert router.registry.get("p3").state is State.READY
+
+    asyncio.run(go())
+
+
 def test_the_prefill_queue_bound_refuses_at_once():
     import asyncio
 

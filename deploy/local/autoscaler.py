@@ -174,6 +174,7 @@ class Driver:
         status = cluster.cluster_status(
             state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
         )
+        state = self._adopt_promotions(state, status)
         latency = self._latencies(status.metrics_url)
         signals = self.signals(state, status, latency)
         self._observe_serving(status, now)
@@ -359,6 +360,18 @@ class Driver:
             cluster.cut_drains(stuck)
             state, _ = cluster.live_workers(state)
         if gone or stuck:
+            cluster.save_state(self.config.state_dir, state)
+        return state
+
+    def _adopt_promotions(
+        self, state: cluster.ClusterState, status: worker_pb2.ClusterStatus
+    ) -> cluster.ClusterState:
+        """Standby workers the router promoted serve now: so recorded, the warm pool gets a replacement
+        and they can be scaled down like any other (``cluster.adopt_promotions``)."""
+        state, adopted = cluster.adopt_promotions(state, status)
+        for w in adopted:
+            log.info("%s was promoted by the router (its pool had no serving worker left)", w.id)
+        if adopted:
             cluster.save_state(self.config.state_dir, state)
         return state
 

@@ -663,6 +663,19 @@ def replace_worker(state: ClusterState, entry: ProcessEntry) -> ClusterState:
     )
 
 
+def adopt_promotions(
+    state: ClusterState, status: worker_pb2.ClusterStatus
+) -> tuple[ClusterState, list[ProcessEntry]]:
+    """Standby workers the router promoted on its own (their pool's last serving worker died:
+    ``RouterService.cover_with_standby``) recorded as serving; returns (state, the promoted ones). The
+    caller saves the state."""
+    promoted = {e.info.worker_id for e in status.workers if not e.info.standby}
+    adopted = [w for w in state.workers if w.standby and w.id in promoted]
+    for w in adopted:
+        state = replace_worker(state, msgspec.structs.replace(w, standby=False))
+    return state, adopted
+
+
 def live_workers(state: ClusterState) -> tuple[ClusterState, list[ProcessEntry]]:
     """Drop workers whose process is gone from the state; returns (state, the dropped ones)."""
     gone = [w for w in state.workers if not alive(w)]
