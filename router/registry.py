@@ -129,13 +129,16 @@ class Registry:
         have one (address and pid repeat in a restarted container), else its address and pid."""
         if old[2] and new[2]:
             return old[2] == new[2]
-        return old[:2] == new[:2] and bool(new[1])
+        if old[1] and new[1]:
+            return old[:2] == new[:2]
+        return old[0] == new[0]  # nothing else to tell them by
 
     def register(self, worker: Worker, now: float) -> None:
         """Add or replace a worker (a re-registration after a router restart keeps the worker usable)."""
         old = self._workers.get(worker.worker_id)
         dropped = self._drains_of_dropped.pop(worker.worker_id, None)
-        if old is None and dropped is not None and self._same_process(dropped, self._process(worker)):
+        back = dropped is not None and bool(worker.pid) and self._same_process(dropped, self._process(worker))
+        if old is None and back:
             old = replace(worker, drain_requested=True)
         if old is not None:
             worker.assigned = old.assigned
