@@ -309,9 +309,13 @@ class EngineLoop:
 
     def _serve(self) -> None:
         eng = self.engine
+        stuck = False  # the last step scheduled nothing (waiting requests, no free blocks)
         while True:
-            # Commands first: aborts free blocks before the next step needs them.
-            block = not eng.has_unfinished()
+            # Commands first: aborts free blocks before the next step needs them. With nothing to step,
+            # or work no step can schedule (its blocks held by transfers' reservations, which a command or
+            # a receiver's free releases), wait for one up to idle_wait_s rather than spin on the GIL.
+            block = stuck or not eng.has_unfinished()
+            stuck = False
             while True:
                 try:
                     cmd = self._cmds.get(block=block, timeout=self._idle_wait_s if block else None)
@@ -336,6 +340,7 @@ class EngineLoop:
                     self._put(rid, StepFailed(f"engine step failed: {e!r}"))
                 continue
             self._failures.succeeded()
+            stuck = eng.last_batch is None
             dt = time.perf_counter() - t0
             self.last_batch_size = len(deltas)
             if eng.last_batch is not None:

@@ -229,3 +229,35 @@ def test_the_decode_servicer_tells_the_router_to_retry_a_failed_step_elsewhere()
         assert code is grpc.StatusCode.UNAVAILABLE and not trailing
 
     asyncio.run(main())
+
+
+def test_work_no_step_can_schedule_waits_for_a_command_instead_of_spinning(tiny_llama_dir) -> None:
+    """Code review: a request waiting for blocks that transfers' reservations hold, nothing running. The
+    engine thread called ``step()`` (which scheduled nothing) back to back, some 400k times a second on
+    one core, holding the GIL from the event loop that lands the very transfers it waits for. It now
+    waits for a command (up to idle_wait_s) between such steps."""
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+
+    async def main() -> None:
+        cfg = EngineConfig(dtype="float32", num_blocks=16, block_size=16, max_num_seqs=4, detokenize=False)
+        loop = await engine_loop.EngineLoop.build(lambda: LLMEngine(tiny_llama_dir, None, cfg))
+        eng = loop.engine
+        calls = [0]
+        step = eng.step
+
+        def counted():  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            return step()
+
+        eng.step = counted  # type: ignore[method-assign]
+        await loop.call(lambda e: e.block_manager.allocate("reservation", 15 * 16))  # a transfer's blocks
+        out = loop.submit("local", list(range(5, 40)), SamplingParams(max_tokens=4, ignore_eos=True))
+        await asyncio.sleep(0.5)
+        assert 1 <= calls[0] <= 0.5 / 0.05 + 5  # a step per idle wait, not a spin
+        assert out.empty()
+        await loop.call(lambda e: e.block_manager.free("reservation"))  # the transfer gave up its blocks
+        items = await _drain(out)
+        assert items[-1] is None and sum(len(d.new_token_ids) for d in items[:-1]) == 4
+        await loop.stop()
+
+    asyncio.run(main())
