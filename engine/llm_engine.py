@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PRIME_TOKENS = 4  # prompt tokens replayed into a request's text stream before its first output
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -341,18 +340,8 @@ class LLMEngine:
     def _new_text_state(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> _TextState:
         if self.tokenizer is None or not self.config.detokenize:
             return _TextState(None, None)
-        stream = self.tokenizer.decode_stream()
-        # Prime with the prompt's tail (as vLLM does) so the first output token decodes in context:
-        # a SentencePiece word start then keeps its leading space. The suffix is the shortest of at
-        # least PRIME_TOKENS that decodes without a broken multi-byte character.
-        prime = list(prompt_token_ids[-PRIME_TOKENS:])
-        for n in range(PRIME_TOKENS, min(len(prompt_token_ids), 4 * PRIME_TOKENS) + 1):
-            suffix = list(prompt_token_ids[-n:])
-            if "\ufffd" not in self.tokenizer.decode(suffix):
-                prime = suffix
-                break
-        for t in prime:
-            stream.step(t)
+        # Primed with the prompt's tail: the first output token decodes in context.
+        stream = self.tokenizer.decode_stream(prompt_token_ids=prompt_token_ids)
         return _TextState(stream, StopStringMatcher(params.stop) if params.stop else None)
 
     def _emit(self, seqs: list[EngineSequence]) -> list[RequestOutputDelta]:

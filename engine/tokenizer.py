@@ -45,6 +45,9 @@ _SPECIAL_TOKEN_KEYS = (
 )
 
 
+PRIME_TOKENS = 4  # prompt tokens replayed into a sequence's text stream before its first output
+
+
 class TextStream:
     """Incremental detokenization of one sequence (``tokenizers``' DecodeStream)."""
 
@@ -166,8 +169,24 @@ class Tokenizer:
         """The vocabulary's string for one id (None outside the vocabulary)."""
         return self._backend.id_to_token(int(token_id))
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> TextStream:
-        return TextStream(self._backend, skip_special_tokens)
+    def decode_stream(
+        self, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] = ()
+    ) -> TextStream:
+        """A stream for a sequence's output, primed with ``prompt_token_ids``' tail (as vLLM does) so
+        that the first output token decodes in context: a SentencePiece word start keeps its leading space,
+        and a character the prompt's last token began is completed, not a U+FFFD. The tail is the shortest
+        of at least PRIME_TOKENS that decodes without a broken multi-byte character (else the last
+        PRIME_TOKENS, whose incomplete character the output completes)."""
+        stream = TextStream(self._backend, skip_special_tokens)
+        prime = [int(t) for t in prompt_token_ids[-PRIME_TOKENS:]]
+        for n in range(PRIME_TOKENS, min(len(prompt_token_ids), 4 * PRIME_TOKENS) + 1):
+            suffix = [int(t) for t in prompt_token_ids[-n:]]
+            if "\ufffd" not in self.decode(suffix, skip_special_tokens=skip_special_tokens):
+                prime = suffix
+                break
+        for t in prime:
+            stream.step(t)
+        return stream
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True

@@ -170,7 +170,9 @@ class Relay:
     async def _run(
         self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float
     ) -> None:
-        out = _Out(prep, Detokenizer(self._tok.decode_stream(skip_special_tokens=True), prep.params))
+        # Primed with the prompt's tail, as the engine's own stream (offline ``LLM``) is: the same text.
+        stream = self._tok.decode_stream(skip_special_tokens=True, prompt_token_ids=prep.prompt_token_ids)
+        out = _Out(prep, Detokenizer(stream, prep.params))
         migrations = 0
         step_moves = 0  # moves after a failed step: one only (the request itself may be what breaks it)
         try:

@@ -54,7 +54,7 @@ def test_x_request_id_is_the_id_end_to_end_on_both_workers(model_dir):
                 model=model, prompt="the cat sat", max_tokens=4, extra_headers={"X-Request-ID": "abc-123"}
             )
             assert raw.headers["x-request-id"] == "abc-123"
-            assert raw.parse().id == "abc-123" and raw.parse().choices[0].text == "hello world the cat"
+            assert raw.parse().id == "abc-123" and raw.parse().choices[0].text == " hello world the cat"
             prefill = [r for r in p.requests if isinstance(r, worker_pb2.PrefillRequest)]
             assert [r.request_id for r in prefill] == ["abc-123"] and p.metadata_ids == ["abc-123"]
             assert d.requests[-1].mode == worker_pb2.PREFILL_MODE_REMOTE

@@ -55,7 +55,7 @@ def test_completions_and_chat_streaming_and_not_match_grpc_generate(model_dir):
 
             c = await client.completions.create(model=model, prompt="the cat", max_tokens=9, temperature=0)
             assert c.object == "text_completion" and c.id.startswith("cmpl-") and c.model == model
-            assert c.choices[0].text == grpc_text == "hello world the cat"
+            assert c.choices[0].text == grpc_text == " hello world the cat"
             assert c.choices[0].finish_reason == "stop" and grpc_msgs[-1].finish_reason == "stop"
             assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (2, 5, 7)
             sent = w.requests[-1]
@@ -74,7 +74,7 @@ def test_completions_and_chat_streaming_and_not_match_grpc_generate(model_dir):
             )
             *text_chunks, usage_chunk = chunks
             assert (
-                "".join(ch.choices[0].text for ch in text_chunks) == "hello world the "
+                "".join(ch.choices[0].text for ch in text_chunks) == " hello world the "
             )  # stop string held back
             assert [ch.choices[0].finish_reason for ch in text_chunks][-1] == "stop"
             assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 4  # "cat" was the 4th
@@ -149,7 +149,8 @@ def test_errors_are_openai_bodies_with_400_404_429_503(model_dir):
             assert info.value.status_code == 429 and "queue" in info.value.message
             w.release.set()
             for done in await asyncio.gather(a, b):
-                assert done.choices[0].text == "hello world the" and done.choices[0].finish_reason == "length"
+                choice = done.choices[0]
+                assert choice.text == " hello world the" and choice.finish_reason == "length"
 
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{server.http.url}/v1/completions", data=b"{oops") as resp:
@@ -236,7 +237,7 @@ def test_error_after_the_stream_began_is_an_error_event(model_dir):
                 async with http.post(f"{server.http.url}/v1/completions", json=body) as resp:
                     assert resp.status == 200 and resp.content_type == "text/event-stream"
                     first = await resp.content.readuntil(b"\n\n")
-                    assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == "hello"
+                    assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == " hello"
                     server.router.fail_jobs_on("b1", "worker b1 missed heartbeats")
                     rest = (await resp.content.read()).decode()
             error, done = [e.removeprefix("data: ") for e in rest.split("\n\n") if e]
@@ -270,7 +271,7 @@ def test_up_with_http_port_shows_the_url_in_status(tmp_path, capsys):
         assert url == f"http://127.0.0.1:{http_port}"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
         r = client.completions.create(model=str(model), prompt="hello", max_tokens=4)
-        assert r.choices[0].text == "hello world the cat" and r.usage.completion_tokens == 4
+        assert r.choices[0].text == " hello world the cat" and r.usage.completion_tokens == 4
         client.close()
     finally:
         assert cli.main(["down", *base]) == 0

@@ -166,7 +166,7 @@ def test_health_reflection_and_graceful_shutdown(model_dir):
             )
             w.release.set()
             tokens, text, msgs = await collect(call)
-            assert text == "hello world the cat" and msgs[-1].finish_reason == "length"
+            assert text == " hello world the cat" and msgs[-1].finish_reason == "length"
             await stopping
             await channel.close()
 
@@ -204,7 +204,7 @@ def test_bad_input_is_invalid_argument_naming_the_field_and_router_keeps_serving
                 assert field in details, (field, details)
             assert not w.requests  # nothing reached a worker
             tokens, text, _ = await collect(stub.Generate(request()))
-            assert tokens == ids("hello world") and text == "hello world"
+            assert tokens == ids("hello world") and text == " hello world"
 
     run(main())
 
@@ -276,7 +276,7 @@ def test_local_route_streams_text_usage_chat_and_deadline(model_dir):
             before = time.time()
             tokens, text, msgs = await collect(stub.Generate(request("the cat", max_tokens=9), timeout=20))
             assert tokens == ids("hello world the cat </s>")
-            assert text == "hello world the cat"  # the eos token adds no text
+            assert text == " hello world the cat"  # the eos token adds no text
             last = msgs[-1]
             assert last.finish_reason == "stop" and all(not m.finish_reason for m in msgs[:-1])
             assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 5)
@@ -306,7 +306,7 @@ def test_stop_string_never_leaks_and_cancels_the_worker(model_dir):
         w.hold_at = 6
         async with cluster(model_dir, [w]) as (_, stub):
             tokens, text, msgs = await collect(stub.Generate(request(stop=["sat on"], max_tokens=9)))
-            assert text == "the cat " and msgs[-1].finish_reason == "stop"
+            assert text == " the cat " and msgs[-1].finish_reason == "stop"
             assert tokens == ids("the cat sat on") and msgs[-1].usage.completion_tokens == 4
             assert not w.requests[0].sampling.stop  # the router owns stop strings
             await w.wait_for(lambda: w.cancelled)
@@ -324,7 +324,7 @@ def test_remote_route_sends_prefill_first_token_before_decode_streams(model_dir)
         async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (_, stub):
             call = stub.Generate(request("the cat sat", max_tokens=4))
             first = await call.read()
-            assert list(first.token_ids) == out[:1] and first.text == "hello"
+            assert list(first.token_ids) == out[:1] and first.text == " hello"
             assert not d.started  # decode had not begun: the token came from the prefill result
             prefill = next(r for r in p.requests if isinstance(r, worker_pb2.PrefillRequest))
             # The prefill started without waiting for D's ticket, which followed by AttachTicket.
@@ -503,7 +503,7 @@ def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_reques
         d.refuse_room = 1
         async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (server, stub):
             tokens, text, msgs = await collect(stub.Generate(request("the cat sat", max_tokens=4)))
-            assert tokens == out and text == "hello world the cat" and msgs[-1].finish_reason == "length"
+            assert tokens == out and text == " hello world the cat" and msgs[-1].finish_reason == "length"
             # The second try prefills on P again, or on D itself after P's first token reached the client.
             assert len(d.requests) == 2 and d.refuse_room == 0
             assert d.requests[0].mode == worker_pb2.PREFILL_MODE_REMOTE
@@ -551,7 +551,7 @@ def test_worker_killed_mid_stream_fails_the_request_and_leaves_the_registry(mode
                 hold = request(max_tokens=4)
                 hold.request_id = "hold-1"  # the fake stops after output 0 until it drains
                 call = stub.Generate(hold)
-                assert (await call.read()).text == "hello"
+                assert (await call.read()).text == " hello"
                 os.kill(proc.pid, signal.SIGKILL)
                 details = await expect_error(call, grpc.StatusCode.UNAVAILABLE)
                 assert "k1" in details

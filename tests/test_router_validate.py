@@ -35,7 +35,7 @@ class CountingTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
         raise NotImplementedError
 
-    def decode_stream(self, skip_special_tokens: bool = True):
+    def decode_stream(self, skip_special_tokens: bool = True, prompt_token_ids=()):
         raise NotImplementedError
 
     def id_to_token(self, token_id: int) -> str | None:

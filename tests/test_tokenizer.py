@@ -123,6 +123,22 @@ def test_decode_stream_holds_incomplete_characters(ours):
     assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "😀"
 
 
+def test_a_stream_primed_with_the_prompt_continues_it(ours):
+    """Output text is what the prompt's tokens plus the output's decode to, past the prompt's own text: a
+    prompt whose last token began a multi-byte character has it completed by the output (it was a U+FFFD
+    on the router, whose stream was not primed), and a word start keeps its space."""
+    ids = ours.encode("Say 好 and 😀 please")
+    cut = next(i for i in range(1, len(ids)) if "\ufffd" in ours.decode(ids[:i]))  # inside a character
+    prompt, out = ids[:cut], ids[cut:]
+    stream = ours.decode_stream(prompt_token_ids=prompt)
+    text = "".join(stream.step(i) for i in out)
+    # (the character's whole token comes out with it, here its leading space as well)
+    assert "\ufffd" not in text and text.lstrip() == "好 and 😀 please"
+    words = ours.encode("the cat sat")
+    stream = ours.decode_stream(prompt_token_ids=words[:2])
+    assert "".join(stream.step(i) for i in words[2:]) == " sat"
+
+
 @pytest.mark.parametrize(
     ("messages", "problem"),
     [
