@@ -162,9 +162,38 @@ def test_chat_refusals_and_malformed_bodies():
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("prediction", {"type": "content", "content": "x"}),
+        ("add_generation_prompt", False),
+        ("continue_final_message", True),
+        ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": False}),
     ):
         err = error_of(chat, messages=msgs, **{name: value})
         assert (err.status, err.info.param) == (400, name) and "not supported" in err.info.message, name
+    # vLLM's options that change the output, on both endpoints (exploratory testing: accepted and ignored).
+    for name, value in (
+        ("include_stop_str_in_output", True),
+        ("skip_special_tokens", False),
+        ("spaces_between_special_tokens", False),
+        ("use_beam_search", True),
+        ("min_p", 0.1),
+        ("prompt_logprobs", 1),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a+"),
+        ("guided_choice", ["a", "b"]),
+        ("guided_grammar", "root ::= 'a'"),
+    ):
+        for endpoint, body in ((chat, {"messages": msgs}), (completion, {"prompt": "x"})):
+            err = error_of(endpoint, **body, **{name: value})
+            assert (err.status, err.info.param) == (400, name) and "not supported" in err.info.message, name
+    completion(
+        prompt="x",
+        include_stop_str_in_output=False,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        use_beam_search=False,
+        min_p=0.0,
+        guided_json=None,
+    )
     # Accepted as absent: what SDKs send by default.
     chat(
         messages=msgs,
@@ -179,6 +208,9 @@ def test_chat_refusals_and_malformed_bodies():
         modalities=["text"],
         functions=[],
         audio=None,
+        add_generation_prompt=True,
+        continue_final_message=False,
+        min_p=0,
     )
     # Empty however it is spaced: `[ ]` is `[]`.
     raw = b'{"messages": [{"role": "user", "content": "x"}], "tools": [ ], "functions": { }}'

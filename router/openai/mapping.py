@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
+from collections.abc import Mapping
 
 import msgspec
 
@@ -93,6 +94,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options can only be set when stream is true", "stream_options")
+    _refuse_unsupported(req, UNSUPPORTED)
 
 
 def _bounded(name: str, value: int, low: int, high: int) -> int:
@@ -214,24 +216,43 @@ def text_content(i: int, content) -> str:
     return "".join(parts)
 
 
-# Chat options refused when sent with a value other than their default (``ChatCompletionRequest``).
-_CHAT_UNSUPPORTED = (
-    "echo",
-    "best_of",
-    "functions",
-    "function_call",
-    "tool_choice",
-    "modalities",
-    "audio",
-    "prediction",
-)
-_CHAT_DEFAULTS: dict[str, tuple[object, ...]] = {
+# Options refused when sent with a value other than their default (None: any value is refused), on both
+# endpoints (``_GenerationFields``) and on chat only (``ChatCompletionRequest``).
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "min_p": (0, 0.0),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+}
+_CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (False,),
     "best_of": (1,),
+    # The /tokenize endpoint takes it; a chat always opens the assistant's turn (as /tokenize by default).
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),  # the model's own template applies
+    "chat_template_kwargs": (),
+    "functions": (),
     "function_call": ("none", "auto"),  # without functions, auto calls none
     "tool_choice": ("none", "auto"),  # without tools, auto calls none
     "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
 }
+
+
+def _refuse_unsupported(req: object, options: Mapping[str, tuple[object, ...]]) -> None:
+    for name, defaults in options.items():
+        raw = getattr(req, name)
+        value = msgspec.json.decode(bytes(raw)) if present(raw) else None
+        if value is not None and not any(type(value) is type(d) and value == d for d in defaults):
+            raise invalid(f"{name} is not supported", name)
 
 
 def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
@@ -250,12 +271,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateReque
     _check_common(req)
     if req.logprobs or req.top_logprobs:
         raise invalid("logprobs is not supported", "logprobs")
-    for name in _CHAT_UNSUPPORTED:
-        raw = getattr(req, name)
-        value = msgspec.json.decode(bytes(raw)) if present(raw) else None
-        defaults = _CHAT_DEFAULTS.get(name, ())
-        if value is not None and not any(type(value) is type(d) and value == d for d in defaults):
-            raise invalid(f"{name} is not supported", name)
+    _refuse_unsupported(req, _CHAT_UNSUPPORTED)
     if req.messages is None:
         raise invalid("messages is required", "messages")
     # max_completion_tokens replaced max_tokens in OpenAI's API; either is accepted, the new one wins.

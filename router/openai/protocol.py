@@ -50,6 +50,18 @@ class _GenerationFields(msgspec.Struct, frozen=True, kw_only=True):
     # Accepted only when absent or empty: kept raw, since they are never read.
     response_format: msgspec.Raw = msgspec.Raw()
     tools: msgspec.Raw = msgspec.Raw()
+    # vLLM's options that change the output and pdserve does not implement: kept raw to be refused by name
+    # when sent with a value other than their default (``mapping.UNSUPPORTED``), never silently ignored.
+    min_p: msgspec.Raw = msgspec.Raw()
+    include_stop_str_in_output: msgspec.Raw = msgspec.Raw()
+    skip_special_tokens: msgspec.Raw = msgspec.Raw()
+    spaces_between_special_tokens: msgspec.Raw = msgspec.Raw()
+    use_beam_search: msgspec.Raw = msgspec.Raw()
+    prompt_logprobs: msgspec.Raw = msgspec.Raw()
+    guided_json: msgspec.Raw = msgspec.Raw()
+    guided_regex: msgspec.Raw = msgspec.Raw()
+    guided_choice: msgspec.Raw = msgspec.Raw()
+    guided_grammar: msgspec.Raw = msgspec.Raw()
 
 
 # One prompt: text, token ids, or a batch of one of either (what the SDK sends for ``prompt=[...]``).
@@ -84,6 +96,10 @@ class ChatCompletionRequest(_GenerationFields, frozen=True, kw_only=True):
     # audio or a predicted output must not get plain text as if it had been honoured.
     echo: msgspec.Raw = msgspec.Raw()
     best_of: msgspec.Raw = msgspec.Raw()
+    add_generation_prompt: msgspec.Raw = msgspec.Raw()
+    continue_final_message: msgspec.Raw = msgspec.Raw()
+    chat_template: msgspec.Raw = msgspec.Raw()
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw()
     functions: msgspec.Raw = msgspec.Raw()
     function_call: msgspec.Raw = msgspec.Raw()
     tool_choice: msgspec.Raw = msgspec.Raw()
