@@ -219,6 +219,10 @@ def test_chat_refusals_and_malformed_bodies():
         with pytest.raises(OpenAIError) as info:
             decode_request(raw, ChatCompletionRequest)
         assert info.value.status == 400
+    # A lone high surrogate: msgspec calls the (whole) body truncated; the message says what is wrong.
+    with pytest.raises(OpenAIError) as info:
+        decode_request(rb'{"messages": [{"role": "user", "content": "a\ud800"}]}', ChatCompletionRequest)
+    assert "lone UTF-16 surrogate" in info.value.info.message
 
 
 def test_refusals_name_what_the_client_sent():

@@ -348,6 +348,9 @@ _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_]+)`")
 T = TypeVar("T", bound=msgspec.Struct)
 
 
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+
+
 def decode_request(body: bytes, kind: type[T]) -> T:
     """Decode a request body; a malformed body or a wrongly typed field is a 400 naming the field."""
     try:
@@ -356,6 +359,11 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         m = _JSON_PATH.search(str(e)) or _MISSING_FIELD.search(str(e))
         raise invalid(f"invalid request: {e}", m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
+        if "truncated" in str(e) and _LONE_SURROGATE.search(body):
+            # msgspec reads on past a high surrogate's escape for its low half and calls it truncated.
+            raise invalid(
+                "the request body is not valid JSON: a \\u escape is a lone UTF-16 surrogate"
+            ) from None
         raise invalid(f"the request body is not valid JSON: {e}") from None
     except UnicodeDecodeError as e:  # a string holding bytes that are not UTF-8 (msgspec's own error)
         raise invalid(f"the request body is not valid UTF-8: {e}") from None
