@@ -337,6 +337,7 @@ class PrefillLoop:
             req.attached.set_result(None)  # a forward done and waiting for its ticket stops waiting
         if job.stage is Stage.QUEUED:
             self.sched.cancel(job)  # no blocks, no transfer yet
+            self._wake.set()  # it may have headed the queue, waiting for blocks the next one fits in
             return
         if req.handle is not None:
             # Tell the decode worker now; the loop frees P's blocks once the forward and sends are done.

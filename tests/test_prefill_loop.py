@@ -429,3 +429,30 @@ def test_the_prefill_servicer_tells_the_router_to_retry_a_failed_forward_elsewhe
         assert code is grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(main())
+
+
+def test_giving_up_the_queues_blocked_head_lets_the_next_job_run(tiny_llama_dir) -> None:
+    """Code review: the queue's head waits for blocks that a prefilled job's KV holds (its ticket has not
+    come); the router gives the head up. The job behind it fits: it used to wait for some unrelated wake
+    (the held KV's ticket wait, up to TICKET_WAIT_S)."""
+    small = ModelRunner(tiny_llama_dir, block_size=4, num_blocks=16)  # 64 token slots
+
+    async def main() -> None:
+        loop, _ = _loop(small)
+        p = SamplingParams(temperature=0.0, max_tokens=4)
+        _, ra = loop.submit("a", list(range(5, 53)), p, None)  # 12 blocks, no ticket yet
+        await asyncio.wait_for(ra, 30)  # answered; its KV waits for the ticket, holding 12 blocks
+        head, _ = loop.submit("h", list(range(5, 45)), p, None)  # 10 blocks: does not fit now
+        _, rj = loop.submit("j", list(range(5, 13)), p, None)  # 2 blocks: fits, but behind h
+        await asyncio.sleep(0.2)
+        assert not rj.done()
+        loop.give_up(head, "cancelled by the router")
+        try:
+            await asyncio.wait_for(asyncio.shield(rj), 5)
+        finally:
+            loop.attach("a", None)
+            loop.attach("j", None)
+            await _until(lambda: _used(loop) == 0)
+            await loop.close()
+
+    asyncio.run(main())
