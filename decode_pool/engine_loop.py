@@ -69,6 +69,7 @@ class _Cmd:
     request_id: Hashable = None
     args: tuple[Any, ...] = ()
     future: asyncio.Future[Any] | None = None
+    queue: asyncio.Queue[QueueItem] | None = None  # the attempt an ADD or ABORT is of
 
 
 # What a request's queue carries: deltas, then None when the request is gone, or
@@ -84,7 +85,10 @@ class EngineLoop:
         self._loop = loop
         self._idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue[_Cmd] = queue.SimpleQueue()
-        self._queues: dict[Hashable, asyncio.Queue[QueueItem]] = {}
+        self._queues: dict[Hashable, asyncio.Queue[QueueItem]] = {}  # (event loop) the newest attempt's
+        # (Engine thread) whose attempt the engine's request under an id is: its deltas go to that queue
+        # only, whatever newer attempt of the id ``submit`` registered meanwhile (a retry of the id).
+        self._owners: dict[Hashable, asyncio.Queue[QueueItem]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.last_batch_size = 0
         self._on_step: Callable[[float, Batch], None] | None = None
@@ -180,7 +184,7 @@ class EngineLoop:
         """``output_offset``: a migrated stream's tokens already sent (``LLMEngine.add_request``)."""
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = q
-        self._put_cmd(_Cmd(_Op.ADD, request_id, (list(prompt_token_ids), params, output_offset)))
+        self._put_cmd(_Cmd(_Op.ADD, request_id, (list(prompt_token_ids), params, output_offset), queue=q))
         return q
 
     def submit_prefilled(
@@ -192,14 +196,24 @@ class EngineLoop:
     ) -> asyncio.Queue[QueueItem]:
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = q
-        self._put_cmd(_Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), first_token_id, params)))
+        self._put_cmd(
+            _Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), first_token_id, params), queue=q)
+        )
         return q
 
-    def abort(self, request_id: Hashable) -> None:
-        """Free everything the engine holds for the id (idempotent); its queue gets None."""
-        # The stream it ends is the one registered now: a newer request of the same id submitted before
-        # the engine thread gets to this command (a client retrying its id at once) is left alone.
-        self._put_cmd(_Cmd(_Op.ABORT, request_id, (self._queues.get(request_id),)))
+    def abort(self, request_id: Hashable, attempt: asyncio.Queue[QueueItem] | None = None) -> None:
+        """Free everything the engine holds for the attempt ``attempt`` (the queue ``submit`` returned;
+        None: the id's newest) of the id (idempotent); its queue gets None. A newer attempt of the same id
+        (a retry) is left alone, whichever of the two the engine thread sees first."""
+        q = attempt if attempt is not None else self._queues.get(request_id)
+        self._put_cmd(_Cmd(_Op.ABORT, request_id, queue=q))
+
+    def end_earlier_attempt(self, request_id: Hashable) -> None:
+        """A new attempt of ``request_id`` is about to start here: end an earlier one still registered
+        (its queue gets None, its blocks are freed), before anything the new one queues."""
+        q = self._queues.get(request_id)
+        if q is not None:
+            self.abort(request_id, q)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
@@ -209,11 +223,27 @@ class EngineLoop:
 
     # -- engine thread ------------------------------------------------------------
     def _put(self, request_id: Hashable, item: QueueItem) -> None:
-        q = self._queues.get(request_id)
-        if q is not None:
-            self._loop.call_soon_threadsafe(q.put_nowait, item)
-            if item is None or isinstance(item, BaseException):
-                self._loop.call_soon_threadsafe(self._forget, request_id, q)
+        """To the attempt the engine's request under the id is (``_owners``); a final item ends it."""
+        q = self._owners.get(request_id)
+        if q is None:
+            return
+        if item is None or isinstance(item, BaseException):
+            del self._owners[request_id]
+        self._put_to(request_id, q, item)
+
+    def _put_to(self, request_id: Hashable, q: asyncio.Queue[QueueItem], item: QueueItem) -> None:
+        self._loop.call_soon_threadsafe(q.put_nowait, item)
+        if item is None or isinstance(item, BaseException):
+            self._loop.call_soon_threadsafe(self._forget, request_id, q)
+
+    def _end_all(self, item: QueueItem) -> None:
+        """Every attempt's queue, in the engine or still to be added, gets ``item`` (None or an error)."""
+        ended = set()
+        for rid, q in [*self._owners.items(), *list(self._queues.items())]:
+            if id(q) not in ended:
+                ended.add(id(q))
+                self._put_to(rid, q, item)
+        self._owners.clear()
 
     def _forget(self, request_id: Hashable, q: asyncio.Queue[QueueItem]) -> None:
         """(Event loop.) Drop the ended request's queue: that one, not a newer request's of the same id
@@ -231,9 +261,9 @@ class EngineLoop:
         """Run one command; False means stop the thread."""
         eng = self.engine
         if cmd.op is _Op.STOP:
-            for rid in list(self._queues):
+            for rid in list(self._owners):
                 eng.abort(rid)
-                self._put(rid, None)
+            self._end_all(None)
             self._resolve(cmd.future)
             return False
         if cmd.op is _Op.CALL:
@@ -244,12 +274,24 @@ class EngineLoop:
                 self._resolve(cmd.future, exc=e)
             return True
         if cmd.op is _Op.ABORT:
-            (q,) = cmd.args
-            if self._queues.get(cmd.request_id) is not q:
-                return True  # the id is a newer request's now: not this abort's to end
-            eng.abort(cmd.request_id)
-            self._put(cmd.request_id, None)
+            if cmd.queue is None:  # no attempt was registered: free what is held under the id, if anything
+                if cmd.request_id not in self._owners:
+                    eng.abort(cmd.request_id)
+                return True
+            if self._owners.get(cmd.request_id) is cmd.queue:
+                eng.abort(cmd.request_id)
+                self._put(cmd.request_id, None)
+            # else: that attempt has ended (the engine's request under the id, if any, is a newer one's)
             return True
+        rid = cmd.request_id
+        old = self._owners.get(rid)
+        if old is not None and old is not cmd.queue:
+            # An earlier attempt of the id is still in the engine (queued, running): whoever sent it has
+            # moved on to this one (a router's retry), and its abort may still be on the way: end it now.
+            eng.abort(rid)
+            self._put(rid, None)
+        if cmd.queue is not None:
+            self._owners[rid] = cmd.queue
         try:
             if cmd.op is _Op.ADD:
                 eng.add_request(cmd.request_id, *cmd.args)
@@ -292,8 +334,7 @@ class EngineLoop:
                     break
                 if cmd.future is not None:
                     self._resolve(cmd.future, exc=None if cmd.op is _Op.STOP else err)
-            for rid in list(self._queues):
-                self._put(rid, err)
+            self._end_all(err)
         except RuntimeError:  # the event loop is closed: no one is waiting any more
             pass
 
@@ -335,9 +376,9 @@ class EngineLoop:
                 if broken:
                     n = self._failures.count
                     raise RuntimeError(f"{n} engine steps in a row failed, the last: {e!r}") from e
-                for rid in list(self._queues):
+                for rid in list(self._owners):
                     eng.abort(rid)
-                    self._put(rid, StepFailed(f"engine step failed: {e!r}"))
+                self._end_all(StepFailed(f"engine step failed: {e!r}"))
                 continue
             self._failures.succeeded()
             stuck = eng.last_batch is None

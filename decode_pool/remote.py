@@ -102,7 +102,7 @@ class RemotePrefill:
             async for msg in relay_deltas(q):
                 yield msg
         finally:
-            self.loop.abort(rid)
+            self.loop.abort(rid, q)  # this attempt's: never a newer one's of the id
 
     async def _watch(self, rid: str, adoption: asyncio.Future):
         """Wait for ``adoption``; fail the transfer when it started and then made no progress for
@@ -141,7 +141,7 @@ class RemotePrefill:
 
         def settle(fut: asyncio.Future) -> None:
             if not fut.cancelled() and fut.exception() is None:
-                self.loop.abort(rid)
+                self.loop.abort(rid, fut.result())
 
         adoption.add_done_callback(settle)
 

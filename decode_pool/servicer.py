@@ -132,6 +132,10 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_offset needs local prefill mode")
         if remote and self.remote is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
+        # A new attempt of an id means the router gave the earlier one up: end it in the engine now (its
+        # stream's own abort may come later), before this attempt validates (a call the engine thread
+        # runs after it) and reserves blocks under the id.
+        self.loop.end_earlier_attempt(rid)
         # The same id may still hold blocks of a reservation that is settling (a retry of a request whose
         # prefill worker failed): it is freed within the receiver's settle timeouts.
         settle_s = 3 * self.transfer_config.settle_timeout_s
@@ -147,13 +151,14 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                     ):
                         yield msg
                 else:
+                    sub = self.loop.submit(rid, prompt, params, request.output_offset)
                     try:
-                        sub = self.loop.submit(rid, prompt, params, request.output_offset)
                         async for msg in relay_deltas(sub):
                             yield msg
                     finally:
-                        # Idempotent: a finished request holds nothing; a cancelled one is freed now.
-                        self.loop.abort(rid)
+                        # Idempotent: a finished request holds nothing; a cancelled one is freed now. This
+                        # attempt's only: never a newer attempt's of the id.
+                        self.loop.abort(rid, sub)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {rid} passed its deadline")
         except EngineDied as e:

@@ -124,7 +124,7 @@ def test_an_ended_request_never_takes_the_queue_of_a_newer_one_with_its_id() -> 
     async def main() -> None:
         loop = engine_loop.EngineLoop(object(), asyncio.get_running_loop())  # type: ignore[arg-type]
         old: asyncio.Queue = asyncio.Queue()
-        loop._queues["r"] = old
+        loop._queues["r"] = loop._owners["r"] = old
         loop._put("r", None)  # (from the engine thread) the old one ended
         new: asyncio.Queue = asyncio.Queue()
         loop._queues["r"] = new  # the retry, submitted before the loop ran the end's callbacks
@@ -154,35 +154,74 @@ def test_failures_hours_apart_are_no_streak(monkeypatch) -> None:
 
 def test_the_abort_after_a_finish_leaves_a_retry_of_the_same_id_alone() -> None:
     """A stream's end is followed by an abort (idempotent cleanup) that waits behind the engine's current
-    step; the client retries its id meanwhile: that abort must not end or abort the new request."""
+    step; the client retries its id meanwhile: that abort must not end or abort the new request, whichever
+    of the two commands the engine thread sees first."""
 
     class Eng:
-        aborted: list = []
+        def __init__(self) -> None:
+            self.aborted: list = []
+            self.added: list = []
 
         def abort(self, rid) -> None:  # type: ignore[no-untyped-def]
             self.aborted.append(rid)
 
-    async def main() -> None:
+        def add_request(self, rid, *_args) -> None:  # type: ignore[no-untyped-def]
+            self.added.append(rid)
+
+    async def main(abort_first: bool) -> None:
         eng = Eng()
         loop = engine_loop.EngineLoop(eng, asyncio.get_running_loop())  # type: ignore[arg-type]
-        old: asyncio.Queue = asyncio.Queue()
-        loop._queues["r"] = old
+        old = loop.submit("r", [1, 2], LONG)
+        loop._apply(loop._cmds.get_nowait())  # the engine adds it
         loop._put("r", None)  # the old request finished
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        loop.abort("r")  # the servicer's cleanup, queued for the engine thread
-        new = loop.submit("r", [1, 2], LONG)  # the retry
+        assert old.get_nowait() is None
+        if abort_first:
+            loop.abort("r", old)  # the servicer's cleanup, queued for the engine thread
+            new = loop.submit("r", [1, 2], LONG)  # the retry
+        else:
+            new = loop.submit("r", [1, 2], LONG)
+            loop.abort("r", old)
         while not loop._cmds.empty():  # the engine thread, between steps
-            cmd = loop._cmds.get_nowait()
-            if cmd.op is engine_loop._Op.ABORT:
-                loop._apply(cmd)
+            loop._apply(loop._cmds.get_nowait())
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert new.empty() and loop._queues.get("r") is new and eng.aborted == []
-        loop.abort("r")  # its own abort still works
+        assert eng.added == ["r", "r"]
+        loop.abort("r", new)  # its own abort still works
         loop._apply(loop._cmds.get_nowait())
         await asyncio.sleep(0)
         assert new.get_nowait() is None and eng.aborted == ["r"]
+
+    asyncio.run(main(True))
+    asyncio.run(main(False))
+
+
+def test_a_retry_of_an_id_whose_earlier_attempt_is_still_queued_streams(tiny_llama_dir) -> None:
+    """Code review: the earlier attempt of an id waits in the engine (max_num_seqs full), holding no
+    blocks, when the router's retry of the id arrives (the earlier stream's own abort still on its way).
+    The retry's ADD failed ("request id is already in use"): it was INVALID_ARGUMENT to the client. The
+    servicer now ends the earlier attempt first; and the earlier attempt's late abort or deltas never
+    reach the retry."""
+    from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+
+    async def main() -> None:
+        cfg = EngineConfig(dtype="float32", num_blocks=64, max_num_seqs=1, detokenize=False)
+        loop = await engine_loop.EngineLoop.build(lambda: LLMEngine(tiny_llama_dir, None, cfg))
+        busy = loop.submit("busy", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        old = loop.submit("x", [9, 10, 11], SamplingParams(max_tokens=8, ignore_eos=True))  # queued
+        assert not isinstance(await asyncio.wait_for(busy.get(), 30), BaseException)
+        assert await loop.call(lambda e: e.scheduler.get("x") is not None and "x" not in e.block_manager)
+        loop.end_earlier_attempt("x")  # what the servicer does first for a new attempt of an id
+        new = loop.submit("x", [9, 10, 11], SamplingParams(max_tokens=8, ignore_eos=True))
+        loop.abort("x", old)  # the earlier stream's own cleanup, late
+        assert await asyncio.wait_for(old.get(), 10) is None
+        loop.abort("busy", busy)  # room for the retry
+        items = await _drain(new)
+        assert items[-1] is None and sum(len(d.new_token_ids) for d in items[:-1]) == 8
+        assert await loop.call(lambda e: e.block_manager.num_used) == 0
+        await loop.stop()
 
     asyncio.run(main())
 
@@ -208,7 +247,10 @@ def test_the_decode_servicer_tells_the_router_to_retry_a_failed_step_elsewhere()
             return q
 
         fake = SimpleNamespace(
-            engine=SimpleNamespace(block_manager=set()), submit=submit, abort=lambda _rid: None
+            engine=SimpleNamespace(block_manager=set()),
+            submit=submit,
+            abort=lambda _rid, _attempt=None: None,
+            end_earlier_attempt=lambda _rid: None,
         )
         servicer = DecodeServicer(
             WorkerShell(ShellConfig()), TransferConfig(), DecodeMetrics(CollectorRegistry())
