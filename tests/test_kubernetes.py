@@ -207,9 +207,13 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
         # registers with the router through its Service, at the Service's gRPC port
         assert w.router == f"pdserve-router:{svc_ports['grpc']}"
         assert w.host == FIELD_REFS["status.podIP"] and w.worker_id == FIELD_REFS["metadata.name"]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        from pdserve.worker.shell import REGISTERED_SERVICE
+
+        # The overall status (SERVING from the model load on), but readiness: registered with the router.
+        want = {"startupProbe": "", "readinessProbe": REGISTERED_SERVICE, "livenessProbe": ""}
+        for probe, service in want.items():
             assert c[probe]["grpc"]["port"] == w.port, probe
-            assert c[probe]["grpc"].get("service", "") == "", probe  # a worker serves the overall status
+            assert c[probe]["grpc"].get("service", "") == service, probe
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(w.metrics_port)
         assert pod["spec"]["terminationGracePeriodSeconds"] > w.drain_timeout
         drain = parsed[f"pdserve-{role}/worker preStop"]

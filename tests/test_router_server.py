@@ -683,6 +683,65 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
     run(main())
 
 
+def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir):
+    """Kubernetes' readiness probe asks ``pdserve.worker.registered``: NOT_SERVING while the worker has
+    loaded but the router does not know it (here: not up yet), SERVING once registered, NOT_SERVING again
+    when it drains. (The overall status was SERVING from the model load on: a pod was Ready, and a rollout
+    went on, while its worker could not join.)"""
+    from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
+    from pdserve.worker.shell import REGISTERED_SERVICE, ShellConfig, WorkerShell
+
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        w = FakeWorker("b1", Role.BOTH, ids("hello"))
+        shell = WorkerShell(ShellConfig(host="127.0.0.1", drain_timeout_s=10.0, stop_grace_s=0.1))
+        address = await shell.start(lambda srv: worker_pb2_grpc.add_WorkerServicer_to_server(w, srv))
+        await shell.set_serving()
+        info = worker_pb2.WorkerInfo(
+            worker_id="b1", role=worker_pb2.ROLE_BOTH, address=address, kv_blocks_total=64, block_size=16,
+            max_running=8, pid=os.getpid(), context_length=CONTEXT,
+        )  # fmt: skip
+        agent = RouterAgent(
+            AgentConfig(f"127.0.0.1:{port}", retry_interval_s=0.05), info, w.load, shell.begin_drain
+        )
+        joined = asyncio.ensure_future(run_worker(shell, agent))
+        channel = grpc.aio.insecure_channel(address)
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def status(service: str) -> int:
+            return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+        async def eventually(service: str, want: int) -> None:
+            for _ in range(200):
+                if await status(service) == want:
+                    return
+                await asyncio.sleep(0.01)
+            assert await status(service) == want
+
+        server = None
+        try:
+            await asyncio.sleep(0.2)  # registration attempts fail: no router
+            assert await status("") == health_pb2.HealthCheckResponse.SERVING
+            assert await status(REGISTERED_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            server = RouterServer(RouterConfig(port=port, heartbeat_interval_s=0.05))
+            await server.start()
+            await until(lambda: server.router.registry.get("b1") is not None, what="registration")
+            await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            shell.begin_drain()
+            await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await asyncio.wait_for(joined, 20)
+        finally:
+            joined.cancel()
+            await channel.close()
+            await shell.stop()
+            if server is not None:
+                await server.stop(grace_s=0)
+
+    run(main())
+
+
 def test_a_heartbeat_whose_load_report_fails_does_not_end_the_heartbeats(model_dir):
     """The agent keeps beating after an error of its own (its load report raised): a silent worker that
     still runs would be dropped by the router and never come back."""

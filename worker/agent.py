@@ -208,6 +208,7 @@ async def run_worker(
     pool's Drain RPC calling ``shell.begin_drain``. ``on_registered``: once the router knows it.
     """
     await agent.register()
+    await shell.set_registered()
     on_registered()
     agent.start()
     try:

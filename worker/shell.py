@@ -3,7 +3,8 @@
 A worker server's life:
 
     STARTING (health NOT_SERVING; Generate/Prefill rejected)
-    -> SERVING (``set_serving`` once the model is loaded)
+    -> SERVING (``set_serving`` once the model is loaded; the health service ``pdserve.worker.registered``
+       reads SERVING only once the router has registered it, ``set_registered``: what readiness asks)
     -> DRAINING (``begin_drain``: SIGTERM, the router's drain, or a Drain RPC;
        health NOT_SERVING, new Generate/Prefill rejected with UNAVAILABLE
        and trailing metadata ``pdserve-rejected: draining`` so the router
@@ -53,6 +54,10 @@ from pdserve.worker.tls import NO_TLS, TLSConfig, add_port
 log = logging.getLogger(__name__)
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# A health service name that is SERVING only while the worker is registered with the router and serving:
+# what a readiness probe asks (the overall "" service is SERVING from the model load on, before the
+# router knows the worker). Until registration it is NOT_SERVING; draining makes it NOT_SERVING again.
+REGISTERED_SERVICE = "pdserve.worker.registered"
 REJECT_METADATA_KEY = "pdserve-rejected"
 # Trailing metadata of a call that failed on this worker for a reason of the worker's, not the request's (a
 # failed engine step or prefill forward): the router moves the request to another worker.
@@ -268,7 +273,7 @@ class WorkerShell:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, server)
-        for name in ("", *self._services):
+        for name in ("", *self._services, REGISTERED_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = add_port(server, host_port(self.config.host, self.config.port), self.config.tls)
         await server.start()
@@ -282,6 +287,11 @@ class WorkerShell:
         self.state = ShellState.SERVING
         for name in ("", *self._services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_registered(self) -> None:
+        """The router knows this serving worker: ``REGISTERED_SERVICE`` reads SERVING (readiness)."""
+        if self.state is ShellState.SERVING:
+            await self.health.set(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
     def begin_drain(self) -> None:
         """Stop taking requests, let in-flight ones finish, then stop. Idempotent; signal-handler safe."""
