@@ -272,7 +272,15 @@ class RequestRecord:
         async def observed(resp: M) -> None:
             n = len(resp.token_ids)  # type: ignore[arg-type]
             now = time.monotonic()  # handed to the transport now
-            delivered = await write(resp)
+            try:
+                delivered = await write(resp)
+            except asyncio.CancelledError:
+                # A client that cancels as the last message goes (it has what it needs: a loop that
+                # breaks on finish_reason cancels at once) cut a finished request, not an aborted one.
+                if resp.finish_reason:  # type: ignore[attr-defined]
+                    self.on_message(n, resp.finish_reason, now)  # type: ignore[attr-defined]
+                    self._m.generation_tokens.inc(n)
+                raise
             self.on_message(n if delivered is not False else 0, resp.finish_reason, now)
             if n:
                 # Counted once written: the counter is what clients actually received.

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -402,6 +403,38 @@ def test_a_message_is_recorded_once_written_and_only_as_far_as_it_was_delivered(
     assert get("pdserve_time_to_first_token_seconds_count", {"role": "router"}) == 1
     assert get("pdserve_inter_token_latency_seconds_count", {"role": "router"}) == 1
     assert get("pdserve_generation_tokens_total", {"role": "router"}) == 3  # the held one, delivered later
+
+
+def test_a_client_cancelling_as_the_final_message_goes_is_a_finished_request():
+    """Exploratory testing: a client breaking out of its loop on finish_reason cancels the call while the
+    final message's write is still pending (it has the message): counted as abort, 1 in 4. The finish is
+    the request's now; a cancel during any earlier message is still an abort."""
+    reg = CollectorRegistry()
+    m = rm.RouterMetrics(reg)
+
+    async def cancelled(_msg) -> None:
+        raise asyncio.CancelledError
+
+    async def sent(_msg) -> None:
+        return None
+
+    async def one(last_cancelled: bool) -> None:
+        with m.request(time.monotonic(), 3) as rec:
+            await rec.wrap(sent)(SimpleNamespace(token_ids=[7], finish_reason=""))
+            write = cancelled if last_cancelled else sent
+            await rec.wrap(write)(SimpleNamespace(token_ids=[8], finish_reason="length"))
+
+    async def early() -> None:
+        with m.request(time.monotonic(), 3) as rec:
+            await rec.wrap(cancelled)(SimpleNamespace(token_ids=[7], finish_reason=""))
+
+    for coro in (one(True), one(False), early()):
+        with contextlib.suppress(asyncio.CancelledError):
+            asyncio.run(coro)
+    get = reg.get_sample_value
+    assert get("pdserve_requests_total", {"role": "router", "finish_reason": "length"}) == 2
+    assert get("pdserve_requests_total", {"role": "router", "finish_reason": "abort"}) == 1
+    assert get("pdserve_generation_tokens_total", {"role": "router"}) == 4
 
 
 def test_targets_file_lists_every_process_with_a_metrics_url(tmp_path):
