@@ -143,9 +143,13 @@ class Relay:
         reroute: Reroute | None = None,
         max_migrations: int = 0,
         on_worker_full: Callable[[Worker], None] | None = None,
+        queue_timeout_s: float = 30.0,
     ) -> None:
-        """``on_worker_full``: a decode worker refused a reservation for room (it is counted full a while)."""
+        """``on_worker_full``: a decode worker refused a reservation for room (it is counted full a while);
+        the request then waits for room as in the admission queue, up to ``queue_timeout_s`` from its
+        arrival, and the refusal is no migration (nothing was sent, no worker failed)."""
         self._tok = tokenizer
+        self._queue_timeout_s = queue_timeout_s
         self._on_worker_full = on_worker_full
         self._channels = channels
         self._release_prefill = release_prefill
@@ -180,12 +184,13 @@ class Relay:
                 try:
                     return await self._attempt(job, prep, out, write, timeout, deadline_unix)
                 except RelayError as e:
+                    full = e.migrate == "decode_full" and self._reroute is not None
                     if e.migrate == "step_failed" and step_moves:
                         raise RelayError(
                             e.code, f"{e.details} (a step failed under it on two workers: not moved again)"
                         ) from None
                     step_moves += e.migrate == "step_failed"
-                    if not e.migrate or migrations >= self._max_migrations:
+                    if not full and (not e.migrate or migrations >= self._max_migrations):
                         if migrations:
                             raise RelayError(
                                 e.code, f"{e.details} (after {migrations} migration(s))"
@@ -200,19 +205,36 @@ class Relay:
                 if timeout is not None:
                     timeout = max(deadline_unix - time.time(), 0.0)
                 assert self._reroute is not None
+                if full:
+                    # Nothing was sent and no worker failed: it waits for room as in the admission queue.
+                    queue_left = max(self._queue_timeout_s - (time.monotonic() - job.arrival), 0.0)
+                    wait = queue_left if timeout is None else min(queue_left, timeout)
+                else:
+                    wait = min(timeout or _REROUTE_WAIT_S, _REROUTE_WAIT_S)
                 route = await self._reroute(
                     job,
                     len(prep.prompt_token_ids) + len(out.sent),
-                    min(timeout or _REROUTE_WAIT_S, _REROUTE_WAIT_S),
+                    wait,
                     failed.worker_id,
                     not out.sent,  # nothing sent yet: any prefill worker may prefill it again
                 )
                 if isinstance(route, str):
-                    raise RelayError(failed.code, f"{failed.details}; {route}")
-                migrations += 1
+                    if not full:
+                        raise RelayError(failed.code, f"{failed.details}; {route}")
+                    if timeout is not None and timeout <= queue_left:
+                        raise RelayError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "the request's deadline passed while it waited for a worker with room",
+                        )
+                    if route.startswith("no healthy worker had room"):  # (the admission queue's words)
+                        route = f"no worker had room within {self._queue_timeout_s:.3g}s"
+                    raise RelayError(
+                        grpc.StatusCode.UNAVAILABLE, f"{route} (the last one refused: {failed.details})"
+                    )
+                migrations += not full
                 if self._metrics is not None:
                     self._metrics.migrated(failed.migrate)
-                log.warning(
+                (log.info if full else log.warning)(
                     "request %s: %s; moved to %s (prefill: %s) after %d tokens (migration %d)",
                     prep.request_id,
                     failed.details,

@@ -87,6 +87,7 @@ class Router:
             reroute=self.reroute,
             max_migrations=self.config.max_migrations,
             on_worker_full=self.worker_full,
+            queue_timeout_s=self.config.queue_timeout_s,
         )
 
     def current_limits(self) -> ModelLimits:

@@ -501,7 +501,8 @@ def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_reques
         p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
         d = FakeWorker("d1", Role.DECODE, out, transfers=transfers)
         d.refuse_room = 1
-        async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (server, stub):
+        cfg = {"local_prefill_threshold": 2, "queue_timeout_s": 3.0, "max_migrations": 1}
+        async with cluster(model_dir, [p, d], **cfg) as (server, stub):
             tokens, text, msgs = await collect(stub.Generate(request("the cat sat", max_tokens=4)))
             assert tokens == out and text == " hello world the cat" and msgs[-1].finish_reason == "length"
             # The second try prefills on P again, or on D itself after P's first token reached the client.
@@ -512,12 +513,21 @@ def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_reques
             assert reg.get_sample_value("pdserve_router_migrations_total", labels) == 1
             assert server.router.registry.get("d1").full_until > 0  # counted full a while
 
-            # Refused more often than --max-migrations allows: the client gets the refusal, clearly.
-            d.refuse_room = 10
+            # A refusal is no migration (exploratory testing: refused more often than --max-migrations
+            # allowed, or for 10 s, admitted requests failed RESOURCE_EXHAUSTED, HTTP 429): it waits for
+            # room as in the admission queue ...
+            d.refuse_room = 4
+            tokens, _, _ = await collect(stub.Generate(request("the cat sat", max_tokens=4)))
+            assert tokens == out and d.refuse_room == 0
+            # ... up to --queue-timeout from its arrival, then UNAVAILABLE, as from the queue.
+            d.refuse_room = 10**6
+            started = time.monotonic()
             details = await expect_error(
-                stub.Generate(request("the cat sat", max_tokens=4)), grpc.StatusCode.RESOURCE_EXHAUSTED
+                stub.Generate(request("the cat sat", max_tokens=4)), grpc.StatusCode.UNAVAILABLE
             )
-            assert "no room" in details and "migration" in details
+            assert "no worker had room within 3s" in details and "no room" in details, details
+            assert time.monotonic() - started < 20  # (a bound, not a timing)
+            d.refuse_room = 0
 
     run(main())
 
@@ -711,7 +721,10 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
         health = health_pb2_grpc.HealthStub(channel)
 
         async def status(service: str) -> int:
-            return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
+            try:
+                return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
+            except grpc.aio.AioRpcError:  # the drained server has stopped: no probe passes
+                return health_pb2.HealthCheckResponse.NOT_SERVING
 
         async def eventually(service: str, want: int) -> None:
             for _ in range(200):
