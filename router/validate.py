@@ -198,16 +198,21 @@ def prepare(
         )
     if not sampling.HasField("max_tokens") and limits.kv_tokens > len(ids):
         room = min(room, limits.kv_tokens - len(ids))  # unset: what fits the cache too
+    if params.min_tokens > room:
+        # min_tokens is what the client asked for at least: refused as max_tokens is, never cut.
+        where = "the model's context" if room == limits.context_length - len(ids) else "the largest KV cache"
+        raise InvalidRequest(
+            f"min_tokens is {params.min_tokens}, but the prompt has {len(ids)} tokens and {where} leaves "
+            f"room for {room}: at most {room} can be generated"
+        )
     if sampling.stop or max_tokens > room:
         sampling = generation_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         # The router owns stop strings (it detokenizes); workers stop only on token ids.
         del sampling.stop[:]
         if max_tokens > room:  # the default, unset by the client: what fits the context and the cache
-            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+            params = dataclasses.replace(params, max_tokens=room)
             sampling.max_tokens = room
-            if sampling.HasField("min_tokens"):
-                sampling.min_tokens = params.min_tokens
     return Prepared(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=ids,

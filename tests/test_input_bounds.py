@@ -73,9 +73,15 @@ def test_hostile_grpc_requests_are_invalid_argument_naming_field_and_limit(model
             assert msgs[-1].finish_reason and w.requests[-1].sampling.max_tokens == CONTEXT - 2
             long_prompt = " ".join(["the"] * (CONTEXT - 3))  # 3 tokens of room; the default is 16
             await collect(
-                stub.Generate(g.GenerateRequest(prompt=long_prompt, sampling=g.SamplingParams(min_tokens=5)))
+                stub.Generate(g.GenerateRequest(prompt=long_prompt, sampling=g.SamplingParams(min_tokens=3)))
             )
             assert w.requests[-1].sampling.max_tokens == 3 and w.requests[-1].sampling.min_tokens == 3
+            # A min_tokens there is no room for is refused, as a max_tokens is (it was cut to the room).
+            details = await expect_error(
+                stub.Generate(g.GenerateRequest(prompt=long_prompt, sampling=g.SamplingParams(min_tokens=5))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+            assert details.startswith("min_tokens is 5") and "at most 3 can be generated" in details
 
     run(main())
 

@@ -145,6 +145,7 @@ def test_chat_refusals_and_malformed_bodies():
     for body, param in (
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": "hello"}, "messages"),
         ({}, "messages"),
     ):
@@ -181,6 +182,9 @@ def test_chat_refusals_and_malformed_bodies():
         ("guided_regex", "a+"),
         ("guided_choice", ["a", "b"]),
         ("guided_grammar", "root ::= 'a'"),
+        ("allowed_token_ids", [5]),
+        ("bad_words", ["Alex"]),
+        ("truncate_prompt_tokens", 1),
     ):
         for endpoint, body in ((chat, {"messages": msgs}), (completion, {"prompt": "x"})):
             err = error_of(endpoint, **body, **{name: value})

@@ -229,6 +229,9 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    "allowed_token_ids": (),
+    "bad_words": (),
+    "truncate_prompt_tokens": (),
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (False,),
@@ -269,8 +272,10 @@ def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[s
 def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateRequest:
     """``POST /v1/chat/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
     _check_common(req)
-    if req.logprobs or req.top_logprobs:
+    if req.logprobs:
         raise invalid("logprobs is not supported", "logprobs")
+    if req.top_logprobs:
+        raise invalid("top_logprobs is not supported", "top_logprobs")
     _refuse_unsupported(req, _CHAT_UNSUPPORTED)
     if req.messages is None:
         raise invalid("messages is required", "messages")

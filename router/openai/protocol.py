@@ -62,6 +62,9 @@ class _GenerationFields(msgspec.Struct, frozen=True, kw_only=True):
     guided_regex: msgspec.Raw = msgspec.Raw()
     guided_choice: msgspec.Raw = msgspec.Raw()
     guided_grammar: msgspec.Raw = msgspec.Raw()
+    allowed_token_ids: msgspec.Raw = msgspec.Raw()
+    bad_words: msgspec.Raw = msgspec.Raw()
+    truncate_prompt_tokens: msgspec.Raw = msgspec.Raw()
 
 
 # One prompt: text, token ids, or a batch of one of either (what the SDK sends for ``prompt=[...]``).
