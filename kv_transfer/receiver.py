@@ -43,7 +43,10 @@ blocks, and so who must have stopped before they are freed:
       endpoint failed).
     - Either wait is bounded: after ``settle_timeout_s`` without an answer this
       side closes the connection and holds the blocks another
-      ``settle_timeout_s``. This is the one case not closed by construction: a
+      ``settle_timeout_s``, and so the blocks of every other transfer that
+      connection opened or may write eagerly (``_close``: any close this side
+      makes, a protocol violation's too; only a close that means the sender
+      is gone frees at once). This is the one case not closed by construction: a
       sender frozen (not dead) in the middle of a put for longer than that,
       which then resumes, could finish that put.
 One ticket is opened by one sender (the router hands each ticket to one
@@ -262,6 +265,18 @@ class KVReceiver:
         peer = PrefillConn(conn)
         conn.set_handlers(partial(self._on_message, peer), partial(self._on_close, peer))
 
+    def _close(self, peer: PrefillConn) -> None:
+        """Close a live sender's connection from this side (``forced``). Its sender may live on and
+        still put into every transfer it opened here, or may write eagerly, not only the one it is closed
+        for: those blocks are freed (once failed) no sooner than ``settle_timeout_s`` from now."""
+        if peer.rma and not peer.forced:
+            until = asyncio.get_running_loop().time() + self._config.settle_timeout_s
+            eager = [r for r in self._by_transfer.values() if r.state is RxState.RESERVED]
+            for rx in [*peer.transfers, *(r for r in eager if self._eager_writer(peer, r))]:
+                rx.hold_until = max(rx.hold_until, until)
+        peer.forced = True
+        peer.conn.close()
+
     def _send(self, conn: Connection | None, msg: wire.Message) -> None:
         if conn is None or not conn.alive:
             return
@@ -272,7 +287,7 @@ class KVReceiver:
             msg = wire.decode_message(payload)
         except Exception as exc:
             log.warning("closing connection from %s: undecodable message: %s", peer.conn.peer, exc)
-            peer.conn.close()
+            self._close(peer)
             return
         if isinstance(msg, wire.Hello):
             self._on_hello(peer, msg)
@@ -283,7 +298,7 @@ class KVReceiver:
                 peer.conn.peer,
                 type(msg).__name__,
             )
-            peer.conn.close()
+            self._close(peer)
         elif isinstance(msg, wire.Open):
             self._on_open(peer, msg)
         elif isinstance(msg, wire.Progress):
@@ -331,6 +346,13 @@ class KVReceiver:
             log.warning("unexpected %s from %s", type(msg).__name__, peer.conn.peer)
 
     def _on_hello(self, peer: PrefillConn, msg: wire.Hello) -> None:
+        if peer.greeted:
+            # One Hello per connection: a second would move its hello_seq past reservations it may be
+            # writing eagerly (they would no longer be revoked on it).
+            log.warning("closing connection from %s: Hello twice", peer.conn.peer)
+            self._close(peer)
+            return
+        peer.greeted = True
         ours = self._compat.protocol_version
         token = self._config.cluster_token
         code = ""
@@ -384,16 +406,16 @@ class KVReceiver:
             # the ticket, and opens a refused transfer again only after its AbortAck. Its data
             # cannot be drained safely: drop it all.
             log.warning("closing connection from %s: protocol violation in Open", peer.conn.peer)
-            peer.conn.close()
+            self._close(peer)
             return
         if msg.rma and not peer.rma:
             log.warning("closing connection from %s: RMA Open without an offered region", peer.conn.peer)
-            peer.conn.close()
+            self._close(peer)
             return
         rx = self._by_transfer.get(msg.transfer_id)
         if rx is not None and rx.conn is peer.conn:
             log.warning("closing connection from %s: Open twice for one transfer", peer.conn.peer)
-            peer.conn.close()
+            self._close(peer)
             return
         if msg.eager and not self._eager_open_ok(peer, msg, rx):
             return
@@ -444,7 +466,7 @@ class KVReceiver:
             )
             if target is not None and target.state in (RxState.RESERVED, RxState.OPEN):
                 self._fail(target, RejectedError("written by a sender it was not open to"), notify=True)
-            peer.conn.close()
+            self._close(peer)
             return False
         if target.state is RxState.RESERVED:
             return True
@@ -471,10 +493,11 @@ class KVReceiver:
 
     def _on_close(self, peer: PrefillConn, exc: Exception | None) -> None:
         self._rma_peers.discard(peer)
+        why = "the connection was closed by the decode side" if peer.forced else f"prefill peer died: {exc}"
         for rx in list(peer.transfers):
-            self._fail(rx, PeerDiedError(f"prefill peer died: {exc}"), notify=False)
+            self._fail(rx, PeerDiedError(why), notify=False)
         peer.transfers.clear()
-        if not peer.forced:  # closed by this side for not answering a revoke: _force holds on
+        if not peer.forced:  # closed by this side: its pending revokes wait for _force
             for rx in list(peer.revoking):
                 self._revoked_by(rx, peer)
         self._drains.close(peer)
@@ -626,8 +649,7 @@ class KVReceiver:
                     self._config.settle_timeout_s,
                 )
                 for peer in list(rx.revoking):
-                    peer.forced = True
-                    peer.conn.close()
+                    self._close(peer)
                 rx.grace = asyncio.get_running_loop().call_later(
                     self._config.settle_timeout_s, self._force, rx
                 )
@@ -649,7 +671,10 @@ class KVReceiver:
                     self._config.settle_timeout_s,
                     self._config.settle_timeout_s,
                 )
-                rx.conn.close()
+                if rx.peer is not None:
+                    self._close(rx.peer)
+                else:
+                    rx.conn.close()
                 rx.grace = asyncio.get_running_loop().call_later(
                     self._config.settle_timeout_s, self._force, rx
                 )
@@ -663,11 +688,20 @@ class KVReceiver:
         log.warning(
             "transfer %s: %d receives still in flight; closing the connection", rx.request_id, rx.unsettled
         )
-        if rx.conn is not None:
+        if rx.peer is not None:
+            self._close(rx.peer)
+        elif rx.conn is not None:
             rx.conn.close()
 
     def _maybe_free(self, rx: Reservation) -> None:
         if rx.state is not RxState.FAILING or rx.unsettled or rx.revoking:
+            return
+        loop = asyncio.get_running_loop()
+        wait = rx.hold_until - loop.time()
+        if wait > 0:  # a writer that this side cut off may still be putting (``_on_close``)
+            if rx.grace is not None:
+                rx.grace.cancel()
+            rx.grace = loop.call_later(wait, self._maybe_free, rx)
             return
         rx.state = RxState.FREED
         if rx.grace is not None:

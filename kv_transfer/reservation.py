@@ -81,6 +81,9 @@ class Reservation:
     # without an Accept, until each answers the revoke (or closes). The blocks wait for them.
     revoking: set[PrefillConn] = field(default_factory=set)
     revoke_forced: bool = False  # the laggards' connections were closed by this side: hold on
+    # (Loop time.) A connection that could put into the blocks was closed by this side, whose sender
+    # may live on and still be writing: once failed, the blocks are freed no sooner than this.
+    hold_until: float = 0.0
 
 
 @dataclass(eq=False)
@@ -114,7 +117,10 @@ class PrefillConn:
     # written eagerly by this connection, and revoked on it when they end un-opened. -1: no RMA.
     hello_seq: int = -1
     revoking: set[Reservation] = field(default_factory=set)  # revokes it has not answered yet
-    forced: bool = False  # closed by the receiver for not answering a revoke
+    # Closed by the receiver (no answer to a revoke or an abort, a protocol violation): the sender may be
+    # alive and still putting, so what it may write is held ``settle_timeout_s`` more, not freed at once.
+    forced: bool = False
+    greeted: bool = False  # its Hello came (a second one closes the connection)
 
 
 class ConnIds:
