@@ -93,6 +93,9 @@ class _Req:
     forward_done: asyncio.Future[int | None] | None = None
     opening: bool = False  # a transfer is opened or being opened for it (by the batch, or late)
     late: bool = False  # ``_transfer_later`` owns the rest: the transfer, the completion, the blocks
+    # Late: how opening its transfer went (an error: it did not open; the decode side was never told, so
+    # the ticket's AttachTicket answers with it and the router moves the request).
+    late_opened: asyncio.Future[None] | None = None
     closing: bool = False  # the loop is finishing it (a late transfer must not start, or must abort)
     finished: bool = False  # ``_finish`` ran (it runs once)
     layers_done: int = 0  # layers its forward has written (the hook counts them, under the push lock)
@@ -136,6 +139,16 @@ def _fail(req: _Req, exc: Exception) -> None:
     if not req.result.done():
         req.result.set_exception(exc)
         req.result.exception()
+
+
+class LateOpenFailed(RuntimeError):
+    """The transfer of a prefill already answered did not open (``attach_and_open``)."""
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen (nobody may wait for it)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class PrefillLoop:
@@ -277,6 +290,26 @@ class PrefillLoop:
         self._early[key] = (ticket, now + _EARLY_TICKET_S)
         return True
 
+    async def attach_and_open(
+        self, request_id: Hashable, ticket: TransferTicket | None, attach_key: str = "", wait_s: float = 30.0
+    ) -> bool:
+        """``attach``; then, when the ticket went to a prefill already answered (its transfer opens late,
+        the decode side waiting on its reservation), how that open went, within ``wait_s``: an open
+        that failed raises its error here, for the router to move the request (nothing else tells the
+        decode side, whose reservation would wait for the request's deadline)."""
+        job = self._awaiting.get((request_id, attach_key))
+        kept = self.attach(request_id, ticket, attach_key)
+        opened = job.payload.late_opened if job is not None and ticket is not None else None
+        if opened is not None:
+            with contextlib.suppress(TimeoutError):
+                try:
+                    await asyncio.wait_for(asyncio.shield(opened), wait_s)
+                except TimeoutError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - whatever the open raised
+                    raise LateOpenFailed(f"KV transfer of {request_id} did not open: {e}") from e
+        return kept
+
     def _take(self, job: PrefillJob, ticket: TransferTicket | None) -> None:
         req: _Req = job.payload
         if ticket is not None and ticket.num_tokens != job.num_tokens:
@@ -301,6 +334,8 @@ class PrefillLoop:
         if req.late or req.closing or req.finished:
             return
         req.late = True
+        req.late_opened = asyncio.get_running_loop().create_future()
+        req.late_opened.add_done_callback(_retrieve)
         self._spawn(self._transfer_later(job))
 
     def _close(self, job: PrefillJob, first: int | None) -> None:
@@ -425,12 +460,17 @@ class PrefillLoop:
         if job.attach_key is not None and self._awaiting.get(job.attach_key) is job:
             del self._awaiting[job.attach_key]
         handle: SenderHandle | None = None
+        opened = req.late_opened
         if ticket is not None and not req.cancelled and not req.opening:
             req.opening = True
             try:
                 handle = await self.sender.open(ticket, job.block_table)
-            except Exception as e:  # noqa: BLE001 - the decode worker learns by its reservation's end
+            except Exception as e:  # noqa: BLE001 - told to the router through the ticket's AttachTicket
                 log.warning("request %s: transfer did not open: %r", job.request_id, e)
+                if opened is not None and not opened.done():
+                    opened.set_exception(e)
+        if opened is not None and not opened.done():
+            opened.set_result(None)
         if handle is not None and (req.closing or req.finished):
             # The loop finished the job meanwhile (its forward failed, it was cancelled): its blocks may
             # be someone else's now. This transfer never writes; the decode worker frees its blocks.

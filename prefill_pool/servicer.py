@@ -26,7 +26,7 @@ from pdserve.engine.params import validate_prompt_token_ids
 from pdserve.engine.quant import kv_model_id
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import IncompatibleError, KVSender, TransferError, TransferTicket, compat_for
-from pdserve.prefill_pool.loop import ForwardFailed, PrefillLoop, PrefillLoopStopped
+from pdserve.prefill_pool.loop import ForwardFailed, LateOpenFailed, PrefillLoop, PrefillLoopStopped
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.args import WorkerArgs
@@ -141,9 +141,11 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         assert loop is not None
         try:
             ticket = TransferTicket.decode(request.transfer_ticket) if request.transfer_ticket else None
-            kept = loop.attach(request.request_id, ticket, request.attach_key)
+            kept = await loop.attach_and_open(request.request_id, ticket, request.attach_key)
         except (ValueError, IncompatibleError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except LateOpenFailed as e:  # the decode side waits on its reservation: the router moves it
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
         if not kept:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room to keep the ticket of {request.request_id}"

@@ -456,3 +456,36 @@ def test_giving_up_the_queues_blocked_head_lets_the_next_job_run(tiny_llama_dir)
             await loop.close()
 
     asyncio.run(main())
+
+
+def test_a_late_transfer_that_does_not_open_is_told_to_the_router_through_its_ticket(
+    runner: ModelRunner,
+) -> None:
+    """Code review: the prefill answered token 0 before its ticket (the router's usual path); the late
+    transfer's open then failed (a connect timeout). Only a warning was logged: AttachTicket said OK, and
+    the decode worker's reservation waited for the request's deadline (600 s). ``attach_and_open`` now
+    raises the open's failure (AttachTicket answers ABORTED: the router moves the request)."""
+
+    async def main() -> None:
+        loop, sender = _loop(runner)
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        _, rx = loop.submit("r", PROMPT, params, None)
+        await asyncio.wait_for(rx, 30)  # token 0, no ticket yet
+
+        async def broken(_ticket, _blocks):  # type: ignore[no-untyped-def]
+            raise ConnectionError("handshake with the decode worker timed out")
+
+        sender.open = broken  # type: ignore[method-assign]
+        with pytest.raises(loop_mod.LateOpenFailed, match="did not open: handshake"):
+            await loop.attach_and_open("r", _ticket())  # type: ignore[arg-type]
+        await _until(lambda: _used(loop) == 0)
+        # An open that works answers OK (and a ticket the router gave up on, at once).
+        _, rx = loop.submit("s", PROMPT, params, None)
+        await asyncio.wait_for(rx, 30)
+        sender.open = _Sender.open.__get__(sender)  # type: ignore[method-assign]
+        assert await loop.attach_and_open("s", _ticket())  # type: ignore[arg-type]
+        await _until(lambda: _used(loop) == 0)
+        assert sender.handles[-1].completed is not None
+        await loop.close()
+
+    asyncio.run(main())
