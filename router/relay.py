@@ -35,6 +35,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -144,12 +145,16 @@ class Relay:
         max_migrations: int = 0,
         on_worker_full: Callable[[Worker], None] | None = None,
         queue_timeout_s: float = 30.0,
+        worker_done: Callable[[Job], Awaitable[None]] | None = None,
     ) -> None:
         """``on_worker_full``: a decode worker refused a reservation for room (it is counted full a while);
         the request then waits for room as in the admission queue, up to ``queue_timeout_s`` from its
         arrival, and the refusal is no migration (nothing was sent, no worker failed)."""
         self._tok = tokenizer
         self._queue_timeout_s = queue_timeout_s
+        # The decode worker's stream ended (its finish came): release the job's claim on the worker now,
+        # though the client may still be reading what was received (a slow client slows only itself).
+        self._worker_done = worker_done
         self._on_worker_full = on_worker_full
         self._channels = channels
         self._release_prefill = release_prefill
@@ -286,19 +291,26 @@ class Relay:
         await self._relay(job, d, dcall, out, write, pending)
 
     async def _relay(self, job: Job, d: Worker, dcall, out: _Out, write: Write, pending) -> None:
-        """Relay D's stream until its finish (or a stop string). The hot loop."""
+        """Relay D's stream until its finish (or a stop string). The hot loop.
+
+        D is read ahead of the client's writes (``_read_ahead``): a client that reads slowly, or not at
+        all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
         deliver = self._deliver
+        ahead: asyncio.Queue[Any] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read_ahead(job, dcall, pending, ahead))
         try:
-            m = await (pending if pending is not None else dcall.read())
+            m = await ahead.get()
             job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
             while True:
+                if isinstance(m, BaseException):
+                    raise m
                 if m is _EOF:
                     raise RelayError(
                         grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
                     )
                 if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
                     return
-                m = await dcall.read()
+                m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
         except grpc.aio.AioRpcError as e:
             raise self._worker_error(job, d, "decode", e) from None
         except asyncio.CancelledError:
@@ -306,6 +318,26 @@ class Relay:
             if job.failure is not None and not _cancelling():
                 raise RelayError.of(job.failure) from None
             raise
+        finally:
+            reader.cancel()
+
+    async def _read_ahead(self, job: Job, dcall, pending, ahead: asyncio.Queue[Any]) -> None:
+        """D's messages into ``ahead`` as they come (at most one per token), then its end or its error
+        (raised in order by ``_relay``). Once D's stream ended, the job's claim on D is released."""
+        try:
+            m = await (pending if pending is not None else dcall.read())
+            while True:
+                ahead.put_nowait(m)
+                if m is _EOF or m.finish_reason:
+                    break
+                m = await dcall.read()
+        except BaseException as e:  # noqa: BLE001 - handed to _relay, which raises it in its place
+            ahead.put_nowait(e)
+            if isinstance(e, asyncio.CancelledError) and _cancelling():
+                raise
+            return
+        if self._worker_done is not None:
+            await self._worker_done(job)
 
     async def _remote_start(
         self,

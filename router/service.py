@@ -26,7 +26,7 @@ import time
 
 import grpc
 
-from pdserve.proto import generation_pb2_grpc, worker_pb2
+from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.jobs import Failure, Job, Ledger
 from pdserve.router.metrics import RouterMetrics
@@ -88,6 +88,7 @@ class Router:
             max_migrations=self.config.max_migrations,
             on_worker_full=self.worker_full,
             queue_timeout_s=self.config.queue_timeout_s,
+            worker_done=self.release,
         )
 
     def current_limits(self) -> ModelLimits:
@@ -209,10 +210,15 @@ class Router:
             return str(e)
         return route if route is not None else f"no healthy worker had room within {wait_s:.3g}s"
 
-    async def finish(self, job: Job) -> None:
-        self.inflight_ids.discard(job.request_id)
+    async def release(self, job: Job) -> None:
+        """The job no longer uses its workers (its decode stream ended, though its client may still be
+        reading): its claims go to requests waiting for room. Idempotent."""
         self.ledger.release(job)
         await self.admission.notify()
+
+    async def finish(self, job: Job) -> None:
+        self.inflight_ids.discard(job.request_id)
+        await self.release(job)
 
     def worker_full(self, w: Worker) -> None:
         """``w`` refused a reservation its last heartbeat had room for: route nothing more to it until a
@@ -418,7 +424,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._router = router
 
     async def Generate(self, request, context: grpc.aio.ServicerContext) -> None:
+        async def write(resp: generation_pb2.GenerateResponse) -> None:
+            try:
+                await context.write(resp)
+            except Exception as e:
+                # A client that cancels while a write waits on flow control: grpc.aio raises its internal
+                # ExecuteBatchError, not a cancel. The client went away: an abort, not a server error.
+                if context.cancelled() or context.done():
+                    raise asyncio.CancelledError from e
+                raise
+
         try:
-            await generate(self._router, request, context.write, context.time_remaining())
+            await generate(self._router, request, write, context.time_remaining())
         except RelayError as e:
             await context.abort(e.code, e.details)

@@ -532,6 +532,87 @@ def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_reques
     run(main())
 
 
+def test_a_client_that_stops_reading_holds_no_worker_slot_once_the_worker_is_done(model_dir):
+    """Exploratory testing: clients that read one message and then stop held their decode worker's slots
+    (``max_running``) until their deadline, though the worker had finished their requests: every other
+    client waited out --queue-timeout. The worker's stream is read ahead of the client's writes and its
+    claim ends with it; the slow client still gets every message, in order."""
+    from pdserve.router.service import generate
+
+    async def main():
+        out = ids("hello world the cat")
+        w = FakeWorker("b1", Role.BOTH, out, max_running=1)
+        async with cluster(model_dir, [w], queue_timeout_s=5.0) as (server, stub):
+            got: list = []
+            stalled = asyncio.Event()
+            resume = asyncio.Event()
+
+            async def slow_client(resp) -> None:
+                got.append(resp)
+                stalled.set()
+                await resume.wait()  # as a write stuck on HTTP/2 flow control
+
+            slow = asyncio.ensure_future(
+                generate(server.router, request("the cat", max_tokens=4), slow_client, 60)
+            )
+            await asyncio.wait_for(stalled.wait(), 10)
+            await until(lambda: server.router.ledger.assigned("b1") == 0, what="the worker's slot back")
+            tokens, _, _ = await collect(stub.Generate(request("the cat", max_tokens=4), timeout=20))
+            assert tokens == out  # served on the one slot while the first client still stalls
+            resume.set()
+            await asyncio.wait_for(slow, 10)
+            assert [t for r in got for t in r.token_ids] == out and got[-1].finish_reason == "length"
+
+    run(main())
+
+
+def test_a_client_cancel_during_a_blocked_write_is_an_abort_not_a_server_error(model_dir):
+    """Exploratory testing: a client that cancels while the router's write waits on flow control made
+    grpc.aio raise its internal ExecuteBatchError from ``context.write``: logged as an ERROR traceback and
+    counted finish_reason="error". It is the client going away: an abort."""
+    from grpc._cython import cygrpc
+
+    from pdserve.router.service import GenerationService
+
+    class Context:
+        def __init__(self) -> None:
+            self.writes = 0
+
+        def time_remaining(self) -> float:
+            return 30.0
+
+        def cancelled(self) -> bool:
+            return self.writes > 1
+
+        def done(self) -> bool:
+            return self.cancelled()
+
+        async def write(self, _resp) -> None:
+            self.writes += 1
+            if self.writes > 1:
+                raise cygrpc.ExecuteBatchError(
+                    'Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation>)'
+                )
+
+        async def abort(self, code, details):  # type: ignore[no-untyped-def]
+            raise AssertionError(f"aborted {code}: {details}")
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the cat"))
+        async with cluster(model_dir, [w]) as (server, _):
+            reg = server.router.metrics.registry
+            labels = {"role": "router", "finish_reason": "abort"}
+            before = reg.get_sample_value("pdserve_requests_total", labels) or 0
+            with pytest.raises(asyncio.CancelledError):
+                await GenerationService(server.router).Generate(request("the cat", max_tokens=4), Context())
+            assert reg.get_sample_value("pdserve_requests_total", labels) == before + 1
+            assert not reg.get_sample_value(
+                "pdserve_requests_total", {"role": "router", "finish_reason": "error"}
+            )
+
+    run(main())
+
+
 def test_worker_killed_mid_stream_fails_the_request_and_leaves_the_registry(model_dir):
     async def main():
         async with cluster(model_dir, []) as (server, stub):
