@@ -329,8 +329,8 @@ def _input_chars(request) -> int:
     kind = request.WhichOneof("input")
     if kind == "prompt":
         return len(request.prompt)
-    if kind == "messages":
-        return sum(len(m.content) for m in request.messages.messages)
+    if kind == "messages":  # (each message is rendered by the template: its role and markup count too)
+        return sum(len(m.content) + len(m.role) + 16 for m in request.messages.messages)
     return 0
 
 

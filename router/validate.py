@@ -153,6 +153,13 @@ def _prompt_ids(
             return "prompt_token_ids", list(request.prompt_token_ids.ids)
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
+    if context_length > 0 and len(request.messages.messages) > context_length:
+        # Each message takes at least a token: refused before rendering (480k empty messages rendered
+        # for 8 s, on the event loop, since their content counts no characters).
+        raise InvalidRequest(
+            f"messages has {len(request.messages.messages)} messages: more than the model's context of "
+            f"{context_length} tokens could hold"
+        )
     messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
     try:
         # The tokenizer checks roles against what the model's chat template allows.

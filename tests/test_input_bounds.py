@@ -45,6 +45,12 @@ HOSTILE = [
         "prompt_token_ids has 1000000 tokens",
         f"context is {CONTEXT} tokens",
     ),
+    # Empty messages count no characters: 480k of them were rendered for 8 s on the event loop.
+    (
+        g.GenerateRequest(messages=g.ChatMessages(messages=[g.ChatMessage(role="user")] * 100_000)),
+        "messages has 100000 messages",
+        f"context of {CONTEXT} tokens",
+    ),
 ]
 
 
