@@ -120,7 +120,12 @@ class _StateCollector(Collector):
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         return (
-            GaugeMetricFamily(RUNNING, "Requests admitted and not finished.", labels=["role"]),
+            GaugeMetricFamily(
+                RUNNING,
+                "Requests routed to workers and not yet done there (a slow client may still be reading "
+                "one whose worker is done).",
+                labels=["role"],
+            ),
             GaugeMetricFamily(WAITING, "Requests waiting in the router's queue for room.", labels=["role"]),
             GaugeMetricFamily(WORKERS, "Registered workers by role and state.", labels=["role", "state"]),
         )
