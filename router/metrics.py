@@ -235,7 +235,10 @@ class RouterMetrics:
         try:
             yield rec
         except BaseException as e:
-            if not rec.finish_reason:
+            if not rec.finish_reason and getattr(e, "rejected", False):  # (no room within the queue's wait)
+                rec.finish_reason = "rejected"
+                self._rejected.labels(ROLE, e.code.name).inc()  # type: ignore[attr-defined]
+            elif not rec.finish_reason:
                 rec.finish_reason = outcome_of(e)
             raise
         finally:

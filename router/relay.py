@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 _EOF = grpc.aio.EOF
 _REROUTE_WAIT_S = 10.0  # how long a migrating stream may wait for a worker with room
+# Worker messages (~0.5 kB each) a stream reads ahead of a slow client: beyond them the worker waits (and
+# its claim stays), which bounds what a stalled client costs the router.
+_READ_AHEAD = 4096
 _Resp = generation_pb2.GenerateResponse
 # Sends one message to the client. False: it delivered nothing of it (yet), as the HTTP front holding back
 # text that may begin a stop string; the metrics then see no token arrive (``RequestRecord.wrap``).
@@ -72,12 +75,21 @@ class RelayError(Exception):
     """The request ends with this gRPC status. ``migrate``: what failed under it when a healthy worker
     could take the request over (``metrics.MIGRATION_REASONS``); "" when it must end."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, migrate: str = "", worker_id: str = "") -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        details: str,
+        migrate: str = "",
+        worker_id: str = "",
+        rejected: bool = False,
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.migrate = migrate
         self.worker_id = worker_id  # the worker that failed, not to be routed to again (when migrating)
+        # Refused for want of room, as the admission queue refuses: counted as a rejection, not an error.
+        self.rejected = rejected
 
     @classmethod
     def of(cls, failure: Failure) -> RelayError:
@@ -234,7 +246,9 @@ class Relay:
                     if route.startswith("no healthy worker had room"):  # (the admission queue's words)
                         route = f"no worker had room within {self._queue_timeout_s:.3g}s"
                     raise RelayError(
-                        grpc.StatusCode.UNAVAILABLE, f"{route} (the last one refused: {failed.details})"
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{route} (the last refusal: {failed.details})",
+                        rejected=True,
                     )
                 migrations += not full
                 if self._metrics is not None:
@@ -296,7 +310,7 @@ class Relay:
         D is read ahead of the client's writes (``_read_ahead``): a client that reads slowly, or not at
         all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
         deliver = self._deliver
-        ahead: asyncio.Queue[Any] = asyncio.Queue()
+        ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
         reader = asyncio.ensure_future(self._read_ahead(job, dcall, pending, ahead))
         try:
             m = await ahead.get()
@@ -322,19 +336,20 @@ class Relay:
             reader.cancel()
 
     async def _read_ahead(self, job: Job, dcall, pending, ahead: asyncio.Queue[Any]) -> None:
-        """D's messages into ``ahead`` as they come (at most one per token), then its end or its error
-        (raised in order by ``_relay``). Once D's stream ended, the job's claim on D is released."""
+        """D's messages into ``ahead`` as they come (at most one per token; up to ``_READ_AHEAD`` ahead of
+        the client, then D waits as before), then its end or its error (raised in order by ``_relay``).
+        Once D's stream ended, the job's claim on D is released."""
         try:
             m = await (pending if pending is not None else dcall.read())
             while True:
-                ahead.put_nowait(m)
+                await ahead.put(m)
                 if m is _EOF or m.finish_reason:
                     break
                 m = await dcall.read()
         except BaseException as e:  # noqa: BLE001 - handed to _relay, which raises it in its place
-            ahead.put_nowait(e)
             if isinstance(e, asyncio.CancelledError) and _cancelling():
-                raise
+                raise  # (_relay is done: no one reads any more)
+            await ahead.put(e)
             return
         if self._worker_done is not None:
             await self._worker_done(job)
@@ -545,5 +560,5 @@ class Relay:
             # since): nothing was sent, so route it again, on this worker too once a heartbeat shows room.
             if self._on_worker_full is not None:
                 self._on_worker_full(w)
-            return RelayError(code, details, "decode_full")
+            return RelayError(code, f"{where} refused it: {e.details()}", "decode_full")
         return RelayError(code, details)

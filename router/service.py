@@ -428,9 +428,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             try:
                 await context.write(resp)
             except Exception as e:
-                # A client that cancels while a write waits on flow control: grpc.aio raises its internal
-                # ExecuteBatchError, not a cancel. The client went away: an abort, not a server error.
-                if context.cancelled() or context.done():
+                # A client that cancels (or whose deadline passes) while a write waits on flow control:
+                # grpc.aio raises its internal ExecuteBatchError, not a cancel, often before the context
+                # knows the call ended. The client went away: an abort, not a server error.
+                if context.cancelled() or context.done() or type(e).__name__ == "ExecuteBatchError":
                     raise asyncio.CancelledError from e
                 raise
 
