@@ -133,6 +133,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         again = router.registry.get(w.worker_id) is not None
         router.registry.register(w, now)
         router.ledger.sync(w)
+        info.standby = w.standby  # (promoted before it registered: it serves)
         router.infos[info.worker_id] = info
         log.info(
             "worker %s %s: %s at %s (pid %d)%s",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -91,6 +92,9 @@ class RegistryConfig:
             )
 
 
+_PROMOTED_EARLY = 1024  # promotions of workers not registered yet, remembered
+
+
 class Registry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
@@ -99,6 +103,9 @@ class Registry:
         # draining: the same process coming back (it was stopped, not dead) registers straight into its
         # drain. Any other registration of that id (a restarted process) forgets it.
         self._drains_of_dropped: dict[str, tuple[str, int, str]] = {}
+        # Standby workers promoted before they registered (the autoscaler promotes one still loading):
+        # they register straight into routing.
+        self._promoted_early: OrderedDict[str, None] = OrderedDict()
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -150,6 +157,8 @@ class Registry:
                 worker.standby = worker.standby and old.standby  # a promotion sticks
             if worker.drain_requested:
                 worker.state = State.DRAINING
+        if self._promoted_early.pop(worker.worker_id, 0) is None:
+            worker.standby = False
         if worker.standby and worker.state is State.READY:
             worker.state = State.STANDBY
         worker.last_heartbeat = now
@@ -197,9 +206,13 @@ class Registry:
 
     def promote(self, worker_id: str) -> Worker | None:
         """Take a standby worker into routing: READY at once when its last heartbeat said it was
-        (else READY on its first heartbeat that does). None when the worker is unknown."""
+        (else READY on its first heartbeat that does). None when the worker is unknown: then it is
+        taken into routing when it registers (a standby still loading)."""
         w = self._workers.get(worker_id)
         if w is None:
+            self._promoted_early[worker_id] = None
+            while len(self._promoted_early) > _PROMOTED_EARLY:
+                self._promoted_early.popitem(last=False)
             return None
         w.standby = False
         if w.state is State.STANDBY:

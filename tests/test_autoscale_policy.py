@@ -258,6 +258,14 @@ def test_a_standby_worker_is_registered_but_not_routed_to_until_promoted():
     )
     assert reg.get("decode-3").state is State.READY
     assert reg.promote("nobody") is None
+    # A standby promoted before it registered (the autoscaler promotes one still loading) registers into
+    # routing: it was held as standby with nothing serving beside it, and the pool stayed empty.
+    assert reg.promote("decode-4") is None
+    reg.register(worker("decode-4", standby=True), 6.0)
+    reg.heartbeat(
+        "decode-4", 6.0, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
+    )
+    assert reg.get("decode-4").state is State.READY and not reg.get("decode-4").standby
 
 
 _SIGNALS = st.builds(

@@ -828,6 +828,13 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
             await server.start()
             await until(lambda: server.router.registry.get("b1") is not None, what="registration")
             await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            # The router gone (its heartbeats fail): not registered any more; back once it knows it again.
+            await server.stop(grace_s=0)
+            await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            server = RouterServer(RouterConfig(port=port, heartbeat_interval_s=0.05))
+            await server.start()
+            await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            assert server.router.registry.get("b1") is not None
             shell.begin_drain()
             await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
             await asyncio.wait_for(joined, 20)
@@ -837,6 +844,39 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
             await shell.stop()
             if server is not None:
                 await server.stop(grace_s=0)
+
+    run(main())
+
+
+def test_a_worker_told_to_stop_while_it_waits_for_its_router_stops_at_once(model_dir):
+    """Exploratory testing: SIGTERM to a worker whose router does not answer (a pod deleted before it
+    could join) was ignored until the registration gave up (60 s). It stops at once, unregistered."""
+    from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
+    from pdserve.worker.shell import ShellConfig, WorkerShell
+
+    async def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # nothing listens here
+        w = FakeWorker("b1", Role.BOTH, ids("hello"))
+        shell = WorkerShell(ShellConfig(host="127.0.0.1", drain_timeout_s=10.0, stop_grace_s=0.1))
+        address = await shell.start(lambda srv: worker_pb2_grpc.add_WorkerServicer_to_server(w, srv))
+        await shell.set_serving()
+        info = worker_pb2.WorkerInfo(
+            worker_id="b1", role=worker_pb2.ROLE_BOTH, address=address, kv_blocks_total=8
+        )
+        agent = RouterAgent(
+            AgentConfig(f"127.0.0.1:{port}", retry_interval_s=0.05, register_timeout_s=60.0),
+            info,
+            w.load,
+            shell.begin_drain,
+        )
+        joined = asyncio.ensure_future(run_worker(shell, agent))
+        await asyncio.sleep(0.3)  # registration attempts fail
+        assert not joined.done()
+        shell._on_signal()  # SIGTERM
+        await asyncio.wait_for(joined, 10)
+        assert agent.registrations == 0
 
     run(main())
 

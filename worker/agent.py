@@ -18,10 +18,11 @@ Imports only grpc, the protos, ``worker.shell`` and ``worker.tls``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,6 +62,9 @@ class AgentConfig:
             raise ValueError("register_timeout_s, retry_interval_s and rpc_timeout_s must be > 0")
 
 
+_FAILED_BEATS = 3  # heartbeats failing in a row before the worker counts itself unknown to the router
+
+
 class RegistrationError(RuntimeError):
     pass
 
@@ -86,6 +90,10 @@ class RouterAgent:
         self._stub: worker_pb2_grpc.RegistryStub | None = None
         self._task: asyncio.Task | None = None
         self._meta = token_metadata(config.cluster_token)
+        # ``on_known(known)``: whether the router knows this worker changed (it stopped answering
+        # ``_FAILED_BEATS`` beats in a row, or forgot it; or it answers again after registering again).
+        self.on_known: Callable[[bool], Awaitable[None]] | None = None
+        self._known = True
 
     def _registry(self) -> worker_pb2_grpc.RegistryStub:
         if self._stub is None:
@@ -180,18 +188,29 @@ class RouterAgent:
             if inspect.isawaitable(result):
                 await result
 
+    async def _known_now(self, known: bool) -> None:
+        if known is not self._known:
+            self._known = known
+            if self.on_known is not None:
+                await self.on_known(known)
+
     async def _heartbeat_loop(self) -> None:
         failing = False
+        failed = 0
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await self._heartbeat_once()
-                failing = False
+                failing, failed = False, 0
+                await self._known_now(True)
             except grpc.aio.AioRpcError as e:
                 # Logged once per outage, not once per beat.
                 if not failing:
                     log.warning("heartbeat to %s failed: %s", self.config.router_address, e.code().name)
                 failing = True
+                failed += 1
+                if failed >= _FAILED_BEATS:  # the router is gone, or refuses this worker
+                    await self._known_now(False)
             except Exception:  # noqa: BLE001 - a bad beat (its load report failed): the next one goes
                 # The worker keeps beating: silent, the router would drop it while it still runs.
                 if not failing:
@@ -207,8 +226,24 @@ async def run_worker(
     Drain comes from the router (heartbeat answer), a signal (``shell.install_signal_handlers``) or the
     pool's Drain RPC calling ``shell.begin_drain``. ``on_registered``: once the router knows it.
     """
-    await agent.register()
+    registering = asyncio.ensure_future(agent.register())
+    stopped = asyncio.ensure_future(shell.wait_stopped())
+    try:
+        await asyncio.wait((registering, stopped), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        registering.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if not registering.done():  # told to stop (SIGTERM) before it could join: it never joins
+        registering.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await registering
+        await agent.close(deregister=False)
+        return
+    registering.result()  # (a RegistrationError: the router refused it, or never answered)
     await shell.set_registered()
+    agent.on_known = shell.set_registered  # readiness follows whether the router knows it
     on_registered()
     agent.start()
     try:

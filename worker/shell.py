@@ -288,10 +288,16 @@ class WorkerShell:
         for name in ("", *self._services):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def set_registered(self) -> None:
-        """The router knows this serving worker: ``REGISTERED_SERVICE`` reads SERVING (readiness)."""
+    async def set_registered(self, registered: bool = True) -> None:
+        """Whether the router knows this serving worker: ``REGISTERED_SERVICE`` reads SERVING or
+        NOT_SERVING (readiness). A draining worker's reads NOT_SERVING whatever this says."""
         if self.state is ShellState.SERVING:
-            await self.health.set(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if registered
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await self.health.set(REGISTERED_SERVICE, status)
 
     def begin_drain(self) -> None:
         """Stop taking requests, let in-flight ones finish, then stop. Idempotent; signal-handler safe."""

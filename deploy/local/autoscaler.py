@@ -52,6 +52,7 @@ from pdserve.router.autoscale import (
 from pdserve.worker.role import Role
 
 log = logging.getLogger(__name__)
+_STANDBY_OR_LOADING = (worker_pb2.WORKER_STATE_STANDBY, worker_pb2.WORKER_STATE_LOADING)
 
 STATUS_FILE = "autoscaler.json"
 ROLES = {Pool.PREFILL: Role.PREFILL, Pool.DECODE: Role.DECODE}
@@ -204,12 +205,12 @@ class Driver:
                 and entries[w.id].load.state == worker_pb2.WORKER_STATE_READY
                 and w.id not in self.draining
             ]
+            # Standby workers loaded (registered as standby) or still loading: a replacement standby
+            # counts from its spawn, as a starting worker does.
             standby = [
                 w
                 for w in procs
-                if w.standby
-                and w.id in entries
-                and entries[w.id].load.state == worker_pb2.WORKER_STATE_STANDBY
+                if w.standby and (w.id not in entries or entries[w.id].load.state in _STANDBY_OR_LOADING)
             ]
             # Loading, not registered yet, or promoted out of the warm pool but not READY yet.
             coming = (worker_pb2.WORKER_STATE_LOADING, worker_pb2.WORKER_STATE_STANDBY)
