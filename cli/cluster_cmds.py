@@ -429,9 +429,9 @@ def _promote_standby(
     token, tls = cluster.state_token(state), cluster.state_tls(state)
     promoted = []
     for w in [w for w in state.workers if w.role is role and w.standby and cluster.alive(w)][:n]:
-        resp = cluster.promote_worker(state.router_address, w.id, token, tls)
-        if not resp.found:
-            continue  # not registered (yet): left as it is
+        # One not registered yet (still loading) is promoted too: the router remembers it, and it registers
+        # into routing (counted serving here, it is not doubled by a cold start beside it).
+        cluster.promote_worker(state.router_address, w.id, token, tls)
         state = cluster.replace_worker(state, msgspec.structs.replace(w, standby=False))
         cluster.save_state(state_dir, state)
         promoted.append(w.id)

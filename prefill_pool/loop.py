@@ -469,6 +469,9 @@ class PrefillLoop:
                 log.warning("request %s: transfer did not open: %r", job.request_id, e)
                 if opened is not None and not opened.done():
                     opened.set_exception(e)
+            finally:  # (a cancel too: AttachTicket must not wait out its bound for nothing)
+                if opened is not None and not opened.done():
+                    opened.set_result(None)
         if opened is not None and not opened.done():
             opened.set_result(None)
         if handle is not None and (req.closing or req.finished):

@@ -238,6 +238,12 @@ class Relay:
                 if isinstance(route, str):
                     if not full:
                         raise RelayError(failed.code, f"{failed.details}; {route}")
+                    if route.startswith("the router queue is full"):  # (as admission refuses it)
+                        raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, route, rejected=True)
+                    if not route.startswith("no healthy worker had room"):  # no wait: nobody can take it
+                        raise RelayError(
+                            grpc.StatusCode.UNAVAILABLE, f"{route} (the last refusal: {failed.details})"
+                        )
                     if timeout is not None and timeout <= queue_left:
                         raise RelayError(
                             grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -152,7 +152,8 @@ class RouterServer:
         log.info("router stopping (%d requests in flight)", len(self.router.ledger.jobs))
         await self.health.enter_graceful_shutdown()
         give_up = time.monotonic() + grace
-        while self.router.ledger.jobs and time.monotonic() < give_up:
+        # (inflight_ids, not the ledger: a request whose worker is done may still be read by a slow client)
+        while self.router.inflight_ids and time.monotonic() < give_up:
             await asyncio.sleep(0.05)
         if self.http is not None:
             await self.http.stop()

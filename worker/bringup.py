@@ -136,7 +136,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
             phases = {"model_resolve": t1 - t0, **capacity.startup_seconds, "load": t2 - t1}
             for phase, seconds in phases.items():
                 startup.labels(args.role.value, phase).set(seconds)
-            if shell.state is not ShellState.STARTING:  # a SIGTERM while it loaded: it never joins
+            if shell.state is not ShellState.STARTING and pool.failure is None:  # a SIGTERM while it loaded
                 role, wid = args.role.value, args.worker_id
                 log.info("%s worker %s: asked to stop while loading: not joining", role, wid)
                 await shell.stop()
