@@ -157,7 +157,8 @@ class Registry:
                 worker.standby = worker.standby and old.standby  # a promotion sticks
             if worker.drain_requested:
                 worker.state = State.DRAINING
-        if self._promoted_early.pop(worker.worker_id, 0) is None:
+        if worker.worker_id in self._promoted_early:
+            del self._promoted_early[worker.worker_id]
             worker.standby = False
         if worker.standby and worker.state is State.READY:
             worker.state = State.STANDBY
