@@ -129,7 +129,9 @@ class Sampler:
             p = r.params
             if r.output_index < p.min_tokens:
                 short.append(i)
-            if not p.greedy:
+            # top_k 1 is argmax, ties to the first index as greedy: a draw among exactly tied logits (bf16
+            # rounding makes them) would let a top_k=1 request leave greedy's tokens.
+            if not p.greedy and p.top_k != 1:
                 idx.append(i)
         if short:
             logits = self._mask_min_tokens(logits, rows, short, vocab)

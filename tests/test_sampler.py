@@ -68,6 +68,16 @@ def test_top_k_one_and_tiny_temperature_are_greedy():
     assert s(logits, rows([SamplingParams(temperature=1e-3)] * 8)) == logits.argmax(-1).tolist()
 
 
+def test_top_k_one_takes_the_first_of_tied_logits_as_greedy():
+    # bf16 rounding of the LM head ties top logits; a draw among them would leave greedy's tokens.
+    s = Sampler()
+    logits = torch.full((64, 50), -5.0)
+    logits[:, 7] = logits[:, 31] = 3.0
+    for seed in (None, 1, 2):
+        got = s(logits, rows([SamplingParams(top_k=1, temperature=1.0, seed=seed)] * 64))
+        assert got == [7] * 64
+
+
 def test_apply_top_k_top_p_masks_outside_the_sets():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
     logits = probs.log()
