@@ -107,6 +107,18 @@ class Ledger:
             job.prefill_claimed = True
             self._bump(self._prefill_tokens, route.prefill, job.prompt_len, "assigned_prefill_tokens")
 
+    def grow(self, job: Job, seq_len: int) -> None:
+        """The job's sequence on its decode worker is ``seq_len`` tokens now (prompt + outputs): count the
+        blocks it has grown into against that worker, so that routing between heartbeats sees the room
+        running streams took since (it only ever grows; ``release`` returns it all)."""
+        route = job.route
+        if route is None or job not in self.jobs:
+            return
+        n = blocks_needed(route.decode, seq_len)
+        if n > job.kv_blocks:
+            self._bump(self._kv_blocks, route.decode, n - job.kv_blocks, "assigned_kv_blocks")
+            job.kv_blocks = n
+
     def release_prefill(self, job: Job) -> None:
         """The prefill call ended (either way): its tokens no longer queue on that worker. Idempotent."""
         if job.prefill_claimed and job.route is not None and job.route.prefill is not None:

@@ -158,6 +158,7 @@ class Relay:
         on_worker_full: Callable[[Worker], None] | None = None,
         queue_timeout_s: float = 30.0,
         worker_done: Callable[[Job], Awaitable[None]] | None = None,
+        grown: Callable[[Job, int], None] | None = None,
     ) -> None:
         """``on_worker_full``: a decode worker refused a reservation for room (it is counted full a while);
         the request then waits for room as in the admission queue, up to ``queue_timeout_s`` from its
@@ -167,6 +168,8 @@ class Relay:
         # The decode worker's stream ended (its finish came): release the job's claim on the worker now,
         # though the client may still be reading what was received (a slow client slows only itself).
         self._worker_done = worker_done
+        # The job's sequence on its decode worker grew to n tokens (``Ledger.grow``): its KV blocks count.
+        self._grown = grown
         self._on_worker_full = on_worker_full
         self._channels = channels
         self._release_prefill = release_prefill
@@ -317,7 +320,7 @@ class Relay:
         all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
         deliver = self._deliver
         ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
-        reader = asyncio.ensure_future(self._read_ahead(job, dcall, pending, ahead))
+        reader = asyncio.ensure_future(self._read_ahead(job, dcall, pending, ahead, out.prompt_tokens))
         try:
             m = await ahead.get()
             job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
@@ -341,16 +344,23 @@ class Relay:
         finally:
             reader.cancel()
 
-    async def _read_ahead(self, job: Job, dcall, pending, ahead: asyncio.Queue[Any]) -> None:
+    async def _read_ahead(
+        self, job: Job, dcall, pending, ahead: asyncio.Queue[Any], prompt_tokens: int
+    ) -> None:
         """D's messages into ``ahead`` as they come (at most one per token; up to ``_READ_AHEAD`` ahead of
         the client, then D waits as before), then its end or its error (raised in order by ``_relay``).
-        Once D's stream ended, the job's claim on D is released."""
+        Each message's tokens grow the job's KV count on D; once D's stream ended, its claim is released."""
+        grown = self._grown
         try:
             m = await (pending if pending is not None else dcall.read())
             while True:
                 await ahead.put(m)
                 if m is _EOF or m.finish_reason:
                     break
+                if grown is not None:
+                    # D holds the prompt and every output so far (a migrated try's prompt includes the
+                    # tokens sent before; ``first_index`` counts them too).
+                    grown(job, prompt_tokens + m.first_index + len(m.token_ids))
                 m = await dcall.read()
         except BaseException as e:  # noqa: BLE001 - handed to _relay, which raises it in its place
             if isinstance(e, asyncio.CancelledError) and _cancelling():

@@ -89,6 +89,7 @@ class Router:
             on_worker_full=self.worker_full,
             queue_timeout_s=self.config.queue_timeout_s,
             worker_done=self.release,
+            grown=self.ledger.grow,
         )
 
     def current_limits(self) -> ModelLimits:

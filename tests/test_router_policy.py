@@ -182,6 +182,30 @@ def test_a_burst_between_heartbeats_counts_the_blocks_it_already_sent():
     assert reg.get("d").assigned_kv_blocks == 0
 
 
+def test_running_streams_growth_counts_between_heartbeats():
+    """The router's free-block estimate counted each request's prompt only: streams that grew since the
+    last heartbeat looked like room, and the worker refused the reservation (``decode_full``, the prompt's
+    prefill redone elsewhere). Streamed tokens now grow the count; release returns all of it."""
+    from pdserve.router.jobs import Job, Ledger
+
+    reg = Registry(RegistryConfig())
+    reg.register(mk("d", Role.DECODE, total=20), now=0.0)
+    ledger = Ledger(reg)
+    job = Job("r", 31)
+    ledger.claim(job, choose_route(reg.ready(), 31, CFG))
+    assert reg.get("d").assigned_kv_blocks == 2  # 31 + 1 tokens
+    ledger.grow(job, 32)  # prompt + the first output, and the next token's slot: 33 -> 3 blocks
+    assert reg.get("d").assigned_kv_blocks == 3
+    ledger.grow(job, 31 + 100)
+    assert reg.get("d").assigned_kv_blocks == 9 and reg.get("d").kv_blocks_free == 11
+    ledger.grow(job, 40)  # never shrinks (a late, smaller count)
+    assert reg.get("d").assigned_kv_blocks == 9
+    assert choose_route(reg.ready(), 31 * 6, CFG) is None  # 12 blocks: no room by the grown count
+    ledger.release(job)
+    ledger.grow(job, 500)  # a released job counts nothing
+    assert reg.get("d").assigned_kv_blocks == 0
+
+
 @pytest.mark.timeout(120)  # the bug this guards against hung the loop: fail, not hang
 def test_waiters_cancelled_as_their_wait_times_out_leave_the_queue_usable():
     """Exploratory testing: a client's deadline equal to the queue wait cancels a waiting request as its

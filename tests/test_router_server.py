@@ -76,7 +76,10 @@ async def cluster(model_dir: Path, workers: list[FakeWorker], *, frontend: bool 
         router = server.router
         # The leak check: every exit path released its route.
         await until(lambda: not router.ledger.jobs, what="requests to leave the ledger")
-        assert all(w.assigned == 0 and w.assigned_prefill_tokens == 0 for w in router.registry)
+        assert all(
+            w.assigned == 0 and w.assigned_prefill_tokens == 0 and w.assigned_kv_blocks == 0
+            for w in router.registry
+        )
         assert router.admission.waiting == 0
     finally:
         await channel.close()
@@ -310,6 +313,27 @@ def test_stop_string_never_leaks_and_cancels_the_worker(model_dir):
             assert tokens == ids("the cat sat on") and msgs[-1].usage.completion_tokens == 4
             assert not w.requests[0].sampling.stop  # the router owns stop strings
             await w.wait_for(lambda: w.cancelled)
+
+    run(main())
+
+
+def test_streamed_tokens_grow_the_routers_kv_count_of_the_decode_worker(model_dir):
+    """Between heartbeats the router counts a stream's KV blocks as it grows (prompt + tokens relayed),
+    not the prompt's alone: room running streams took is not offered to the next request."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("the cat sat on the mat a b c"), block_size=2)
+        w.hold_at = 6
+        async with cluster(model_dir, [w]) as (server, stub):
+            call = stub.Generate(request(max_tokens=9))
+            await w.wait_for(lambda: w.started)
+            prompt = len(w.requests[0].prompt_token_ids)
+            b1 = server.router.registry.get("b1")
+            # 6 tokens out, the 7th's slot: prompt + 7 tokens in blocks of 2
+            await until(lambda: b1.assigned_kv_blocks == -(-(prompt + 7) // 2), what="the grown count")
+            w.release.set()
+            tokens, _, _ = await collect(call)
+            assert len(tokens) == 9
 
     run(main())
 
