@@ -38,6 +38,16 @@ class Failure:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class NoRoute:
+    """Why a reroute found no worker for a job: ``why`` in words, and which case it was."""
+
+    why: str
+    # "none_left": no other worker could ever take it (no wait helps); "queue_full": the router's queue
+    # or the prefill queue is full (as admission refuses); "no_room": none had room within the wait.
+    kind: str
+
+
 class Job:
     __slots__ = (
         "request_id",

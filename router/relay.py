@@ -41,7 +41,7 @@ import grpc
 
 from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.router.detok import Detokenizer
-from pdserve.router.jobs import Failure, Job
+from pdserve.router.jobs import Failure, Job, NoRoute
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import Route
 from pdserve.router.registry import Worker
@@ -68,7 +68,7 @@ OnWorkerFailed = Callable[[Worker, bool, str], None]
 # (job, prompt length, seconds to wait for room, worker id to avoid, whether a prefill worker may prefill
 # it) -> a new route claimed for the job, or None
 # A new route for a failed request, or why there is none (``Router.reroute``).
-Reroute = Callable[[Job, int, float, str, bool], Awaitable[Route | str]]
+Reroute = Callable[[Job, int, float, str, bool], Awaitable[Route | NoRoute]]
 
 
 class RelayError(Exception):
@@ -238,25 +238,24 @@ class Relay:
                     failed.worker_id,
                     not out.sent,  # nothing sent yet: any prefill worker may prefill it again
                 )
-                if isinstance(route, str):
+                if isinstance(route, NoRoute):
                     if not full:
-                        raise RelayError(failed.code, f"{failed.details}; {route}")
-                    if route.startswith("the router queue is full"):  # (as admission refuses it)
-                        raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, route, rejected=True)
-                    if not route.startswith("no healthy worker had room"):  # no wait: nobody can take it
+                        raise RelayError(failed.code, f"{failed.details}; {route.why}")
+                    if route.kind == "queue_full":  # (as admission refuses it)
+                        raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, route.why, rejected=True)
+                    if route.kind != "no_room":  # no wait helps: nobody can take it
                         raise RelayError(
-                            grpc.StatusCode.UNAVAILABLE, f"{route} (the last refusal: {failed.details})"
+                            grpc.StatusCode.UNAVAILABLE, f"{route.why} (the last refusal: {failed.details})"
                         )
                     if timeout is not None and timeout <= queue_left:
                         raise RelayError(
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             "the request's deadline passed while it waited for a worker with room",
                         )
-                    if route.startswith("no healthy worker had room"):  # (the admission queue's words)
-                        route = f"no worker had room within {self._queue_timeout_s:.3g}s"
-                    raise RelayError(
+                    raise RelayError(  # (the admission queue's words)
                         grpc.StatusCode.UNAVAILABLE,
-                        f"{route} (the last refusal: {failed.details})",
+                        f"no worker had room within {self._queue_timeout_s:.3g}s (the last refusal: "
+                        f"{failed.details})",
                         rejected=True,
                     )
                 migrations += not full

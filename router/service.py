@@ -28,7 +28,7 @@ import grpc
 
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
 from pdserve.router.config import RouterConfig
-from pdserve.router.jobs import Failure, Job, Ledger
+from pdserve.router.jobs import Failure, Job, Ledger, NoRoute
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
     Admission,
@@ -181,21 +181,25 @@ class Router:
 
     async def reroute(
         self, job: Job, prompt_len: int, wait_s: float, avoid: str = "", remote: bool = False
-    ) -> Route | str:
+    ) -> Route | NoRoute:
         """Move ``job`` off its failed route: release it, then claim a route on READY workers other than
         ``avoid`` (the one that failed), waiting up to ``wait_s`` for room. ``remote``: nothing was sent
         yet, so the route may name a prefill worker as admission would; else the decode worker prefills
-        ``prompt_len`` tokens (prompt + tokens sent) itself. A string: why no worker took it."""
+        ``prompt_len`` tokens (prompt + tokens sent) itself. ``NoRoute``: why no worker took it."""
         self.ledger.release(job)
         await self.admission.notify()  # its old claim no longer counts
         job.prompt_len = prompt_len
         live = [w for w in self.registry if w.state in (State.READY, State.LOADING) and w.worker_id != avoid]
         # No decoding worker left that could hold it: fail now rather than wait.
         if not any(w.role.decodes for w in live):
-            return "no other decode or colocated worker is left to take the request over"
+            return NoRoute(
+                "no other decode or colocated worker is left to take the request over", "none_left"
+            )
         if not can_ever_serve(live, max(prompt_len, job.total_tokens - 1)):
             n = max(prompt_len, job.total_tokens)
-            return f"no other decode or colocated worker has KV cache for its {n} tokens"
+            return NoRoute(
+                f"no other decode or colocated worker has KV cache for its {n} tokens", "none_left"
+            )
         routing = self.routing if remote else RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
 
         def try_route() -> Route | None:
@@ -208,8 +212,12 @@ class Router:
         try:
             route = await self.admission.wait_for_route(try_route, max(wait_s, 0.0))
         except QueueFullError as e:
-            return str(e)
-        return route if route is not None else f"no healthy worker had room within {wait_s:.3g}s"
+            return NoRoute(str(e), "queue_full")
+        return (
+            route
+            if route is not None
+            else NoRoute(f"no healthy worker had room within {wait_s:.3g}s", "no_room")
+        )
 
     async def release(self, job: Job) -> None:
         """The job no longer uses its workers (its decode stream ended, though its client may still be
