@@ -59,6 +59,11 @@ _REROUTE_WAIT_S = 10.0  # how long a migrating stream may wait for a worker with
 # Worker messages (~0.5 kB each) a stream reads ahead of a slow client: beyond them the worker waits (and
 # its claim stays), which bounds what a stalled client costs the router.
 _READ_AHEAD = 4096
+# ... and router-wide (~64 MB): many stalled clients together make every stream past its first
+# ``_READ_AHEAD_OWN`` messages wait, so the router's memory stays bounded whatever clients do (their workers
+# then hold their claims, and admission refuses what no worker can take).
+_READ_AHEAD_TOTAL = 1 << 17
+_READ_AHEAD_OWN = 64  # a stream may always read this far ahead: readers are not slowed by stalled ones
 _Resp = generation_pb2.GenerateResponse
 # Sends one message to the client. False: it delivered nothing of it (yet), as the HTTP front holding back
 # text that may begin a stop string; the metrics then see no token arrive (``RequestRecord.wrap``).
@@ -97,6 +102,29 @@ class RelayError(Exception):
         # dead by another request's call fails its jobs with the reason it was seen with.
         migrate = failure.reason or ("heartbeat_lost" if failure.code == "UNAVAILABLE" else "")
         return cls(grpc.StatusCode[failure.code], failure.details, migrate, failure.worker_id)
+
+
+class ReadAheadBudget:
+    """Worker messages read ahead of their clients by every stream of the router together."""
+
+    __slots__ = ("limit", "used", "_room")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._room: asyncio.Event | None = None
+
+    async def wait(self) -> None:
+        """Until the router-wide read-ahead is under its limit."""
+        while self.used >= self.limit:
+            if self._room is None or self._room.is_set():
+                self._room = asyncio.Event()
+            await self._room.wait()
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        if self._room is not None and self.used < self.limit:
+            self._room.set()
 
 
 class WorkerChannels:
@@ -170,6 +198,7 @@ class Relay:
         self._worker_done = worker_done
         # The job's sequence on its decode worker grew to n tokens (``Ledger.grow``): its KV blocks count.
         self._grown = grown
+        self.read_ahead = ReadAheadBudget(_READ_AHEAD_TOTAL)
         self._on_worker_full = on_worker_full
         self._channels = channels
         self._release_prefill = release_prefill
@@ -318,10 +347,12 @@ class Relay:
         D is read ahead of the client's writes (``_read_ahead``): a client that reads slowly, or not at
         all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
         deliver = self._deliver
+        budget = self.read_ahead
         ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
         reader = asyncio.ensure_future(self._read_ahead(job, dcall, pending, ahead, out.prompt_tokens))
         try:
             m = await ahead.get()
+            budget.give(1)
             job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
             while True:
                 if isinstance(m, BaseException):
@@ -333,6 +364,7 @@ class Relay:
                 if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
                     return
                 m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
+                budget.give(1)
         except grpc.aio.AioRpcError as e:
             raise self._worker_error(job, d, "decode", e) from None
         except asyncio.CancelledError:
@@ -341,7 +373,8 @@ class Relay:
                 raise RelayError.of(job.failure) from None
             raise
         finally:
-            reader.cancel()
+            reader.cancel()  # (it puts nothing more: a put it waits in is cancelled with it)
+            budget.give(ahead.qsize())
 
     async def _read_ahead(
         self, job: Job, dcall, pending, ahead: asyncio.Queue[Any], prompt_tokens: int
@@ -350,10 +383,14 @@ class Relay:
         the client, then D waits as before), then its end or its error (raised in order by ``_relay``).
         Each message's tokens grow the job's KV count on D; once D's stream ended, its claim is released."""
         grown = self._grown
+        budget = self.read_ahead
         try:
             m = await (pending if pending is not None else dcall.read())
             while True:
+                if budget.used >= budget.limit and ahead.qsize() >= _READ_AHEAD_OWN:
+                    await budget.wait()
                 await ahead.put(m)
+                budget.used += 1
                 if m is _EOF or m.finish_reason:
                     break
                 if grown is not None:
@@ -365,6 +402,7 @@ class Relay:
             if isinstance(e, asyncio.CancelledError) and _cancelling():
                 raise  # (_relay is done: no one reads any more)
             await ahead.put(e)
+            budget.used += 1
             return
         if self._worker_done is not None:
             await self._worker_done(job)

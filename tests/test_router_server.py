@@ -81,6 +81,7 @@ async def cluster(model_dir: Path, workers: list[FakeWorker], *, frontend: bool 
             for w in router.registry
         )
         assert router.admission.waiting == 0
+        assert router.relay.read_ahead.used == 0  # every message read ahead was delivered or given back
     finally:
         await channel.close()
         for w in started:
@@ -588,6 +589,46 @@ def test_a_client_that_stops_reading_holds_no_worker_slot_once_the_worker_is_don
             await until(lambda: server.router.ledger.assigned("b1") == 0, what="the worker's slot back")
             tokens, _, _ = await collect(stub.Generate(request("the cat", max_tokens=4), timeout=20))
             assert tokens == out  # served on the one slot while the first client still stalls
+            resume.set()
+            await asyncio.wait_for(slow, 10)
+            assert [t for r in got for t in r.token_ids] == out and got[-1].finish_reason == "length"
+
+    run(main())
+
+
+def test_read_ahead_of_stalled_clients_is_bounded_router_wide(model_dir, monkeypatch):
+    """Read-ahead is bounded per stream and router-wide: past the router-wide limit a stream reads at
+    most ``_READ_AHEAD_OWN`` messages ahead, and its worker keeps its claim (waits) as before read-ahead."""
+    from pdserve.router import relay
+    from pdserve.router.service import generate
+
+    monkeypatch.setattr(relay, "_READ_AHEAD_OWN", 2)
+
+    async def main():
+        out = ids("hello world the cat sat on the mat a b c")
+        w = FakeWorker("b1", Role.BOTH, out)
+        async with cluster(model_dir, [w]) as (server, stub):
+            budget = server.router.relay.read_ahead
+            budget.limit = 3
+            got: list = []
+            stalled = asyncio.Event()
+            resume = asyncio.Event()
+
+            async def slow_client(resp) -> None:
+                got.append(resp)
+                stalled.set()
+                await resume.wait()
+
+            slow = asyncio.ensure_future(
+                generate(server.router, request("the cat", max_tokens=len(out)), slow_client, 60)
+            )
+            await asyncio.wait_for(stalled.wait(), 10)
+            await until(lambda: budget.used == 3, what="the read-ahead to fill")
+            await asyncio.sleep(0.3)
+            assert budget.used == 3 and server.router.ledger.assigned("b1") == 1  # the worker waits
+            # Another client is served meanwhile: its stream may read ahead its own two messages.
+            tokens, _, _ = await collect(stub.Generate(request("the cat", max_tokens=len(out)), timeout=20))
+            assert tokens == out
             resume.set()
             await asyncio.wait_for(slow, 10)
             assert [t for r in got for t in r.token_ids] == out and got[-1].finish_reason == "length"
