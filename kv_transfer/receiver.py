@@ -272,7 +272,13 @@ class KVReceiver:
         if peer.rma and not peer.forced:
             until = asyncio.get_running_loop().time() + self._config.settle_timeout_s
             eager = [r for r in self._by_transfer.values() if r.state is RxState.RESERVED]
-            for rx in [*peer.transfers, *(r for r in eager if self._eager_writer(peer, r))]:
+            # Failed ones too: its Abort unanswered, or a revoke it owes (they left ``peer.transfers``).
+            failing = [
+                r
+                for r in self._failing.values()
+                if (r.peer is peer and r.rma and r.unsettled) or peer in r.revoking
+            ]
+            for rx in [*peer.transfers, *(r for r in eager if self._eager_writer(peer, r)), *failing]:
                 rx.hold_until = max(rx.hold_until, until)
         peer.forced = True
         peer.conn.close()
@@ -464,9 +470,13 @@ class KVReceiver:
                 peer.conn.peer,
                 msg.transfer_id,
             )
-            if target is not None and target.state in (RxState.RESERVED, RxState.OPEN):
-                self._fail(target, RejectedError("written by a sender it was not open to"), notify=True)
+            live = target if target is not None and target.state in (RxState.RESERVED, RxState.OPEN) else None
+            if live is not None and peer.rma:  # (it says it has been putting into them: held as if it may)
+                until = asyncio.get_running_loop().time() + self._config.settle_timeout_s
+                live.hold_until = max(live.hold_until, until)
             self._close(peer)
+            if live is not None:
+                self._fail(live, RejectedError("written by a sender it was not open to"), notify=True)
             return False
         if target.state is RxState.RESERVED:
             return True
@@ -477,6 +487,13 @@ class KVReceiver:
         peer.revoking.add(target)
         if target.state is RxState.OPEN:
             self._fail(target, RejectedError("opened by two senders"), notify=True)
+        else:  # FAILING: its timer may be none or a hold's; this revoke is bounded like any other
+            target.revoke_forced = False  # (a peer that does not answer is closed, then waited for)
+            if target.grace is not None:
+                target.grace.cancel()
+            target.grace = asyncio.get_running_loop().call_later(
+                self._config.settle_timeout_s, self._force, target
+            )
         self._refuse(peer, msg, FailureReason.REJECTED, f"transfer already {state}")
         return False
 
@@ -702,6 +719,7 @@ class KVReceiver:
             if rx.grace is not None:
                 rx.grace.cancel()
             rx.grace = loop.call_later(wait, self._maybe_free, rx)
+            self._failing[rx.transfer_id] = rx  # (``close`` waits for it, as for any settling transfer)
             return
         rx.state = RxState.FREED
         if rx.grace is not None:

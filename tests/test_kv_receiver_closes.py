@@ -156,3 +156,80 @@ def test_a_connection_closed_for_a_protocol_violation_holds_what_it_may_write(sc
         await rx.close()
 
     asyncio.run(main())
+
+
+def test_a_forced_close_holds_the_transfers_of_the_connection_already_failing(scripted) -> None:  # type: ignore[no-untyped-def]
+    """Review: r1 and r2 open on one connection, both aborted (r2 a little later) and the sender frozen.
+    r1's settle runs out and closes the connection; r2, already failing (out of the connection's open
+    transfers), was freed at its own settle soon after, though the sender might still be putting into it:
+    it is held ``settle_timeout_s`` from the close as well."""
+
+    async def main() -> None:
+        rx, bm, conn, _ = await _receiver()
+        loop = asyncio.get_running_loop()
+        t1, t2 = rx.reserve("r1", 8), rx.reserve("r2", 8)
+        _open(conn, t1)
+        _open(conn, t2)
+        rx.abort("r1", "client cancel")
+        await asyncio.sleep(SETTLE * 0.6)
+        rx.abort("r2", "client cancel")
+        await _until_closed(conn)
+        closed = loop.time()
+        async with asyncio.timeout(10):
+            while "r2" in bm:
+                await asyncio.sleep(0.005)
+        assert loop.time() - closed >= SETTLE * 0.9
+        async with asyncio.timeout(10):
+            while "r1" in bm:
+                await asyncio.sleep(0.02)
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_an_eager_open_of_a_transfer_it_may_not_write_holds_that_transfer(scripted) -> None:  # type: ignore[no-untyped-def]
+    """Review: a sender whose handshake came after a reservation sends an eager Open of it (it says it has
+    been putting into those blocks). The connection is closed and the reservation failed, and its blocks
+    are held as the closed connection's others are (they were freed in the same loop iteration), and the
+    receiver's close waits for them."""
+
+    async def main() -> None:
+        rx, bm, first, compat = await _receiver()
+        t1 = rx.reserve("r1", 8)
+        first.close()  # (no sender left that may write r1 eagerly: nothing else holds it)
+        await _until_closed(first)
+        late = rx._transport.connect()  # type: ignore[attr-defined]
+        late.deliver(wire.Hello(compat.protocol_version, compat.hash(), "p2", rma=True))
+        _open(late, t1)
+        await _until_closed(late)
+        assert "r1" in bm  # failed, held
+        assert rx.state("r1") is None  # failed: no longer a live reservation
+        await rx.close()  # waits for the held blocks
+        assert "r1" not in bm
+
+    asyncio.run(main())
+
+
+def test_a_revoke_that_lands_while_a_failed_transfer_is_held_is_bounded(scripted) -> None:  # type: ignore[no-untyped-def]
+    """Review: r1, opened by A, fails when A's connection is closed for a protocol violation and is held.
+    In that hold B, which may write r1 eagerly too, sends its eager Open: B owes an AbortAck, but only the
+    hold's timer was running, so a B that never answers held r1's blocks for good. Its revoke is bounded
+    (``settle_timeout_s``, then B's connection is closed and waited for) like any other."""
+
+    async def main() -> None:
+        rx, bm, a, compat = await _receiver()
+        b = rx._transport.connect()  # type: ignore[attr-defined]
+        b.deliver(wire.Hello(compat.protocol_version, compat.hash(), "p2", rma=True))
+        t1 = rx.reserve("r1", 8)
+        _open(a, t1)
+        a.deliver(wire.Hello(compat.protocol_version, compat.hash(), "p", rma=True))  # a violation
+        await _until_closed(a)
+        _open(b, t1)  # B says it has been putting into r1: refused, and owes an AbortAck it never sends
+        assert any(isinstance(m, wire.Abort) for m in b.sent)
+        async with asyncio.timeout(10):
+            while "r1" in bm:
+                await asyncio.sleep(0.02)
+        assert not b.alive  # closed for not answering, then waited for
+        await rx.close()
+
+    asyncio.run(main())
