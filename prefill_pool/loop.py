@@ -301,13 +301,18 @@ class PrefillLoop:
         kept = self.attach(request_id, ticket, attach_key)
         opened = job.payload.late_opened if job is not None and ticket is not None else None
         if opened is not None:
-            with contextlib.suppress(TimeoutError):
-                try:
-                    await asyncio.wait_for(asyncio.shield(opened), wait_s)
-                except TimeoutError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - whatever the open raised
-                    raise LateOpenFailed(f"KV transfer of {request_id} did not open: {e}") from e
+            assert job is not None
+            try:
+                await asyncio.wait_for(asyncio.shield(opened), wait_s)
+            except TimeoutError:
+                # Still opening (a connect to the decode worker that hangs): the router moves the
+                # request now, and a transfer that opens after this is aborted unused.
+                self.give_up(job, "its late transfer did not open in time")
+                raise LateOpenFailed(
+                    f"KV transfer of {request_id} did not open within {wait_s:.3g}s"
+                ) from None
+            except Exception as e:  # noqa: BLE001 - whatever the open raised
+                raise LateOpenFailed(f"KV transfer of {request_id} did not open: {e}") from e
         return kept
 
     def _take(self, job: PrefillJob, ticket: TransferTicket | None) -> None:
@@ -479,6 +484,9 @@ class PrefillLoop:
             # be someone else's now. This transfer never writes; the decode worker frees its blocks.
             await handle.abort("prefill cancelled")
             return
+        if handle is not None and req.cancelled:  # given up while it opened: it never writes either
+            await handle.abort("given up before its transfer opened")
+            handle = None
         if handle is not None:
 
             def catch_up(h: SenderHandle = handle) -> None:

@@ -489,3 +489,34 @@ def test_a_late_transfer_that_does_not_open_is_told_to_the_router_through_its_ti
         await loop.close()
 
     asyncio.run(main())
+
+
+def test_a_late_transfer_still_opening_past_the_bound_is_told_to_the_router_and_aborted_unused(
+    runner: ModelRunner,
+) -> None:
+    """Review: an open still pending after AttachTicket's bound (a connect that hangs) answered OK; when it
+    failed later, nobody told the router, and the decode worker's reservation waited for the deadline. Now
+    the bound raises (the router moves the request) and a transfer that opens after it is aborted unused."""
+
+    async def main() -> None:
+        loop, sender = _loop(runner)
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        _, rx = loop.submit("r", PROMPT, params, None)
+        await asyncio.wait_for(rx, 30)
+        gate = asyncio.Event()
+        plain = _Sender.open.__get__(sender)
+
+        async def hanging(ticket, blocks):  # type: ignore[no-untyped-def]
+            await gate.wait()
+            return await plain(ticket, blocks)
+
+        sender.open = hanging  # type: ignore[method-assign]
+        with pytest.raises(loop_mod.LateOpenFailed, match="did not open within"):
+            await loop.attach_and_open("r", _ticket(), wait_s=0.2)  # type: ignore[arg-type]
+        gate.set()  # it opens after all: aborted, never pushed to, and P's blocks come back
+        await _until(lambda: _used(loop) == 0)
+        await _until(lambda: bool(sender.handles) and sender.handles[-1].aborted is not None)
+        assert sender.handles[-1].pushed == [] and sender.handles[-1].completed is None
+        await loop.close()
+
+    asyncio.run(main())
