@@ -19,7 +19,6 @@ from pdserve.cli import lifeline
 from pdserve.deploy.local import alertmanager, cluster, prometheus
 from pdserve.deploy.local import autoscaler as autoscaler_mod
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
-from pdserve.proto import worker_pb2
 from pdserve.router.autoscale import AutoscaleConfig, PoolBounds
 from pdserve.worker.address import host_port
 from pdserve.worker.auth import write_new_token
@@ -335,18 +334,9 @@ def _scale(args: argparse.Namespace) -> int:
             wanted[role] = target - len(current)
         else:
             removing += current[target:]  # the newest go first
-    # The GPU must hold the workers that stay and the new ones (a standby one holds its share already):
-    # refuse before changing anything.
-    registered = set()
-    if status is not None and any(w.standby and w.role in wanted for w in state.workers):
-        # (only a standby worker the router knows can be promoted: one still loading gets replaced)
-        registered = {
-            e.info.worker_id for e in status.workers if e.load.state == worker_pb2.WORKER_STATE_STANDBY
-        }
-    standby = {
-        r: sum(w.role is r and w.standby and w.id in registered and cluster.alive(w) for w in state.workers)
-        for r in wanted
-    }
+    # The GPU must hold the workers that stay and the new ones (a standby one holds its share already,
+    # registered or still loading: ``_promote_standby`` promotes both): refuse before changing anything.
+    standby = {r: sum(w.role is r and w.standby and cluster.alive(w) for w in state.workers) for r in wanted}
     new = sum(max(n - standby[r], 0) for r, n in wanted.items())
     cluster.check_gpu_shares(device, cluster.gpu_share(state, device, removing), new, util)
     adding: dict[Role, int] = {}

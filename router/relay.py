@@ -255,7 +255,7 @@ class Relay:
                     timeout = max(deadline_unix - time.time(), 0.0)
                 assert self._reroute is not None
                 if full:
-                    # Nothing was sent and no worker failed: it waits for room as in the admission queue.
+                    # No worker failed (at most P's token 0 was sent): it waits for room as in admission.
                     queue_left = max(self._queue_timeout_s - (time.monotonic() - job.arrival), 0.0)
                     wait = queue_left if timeout is None else min(queue_left, timeout)
                 else:
@@ -270,8 +270,10 @@ class Relay:
                 if isinstance(route, NoRoute):
                     if not full:
                         raise RelayError(failed.code, f"{failed.details}; {route.why}")
+                    # A rejection as admission's, unless P's token 0 reached the client before D refused.
+                    rejected = not out.sent
                     if route.kind == "queue_full":  # (as admission refuses it)
-                        raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, route.why, rejected=True)
+                        raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, route.why, rejected=rejected)
                     if route.kind != "no_room":  # no wait helps: nobody can take it
                         raise RelayError(
                             grpc.StatusCode.UNAVAILABLE, f"{route.why} (the last refusal: {failed.details})"
@@ -285,7 +287,7 @@ class Relay:
                         grpc.StatusCode.UNAVAILABLE,
                         f"no worker had room within {self._queue_timeout_s:.3g}s (the last refusal: "
                         f"{failed.details})",
-                        rejected=True,
+                        rejected=rejected,
                     )
                 migrations += not full
                 if self._metrics is not None:

@@ -66,6 +66,7 @@ class Router:
         self.limits = ModelLimits()
         self.relay: Relay | None = None
         self.closing = False
+        self._wakeups: set[asyncio.Task[None]] = set()  # admission wake-ups sent from sync code
         self.metrics = RouterMetrics()
         self.inflight_ids: set[str] = set()  # request ids admitted and not finished: unique at a time
         self.metrics_url = ""  # set once the router's /metrics endpoint serves
@@ -246,7 +247,11 @@ class Router:
             log.warning("worker %s marked dead: %s", w.worker_id, reason)
             self.registry.mark_dead(w.worker_id)
             self.infos.pop(w.worker_id, None)
-            self.cover_with_standby(w.role)  # before its requests move: they may move there
+            if self.cover_with_standby(w.role) is not None:  # before its requests move: they may move there
+                # Requests waiting for room may route to it now, not at the next heartbeat.
+                task = asyncio.get_running_loop().create_task(self.admission.notify())
+                self._wakeups.add(task)
+                task.add_done_callback(self._wakeups.discard)
             lost = "decode_failed" if w.role.decodes else "prefill_failed"
             self.fail_jobs_on(w.worker_id, f"worker {w.worker_id} died: {reason}", lost)
         else:

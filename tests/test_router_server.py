@@ -544,12 +544,15 @@ def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_reques
             d.refuse_room = 4
             tokens, _, _ = await collect(stub.Generate(request("the cat sat", max_tokens=4)))
             assert tokens == out and d.refuse_room == 0
-            # ... up to --queue-timeout from its arrival, then UNAVAILABLE, as from the queue.
+            # ... up to --queue-timeout from its arrival, then UNAVAILABLE, as from the queue. (A prompt
+            # D prefills itself: a remote one's token 0 may reach the client first, and a request whose
+            # stream began is no rejection.)
             d.refuse_room = 10**6
             started = time.monotonic()
             details = await expect_error(
-                stub.Generate(request("the cat sat", max_tokens=4)), grpc.StatusCode.UNAVAILABLE
+                stub.Generate(request("cat", max_tokens=4)), grpc.StatusCode.UNAVAILABLE
             )
+            assert d.requests[-1].mode == worker_pb2.PREFILL_MODE_LOCAL
             assert "no worker had room within 3s" in details and "no room" in details, details
             assert "failed" not in details and "RESOURCE_EXHAUSTED" not in details, details
             assert time.monotonic() - started < 20  # (a bound, not a timing)
