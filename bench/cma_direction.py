@@ -111,16 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--layers, --layer-kib and --reps must be >= 1")
     if not cma.host_identity():
         parser.error("no /proc here: cross-memory copies are not available")
-    from pdserve.bench.engine import cpu_name
-    from pdserve.engine.cpu_kernels import cpu_isa
+    from pdserve.bench.machine import machine_info
 
     report = {
-        "machine": {
-            "cpu": cpu_name(),
-            "isa": cpu_isa()["isa"],
-            "kernel": platform.release(),
-            "cores": os.cpu_count(),
-        },
+        "machine": {**machine_info(), "kernel": platform.release()},
         "layers": args.layers,
         "layer_bytes": args.layer_kib << 10,
         "reps": args.reps,

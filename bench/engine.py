@@ -42,8 +42,9 @@ int8 model's argmax is the same token, ``kl_from_unquantized`` the mean KL diver
 distribution from the unquantised one there (``exact_continuations``: prompts whose whole greedy
 continuation from int8 is identical).
 
-The ``machine`` block names the CPU, its instruction set (``isa``, ``flags``: what ``-march=native`` and
-oneDNN dispatch on), the read bandwidth and the FMA peak.
+The ``machine`` block (``bench.machine``, as in every benchmark's JSON) names the CPU, its instruction set
+(``isa``, ``flags``: what ``-march=native`` and oneDNN dispatch on), the kernel build loaded
+(``kernel_isa``), cores and torch; this bench adds the read bandwidth and the FMA peak.
 
 Rows: ``phase``, ``batch``, ``dtype``, ``pdserve_tok_s``, ``transformers_tok_s``, ``ratio`` (pdserve /
 transformers for prefill and decode; pdserve / bound for floor, bound, linear and membw, whose bound is
@@ -57,7 +58,6 @@ import functools
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -71,6 +71,7 @@ import torch.nn.functional as F
 
 from pdserve.bench import engine_cuda
 from pdserve.bench.engine_steps import greedy_tokens, runner_decode_steps
+from pdserve.bench.machine import machine_info as host_machine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZATIONS = ("none", "int8")
@@ -285,36 +286,18 @@ def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
 # ---- the run -------------------------------------------------------------------------------------------
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
-    try:
-        return next(
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
 def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
-    cpu = cpu_name()
+    """``bench.machine.machine_info`` (CPU, ISA, kernel build, cores, torch) plus what this bench adds."""
     try:
         import transformers
 
         tf_version: str | None = transformers.__version__
     except ImportError:
         tf_version = None
-    from pdserve.engine.cpu_kernels import cpu_isa
-
     return {
-        "cpu": cpu,
-        **cpu_isa(),
-        "cores": os.cpu_count(),
+        **host_machine(),
         "threads": cfg.threads,
-        "torch": torch.__version__,
         "transformers": tf_version,
-        "python": platform.python_version(),
         "read_gbps": bw,
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
     }

@@ -61,6 +61,7 @@ from pdserve.bench.hf_baselines import (
     make_static,
     write_random_model,
 )
+from pdserve.bench.machine import cpu_name, machine_info
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -232,7 +233,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
             "sm_count": p.multi_processor_count,
         }
     else:
-        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu"] = cpu_name()
         info["threads"] = torch.get_num_threads()
     return info
 
@@ -350,6 +351,7 @@ def _run(cfg: GpuBenchConfig, model_dir: Path) -> dict[str, Any]:
     }
     rows = [_rounded(r) for r in rows]
     return {
+        "machine": machine_info(str(device)),  # the host: CPU, ISA, cores; its GPU in device too
         "device": info,
         "config": asdict(cfg) | {"model_dir": str(model_dir) if cfg.model else None},
         "work": work,

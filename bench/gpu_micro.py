@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdserve.bench.machine import machine_info
 from pdserve.engine import triton_kernels as tk
 
 LAYERS = 30
@@ -197,7 +198,11 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     parts = {"products": products, "argmax": argmax, "attention": attention, "steps": steps}
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result: dict[str, Any] = {
+        "machine": machine_info("cuda"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
     import triton
 
     result["triton"] = triton.__version__

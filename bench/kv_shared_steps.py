@@ -67,12 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.batch, args.prompt_len, args.threads, args.rounds) < 1:
         parser.error("--batch, --prompt-len, --threads and --rounds must be >= 1")
     torch.set_num_threads(args.threads)
-    from pdserve.bench.engine import cpu_name
-    from pdserve.engine.cpu_kernels import cpu_isa
+    from pdserve.bench.machine import machine_info
     from pdserve.engine.hugepages import shared_memory_huge_pages
 
     report = {
-        "machine": {"cpu": cpu_name(), "isa": cpu_isa()["isa"], "threads": args.threads},
+        "machine": {**machine_info(), "threads": args.threads},
         "shared_memory_huge_pages": shared_memory_huge_pages(),
         "model": args.model,
         "batch": args.batch,

@@ -92,7 +92,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -100,6 +99,7 @@ from typing import Any
 
 import torch
 
+from pdserve.bench.machine import machine_info
 from pdserve.bench.report import emit_json
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.testing import PeerProcess, PeerSpec
@@ -128,29 +128,12 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
-def _device(device: str) -> dict[str, Any]:
-    if device == "cpu":
-        return {"type": "cpu"}
-    return {"type": device, "name": torch.cuda.get_device_name(0), "torch_cuda": torch.version.cuda}
-
-
-def _machine() -> dict[str, Any]:
+def _machine(host: dict[str, Any]) -> dict[str, Any]:
+    """``host`` (``bench.machine.machine_info``) with the UCX versions and the load at the end."""
     import ucxx
 
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    from pdserve.engine.cpu_kernels import cpu_isa
-
     return {
-        "cpu": cpu,
-        **cpu_isa(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **host,
         "ucx": ucxx.get_ucx_version(),
         "ucxx": ucxx.__version__,
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),  # other work on the machine skews figures
@@ -325,7 +308,7 @@ def run(
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
-    device_info = _device(device)  # in the parent, before its ucxx import (_machine): no data moves here
+    host = machine_info(device)  # in the parent, before its ucxx import (_machine): no data moves here
     block_bytes = 2 * PAYLOAD["block_size"] * PAYLOAD["num_kv_heads"] * PAYLOAD["head_dim"] * 2
     payload_blocks = PAYLOAD_BYTES // block_bytes
     payload_tokens = payload_blocks * PAYLOAD["block_size"]
@@ -351,8 +334,8 @@ def run(
                     errors.append({**where, "error": f"{type(exc).__name__}: {exc}"})
                     print(json.dumps({"failed": errors[-1]}), file=sys.stderr, flush=True)
     return {
-        "machine": _machine(),
-        "device": device_info,
+        "machine": _machine(host),
+        "device": host["device"],  # also in machine; here too, where earlier files had it
         "transports": {
             name: {"UCX_TLS": TRANSPORTS[name][0], "shared_memory_data_endpoint": TRANSPORTS[name][1]}
             for name in transports

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.bench.machine import machine_info
 from pdserve.bench.sweep import ClusterSpec, Shape, local_cluster
 from pdserve.deploy.local import cluster
 from pdserve.proto import worker_pb2
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in roles
     }
     command = " ".join(["python -m pdserve.bench.scale_up", *(argv or sys.argv[1:])])
-    doc = {"command": command, "cluster": info, "rows": rows, "summary": summary}
+    machine = {**machine_info(), "threads_per_worker": args.threads}
+    doc = {"command": command, "machine": machine, "cluster": info, "rows": rows, "summary": summary}
     out = args.out or args.state_dir / "scale_up.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2))

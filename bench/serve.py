@@ -42,6 +42,7 @@ from tqdm import tqdm
 from pdserve.bench.arrivals import ArrivalConfig
 from pdserve.bench.client import stream_request, to_proto
 from pdserve.bench.datasets import DatasetName, SampleRequest, TokenSpace, WorkloadConfig
+from pdserve.bench.machine import machine_info
 from pdserve.bench.metrics import RequestRecord, Slo, compute_metrics, parse_slo
 from pdserve.bench.plan import RunPlan, plan_run
 from pdserve.bench.report import format_summary, write_json
@@ -124,6 +125,8 @@ class BenchResult:
     started_unix: float  # wall clock at t = 0 of the records' timeline
     cpu_count: int | None
     warmup_failed: int = 0
+    # bench.machine.machine_info of the machine this client ran on (the router and workers may be elsewhere).
+    machine: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The saved result: vLLM's keys, the config and one record per measured request."""
@@ -133,6 +136,7 @@ class BenchResult:
             "date": datetime.fromtimestamp(self.started_unix, tz=UTC).isoformat(),
             "benchmark_start_unix": self.started_unix,
             "config": {**self.config.as_dict(), "cpu_count": self.cpu_count},
+            "client_machine": self.machine,
             "warmup_requests": self.config.warmup,
             "warmup_failed": self.warmup_failed,
             "requests": [r.as_dict() for r in self.records],
@@ -248,6 +252,7 @@ async def run_benchmark(config: BenchConfig, *, token_space: TokenSpace | None =
         started_unix=started_unix,
         cpu_count=os.cpu_count(),
         warmup_failed=sum(not r.ok for r in warm),
+        machine=machine_info(),
     )
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from pdserve.bench.machine import machine_info
 from pdserve.bench.report import emit_json
 from pdserve.deploy.local.cluster import load_state, state_token
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -160,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     med = {n: statistics.median(v) for n, v in ttft.items()}
     result = {
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads_per_worker": args.threads,
-        },
+        "machine": {**machine_info(), "threads_per_worker": args.threads},
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "ttft_ms": {n: {"median": med[n], "all": v} for n, v in ttft.items()},

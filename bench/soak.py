@@ -38,6 +38,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.bench.machine import machine_info
 from pdserve.bench.report import write_json
 from pdserve.bench.soak_cluster import (
     DeathWatch,
@@ -284,6 +285,7 @@ def _document(
     tokens = sum(r.tokens for r in records if r.outcome == Outcome.COMPLETED.value)
     return {
         "date": datetime.now(tz=UTC).isoformat(),
+        "machine": machine_info(),  # the cluster's too: started here, or attached through a local --state-dir
         "config": cfg.as_dict(),
         "cluster": {
             "attached": target.attached,

@@ -30,7 +30,8 @@ Honesty of a comparison (every item recorded in the output JSON):
 - all shapes are up for the whole run, idle unless measured, and the runs
   alternate between shapes at each rate (ABBA order), so drift in the
   machine's speed hits all shapes alike;
-- the machine's core count, CPU model and load are stated.
+- the machine's core count, CPU model, instruction set, kernel build, device and load are stated
+  (``bench.machine``).
 
 Outputs in ``--out-dir``: ``runs/<shape>_rate<r>.json.gz`` (the full
 ``pdserve bench`` result of each run, one record per request), ``sweep.json``
@@ -47,7 +48,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import socket
@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.datasets import DatasetName, TokenSpace
+from pdserve.bench.machine import machine_info as host_machine
 from pdserve.bench.metrics import RequestRecord, Slo
 from pdserve.bench.report import read_json, write_json
 from pdserve.bench.serve import (
@@ -357,21 +358,36 @@ class SweepConfig:
             raise ValueError(f"need 0 <= stop_below <= goal <= 1, got {self.stop_below}, {self.goal}")
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+def machine_info(threads: int, extra_up_args: Sequence[str] = ()) -> dict[str, Any]:
+    """``bench.machine.machine_info`` (CPU, ISA, kernel build, cores, torch, device) with the threads per
+    worker and the load."""
     return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
+        **host_machine(_up_device(extra_up_args)),
         "threads_per_worker": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def _up_device(up_args: Sequence[str]) -> str:
+    """The workers' ``--device`` from ``--up-arg`` (``--device=cuda`` or ``--device cuda``), else cpu."""
+    for i, arg in enumerate(up_args):
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+        if arg == "--device" and i + 1 < len(up_args):
+            return up_args[i + 1]
+    return "cpu"
+
+
+def _cores(machine: Mapping[str, Any]) -> Any:
+    """The core count; files written before bench.machine named it ``cpu_count``."""
+    return machine.get("cores", machine.get("cpu_count"))
+
+
+def _isa(machine: Mapping[str, Any]) -> str:
+    """ ", <isa>[, <GPU>]" for the summary line; empty for files written before bench.machine."""
+    dev = machine.get("device") or {}
+    gpu = f", {dev.get('name') or dev['type']}" if dev.get("type", "cpu") != "cpu" else ""
+    return f", {machine['isa']}{gpu}" if "isa" in machine else gpu
 
 
 def _rate_tag(rate: float) -> str:
@@ -480,7 +496,7 @@ def build_document(
         }
     doc: dict[str, Any] = {
         "kind": "compare" if len(cfg.shapes) > 1 else "sweep",
-        "machine": machine_info(cfg.cluster.threads),
+        "machine": machine_info(cfg.cluster.threads, cfg.cluster.extra_up_args),
         "cluster": cfg.cluster.as_dict(),
         "workload": cfg.bench.as_dict() | {"router": None, "request_rate": None},
         "slo": cfg.bench.slo.as_dict(),
@@ -593,7 +609,7 @@ def write_plots(
 
     slo = cfg.bench.slo
     title = (
-        f"{cfg.cluster.model} {cfg.cluster.dtype}, {doc['machine']['cpu_count']} cores, "
+        f"{cfg.cluster.model} {cfg.cluster.dtype}, {_cores(doc['machine'])} cores, "
         f"{cfg.cluster.threads} thread(s)/worker"
     )
     paths: dict[str, Any] = {}
@@ -668,7 +684,7 @@ def format_summary(doc: Mapping[str, Any]) -> str:
     m = doc["machine"]
     lines = [
         f"{' pdserve bench ' + doc['kind'] + ' ':=^78}",
-        f"machine: {m['cpu_count']} cores ({m['cpu']}), {m['threads_per_worker']} thread(s) per worker, "
+        f"machine: {_cores(m)} cores ({m['cpu']}{_isa(m)}), {m['threads_per_worker']} thread(s) per worker, "
         f"pinned: {doc['cluster']['pin_cpus']}",
         f"SLOs: TTFT <= {slo['ttft']:g} ms, TPOT <= {slo['tpot']:g} ms; "
         f"goal {100 * doc['goal_attainment']:.0f}%",

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.datasets import WorkloadConfig
+from pdserve.bench.machine import machine_info
 from pdserve.bench.serve import BenchConfig, BenchResult, run_benchmark
 
 _Z95 = 1.96
@@ -371,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(format_report(doc), flush=True)
     if args.save_result is not None:
+        doc = {**doc, "machine": machine_info()}  # the cluster's too: target_from_state is a local `up`
         args.save_result.write_text(json.dumps(doc, indent=2))
     return 0
 

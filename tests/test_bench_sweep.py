@@ -33,6 +33,7 @@ from pdserve.bench.sweep import (
     attainment_split,
     find_goodput,
     format_summary,
+    machine_info,
     redraw,
     run_sweep,
 )
@@ -174,6 +175,14 @@ def test_sweep_config_validation(tmp_path):
     assert ClusterSpec(extra_up_args=("--kv-cache-mib", "512", "--http-port=0")).extra_up_args
 
 
+def test_machine_records_the_workers_device():
+    # The workers' device comes from --up-arg (gpu_cluster.sh passes --up-arg=--device=cuda).
+    assert machine_info(1)["device"] == {"type": "cpu"} and machine_info(1)["kernel_isa"]
+    cuda = machine_info(1, ("--http-port=0", "--device", "cuda:1"))
+    assert cuda["device"]["type"] == "cuda" and "name" in cuda["device"] and cuda["kernel_isa"] is None
+    assert machine_info(1, ("--device=cuda",))["device"]["type"] == "cuda"
+
+
 def test_compare_refuses_unequal_worker_counts(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "bench", "compare", "--shapes", "1P+1D", "1C", "--rates", "1"]
@@ -239,7 +248,9 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
 
     assert started == ["1P+1D", "2C"] and stopped == ["2C", "1P+1D"]
     assert doc["kind"] == "compare" and doc["rates"] == [100.0, 200.0, 300.0]
-    assert doc["machine"]["cpu_count"] == os.cpu_count() and doc["machine"]["threads_per_worker"] == 1
+    m = doc["machine"]
+    assert m["cores"] == os.cpu_count() and m["threads_per_worker"] == 1
+    assert m["isa"] and "flags" in m and m["kernel_isa"] and m["torch"] and m["device"] == {"type": "cpu"}
     fast_doc, slow_doc = doc["shapes"]["1P+1D"], doc["shapes"]["2C"]
     assert [p["rate"] for p in fast_doc["points"]] == [100.0, 200.0, 300.0]
     assert [p["slo_attainment"] for p in fast_doc["points"]] == [1.0, 1.0, 1.0]
@@ -292,6 +303,9 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     summary = format_summary(saved)
     assert "goodput ratio 1P+1D / 2C: inf" in summary and "(lower bound)" in summary
     assert "skipped" in summary and f"{os.cpu_count()} cores" in summary
+    # Files written before bench.machine: cpu_count, no ISA.
+    old = {**saved, "machine": {"cpu_count": 3, "cpu": "x", "threads_per_worker": 1}}
+    assert "machine: 3 cores (x)" in format_summary(old)
 
 
 # ---- live: 1P+1D against 2 colocated workers ------------------------------------------------------------
@@ -345,7 +359,7 @@ def test_live_compare_1p1d_vs_2c(tmp_path):
     assert "goodput ratio 1P+1D / 2C" in out.stdout
 
     doc = json.loads((out_dir / "compare.json").read_text())
-    assert doc["machine"]["cpu_count"] == os.cpu_count() and doc["cluster"]["pin_cpus"] is True
+    assert doc["machine"]["cores"] == os.cpu_count() and doc["cluster"]["pin_cpus"] is True
     assert doc["cluster"]["dtype"] == "float32" and doc["cluster"]["threads"] == 1
     assert doc["command"].startswith("pdserve bench compare --shapes 1P+1D 2C")
     ncpu = len(os.sched_getaffinity(0))

@@ -92,6 +92,7 @@ def test_short_soak_loses_and_leaks_nothing(tmp_path):
         assert r["lost"] == 0, doc["lost"]
         assert r["mismatched"] == 0, doc["mismatched"]
         assert r["completed"] >= 5, r
+        assert doc["machine"]["cpu"] and doc["machine"]["isa"] and doc["machine"]["kernel_isa"]
         assert doc["kv_blocks_leaked"] == 0 and doc["leak_check"]["clean"], doc["leak_check"]
         assert [k["role"] for k in doc["kills"]] == ["decode"], doc["kills"]
         assert "error" not in doc["kills"][0] and len(doc["kills"][0]["replacement"]) == 1, doc["kills"]
