@@ -23,9 +23,14 @@ One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch t
   head) as plain ``F.linear`` calls with random weights of the same shapes, batch and dtype; tok/s =
   batch / time of one pass. ``ratio`` = pdserve decode / floor.
 - ``bound``: what the hardware allows a decode step at each batch: every weight read once at the measured
-  read bandwidth, every product at the measured FMA peak (``CpuKernels.fma_peak``: independent FMA chains
-  on the widest vectors the host has, all threads), whichever is slower; ``ratio`` = pdserve / bound. No
-  stock matmul enters it.
+  read bandwidth, every product at the measured peak, whichever is slower; ``ratio`` = pdserve / bound. No
+  stock matmul enters it. The peak (``bound_peak`` in the row): float32 FMA (``CpuKernels.fma_peak``:
+  independent FMA chains on the widest vectors the host has, all threads, ``f32_fma``), and for bfloat16
+  where the host has AVX512-BF16 its dot products (``CpuKernels.bf16_dot_peak``, ``bf16_dot``: twice the
+  products per instruction, which pdserve's bfloat16 linear rows use). Files written before
+  ``bound_peak`` used the float32 peak for bfloat16 too: no bound there (the batch-32 bf16 linear rows in
+  ``results/cpu_engine_avx512bf16`` reached 1.41 and 1.53 of it). AMX tiles are not measured: on a host
+  with AMX (``amx_bf16`` in ``flags``) oneDNN's bfloat16 products can pass the bf16 bound too.
 - ``linear``: pdserve's own product kernels (the runner's ``Linear`` objects, in the layout
   ``choose_linear`` picked) over every layer and the head, weights streamed as in a step: tok/s,
   ``gflops``, ``gbps`` (weight bytes / time) and ``ratio`` against the bound.
@@ -354,6 +359,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     bw = {"1_thread": read_bandwidth(1) / 1e9, f"{cfg.threads}_threads": read_bandwidth(cfg.threads) / 1e9}
     kernels = load_cpu_kernels(kernel_cache_dir())
     peak = None if kernels is None else kernels.fma_peak(cfg.threads)
+    bf16_peak = None if kernels is None else kernels.bf16_dot_peak(cfg.threads)
     read_bps = max(bw.values()) * 1e9  # the bound uses the best read rate measured
     rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
@@ -429,12 +435,23 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                     row("floor", batch, decode_rate[batch], None, bound_tok_s=linear_floor(c, dtype, batch))
             wbytes = runner.weights.decode_bytes()
             flops_per_token = 2 * matmul_params(c)
+            # bfloat16 products run as AVX512-BF16 dot products where the host has them: twice the float32
+            # FMA rate, so the float32 peak would be no bound for them (pdserve's bf16 rows beat it).
+            dot = dtype == torch.bfloat16 and bf16_peak is not None
+            compute, peak_kind = (bf16_peak, "bf16_dot") if dot else (peak, "f32_fma")
             for batch in cfg.batches:
-                # The hardware bound of a decode step: every weight read once, every product at the FMA peak.
+                # The hardware bound of a decode step: every weight read once, every product at the peak.
                 steps_s = read_bps / wbytes
-                if peak is not None:
-                    steps_s = min(steps_s, peak / (flops_per_token * batch))
-                row("bound", batch, decode_rate[batch], None, bound_tok_s=batch * steps_s)
+                if compute is not None:
+                    steps_s = min(steps_s, compute / (flops_per_token * batch))
+                row(
+                    "bound",
+                    batch,
+                    decode_rate[batch],
+                    None,
+                    bound_tok_s=batch * steps_s,
+                    bound_peak=peak_kind,
+                )
                 t = product_pass(runner.weights, c, batch)
                 row(
                     "linear",
@@ -442,6 +459,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
                     batch / t,
                     None,
                     bound_tok_s=batch * steps_s,
+                    bound_peak=peak_kind,
                     gflops=flops_per_token * batch / t / 1e9,
                     gbps=wbytes / t / 1e9,
                     linear=str(runner.linear_kind),
@@ -463,6 +481,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
         gc.collect()
     machine = machine_info(cfg, bw)
     machine["fma_peak_gflops"] = None if peak is None else round(peak / 1e9, 1)
+    machine["bf16_dot_peak_gflops"] = None if bf16_peak is None else round(bf16_peak / 1e9, 1)
     machine["kernel_isa"] = None if kernels is None else kernels.isa  # PDSERVE_KERNEL_ISA: native unless set
     return {"machine": {**machine, "pdserve": info}, "config": cfg.__dict__, "rows": rows}
 

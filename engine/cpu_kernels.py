@@ -519,18 +519,31 @@ class CpuKernels:
 
     def fma_peak(self, threads: int, seconds: float = 0.2) -> float:
         """Measured float32 FMA FLOP/s of ``threads`` threads (best of 3 runs of about ``seconds``)."""
+        return self._peak(self.lib.fma_peak, threads, seconds)
+
+    def bf16_dot_peak(self, threads: int, seconds: float = 0.2) -> float | None:
+        """Measured FLOP/s of AVX512-BF16 dot products (``vdpbf16ps``, what bfloat16 products run as here),
+        as ``fma_peak``; None where this build has no native AVX512-BF16 (then bfloat16 products widen to
+        float32, and ``fma_peak`` bounds them)."""
+        sink = ctypes.c_float()
+        if self.lib.bf16_dot_peak(1, 1, ctypes.byref(sink)) == 0:
+            return None
+        return self._peak(self.lib.bf16_dot_peak, threads, seconds)
+
+    @staticmethod
+    def _peak(probe: Callable[..., float], threads: int, seconds: float) -> float:
         sink = ctypes.c_float()
         iters = 1 << 16
         while True:  # grow the run until it is long enough to time
             t = time.perf_counter()
-            flops = self.lib.fma_peak(iters, threads, ctypes.byref(sink))
+            flops = probe(iters, threads, ctypes.byref(sink))
             if time.perf_counter() - t >= seconds / 4 or iters >= 1 << 34:
                 break
             iters *= 4
         best = 0.0
         for _ in range(3):
             t = time.perf_counter()
-            flops = self.lib.fma_peak(iters, threads, ctypes.byref(sink))
+            flops = probe(iters, threads, ctypes.byref(sink))
             best = max(best, flops / (time.perf_counter() - t))
         return best
 
@@ -586,6 +599,7 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],
         "fma_peak": [i64, i32, ptr],
+        "bf16_dot_peak": [i64, i32, ptr],
         "linear_packed": [ptr] * 5 + [i64] * 4 + [i32, i32, i32],
         "prefill_attention": [ptr] * 4 + [i64] * 6 + [f32, i32, i32],
         "pack_linear_weight": [ptr, ptr, i64, i64, i64, i32],
@@ -597,5 +611,5 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_double if name == "fma_peak" else ctypes.c_int
+        fn.restype = ctypes.c_double if name in ("fma_peak", "bf16_dot_peak") else ctypes.c_int
     return CpuKernels(lib=lib, path=path, isa=isa)

@@ -18,6 +18,8 @@ Kernels (all return 0, or < 0 for unsupported shapes):
   vocabulary on 2 cores, 3% of a decode step).
 - ``seeded_race``: seeded rows' draw (the sampler's counter noise, exponential race and argmax in one pass).
 - ``fma_peak``: a probe, not a kernel: the float32 FMA rate the cores sustain (``bench.engine``'s bound).
+- ``bf16_dot_peak``: the same for AVX512-BF16 dot products (``vdpbf16ps``), which bfloat16 products use
+  where the host has them: twice the float32 rate per instruction, so the float32 peak is no bound there.
 """
 
 SOURCE = r"""
@@ -1214,5 +1216,29 @@ double fma_peak(int64_t iters, int num_threads, float* sink) {
     }
     *sink = total;
     return 2.0 * lanes * PEAK_CHAINS * (double)iters * num_threads;
+}
+
+/* FLOPs of PEAK_CHAINS independent vdpbf16ps chains per thread (each float lane: two bfloat16 products and
+   two adds), as fma_peak. a += 1.0 * 2^-20 twice a round: no value grows large or turns subnormal. 0 where
+   the build has no native AVX512-BF16 (SIMDe's emulation would measure nothing real). */
+double bf16_dot_peak(int64_t iters, int num_threads, float* sink) {
+#if defined(HAVE_BF16_DOT) && !defined(PDSERVE_SIMDE_AVX512)
+    float total = 0.f;
+    #pragma omp parallel num_threads(num_threads) reduction(+:total)
+    {
+        __m512 a[PEAK_CHAINS];
+        const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3580);
+        for (int k = 0; k < PEAK_CHAINS; k++) a[k] = _mm512_set1_ps((float)k);
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < PEAK_CHAINS; k++) a[k] = _mm512_dpbf16_ps(a[k], x, y);
+        for (int k = 0; k < PEAK_CHAINS; k++) total += _mm512_reduce_add_ps(a[k]);
+    }
+    *sink = total;
+    return 4.0 * 16 * PEAK_CHAINS * (double)iters * num_threads;
+#else
+    (void)iters; (void)num_threads;
+    *sink = 0.f;
+    return 0.0;
+#endif
 }
 """

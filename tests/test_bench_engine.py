@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.bench import engine as bench
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
+from pdserve.engine.cpu_kernels import cpu_isa, kernel_cache_dir, load_cpu_kernels
 
 
 def test_fma_peak_is_measured() -> None:
@@ -18,6 +18,20 @@ def test_fma_peak_is_measured() -> None:
         return  # no C compiler: the bench then bounds by memory alone (covered below)
     one = k.fma_peak(1, seconds=0.05)
     assert math.isfinite(one) and one > 1e8  # any CPU of this century does 0.1 GFLOP/s on one core
+
+
+def test_bf16_dot_peak_only_where_the_host_has_avx512_bf16() -> None:
+    k = load_cpu_kernels(kernel_cache_dir())
+    if k is None:
+        return
+    dot = k.bf16_dot_peak(1, seconds=0.05)
+    if "avx512_bf16" not in cpu_isa()["flags"]:  # type: ignore[operator]
+        assert dot is None  # bfloat16 products widen to float32 here: fma_peak bounds them
+        return
+    assert dot is not None and math.isfinite(dot) and dot > 1e8
+    # Builds below AVX512-BF16 have no such instruction: no bf16 peak, so the bench falls back to float32.
+    avx2 = load_cpu_kernels(kernel_cache_dir(), "avx2")
+    assert avx2 is not None and avx2.bf16_dot_peak(1, seconds=0.01) is None
 
 
 def test_matmul_params_counts_every_product(tiny_llama_dir) -> None:
@@ -46,6 +60,24 @@ def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
         assert lin["gflops"] > 0 and lin["gbps"] > 0 and lin["bound_tok_s"] == bound["bound_tok_s"]
         assert rows[("decode", batch)]["pdserve_tok_s"] > 0
     assert rows[("membw", 1)]["weight_bytes_per_step"] > 0
+    assert {r["bound_peak"] for r in result["rows"] if r["phase"] in ("bound", "linear")} == {"f32_fma"}
+
+
+def test_bf16_rows_are_bounded_by_the_bf16_peak_where_there_is_one(tiny_llama_dir) -> None:
+    cfg, _ = bench.parse_args(
+        [
+            "--model", str(tiny_llama_dir), "--dtypes", "bfloat16", "--batches", "1",
+            "--prompt-len", "4", "--new-tokens", "3", "--prefill-len", "8", "--prefill-reps", "1",
+            "--skip-transformers", "--threads", "1",
+        ]
+    )  # fmt: skip
+    result = bench.run(cfg)
+    m = result["machine"]
+    kinds = {r["bound_peak"] for r in result["rows"] if r["phase"] in ("bound", "linear")}
+    if m["bf16_dot_peak_gflops"] is None:
+        assert kinds == {"f32_fma"}  # no AVX512-BF16 (or no C compiler): bf16 products run as float32
+    else:
+        assert kinds == {"bf16_dot"} and m["bf16_dot_peak_gflops"] > 0
 
 
 def test_engine_bench_int8_rows_and_quality(tiny_llama_dir) -> None:
