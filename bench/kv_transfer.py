@@ -4,10 +4,10 @@
                                 [--modes rma,tagged] [--device cpu|cuda] [--ucx-env UCX_KEY=VALUE ...]
                                 [--burst N]
 
-Modes (protocol 3): ``rma``, one-sided puts into the decode worker's registered
-KV tensor, flushed before Complete (the default when both sides offer it);
-``tagged``, one tagged message per layer and contiguous run (``TransferConfig.rma``
-off). Each mode gets its own pair of processes.
+Modes (wire protocol 5, ``kv_transfer.wire.PROTOCOL_VERSION``, which the JSON records as ``protocol``):
+``rma``, one-sided puts into the decode worker's registered KV tensor, flushed before Complete (the default
+when both sides offer it); ``tagged``, one tagged message per layer and contiguous run
+(``TransferConfig.rma`` off). Each mode gets its own pair of processes.
 
 For each transport a decode process and a prefill process are spawned (UCX
 settings apply per process, so each transport gets its own pair) and stopped
@@ -103,6 +103,7 @@ from pdserve.bench.machine import machine_info
 from pdserve.bench.report import emit_json
 from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.testing import PeerProcess, PeerSpec
+from pdserve.kv_transfer.wire import PROTOCOL_VERSION
 
 TOKENS = (16, 256, 1024, 4096)
 SMOLLM2: dict[str, Any] = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16")
@@ -340,6 +341,7 @@ def run(
             name: {"UCX_TLS": TRANSPORTS[name][0], "shared_memory_data_endpoint": TRANSPORTS[name][1]}
             for name in transports
         },  # fmt: skip
+        "protocol": PROTOCOL_VERSION,  # the README names each run's; files before this key do not have it
         "ucx_env": dict(ucx_env),  # applied to both processes, pdserve and raw alike
         "burst": burst,
         "rows": rows,

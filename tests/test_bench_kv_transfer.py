@@ -11,6 +11,7 @@ import torch
 
 from pdserve.bench import kv_transfer as bench
 from pdserve.kv_transfer.testing import PeerSpec
+from pdserve.kv_transfer.wire import PROTOCOL_VERSION
 
 
 @pytest.fixture
@@ -127,6 +128,8 @@ def test_run_reports_a_failed_pair_and_goes_on(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(bench, "_Pair", Refused)
     report = bench.run(["tcp"], 1, tokens=(16,))
     assert report["rows"] == [] and report["bit_exact"] == [] and report["device"] == {"type": "cpu"}
+    assert report["machine"]["isa"] and report["machine"]["device"] == {"type": "cpu"}
+    assert report["protocol"] == PROTOCOL_VERSION
     assert [(e["mode"], e["layout"]) for e in report["errors"]] == [
         ("rma", "smollm2"), ("rma", "payload"), ("tagged", "smollm2"), ("tagged", "payload"),
     ]  # fmt: skip
