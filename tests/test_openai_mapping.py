@@ -101,7 +101,7 @@ def test_chat_maps_messages_text_parts_and_max_completion_tokens():
     )
     assert [(m.role, m.content) for m in r.messages.messages] == [
         ("system", "be brief"),
-        ("user", "hello"),
+        ("user", "hel\nlo"),  # text parts joined by a newline, as vLLM joins them
         ("assistant", ""),
     ]
     assert r.sampling.max_tokens == 9 and r.sampling.top_p == 0.5  # the newer name wins

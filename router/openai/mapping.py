@@ -213,7 +213,7 @@ def text_content(i: int, content) -> str:
         if part.text is None:
             raise invalid(f"messages[{i}].content: a text part needs its text", "messages")
         parts.append(part.text)
-    return "".join(parts)
+    return "\n".join(parts)  # (as vLLM joins a message's text parts)
 
 
 # Options refused when sent with a value other than their default (None: any value is refused), on both
