@@ -168,6 +168,11 @@ class _Out:
         self.sent: list[int] = []  # output token ids sent so far: a migrated stream's input tail
 
 
+class ClientGone(asyncio.CancelledError):
+    """A write to the client failed because the client went away (its cancel or deadline): the request
+    ends as a cancel, even where a worker failure was recorded at the same moment (no move for nobody)."""
+
+
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
@@ -369,9 +374,9 @@ class Relay:
                 budget.give(1)
         except grpc.aio.AioRpcError as e:
             raise self._worker_error(job, d, "decode", e) from None
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
             # A cancel of the worker call by ``Job.fail`` (not of this task) carries the job's failure.
-            if job.failure is not None and not _cancelling():
+            if job.failure is not None and not _cancelling() and not isinstance(e, ClientGone):
                 raise RelayError.of(job.failure) from None
             raise
         finally:

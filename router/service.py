@@ -39,7 +39,7 @@ from pdserve.router.policy import (
     choose_route,
 )
 from pdserve.router.registry import Registry, State, Worker
-from pdserve.router.relay import Relay, RelayError, WorkerChannels, Write
+from pdserve.router.relay import ClientGone, Relay, RelayError, WorkerChannels, Write
 from pdserve.router.validate import InvalidRequest, ModelLimits, Prepared, RouterTokenizer, prepare
 from pdserve.worker.role import Role
 
@@ -382,9 +382,9 @@ async def generate(router: Router, request, write: Write, time_remaining: float 
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         deadline_unix = 0.0 if timeout is None else time.time() + timeout
         await relay.run(job, prep, write, timeout, deadline_unix)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as e:
         # The sweep failed the job by cancelling its worker calls: report why, not a cancel.
-        if job.failure is not None and not _cancelling():
+        if job.failure is not None and not _cancelling() and not isinstance(e, ClientGone):
             raise RelayError.of(job.failure) from None
         raise
     finally:
@@ -446,7 +446,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 # grpc.aio raises its internal ExecuteBatchError, not a cancel, often before the context
                 # knows the call ended. The client went away: an abort, not a server error.
                 if context.cancelled() or context.done() or type(e).__name__ == "ExecuteBatchError":
-                    raise asyncio.CancelledError from e
+                    raise ClientGone from e
                 raise
 
         try:

@@ -28,6 +28,7 @@ from pdserve.proto import generation_pb2 as g
 from pdserve.proto import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.detok import Detokenizer
+from pdserve.router.jobs import Failure
 from pdserve.router.server import RouterServer
 from pdserve.router.validate import ModelLimits
 from pdserve.worker.agent import RegistrationError
@@ -663,6 +664,9 @@ def test_a_client_cancel_during_a_blocked_write_is_an_abort_not_a_server_error(m
         async def write(self, _resp) -> None:
             self.writes += 1
             if self.writes > 1:
+                if mode["fail_worker_too"]:  # a worker failure recorded at the same moment: no move
+                    for job in server.router.ledger.jobs:
+                        job.failure = Failure("UNAVAILABLE", "worker b1 died", "b1", "decode_failed")
                 raise cygrpc.ExecuteBatchError(
                     'Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation>)'
                 )
@@ -670,18 +674,30 @@ def test_a_client_cancel_during_a_blocked_write_is_an_abort_not_a_server_error(m
         async def abort(self, code, details):  # type: ignore[no-untyped-def]
             raise AssertionError(f"aborted {code}: {details}")
 
+    server = None
+    mode = {"fail_worker_too": False}
+
     async def main():
+        nonlocal server
         w = FakeWorker("b1", Role.BOTH, ids("hello world the cat"))
         async with cluster(model_dir, [w]) as (server, _):
             reg = server.router.metrics.registry
             labels = {"role": "router", "finish_reason": "abort"}
-            before = reg.get_sample_value("pdserve_requests_total", labels) or 0
-            with pytest.raises(asyncio.CancelledError):
-                await GenerationService(server.router).Generate(request("the cat", max_tokens=4), Context())
-            assert reg.get_sample_value("pdserve_requests_total", labels) == before + 1
+            for fail in (False, True):
+                mode["fail_worker_too"] = fail
+                before = reg.get_sample_value("pdserve_requests_total", labels) or 0
+                with pytest.raises(asyncio.CancelledError):
+                    await GenerationService(server.router).Generate(
+                        request("the cat", max_tokens=4), Context()
+                    )
+                assert reg.get_sample_value("pdserve_requests_total", labels) == before + 1
+                assert not reg.get_sample_value(
+                    "pdserve_requests_total", {"role": "router", "finish_reason": "error"}
+                )
             assert not reg.get_sample_value(
-                "pdserve_requests_total", {"role": "router", "finish_reason": "error"}
+                "pdserve_router_migrations_total", {"role": "router", "reason": "decode_failed"}
             )
+            assert len(w.requests) == 2  # moved nowhere
 
     run(main())
 
