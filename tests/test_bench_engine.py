@@ -41,15 +41,19 @@ def test_matmul_params_counts_every_product(tiny_llama_dir) -> None:
     assert bench.matmul_params(c) == c.num_layers * per_layer + c.vocab_size * c.hidden_size
 
 
-def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
+def _tiny_run(model_dir, dtype: str, batches: str) -> dict:
     cfg, _ = bench.parse_args(
         [
-            "--model", str(tiny_llama_dir), "--dtypes", "float32", "--batches", "1,2",
+            "--model", str(model_dir), "--dtypes", dtype, "--batches", batches,
             "--prompt-len", "4", "--new-tokens", "3", "--prefill-len", "8", "--prefill-reps", "1",
             "--skip-transformers", "--threads", "1",
         ]
     )  # fmt: skip
-    result = bench.run(cfg)
+    return bench.run(cfg)
+
+
+def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
+    result = _tiny_run(tiny_llama_dir, "float32", "1,2")
     m = result["machine"]
     assert m["isa"] and "flags" in m and m["read_gbps"]
     assert m["cpu"] and m["cores"] and m["torch"] and m["device"] == {"type": "cpu"} and "kernel_isa" in m
@@ -64,14 +68,7 @@ def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
 
 
 def test_bf16_rows_are_bounded_by_the_bf16_peak_where_there_is_one(tiny_llama_dir) -> None:
-    cfg, _ = bench.parse_args(
-        [
-            "--model", str(tiny_llama_dir), "--dtypes", "bfloat16", "--batches", "1",
-            "--prompt-len", "4", "--new-tokens", "3", "--prefill-len", "8", "--prefill-reps", "1",
-            "--skip-transformers", "--threads", "1",
-        ]
-    )  # fmt: skip
-    result = bench.run(cfg)
+    result = _tiny_run(tiny_llama_dir, "bfloat16", "1")
     m = result["machine"]
     kinds = {r["bound_peak"] for r in result["rows"] if r["phase"] in ("bound", "linear")}
     if m["bf16_dot_peak_gflops"] is None:

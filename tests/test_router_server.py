@@ -566,6 +566,20 @@ def test_a_decode_worker_without_the_room_its_heartbeat_promised_gets_the_reques
     run(main())
 
 
+def _stalling_client():
+    """A client write that takes the first message, then waits for ``resume`` (as a write stuck on HTTP/2
+    flow control): (messages got, stalled event, resume event, write)."""
+    got: list = []
+    stalled, resume = asyncio.Event(), asyncio.Event()
+
+    async def write(resp) -> None:
+        got.append(resp)
+        stalled.set()
+        await resume.wait()
+
+    return got, stalled, resume, write
+
+
 def test_a_client_that_stops_reading_holds_no_worker_slot_once_the_worker_is_done(model_dir):
     """Exploratory testing: clients that read one message and then stop held their decode worker's slots
     (``max_running``) until their deadline, though the worker had finished their requests: every other
@@ -577,14 +591,7 @@ def test_a_client_that_stops_reading_holds_no_worker_slot_once_the_worker_is_don
         out = ids("hello world the cat")
         w = FakeWorker("b1", Role.BOTH, out, max_running=1)
         async with cluster(model_dir, [w], queue_timeout_s=5.0) as (server, stub):
-            got: list = []
-            stalled = asyncio.Event()
-            resume = asyncio.Event()
-
-            async def slow_client(resp) -> None:
-                got.append(resp)
-                stalled.set()
-                await resume.wait()  # as a write stuck on HTTP/2 flow control
+            got, stalled, resume, slow_client = _stalling_client()
 
             slow = asyncio.ensure_future(
                 generate(server.router, request("the cat", max_tokens=4), slow_client, 60)
@@ -614,14 +621,7 @@ def test_read_ahead_of_stalled_clients_is_bounded_router_wide(model_dir, monkeyp
         async with cluster(model_dir, [w]) as (server, stub):
             budget = server.router.relay.read_ahead
             budget.limit = 3
-            got: list = []
-            stalled = asyncio.Event()
-            resume = asyncio.Event()
-
-            async def slow_client(resp) -> None:
-                got.append(resp)
-                stalled.set()
-                await resume.wait()
+            got, stalled, resume, slow_client = _stalling_client()
 
             slow = asyncio.ensure_future(
                 generate(server.router, request("the cat", max_tokens=len(out)), slow_client, 60)
