@@ -452,4 +452,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             await generate(self._router, request, write, context.time_remaining())
         except RelayError as e:
-            await context.abort(e.code, e.details)
+            try:
+                await context.abort(e.code, e.details)
+            except Exception as exc:
+                # The call ended on its own meanwhile (its deadline, a cancel): the status cannot be sent
+                # and nobody waits for it (grpc.aio logged this as an ERROR traceback).
+                if type(exc).__name__ == "ExecuteBatchError":
+                    return
+                raise

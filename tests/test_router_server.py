@@ -702,6 +702,27 @@ def test_a_client_cancel_during_a_blocked_write_is_an_abort_not_a_server_error(m
     run(main())
 
 
+def test_an_error_status_for_a_call_that_already_ended_is_no_server_error(model_dir):
+    """Exploratory testing (soak): a request that failed (here: no decode worker) as its call ended on its
+    own deadline: ``context.abort`` raised grpc.aio's ExecuteBatchError, logged as an ERROR traceback."""
+    from grpc._cython import cygrpc
+
+    from pdserve.router.service import GenerationService
+
+    class Context:
+        def time_remaining(self) -> float:
+            return 30.0
+
+        async def abort(self, code, details):  # type: ignore[no-untyped-def]
+            raise cygrpc.ExecuteBatchError('Failed "execute_batch": (<SendStatusFromServerOperation>,)')
+
+    async def main():
+        async with cluster(model_dir, []) as (server, _):
+            assert await GenerationService(server.router).Generate(request("the cat"), Context()) is None
+
+    run(main())
+
+
 def test_worker_killed_mid_stream_fails_the_request_and_leaves_the_registry(model_dir):
     async def main():
         async with cluster(model_dir, []) as (server, stub):
