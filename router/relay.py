@@ -178,6 +178,19 @@ def _cancelling() -> bool:
     return task is not None and task.cancelling() > 0
 
 
+def worker_failure(job: Job, e: asyncio.CancelledError) -> RelayError | None:
+    """The job's recorded failure, when ``e`` is the cancel ``Job.fail`` gave its worker call: not a cancel
+    of this task, nor the client gone during a write."""
+    if job.failure is None or _cancelling() or isinstance(e, ClientGone):
+        return None
+    return RelayError.of(job.failure)
+
+
+def is_batch_error(e: BaseException) -> bool:
+    """grpc.aio's internal ExecuteBatchError: an operation on a call that already ended (client gone)."""
+    return type(e).__name__ == "ExecuteBatchError"
+
+
 class Relay:
     def __init__(
         self,
@@ -376,8 +389,8 @@ class Relay:
             raise self._worker_error(job, d, "decode", e) from None
         except asyncio.CancelledError as e:
             # A cancel of the worker call by ``Job.fail`` (not of this task) carries the job's failure.
-            if job.failure is not None and not _cancelling() and not isinstance(e, ClientGone):
-                raise RelayError.of(job.failure) from None
+            if (failed := worker_failure(job, e)) is not None:
+                raise failed from None
             raise
         finally:
             reader.cancel()  # (it puts nothing more: a put it waits in is cancelled with it)

@@ -39,7 +39,15 @@ from pdserve.router.policy import (
     choose_route,
 )
 from pdserve.router.registry import Registry, State, Worker
-from pdserve.router.relay import ClientGone, Relay, RelayError, WorkerChannels, Write
+from pdserve.router.relay import (
+    ClientGone,
+    Relay,
+    RelayError,
+    WorkerChannels,
+    Write,
+    is_batch_error,
+    worker_failure,
+)
 from pdserve.router.validate import InvalidRequest, ModelLimits, Prepared, RouterTokenizer, prepare
 from pdserve.worker.role import Role
 
@@ -348,11 +356,6 @@ def _input_chars(request) -> int:
     return 0
 
 
-def _cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 async def generate(router: Router, request, write: Write, time_remaining: float | None) -> None:
     """Run one ``GenerateRequest`` to its end: the request path every front shares.
 
@@ -384,8 +387,8 @@ async def generate(router: Router, request, write: Write, time_remaining: float 
         await relay.run(job, prep, write, timeout, deadline_unix)
     except asyncio.CancelledError as e:
         # The sweep failed the job by cancelling its worker calls: report why, not a cancel.
-        if job.failure is not None and not _cancelling() and not isinstance(e, ClientGone):
-            raise RelayError.of(job.failure) from None
+        if (failed := worker_failure(job, e)) is not None:
+            raise failed from None
         raise
     finally:
         await router.finish(job)
@@ -445,7 +448,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 # A client that cancels (or whose deadline passes) while a write waits on flow control:
                 # grpc.aio raises its internal ExecuteBatchError, not a cancel, often before the context
                 # knows the call ended. The client went away: an abort, not a server error.
-                if context.cancelled() or context.done() or type(e).__name__ == "ExecuteBatchError":
+                if context.cancelled() or context.done() or is_batch_error(e):
                     raise ClientGone from e
                 raise
 
@@ -457,6 +460,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             except Exception as exc:
                 # The call ended on its own meanwhile (its deadline, a cancel): the status cannot be sent
                 # and nobody waits for it (grpc.aio logged this as an ERROR traceback).
-                if type(exc).__name__ == "ExecuteBatchError":
+                if is_batch_error(exc):
                     return
                 raise
