@@ -23,13 +23,29 @@ export PDSERVE_TEST_THREADS=4
 
 run_stage() {  # name, limit seconds, command...
   local name=$1 limit=$2 left
+  STAGE_RC=skipped
   shift 2
   left=$((DEADLINE_S - ($(date +%s) - START) - 5))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 10 ]; then echo "== $name: skipped, no time left"; return; fi
   echo "== $name (limit ${limit}s) at +$(($(date +%s) - START))s"
   timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "== $name rc=$? at +$(($(date +%s) - START))s"
+  STAGE_RC=$?
+  echo "== $name rc=$STAGE_RC at +$(($(date +%s) - START))s"
+}
+
+# The batch-1 gemvs with the RMSNorms and residual adds fused in (``triton_kernels.FUSE_NORMS``) are the
+# newest kernel: where the GPU tests show them failing, the stages after run with them off
+# (PDSERVE_GEMV_FUSE_NORMS=0, the configuration measured in session 20) and say so.
+fused_norms_failed() {  # log
+  grep -E "^(FAILED|ERROR) .*(batch_one|gemv|fused)" "$1" >/dev/null 2>&1 ||
+    grep -E "_gemv_kernel|CompilationError" "$1" >/dev/null 2>&1
+}
+fuse_off() {  # why
+  if [ "${PDSERVE_GEMV_FUSE_NORMS:-1}" != 0 ]; then
+    export PDSERVE_GEMV_FUSE_NORMS=0
+    echo "== fused-norm gemvs OFF from here on: $1"
+  fi
 }
 
 for stage in "${STAGES[@]}"; do
@@ -47,12 +63,20 @@ for stage in "${STAGES[@]}"; do
       tests/test_triton_kernels.py tests/test_cuda_backend.py tests/test_sampler.py tests/test_kv_transfer_cuda.py \
       "tests/test_model_parity.py" -k "triton or gpu or cuda"
     tail -n 60 "$OUT/tests.log"
+    fused_norms_failed "$OUT/tests.log" && fuse_off "a batch-1 / gemv GPU test failed"
     ;;
   engine)
     # The rows (batch 1, 32, 256; 1,024-token prefill) with both transformers baselines.
     run_stage engine 300 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
       --batches 1,32,256 --reps 2 --out "$OUT/engine_cuda.json"
     tail -n 40 "$OUT/engine.log"
+    if [ "$STAGE_RC" != 0 ] && [ "${PDSERVE_GEMV_FUSE_NORMS:-1}" != 0 ] && fused_norms_failed "$OUT/engine.log"; then
+      fuse_off "the engine benchmark failed in a gemv"
+      mv "$OUT/engine.log" "$OUT/engine_fused_failed.log"
+      run_stage engine 300 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
+        --batches 1,32,256 --reps 2 --out "$OUT/engine_cuda.json"
+      tail -n 40 "$OUT/engine.log"
+    fi
     ;;
   engine-full)
     run_stage engine-full 420 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
@@ -94,3 +118,8 @@ for stage in "${STAGES[@]}"; do
   esac
 done
 echo "== done at +$(($(date +%s) - START))s"
+# The device tool brings back at most 8 files: everything in one archive (GPU_CHECKS_PACK=0 leaves them).
+if [ "${GPU_CHECKS_PACK:-1}" != 0 ]; then
+  (cd "$OUT" && tar czf /tmp/gpu_checks.tgz --exclude gpu_checks.tgz . && rm -rf ./* && mv /tmp/gpu_checks.tgz .)
+  ls -la "$OUT"
+fi
