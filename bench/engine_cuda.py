@@ -113,6 +113,14 @@ def step_bytes(config: Any, dtype: torch.dtype) -> tuple[int, int]:
 # ---- timing --------------------------------------------------------------------------------------------
 
 
+def _kernel_choices() -> dict[str, Any]:
+    """The CUDA backend's switches read from the environment (``triton_kernels``): a row is comparable
+    only with rows of the same choices."""
+    from pdserve.engine import triton_kernels as tk
+
+    return {"gemv_max_rows": tk.GEMV_MAX_ROWS, "fuse_norms": tk.FUSE_NORMS}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -285,6 +293,7 @@ def _run(cfg: GpuBenchConfig, model_dir: Path) -> dict[str, Any]:
         "graph_capture_s": getattr(runner, "graph_capture_s", None),
         "backend": str(getattr(runner, "backend", None)),
         "num_blocks": runner.num_blocks,
+        "kernel_choices": _kernel_choices(),
     }
     compiled = cfg.compiled == "on" or (cfg.compiled == "auto" and device.type == "cuda")
     hf = static = None

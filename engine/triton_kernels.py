@@ -235,11 +235,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # the 49k-row lm_head 23.7 against 16.0 (cuBLAS fills the GPU there). At four rows cuBLAS was as fast or
 # faster on every product. A decode step at batch 1: 0.959 ms against 1.012 ms.
 GEMV_MAX_ROWS = int(os.environ.get("PDSERVE_GEMV_MAX_ROWS", "1"))
-# Where the products around a norm run as ``gemv``: the norm goes into the product after it (``norm``)
-# and the residual add into the product before it (``add_to``), two launches less a layer: 60 of a
-# SmolLM2 step's ~270 at batch 1, where a step is launches, not bytes (each ~1.6 us inside a graph on
-# the H200). PDSERVE_GEMV_FUSE_NORMS=0 keeps the separate add_rms_norm kernel (bench.gpu_micro's A/B).
-FUSE_NORMS = os.environ.get("PDSERVE_GEMV_FUSE_NORMS", "1") != "0"
+# Where the products around a norm run as ``gemv``, PDSERVE_GEMV_FUSE_NORMS=1 puts the norm into the
+# product after it (``norm``) and the residual add into the product before it (``add_to``): two launches
+# less a layer, 60 of a SmolLM2 step's ~270 at batch 1. Off by default: measured on an H100 inside CUDA
+# graphs (bench/results/gpu_h100/micro.json, one run, back to back), a batch-1 step took 0.985 ms fused
+# against 0.947 ms with the separate add_rms_norm kernel (every gemv program normalises its input rows
+# itself, and the adds serialise on the residual stream), and LLM.generate at batch 1 read 996 tok/s
+# fused against 1,055 apart (engine_cuda_fused_norms.json, engine_cuda.json).
+FUSE_NORMS = os.environ.get("PDSERVE_GEMV_FUSE_NORMS", "0") == "1"
 
 
 def gemv_wins(rows: int, n_out: int, num_sms: int) -> bool:

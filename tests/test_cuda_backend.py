@@ -200,11 +200,16 @@ def test_gpu_float32_greedy_matches_transformers_for_64_steps(kind, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate-norms", "fused-norms"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_gpu_float32_greedy_at_batch_one_matches_transformers_for_64_steps(kind, tmp_path):
-    """One request at a time: decode's batch-1 graph, whose products run as ``gemv`` with the norms and
-    residual adds fused in (where they win: ``triton_kernels.gemv_wins``)."""
+def test_gpu_float32_greedy_at_batch_one_matches_transformers_for_64_steps(kind, fuse, tmp_path, monkeypatch):
+    """One request at a time: decode's batch-1 graph, whose products run as ``gemv`` (where they win:
+    ``triton_kernels.gemv_wins``), the norms and residual adds fused into them or not
+    (``triton_kernels.FUSE_NORMS``, read when the graphs are captured)."""
+    from pdserve.engine import triton_kernels as tk
     from tests.tiny_models import make_tiny_model
+
+    monkeypatch.setattr(tk, "FUSE_NORMS", fuse)
 
     d = make_tiny_model(kind, tmp_path / kind)
     llm = LLM(d, dtype="float32", device="cuda", num_blocks=256, max_num_seqs=8)
