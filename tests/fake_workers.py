@@ -11,6 +11,11 @@ Each request generates ``tokens`` (output index 0..n-1) then finishes with
 ``finish``. Remote mode: Generate answers with a ticket, waits until the fake
 prefill worker "transferred" the KV (``Transfers``), then streams from index 0,
 so the router must skip token 0 that the prefill worker already returned.
+
+``tokens`` is the request's undisturbed output, as seeded sampling makes it: a request moved here from
+another worker (``output_offset`` k: its prompt carries the k tokens already sent) continues at output
+index k with ``tokens[k:]``, as the engine does, and never re-sends what the client already has.
+``fail_at`` n: every stream breaks (UNAVAILABLE) after sending n tokens, as under a dying worker.
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         kv_layout: str = "",
         tokenizer_digest: str = "",
         host: str = "127.0.0.1",
+        fail_at: int | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.host = host
@@ -134,6 +140,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
         self.refuse_room = 0  # Generate calls still to refuse for room (as a full decode worker)
         self.fail_steps = 0  # Generate calls still to fail as a failed engine step (the worker lives on)
+        self.fail_at = fail_at  # each Generate stream breaks after this many tokens (a dying worker)
         self.attached: list[tuple[str, bytes]] = []  # AttachTicket calls: (request id, ticket or b"")
         self.tickets: dict[str, bytes] = {}  # attached before their prefill was done
         self.prefilled: set[str] = set()  # request ids whose (fake) prefill is done
@@ -181,7 +188,17 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     "engine step failed: RuntimeError('device lost')",
                     trailing_metadata=((RETRY_ELSEWHERE_KEY, "step_failed"),),
                 )
-            if request.mode == worker_pb2.PREFILL_MODE_REMOTE:
+            offset = request.output_offset
+            remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
+            if remote and offset:  # as the decode servicer: a moved stream's worker prefills it itself
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "output_offset needs local prefill mode"
+                )
+            if offset > len(self.tokens):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"output_offset {offset} is past the output"
+                )
+            if remote:
                 ticket = f"ticket:{rid}".encode()
                 yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket)
                 if self.transfers is not None:  # a fake in its own process has no transfer to wait for
@@ -193,7 +210,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             last = len(self.tokens) - 1
             hold_at = 1 if rid.startswith("hold-") else self.hold_at
             step_start = time.perf_counter()
-            for i, t in enumerate(self.tokens):
+            if offset and offset == len(self.tokens):  # every token was sent but the finish
+                yield worker_pb2.WorkerGenerateResponse(first_index=offset, finish_reason=self.finish)
+            for i in range(offset, len(self.tokens)):
+                t = self.tokens[i]
+                if self.fail_at is not None and i - offset >= self.fail_at:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is dying")
                 if hold_at is not None and i >= hold_at:
                     self._note()
                     await self.release.wait()

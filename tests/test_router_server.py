@@ -489,6 +489,49 @@ def test_a_failed_engine_step_moves_its_request_and_leaves_the_worker_serving(mo
     run(main())
 
 
+@pytest.mark.parametrize("route", ["colocated", "remote"])
+def test_a_request_whose_decode_worker_dies_mid_stream_continues_elsewhere_after_the_tokens_sent(
+    model_dir, route
+):
+    """The first decode worker's stream breaks after 2 tokens (a dying worker): the router moves the
+    request to another one with the prompt plus the 2 tokens sent as input, output_offset 2 and max_tokens
+    / min_tokens lowered by 2 (locally prefilled, even on the remote route). The new worker continues at
+    output index 2, as the engine does, and the client gets every token exactly once, in order."""
+
+    async def main():
+        out = ids("hello world the cat sat")
+        transfers = Transfers()
+        role = Role.BOTH if route == "colocated" else Role.DECODE
+        bad = FakeWorker("d1", role, out, transfers=transfers, fail_at=2)  # ties go to the lower id
+        good = FakeWorker("d2", role, out, transfers=transfers)
+        workers = [bad, good]
+        if route == "remote":
+            workers.append(FakeWorker("p1", Role.PREFILL, out, transfers=transfers))
+        async with cluster(model_dir, workers, local_prefill_threshold=2) as (server, stub):
+            call = stub.Generate(request("the cat sat", max_tokens=5, min_tokens=4))
+            tokens, text, msgs = await collect(call)
+            assert tokens == out and text == " hello world the cat sat"
+            assert msgs[-1].finish_reason == "length" and msgs[-1].usage.completion_tokens == 5
+            (first,) = bad.requests
+            (moved,) = good.requests
+            want_mode = worker_pb2.PREFILL_MODE_LOCAL
+            if route == "remote":
+                want_mode = worker_pb2.PREFILL_MODE_REMOTE
+            assert first.mode == want_mode and first.output_offset == 0
+            assert (first.sampling.max_tokens, first.sampling.min_tokens) == (5, 4)
+            assert list(first.prompt_token_ids) == ids("the cat sat")
+            # The move: prompt + the tokens sent, their count as the offset, what is left of the limits.
+            assert moved.mode == worker_pb2.PREFILL_MODE_LOCAL and moved.output_offset == 2
+            assert list(moved.prompt_token_ids) == ids("the cat sat") + out[:2]
+            assert (moved.sampling.max_tokens, moved.sampling.min_tokens) == (3, 2)
+            assert moved.request_id == first.request_id
+            reg = server.router.metrics.registry
+            labels = {"role": "router", "reason": "decode_failed"}
+            assert reg.get_sample_value("pdserve_router_migrations_total", labels) == 1
+
+    run(main())
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:
