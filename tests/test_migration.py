@@ -7,6 +7,8 @@ exactly the tokens an undisturbed run gives (seeded noise depends on (seed, outp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -27,11 +29,17 @@ def _run(engine: LLMEngine, rid, prompt, params, offset=0):
     return toks, counts
 
 
+def _first_new_token(tokens: list[int], k: int) -> tuple[int, int]:
+    """(index, token): the first token of ``tokens`` at index >= k that none before it is."""
+    return next((i, t) for i, t in enumerate(tokens) if i >= k and t not in tokens[:i])
+
+
 @pytest.mark.parametrize(
     "params",
     [
         SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True),
         SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=N, ignore_eos=True),
+        # Its stop token is set below: one the unconstrained run samples, which min_tokens must suppress.
         SamplingParams(temperature=1.0, seed=7, max_tokens=N, min_tokens=N, ignore_eos=False),
     ],
     ids=["greedy", "seeded", "seeded-min-tokens"],
@@ -39,16 +47,20 @@ def _run(engine: LLMEngine, rid, prompt, params, offset=0):
 @pytest.mark.parametrize("k", [1, 5, N - 1])
 def test_continuing_from_an_offset_gives_the_undisturbed_tokens(tiny_llama_dir, params, k):
     eng = LLMEngine(tiny_llama_dir, None, EngineConfig(dtype="float32", num_blocks=64))
+    if params.min_tokens:
+        # The seeded run without constraints samples ``stop`` at output index i (i >= k, its first time):
+        # the constrained run has the same prefix up to i, so min_tokens must suppress it there, both on
+        # the first worker and on the one continuing from k (the continuation's lowered min_tokens).
+        free, _ = _run(eng, "free", PROMPT, dataclasses.replace(params, min_tokens=0, ignore_eos=True))
+        i, stop = _first_new_token(free, k)
+        assert i < N and stop not in eng.eos_token_ids, free
+        params = dataclasses.replace(params, stop_token_ids=(stop,))
+        unconstrained, _ = _run(eng, "u", PROMPT, dataclasses.replace(params, min_tokens=0))
+        assert unconstrained == free[: i + 1]  # without min_tokens the stop token ends it at i
     want, counts = _run(eng, "a", PROMPT, params)
     assert len(want) == N and counts == list(range(1, N + 1))
-    rest = SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        seed=params.seed,
-        max_tokens=N - k,
-        min_tokens=max(0, params.min_tokens - k),
-        ignore_eos=params.ignore_eos,
-    )
+    assert not set(params.stop_token_ids) & set(want)
+    rest = dataclasses.replace(params, max_tokens=N - k, min_tokens=max(0, params.min_tokens - k))
     got, counts = _run(eng, "b", PROMPT + want[:k], rest, offset=k)
     assert got == want[k:]
     assert counts == list(range(k + 1, N + 1))  # counts continue: the stream's output indices
