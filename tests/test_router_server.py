@@ -930,8 +930,9 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
 def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir):
     """Kubernetes' readiness probe asks ``pdserve.worker.registered``: NOT_SERVING while the worker has
     loaded but the router does not know it (here: not up yet), SERVING once registered, NOT_SERVING again
-    when it drains. (The overall status was SERVING from the model load on: a pod was Ready, and a rollout
-    went on, while its worker could not join.)"""
+    when it drains, at once, while a held stream keeps the server up. (The overall status was SERVING from
+    the model load on: a pod was Ready, and a rollout went on, while its worker could not join.) A probe
+    that gets no answer is no NOT_SERVING here: a server gone must not pass for one draining."""
     from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
     from pdserve.worker.shell import REGISTERED_SERVICE, ShellConfig, WorkerShell
 
@@ -939,7 +940,7 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        w = FakeWorker("b1", Role.BOTH, ids("hello"))
+        w = FakeWorker("b1", Role.BOTH, ids("hello world"))  # a "hold-" request holds after "hello"
         shell = WorkerShell(ShellConfig(host="127.0.0.1", drain_timeout_s=10.0, stop_grace_s=0.1))
         address = await shell.start(lambda srv: worker_pb2_grpc.add_WorkerServicer_to_server(w, srv))
         await shell.set_serving()
@@ -954,11 +955,8 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
         channel = grpc.aio.insecure_channel(address)
         health = health_pb2_grpc.HealthStub(channel)
 
-        async def status(service: str) -> int:
-            try:
-                return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
-            except grpc.aio.AioRpcError:  # the drained server has stopped: no probe passes
-                return health_pb2.HealthCheckResponse.NOT_SERVING
+        async def status(service: str) -> int:  # (an RPC error raises: the server must answer)
+            return (await health.Check(health_pb2.HealthCheckRequest(service=service))).status
 
         async def eventually(service: str, want: int) -> None:
             for _ in range(200):
@@ -983,9 +981,22 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
             await server.start()
             await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.SERVING)
             assert server.router.registry.get("b1") is not None
+            # A stream held in flight keeps the draining server up: what it answers is the drain's.
+            held = worker_pb2_grpc.WorkerStub(channel).Generate(
+                worker_pb2.WorkerGenerateRequest(request_id="hold-1", mode=worker_pb2.PREFILL_MODE_LOCAL)
+            )
+            assert list((await held.read()).token_ids) == ids("hello")
             shell.begin_drain()
-            await eventually(REGISTERED_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert await status(REGISTERED_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert shell.state.value == "draining" and shell.inflight == 1
+            w.release.set()
+            last = await held.read()  # the held stream finishes
+            assert list(last.token_ids) == ids("world") and last.finish_reason == "length"
+            assert await held.read() is grpc.aio.EOF
             await asyncio.wait_for(joined, 20)
+            with pytest.raises(grpc.aio.AioRpcError):  # the drained server has stopped: no answer
+                await status(REGISTERED_SERVICE)
         finally:
             joined.cancel()
             await channel.close()
