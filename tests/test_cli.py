@@ -17,6 +17,7 @@ from pdserve.deploy.local import cluster
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.worker.auth import token_metadata
 from pdserve.worker.role import Role
+from tests.cluster_harness import stop_cluster
 from tests.fake_workers import make_model_dir
 
 
@@ -192,9 +193,10 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         "--state-dir",
         str(state_dir),
     ]
-    assert cli.main(up) == 0
-    state = cluster.load_state(state_dir)
     try:
+        assert cli.main(up) == 0
+        state = cluster.load_state(state_dir)
+        assert state is not None
         address = f"127.0.0.1:{port}"
         assert capsys.readouterr().out.strip() == address and state.router_address == address
         assert cli.main(up) == 1  # one cluster per state dir
@@ -284,16 +286,18 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         assert "DEVICE" in table and "cuda:0" in d1_row and "bfloat16 " in d1_row
         [p1_row] = [line for line in table.splitlines() if line.startswith("p1 ")]
         assert "float32/int8" in p1_row
-    finally:
         assert cli.main(["down", "--state-dir", str(state_dir)]) == 0
-    assert cluster.wait_exit([state.router], 10) == []
-    assert cluster.load_state(state_dir) is None
-    assert (state_dir / "logs" / "router.log").is_file()  # logs stay for a post-mortem
+        assert cluster.wait_exit([state.router], 10) == []
+        assert cluster.load_state(state_dir) is None
+        assert (state_dir / "logs" / "router.log").is_file()  # logs stay for a post-mortem
+    finally:
+        stop_cluster(state_dir)
 
 
 def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_path, capsys):
     model = make_model_dir(tmp_path / "model")
-    base = ["--state-dir", str(tmp_path / "state")]
+    state_dir = tmp_path / "state"
+    base = ["--state-dir", str(state_dir)]
     up = [
         "up",
         "--prefill",
@@ -312,16 +316,15 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         "60",
         *base,
     ]
-    assert cli.main(up) == 0
-    address = capsys.readouterr().out.strip()
 
     def workers() -> dict[str, str]:
         assert cli.main(["status", "--json", *base]) == 0
         return {w["id"]: w["state"] for w in json.loads(capsys.readouterr().out)["workers"]}
 
     try:
+        assert cli.main(up) == 0
+        address = capsys.readouterr().out.strip()
         # A warm-pool worker an autoscaler left behind is promoted, not counted as serving.
-        state_dir = tmp_path / "state"
         state = cluster.spawn_workers(state_dir, cluster.load_state(state_dir), Role.DECODE, 1, standby=True)
         cluster.save_state(state_dir, state)
         cluster.wait_ready(state, {"decode-2"}, 60, lambda _msg: None)
@@ -371,8 +374,9 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         assert "both-4 still starting: joins the cluster once ready" in capsys.readouterr().err
         cluster.wait_ready(cluster.load_state(state_dir), {"both-4"}, 60)
         assert workers() == {"both-3": "ready", "both-4": "ready"}
-    finally:
         assert cli.main(["down", *base]) == 0
+    finally:
+        stop_cluster(state_dir)
 
 
 def test_the_death_of_the_last_decode_worker_promotes_a_standby_and_scale_counts_it(tmp_path, capsys):
@@ -389,14 +393,14 @@ def test_the_death_of_the_last_decode_worker_promotes_a_standby_and_scale_counts
         "up", "--prefill", "0", "--decode", "1", "--model", str(model), "--port", str(free_port()),
         "--heartbeat-interval", "0.1", "--worker-module", "tests.fake_workers", "--timeout", "60", *base,
     ]  # fmt: skip
-    assert cli.main(up) == 0
-    capsys.readouterr()
 
     def workers() -> dict[str, str]:
         assert cli.main(["status", "--json", *base]) == 0
         return {w["id"]: w["state"] for w in json.loads(capsys.readouterr().out)["workers"]}
 
     try:
+        assert cli.main(up) == 0
+        capsys.readouterr()
         state = cluster.spawn_workers(state_dir, cluster.load_state(state_dir), Role.DECODE, 1, standby=True)
         cluster.save_state(state_dir, state)
         cluster.wait_ready(state, {"decode-2"}, 60, lambda _msg: None)
@@ -413,8 +417,9 @@ def test_the_death_of_the_last_decode_worker_promotes_a_standby_and_scale_counts
         assert "decode-2 serves: the router promoted it" in capsys.readouterr().err
         [w] = cluster.load_state(state_dir).workers
         assert (w.id, w.standby) == ("decode-2", False)  # nothing started beside it
-    finally:
         assert cli.main(["down", *base]) == 0
+    finally:
+        stop_cluster(state_dir)
 
 
 def test_router_start_errors_name_what_failed_not_the_model(capsys):
