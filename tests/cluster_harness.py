@@ -2,8 +2,9 @@
 
 Every cluster a test starts is stopped by the context manager, even when the
 test fails (``pdserve down``, then SIGKILL of anything the state file still
-lists). ``assert_no_leaks`` is the leak check every such test ends with: every
-worker reports zero KV blocks used (checked over a few heartbeats, bounded).
+lists). ``assert_no_leaks`` is the leak check every such test ends with: the router has no request
+running or waiting, and every worker reports zero KV blocks used and nothing running, each expected
+worker among them (checked over a few heartbeats, bounded).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,16 +102,45 @@ class Cluster:
                 raise AssertionError(f"KV blocks still used after {timeout_s}s: {used}")
             time.sleep(0.05)
 
-    def assert_no_leaks(self, timeout_s: float = 5.0) -> None:
-        """Every worker reports 0 KV blocks used (heartbeats lag, so poll, bounded)."""
+    def live_workers(self) -> list[str]:
+        """The ids of the workers the state file lists whose processes still run."""
+        state = cluster.load_state(self.state_dir)
+        assert state is not None, f"no cluster state in {self.state_dir}"
+        return [w.id for w in state.workers if cluster.alive(w)]
+
+    def assert_no_leaks(self, timeout_s: float = 5.0, workers: Collection[str] | None = None) -> None:
+        """Nothing left in flight anywhere (heartbeats lag, so poll, bounded): the router runs and queues
+        no request, every worker it lists runs nothing and holds 0 KV blocks, and every expected worker is
+        among them. Expected: ``workers`` when given (each must also still run), else every worker the
+        state file lists as running; an empty list fails (a check of no worker checks nothing)."""
+        if workers is None:
+            expected = self.live_workers()
+        else:
+            expected = list(workers)
+            live = set(self.live_workers())
+            dead = [w for w in expected if w not in live]
+            assert not dead, f"expected workers not running (per {self.state_dir}): {dead}"
+        assert expected, f"no live worker to check for leaks in {self.state_dir}"
         deadline = time.monotonic() + timeout_s
         while True:
-            ws = self.workers()
+            doc = self.status()
+            ws, router = doc["workers"], doc["router"]
             used = {w["id"]: w["kv_blocks_used"] for w in ws}
-            if all(v == 0 for v in used.values()) and all(w["running"] == 0 for w in ws):
+            running = {w["id"]: w["running"] for w in ws}
+            missing = sorted(set(expected) - set(used))
+            in_router = {k: router[k] for k in ("requests_running", "requests_waiting")}
+            if (
+                not missing
+                and all(v == 0 for v in used.values())
+                and all(v == 0 for v in running.values())
+                and all(v == 0 for v in in_router.values())
+            ):
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(f"KV blocks still used after {timeout_s}s: {used}")
+                raise AssertionError(
+                    f"leaks after {timeout_s}s: KV blocks used {used}, running {running}, "
+                    f"router {in_router}, expected workers missing from the router {missing}"
+                )
             time.sleep(0.25)
 
 
@@ -152,9 +182,15 @@ def running_cluster(
 
 
 def stop_cluster(state_dir: Path) -> None:
-    with contextlib.suppress(Exception):
-        pdserve("down", "--state-dir", str(state_dir), "--timeout", "20", timeout=60, check=False)
-    cluster.stop_survivors(state_dir, term_timeout_s=0.5)
+    """``pdserve down``, then a stop (SIGTERM, SIGKILL) of anything the state file still lists, then of
+    any process still carrying this state dir's mark (an ``up`` that failed or was cut before it wrote
+    them down). Without a state file or a marked process there is nothing to stop: no ``down`` runs."""
+    if cluster.state_path(state_dir).exists() or cluster.marked_processes(state_dir):
+        with contextlib.suppress(Exception):
+            pdserve("down", "--state-dir", str(state_dir), "--timeout", "20", timeout=60, check=False)
+    with contextlib.suppress(cluster.ClusterError):  # (a broken state file: the mark finds them below)
+        cluster.stop_survivors(state_dir, term_timeout_s=0.5)
+    cluster.stop_processes(cluster.marked_processes(state_dir), term_timeout_s=0.5)
 
 
 def generate(
