@@ -386,7 +386,8 @@ def format_summary(doc: dict[str, Any]) -> str:
         if "skipped" in k:  # a pool with one worker left is not emptied by the soak
             lines.append(f"  kill at {k['t_s']:.0f} s skipped: {k['role']} pool has {k['skipped']}")
             continue
-        who = f"{k.get('worker', '-')} -> {k.get('replacement')}"
+        busy = f" ({k['in_flight_at_kill']} in flight)" if "in_flight_at_kill" in k else ""
+        who = f"{k.get('worker', '-')}{busy} -> {k.get('replacement')}"
         lines.append(f"  kill at {k['t_s']:.0f} s: {who} {k.get('error', '')}")
     lines.append(f"worker crashes (died without being killed): {len(doc['crashes'])}")
     for c in doc["crashes"]:

@@ -67,6 +67,8 @@ def soak_cluster(state_dir: Path | None, new_dir: Path, shape: Shape, spec: Clus
 
 # ---- kills --------------------------------------------------------------------------------------------
 
+KILL_BUSY_WAIT_S = 10.0  # how long a kill waits for a worker of its pool to have a request in flight
+
 
 class DeathWatch:
     """Workers that died without the soak killing them (crashes): one event each, with its log's tail.
@@ -125,11 +127,46 @@ def restore_shape(target: Target, clock: Callable[[], float]) -> dict[str, Any]:
     return event
 
 
+def in_flight(target: Target, ids: set[str]) -> dict[str, int]:
+    """Requests running or queued on each of the workers ``ids``, asked of each worker itself (GetLoad:
+    no heartbeat lag). A worker the router does not list, or one that cannot answer, is left out."""
+    from pdserve.deploy.local import cluster
+    from pdserve.proto import worker_pb2, worker_pb2_grpc
+    from pdserve.worker.auth import token_metadata
+    from pdserve.worker.tls import channel
+
+    try:
+        status = cluster.cluster_status(target.router, token=target.token, tls=target.tls)
+    except Exception:  # noqa: BLE001 - the router's list only says where the workers listen
+        return {}
+    out: dict[str, int] = {}
+    for e in status.workers:
+        if e.info.worker_id not in ids:
+            continue
+        try:
+            with channel(e.info.address, target.tls) as ch:
+                load = worker_pb2_grpc.WorkerStub(ch).GetLoad(
+                    worker_pb2.Empty(), timeout=2, metadata=token_metadata(target.token)
+                )
+        except Exception:  # noqa: BLE001 - a worker that cannot answer is not picked for its load
+            continue
+        out[e.info.worker_id] = load.running + load.queued
+    return out
+
+
 def kill_and_replace(
-    target: Target, role: str, watch: DeathWatch, clock: Callable[[], float]
+    target: Target,
+    role: str,
+    watch: DeathWatch,
+    clock: Callable[[], float],
+    busy_wait_s: float = KILL_BUSY_WAIT_S,
 ) -> dict[str, Any]:
     """SIGKILL the busiest live worker of ``role``, then bring every pool back to its shape. A pool down to
-    one live worker (a crash not yet replaced) is only restored: a healthy worker of each role stays."""
+    one live worker (a crash not yet replaced) is only restored: a healthy worker of each role stays.
+
+    The kill waits (up to ``busy_wait_s``) for a worker with a request in flight, so that it tests the
+    migration of work under load rather than the loss of an idle worker; ``in_flight_at_kill`` in the
+    event is what that worker itself reported just before the signal (0: none was busy in time)."""
     from pdserve.deploy.local import cluster
 
     state = cluster.load_state(target.state_dir)
@@ -139,16 +176,18 @@ def kill_and_replace(
     if len(live) < 2:
         return {"t_s": round(clock(), 2), "role": role, "skipped": f"{len(live)} live {role} worker(s)",
                 **restore_shape(target, clock)}  # fmt: skip
-    try:
-        status = cluster.cluster_status(target.router, token=target.token, tls=target.tls)
-        busy = {e.info.worker_id: e.load.running + e.load.queued for e in status.workers}
-    except Exception:  # the router's view only picks the victim; any worker will do
-        busy = {}
-    victim = max(live, key=lambda w: busy.get(w.id, 0))
+    t0 = time.monotonic()
+    while True:
+        busy = in_flight(target, {w.id for w in live})
+        victim = max(live, key=lambda w: busy.get(w.id, 0))
+        if busy.get(victim.id, 0) > 0 or time.monotonic() - t0 >= busy_wait_s:
+            break
+        time.sleep(0.05)
     watch.killed.add(victim.id)  # before the signal: its death is not a crash
     os.kill(victim.pid, signal.SIGKILL)
     event: dict[str, Any] = {"t_s": round(clock(), 2), "role": role, "worker": victim.id, "pid": victim.pid}
-    event["in_flight_at_kill"] = busy.get(victim.id)
+    event["in_flight_at_kill"] = busy.get(victim.id, 0)
+    event["waited_for_load_s"] = round(time.monotonic() - t0, 2)
     cluster.wait_exit([victim], 10.0)  # `scale` counts live workers: the victim must be gone first
     return {**event, **restore_shape(target, clock)}
 

@@ -2,8 +2,9 @@
 
 The short run attaches the soak to a 1P+2D cluster the harness started (so the harness stops every
 process, whatever happens to the soak), gives it 30 s of mixed traffic with one SIGKILL of a
-decode worker and its replacement by `pdserve scale`, and checks: nothing lost, nothing leaked, no
-wrong tokens, the JSON, the plot and the per-request records written; then the harness's own leak check.
+decode worker with requests in flight and its replacement by `pdserve scale`, and checks: the killed
+worker's requests migrated, nothing lost, nothing leaked, no wrong tokens, the JSON, the plot and the
+per-request records written; then the harness's own leak check.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import pytest
 from pdserve.bench.soak_load import Consistency, Front, Outcome, SoakRecord, WorkloadMix, make_pool, make_spec
 from pdserve.bench.soak_rss import RssSeries
 from tests.cluster_harness import ROOT, running_cluster
+
+# The router's migration reasons that mean a worker or its call failed (router/metrics.py); not
+# "decode_full", a request routed again for lack of room.
+FAILURE_MIGRATIONS = {"decode_failed", "prefill_failed", "transfer_aborted", "heartbeat_lost", "step_failed"}
 
 
 def test_flatness_is_judged_after_each_process_own_warmup():
@@ -96,6 +101,11 @@ def test_short_soak_loses_and_leaks_nothing(tmp_path):
         assert doc["kv_blocks_leaked"] == 0 and doc["leak_check"]["clean"], doc["leak_check"]
         assert [k["role"] for k in doc["kills"]] == ["decode"], doc["kills"]
         assert "error" not in doc["kills"][0] and len(doc["kills"][0]["replacement"]) == 1, doc["kills"]
+        # The kill hit a worker with work on it (it waits for one), and that work moved: a kill of an
+        # idle worker tests no migration.
+        assert doc["kills"][0]["in_flight_at_kill"] >= 1, doc["kills"]
+        failed = {k: v for k, v in doc["migrations"].items() if k in FAILURE_MIGRATIONS}
+        assert sum(failed.values()) >= 1, doc["migrations"]
         names = {p["name"] for p in doc["rss"]["processes"]}
         assert {"router", "soak-client", doc["kills"][0]["worker"], *doc["kills"][0]["replacement"]} <= names
         assert (out / "soak_rss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
