@@ -41,7 +41,7 @@ HOSTS = ("router", "prefill", "decode_a", "decode_b")
 ROUTER_PORT = 50051
 MAX_TOKENS = 48
 # The run whose link is cut streams longer, so that the cut lands mid-stream however fast the machine
-# is; greedy, so its first MAX_TOKENS tokens are the undisturbed run's.
+# is; greedy, so all its tokens are the undisturbed run's (which streams as many).
 CUT_RUN_TOKENS = 128
 
 
@@ -178,14 +178,14 @@ def _start(net: Net, state_dir: Path) -> cluster.ClusterState:
     return state
 
 
-def _request(i: int, n: int) -> generation_pb2.GenerateRequest:
+def _request(i: int, n: int, max_tokens: int = MAX_TOKENS) -> generation_pb2.GenerateRequest:
     r = generation_pb2.GenerateRequest(
         request_id=f"ns-{i}-{time.monotonic_ns()}",
         prompt_token_ids=generation_pb2.TokenIds(
             ids=[100 + (i * 7919 + k * 104729) % 39000 for k in range(n)]
         ),
     )
-    r.sampling.max_tokens = MAX_TOKENS
+    r.sampling.max_tokens = max_tokens
     r.sampling.temperature = 0.0
     r.sampling.ignore_eos = True
     return r
@@ -212,13 +212,13 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
         by_id = {w["id"]: w for w in c.workers()}
         for name in ("prefill", "decode_a", "decode_b"):  # registered at their own hosts' addresses
             assert by_id[name]["address"].startswith(netns.hosts[name].address + ":"), by_id[name]
-        reqs = [_request(i, 64 + 24 * i) for i in range(4)]
+        reqs = [_request(i, 64 + 24 * i, CUT_RUN_TOKENS) for i in range(4)]
         with c.channel() as ch, cf.ThreadPoolExecutor(len(reqs)) as pool:
             # Undisturbed: each prefilled on one host, decoded on another.
             stub = generation_pb2_grpc.GenerationStub(ch)
             runs = {r.request_id: pool.submit(generate, stub, r, 120) for r in reqs}
             want = {rid: f.result()[0] for rid, f in runs.items()}
-        assert all(len(ids) == MAX_TOKENS for ids in want.values())
+        assert all(len(ids) == CUT_RUN_TOKENS for ids in want.values())
         moved = {n: _metric(by_id[n]["metrics_url"], "pdserve_kv_transfer_bytes_total") for n in by_id}
         assert moved["decode_a"] > 0 and moved["decode_b"] > 0, f"KV bytes received over the veths: {moved}"
         # Every UCX lane is tcp, with pdserve's 64 KB segments: one-sided puts (--kv-puts auto).
@@ -231,7 +231,6 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
             a = generation_pb2.GenerateRequest()
             a.CopyFrom(r)
             a.request_id = r.request_id + "-again"
-            a.sampling.max_tokens = CUT_RUN_TOKENS
             again.append(a)
         with c.channel() as ch:
             streams = ThreadedStreams(generation_pb2_grpc.GenerationStub(ch), again, after=4, timeout=120)
@@ -247,7 +246,7 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
         assert not streams.errors, streams.errors
         for a, r in zip(again, reqs, strict=True):
             got = streams.got[a.request_id]  # no gap, no duplicate
-            assert len(got) == CUT_RUN_TOKENS and got[:MAX_TOKENS] == want[r.request_id], a.request_id
+            assert len(got) == CUT_RUN_TOKENS and got == want[r.request_id], a.request_id
         migrations = _metric(c.status()["router"]["metrics_url"], "pdserve_router_migrations_total")
         assert migrations >= 1, "the cut-off worker's streams were migrated"
         assert resumed_s < 60, resumed_s
