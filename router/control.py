@@ -211,7 +211,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         self, request: worker_pb2.PromoteWorkerRequest, context: grpc.aio.ServicerContext
     ):
         router = self._router
-        w = router.registry.promote(request.worker_id)
+        w = router.registry.promote(request.worker_id, time.monotonic())
         if w is None:
             return worker_pb2.PromoteWorkerResponse(found=False)
         if request.worker_id in router.infos:

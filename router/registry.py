@@ -93,6 +93,10 @@ class RegistryConfig:
 
 
 _PROMOTED_EARLY = 1024  # promotions of workers not registered yet, remembered
+# How long such a promotion waits for its worker to register: a standby still loading registers within its
+# start-up (seconds to a few minutes). One that died first leaves its id behind, and a later process under
+# the id (a pod name reused) must register as the standby it was started as, not take routing unasked.
+PROMOTED_EARLY_TTL_S = 600.0
 
 
 class Registry:
@@ -104,8 +108,8 @@ class Registry:
         # drain. Any other registration of that id (a restarted process) forgets it.
         self._drains_of_dropped: dict[str, tuple[str, int, str]] = {}
         # Standby workers promoted before they registered (the autoscaler promotes one still loading):
-        # they register straight into routing.
-        self._promoted_early: OrderedDict[str, None] = OrderedDict()
+        # they register straight into routing, within PROMOTED_EARLY_TTL_S of the promotion (id -> when).
+        self._promoted_early: OrderedDict[str, float] = OrderedDict()
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
@@ -157,8 +161,8 @@ class Registry:
                 worker.standby = worker.standby and old.standby  # a promotion sticks
             if worker.drain_requested:
                 worker.state = State.DRAINING
-        if worker.worker_id in self._promoted_early:
-            del self._promoted_early[worker.worker_id]
+        promoted_at = self._promoted_early.pop(worker.worker_id, None)
+        if promoted_at is not None and now - promoted_at <= PROMOTED_EARLY_TTL_S:
             worker.standby = False
         if worker.standby and worker.state is State.READY:
             worker.state = State.STANDBY
@@ -205,13 +209,15 @@ class Registry:
         w.state = State.DRAINING
         return True
 
-    def promote(self, worker_id: str) -> Worker | None:
+    def promote(self, worker_id: str, now: float) -> Worker | None:
         """Take a standby worker into routing: READY at once when its last heartbeat said it was
         (else READY on its first heartbeat that does). None when the worker is unknown: then it is
-        taken into routing when it registers (a standby still loading)."""
+        taken into routing when it registers (a standby still loading), if within
+        ``PROMOTED_EARLY_TTL_S``."""
         w = self._workers.get(worker_id)
         if w is None:
-            self._promoted_early[worker_id] = None
+            self._promoted_early.pop(worker_id, None)  # (re-inserted last: the newest is dropped last)
+            self._promoted_early[worker_id] = now
             while len(self._promoted_early) > _PROMOTED_EARLY:
                 self._promoted_early.popitem(last=False)
             return None

@@ -275,7 +275,7 @@ class Router:
         standby = [w for w in self.registry if w.role is role and w.state is State.STANDBY]
         if not standby:
             return None
-        w = self.registry.promote(standby[0].worker_id)
+        w = self.registry.promote(standby[0].worker_id, time.monotonic())
         if w is None:
             return None
         if w.worker_id in self.infos:

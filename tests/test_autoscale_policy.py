@@ -219,7 +219,7 @@ def test_window_quantile():
 
 def test_a_standby_worker_is_registered_but_not_routed_to_until_promoted():
     from pdserve.router.policy import RoutingConfig, choose_route
-    from pdserve.router.registry import Registry, RegistryConfig, State, Worker
+    from pdserve.router.registry import PROMOTED_EARLY_TTL_S, Registry, RegistryConfig, State, Worker
     from pdserve.worker.role import Role
 
     reg = Registry(RegistryConfig())
@@ -238,7 +238,7 @@ def test_a_standby_worker_is_registered_but_not_routed_to_until_promoted():
     # Busy decode-1: no route rather than the standby one.
     reg.get("decode-1").assigned = 8
     assert choose_route(reg.ready(), 10, RoutingConfig()) is None
-    promoted = reg.promote("decode-2")
+    promoted = reg.promote("decode-2", 1.5)
     assert promoted is not None and promoted.state is State.READY
     assert choose_route(reg.ready(), 10, RoutingConfig()).decode.worker_id == "decode-2"
     # Its next heartbeat and a re-registration (a router restart) keep it promoted.
@@ -252,20 +252,29 @@ def test_a_standby_worker_is_registered_but_not_routed_to_until_promoted():
     assert reg.get("decode-2").state is State.READY
     # A standby still loading becomes READY on its first READY heartbeat once promoted.
     reg.register(worker("decode-3", standby=True), 4.0)
-    assert reg.promote("decode-3").state is State.LOADING
+    assert reg.promote("decode-3", 4.0).state is State.LOADING
     reg.heartbeat(
         "decode-3", 5.0, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
     )
     assert reg.get("decode-3").state is State.READY
-    assert reg.promote("nobody") is None
+    assert reg.promote("nobody", 5.0) is None
     # A standby promoted before it registered (the autoscaler promotes one still loading) registers into
     # routing: it was held as standby with nothing serving beside it, and the pool stayed empty.
-    assert reg.promote("decode-4") is None
+    assert reg.promote("decode-4", 5.0) is None
     reg.register(worker("decode-4", standby=True), 6.0)
     reg.heartbeat(
         "decode-4", 6.0, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
     )
     assert reg.get("decode-4").state is State.READY and not reg.get("decode-4").standby
+    # One promoted early that never registered (it died loading) is forgotten after PROMOTED_EARLY_TTL_S:
+    # a later process under its id (a pod name reused) registers as the standby it was started as.
+    assert reg.promote("decode-5", 7.0) is None
+    late = 7.0 + PROMOTED_EARLY_TTL_S + 1.0
+    reg.register(worker("decode-5", standby=True), late)
+    reg.heartbeat(
+        "decode-5", late, state=State.READY, running=0, queued=0, queued_prefill_tokens=0, kv_blocks_used=0
+    )
+    assert reg.get("decode-5").state is State.STANDBY and reg.get("decode-5").standby
 
 
 _SIGNALS = st.builds(
