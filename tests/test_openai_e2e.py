@@ -30,13 +30,22 @@ PROMPTS = ["The capital of France is", "Three primary colours are", "def fibonac
 CHAT = [{"role": "user", "content": "Name a large ocean."}]
 
 
-@pytest.fixture(scope="module", params=[{"colocated": 1}], ids=["colocated"])
-def http_cluster(request, tmp_path_factory):
-    """One cluster per topology for the module, its HTTP front on a free port."""
+@pytest.fixture(scope="module")
+def http_cluster(tmp_path_factory):
+    """One colocated worker for the module, its HTTP front on a free port."""
     extra = ("--http-port", str(free_port()))
-    with running_cluster(tmp_path_factory.mktemp("openai-e2e"), extra=extra, **request.param) as c:
+    with running_cluster(tmp_path_factory.mktemp("openai-e2e"), colocated=1, extra=extra) as c:
         c.http_url = c.status()["router"]["http_url"]
         assert c.http_url.startswith("http://127.0.0.1:")
+        yield c
+
+
+@pytest.fixture(scope="module")
+def pd_http_cluster(tmp_path_factory):
+    """1P+1D, every prompt prefilled on the prefill worker (its KV pushed to the decode worker)."""
+    extra = ("--http-port", str(free_port()), "--local-prefill-threshold", "1")
+    with running_cluster(tmp_path_factory.mktemp("openai-e2e-pd"), prefill=1, decode=1, extra=extra) as c:
+        c.http_url = c.status()["router"]["http_url"]
         yield c
 
 
@@ -108,8 +117,11 @@ def test_sdk_greedy_output_equals_grpc_generate_with_right_usage(http_cluster, t
     c.assert_no_leaks()
 
 
-def test_disconnected_http_clients_free_their_kv_blocks_on_every_worker(http_cluster):
-    c = http_cluster
+@pytest.mark.parametrize("topology", ["colocated", "1P+1D"])
+def test_disconnected_http_clients_free_their_kv_blocks_on_every_worker(topology, request):
+    """Streaming and non-streaming clients that go mid-generation free every KV block, on a colocated
+    worker and on both workers of a disaggregated pair (the prefill worker's blocks after their push)."""
+    c = request.getfixturevalue("http_cluster" if topology == "colocated" else "pd_http_cluster")
     streams = 4
     kw = {"model": DEFAULT_MODEL, "max_tokens": 400, "extra_body": {"ignore_eos": True}}
 
