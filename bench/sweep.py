@@ -370,12 +370,9 @@ def machine_info(threads: int, extra_up_args: Sequence[str] = ()) -> dict[str, A
 
 def _up_device(up_args: Sequence[str]) -> str:
     """The workers' ``--device`` from ``--up-arg`` (``--device=cuda`` or ``--device cuda``), else cpu."""
-    for i, arg in enumerate(up_args):
-        if arg.startswith("--device="):
-            return arg.split("=", 1)[1]
-        if arg == "--device" and i + 1 < len(up_args):
-            return up_args[i + 1]
-    return "cpu"
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--device", default="cpu")
+    return parser.parse_known_args(list(up_args))[0].device
 
 
 def _cores(machine: Mapping[str, Any]) -> Any:
