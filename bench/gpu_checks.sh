@@ -2,6 +2,7 @@
 # The GPU checks of the CUDA engine (#13) and the GPU KV transfer (#14), in one device-machine call.
 #
 #   ../shared/device/fetch-wheels.sh all          # here, once: .whl/ (ignored by git)
+#   python bench/trim_ucx_wheel.py                # here: the tree + .whl/ must fit the tool's 64 MiB
 #   bash bench/gpu_checks.sh [STAGE ...]          # there, from the project root (device tool: OUT is set)
 #
 # Stages (default: env tests engine): env, tests, micro, engine, engine-full, profile, kv, kvipc, kvtests,
