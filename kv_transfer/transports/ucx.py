@@ -377,12 +377,19 @@ class UcxConnection:
             return
         payload = bytes(self._rbuf[_LEN.size : _LEN.size + n])  # copied out before the buffer is reused
         # The message first, the next receive after: an answer (CompleteAck to Complete) goes out
-        # sooner, and a frame arriving meanwhile waits in UCX's unexpected queue, in order.
+        # sooner, and a frame arriving meanwhile waits in UCX's unexpected queue, in order. The receive
+        # is posted from the loop's next callback, not here: a coroutine the message resumed (complete()
+        # on CompleteAck) runs first, where posting (a call into UCX, which waits for the worker's lock,
+        # held by the progress thread that just delivered the frame) sat between the ack and its waiter.
         try:
             self._dispatch(payload)
         finally:
             if self._alive:
-                self._post_recv()
+                self.loop.call_soon(self._repost)
+
+    def _repost(self) -> None:
+        if self._alive and self._recv_op is None:
+            self._post_recv()
 
     def _dispatch(self, payload: bytes) -> None:
         if self.accepted is not None:  # the prefill side's first frame: the accept, empty
