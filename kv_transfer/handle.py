@@ -196,6 +196,11 @@ class SenderHandle:
         return self._writer is not None
 
     @property
+    def path(self) -> str:
+        """How this transfer's KV moves (``metrics.TRANSFER_PATHS``): its writer's way, or tagged."""
+        return self._writer.path if self._writer is not None else "tagged"
+
+    @property
     def layers_sent(self) -> int:
         """Layers whose data went out (sends or puts issued), for progress and tests."""
         return len(self._sent_layers)
