@@ -421,8 +421,10 @@ class SenderHandle:
             self._progress_at = now  # (the last layer needs none: Complete follows)
             self._sender.send(self._peer, wire.Progress(self.transfer_id, sent))
 
-    async def _flush(self) -> None:
-        """Every put issued so far has landed in the receiver's memory (or raise)."""
+    def _flush_started(self) -> asyncio.Future[TransferError | None]:
+        """A future of the writer's flush: None once every put issued so far has landed in the
+        receiver's memory, else the error. Done already where the writer knew at once (copies a CUDA
+        event says are done): ``complete`` then sends Complete without a loop iteration between."""
         assert self._writer is not None
         done: asyncio.Future[TransferError | None] = self._loop.create_future()
 
@@ -431,7 +433,11 @@ class SenderHandle:
                 done.set_result(err)
 
         self._writer.flush(flushed)
-        self._landed(await done)
+        return done
+
+    async def _flush(self) -> None:
+        """Every put issued so far has landed in the receiver's memory (or raise)."""
+        self._landed(await self._flush_started())
 
     def _landed(self, err: TransferError | None) -> None:
         if err is not None:
@@ -523,7 +529,8 @@ class SenderHandle:
             if self._writer is not None and self._writer.synchronous:  # every copy is done: check
                 self._landed(self._writer.check())
             elif self._writer is not None:  # Complete tells the receiver the puts have landed
-                await self.until(self._flush(), "the puts to land")
+                # (a future, not a coroutine: ``until`` awaits it without a task and asyncio.wait)
+                self._landed(await self.until(self._flush_started(), "the puts to land"))
             # Sent before the data has landed: D acks once both are in, saving a round trip.
             put = len(self._sent_layers) if self._writer is not None else -1
             self._sender.send(self._peer, wire.Complete(self.transfer_id, first_token_id, put))
