@@ -602,3 +602,26 @@ def test_down_also_stops_what_the_state_file_does_not_list(tmp_path, capsys):
         assert not cluster.alive(unlisted)
     finally:
         cluster.stop_processes([unlisted], term_timeout_s=5)
+
+
+def test_a_worker_the_router_does_not_know_is_stopped_by_signal_not_waited_for(tmp_path, monkeypatch):
+    """Removing a worker still loading (not registered): it gets SIGTERM at once, as the message says,
+    rather than a wait to the drain timeout while it registers and takes requests (``remove_workers``)."""
+    import os
+    import sys
+
+    loading = cluster.spawn(
+        "decode-2",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        tmp_path / "logs" / "d.log",
+        dict(os.environ),
+    )
+    said: list[str] = []
+    monkeypatch.setattr(cluster, "drain_worker", lambda *a, **k: False)  # the router: no such worker
+    try:
+        state = _state(cluster.ProcessEntry(id="router", pid=1, start=-1, log=""), (loading,))
+        assert cluster.remove_workers(state, [loading], drain_timeout_s=20.0, progress=said.append) == []
+        assert said == ["decode-2 is not registered with the router; stopping it by signal"]
+        assert not cluster.alive(loading)
+    finally:
+        cluster.stop_processes([loading], term_timeout_s=5)

@@ -646,11 +646,16 @@ def remove_workers(
     Returns the ids that did not drain in time (they were then stopped by signal).
     """
     for e in entries:
+        # One the router does not know (still loading, or the router is unreachable) gets SIGTERM now: a
+        # loading worker then never joins, a serving one drains as on the router's word. Left alone, it
+        # registered and took requests while the rest were going, and the wait ran to its timeout.
         try:
             if not drain_worker(state.router_address, e.id, state_token(state), state_tls(state)):
                 progress(f"{e.id} is not registered with the router; stopping it by signal")
+                send(e, signal.SIGTERM)
         except grpc.RpcError as err:
             progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")
+            send(e, signal.SIGTERM)
     stuck = wait_exit(entries, drain_timeout_s)
     cut_drains(stuck)
     return [p.id for p in stuck]
