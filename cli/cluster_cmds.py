@@ -111,6 +111,7 @@ def _up(args: argparse.Namespace) -> int:
     policy = autoscale_config(args) if args.autoscale else None
     warm = {Role.PREFILL: 0, Role.DECODE: 0}
     if policy is not None:  # the pools start inside their bounds, with their warm workers
+        check_decode_floor(policy, counts[Role.BOTH])
         for role, bounds in ((Role.PREFILL, policy.prefill), (Role.DECODE, policy.decode)):
             counts[role] = min(max(counts[role], bounds.min), bounds.max)
             warm[role] = bounds.warm
@@ -532,7 +533,8 @@ def autoscale_arguments(p: argparse.ArgumentParser, on_up: bool) -> None:
         )
     g = p.add_argument_group("autoscaling")
     for pool in ("prefill", "decode"):
-        g.add_argument(f"--{pool}-min", type=int, default=1, help=f"fewest {pool} workers (default 1)")
+        extra = "; 0 only beside colocated workers" if pool == "decode" else ""
+        g.add_argument(f"--{pool}-min", type=int, default=1, help=f"fewest {pool} workers (default 1{extra})")
         g.add_argument(
             f"--{pool}-max", type=int, default=None, help=f"most {pool} workers (default: min + 1)"
         )
@@ -574,6 +576,16 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
         )
     except ValueError as e:
         raise cluster.ClusterError(f"autoscaling: {e}") from None
+
+
+def check_decode_floor(policy: AutoscaleConfig, colocated: int) -> None:
+    """``--decode-min 0`` only beside colocated workers: with none, the autoscaler could take the decode
+    pool to zero, and then nothing it watches (requests are refused at once, none wait) grows it back."""
+    if policy.decode.min == 0 and colocated == 0:
+        raise cluster.ClusterError(
+            "autoscaling: --decode-min 0 needs colocated workers (--colocated N): a cluster needs at "
+            "least one decode or colocated worker"
+        )
 
 
 def _autoscale_flags(args: argparse.Namespace) -> list[str]:
@@ -618,7 +630,9 @@ def cmd_autoscale(args: argparse.Namespace) -> int:
     if other is not None and other.pid != os.getpid() and cluster.alive(other):
         raise cluster.ClusterError(f"an autoscaler already runs for this cluster (pid {other.pid})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = autoscaler_mod.DriverConfig(args.state_dir, autoscale_config(args), args.autoscale_drain_timeout)
+    policy = autoscale_config(args)
+    check_decode_floor(policy, sum(w.role is Role.BOTH and cluster.alive(w) for w in state.workers))
+    config = autoscaler_mod.DriverConfig(args.state_dir, policy, args.autoscale_drain_timeout)
     me = None
     if other is None or other.pid != os.getpid():
         # Run by hand (`up --autoscale` lists its own): into the state file like the background one, so

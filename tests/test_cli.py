@@ -625,3 +625,21 @@ def test_a_worker_the_router_does_not_know_is_stopped_by_signal_not_waited_for(t
         assert not cluster.alive(loading)
     finally:
         cluster.stop_processes([loading], term_timeout_s=5)
+
+
+def test_an_autoscaled_decode_pool_may_reach_zero_only_beside_colocated_workers(tmp_path, capsys):
+    """`--decode-min 0` with no colocated worker let the autoscaler take the decode pool to zero, where
+    every request is refused at once and nothing it watches grows the pool back: refused up front, by
+    `up --autoscale` and by `autoscale` beside a running cluster, naming the flag."""
+    from pdserve.cli.cluster_cmds import check_decode_floor
+    from pdserve.router.autoscale import AutoscaleConfig, PoolBounds
+
+    up = ["up", "--autoscale", "--decode-min", "0", "--port", str(free_port())]
+    assert cli.main([*up, "--state-dir", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert "--decode-min 0 needs colocated workers" in err and "Traceback" not in err
+    assert cluster.load_state(tmp_path / "c") is None  # nothing started
+    floor0 = AutoscaleConfig(prefill=PoolBounds(0, 1, 0), decode=PoolBounds(0, 1, 0))
+    with pytest.raises(cluster.ClusterError, match="--decode-min 0"):
+        check_decode_floor(floor0, colocated=0)
+    check_decode_floor(floor0, colocated=1)  # a colocated worker decodes: the decode pool may empty
