@@ -118,7 +118,12 @@ def _up(args: argparse.Namespace) -> int:
     if sum(counts.values()) and not (counts[Role.DECODE] or counts[Role.BOTH]):
         raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
     n_workers = sum(counts.values()) + sum(warm.values())
-    threads = args.threads or cluster.default_threads(n_workers)
+    # Autoscaled pools may grow to their maximum: the cores are shared for that many from the start (a
+    # running worker's thread count is fixed; later ones get fewer only while the cores run short).
+    most = n_workers
+    if policy is not None:
+        most = counts[Role.BOTH] + sum(b.max + b.warm for b in (policy.prefill, policy.decode))
+    threads = args.threads or cluster.default_threads(max(n_workers, most))
     device = resolve_device(args.device)
     _check_shared_kv(args.kv_shared_memory, device)
     util = each_share(device, n_workers, args.gpu_memory_utilization)
@@ -159,6 +164,7 @@ def _up(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         threads=threads,
+        threads_auto=not args.threads,
         host=args.host,
         worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module + tls),
         pin_cpus=args.pin_cpus,
@@ -355,6 +361,13 @@ def _scale(args: argparse.Namespace) -> int:
     cluster.save_state(args.state_dir, state)
     if added:
         say(f"starting {', '.join(added)}")
+        cores, total = os.cpu_count() or 1, cluster.cpu_threads(state)
+        if total > cores:  # the workers started before keep their thread counts
+            say(
+                f"note: the CPU workers now run {total} torch threads on {cores} cores, which slows every "
+                "one of them; size the threads for the largest pools at `up` (--threads, or "
+                "`up --autoscale`, which shares the cores among each pool's maximum)"
+            )
         try:
             cluster.wait_ready(state, set(added), args.timeout, say)
         except (cluster.ClusterError, KeyboardInterrupt):

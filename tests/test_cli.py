@@ -643,3 +643,41 @@ def test_an_autoscaled_decode_pool_may_reach_zero_only_beside_colocated_workers(
     with pytest.raises(cluster.ClusterError, match="--decode-min 0"):
         check_decode_floor(floor0, colocated=0)
     check_decode_floor(floor0, colocated=1)  # a colocated worker decodes: the decode pool may empty
+
+
+def test_a_worker_added_later_shares_the_cores_with_those_running(tmp_path, monkeypatch, capsys):
+    """`up` without --threads gave its one worker every core; a worker `scale` or the autoscaler adds gets
+    only its share of the cores among the CPU workers then running (it had the first one's count: on 2 cores
+    two workers ran 4 threads, and decoding slowed ~20x). An explicit --threads is kept."""
+    import os
+    import sys
+
+    first = cluster.spawn(
+        "decode-1",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        tmp_path / "d1.log",
+        dict(os.environ),
+    )
+    first = cluster.ProcessEntry(
+        **{**cluster.msgspec.structs.asdict(first), "role": Role.DECODE, "device": "cpu"}
+    )
+    started: list[list[str]] = []
+
+    def spawn(wid, argv, log, env, role=None, cpus=()):
+        started.append(argv)
+        assert env["OMP_NUM_THREADS"] == argv[argv.index("--threads") + 1]
+        return cluster.ProcessEntry(id=wid, pid=first.pid, start=first.start, log=str(log), role=role)
+
+    monkeypatch.setattr(cluster, "spawn", spawn)
+    monkeypatch.setattr(cluster.os, "cpu_count", lambda: 2)
+    router = cluster.ProcessEntry(id="router", pid=1, start=-1, log="")
+    try:
+        auto = cluster.msgspec.structs.replace(_state(router, (first,), 2), threads=2, threads_auto=True)
+        state = cluster.spawn_workers(tmp_path, auto, Role.DECODE, 1)
+        assert started[-1][started[-1].index("--threads") + 1] == "1"
+        assert state.workers[-1].threads == 1 and cluster.cpu_threads(state) == 2 + 1
+        given = cluster.msgspec.structs.replace(auto, threads_auto=False)  # `up --threads 2`
+        cluster.spawn_workers(tmp_path, given, Role.DECODE, 1)
+        assert started[-1][started[-1].index("--threads") + 1] == "2"
+    finally:
+        cluster.stop_processes([first], term_timeout_s=5)

@@ -48,6 +48,7 @@ class ProcessEntry(msgspec.Struct, frozen=True):
     device: str = ""  # a worker's --device (cpu | cuda:N); "": the router, or a state file from before
     gpu_memory_utilization: float = 0.0  # a GPU worker's --gpu-memory-utilization: its share of the GPU
     standby: bool = False  # started into the warm pool (``--standby``) and not promoted since
+    threads: int = 0  # a worker's --threads; 0: the cluster's (``ClusterState.threads``; older state files)
 
 
 class ClusterState(msgspec.Struct, frozen=True):
@@ -57,6 +58,9 @@ class ClusterState(msgspec.Struct, frozen=True):
     dtype: str
     threads: int
     host: str
+    # `up` chose ``threads`` (no --threads): a worker added later gets no more than the cores shared
+    # evenly among the workers then running (``spawn_workers``), so a grown pool does not oversubscribe.
+    threads_auto: bool = False
     worker_flags: tuple[str, ...] = ()  # tuning flags every worker of this cluster is started with
     workers: tuple[ProcessEntry, ...] = ()
     next_index: int = 1  # worker ids are never reused within a cluster's life
@@ -205,6 +209,11 @@ def default_threads(n_workers: int, cpus: int | None = None) -> int:
     """
     cpus = cpus or os.cpu_count() or 1
     return max(1, cpus // max(n_workers, 1))
+
+
+def cpu_threads(state: ClusterState) -> int:
+    """Torch threads of the running CPU workers, together (each its own --threads)."""
+    return sum(w.threads or state.threads for w in state.workers if alive(w) and w.device in ("", "cpu"))
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -573,9 +582,13 @@ def spawn_workers(
     the state listing them."""
     device = state.device if device is None else device
     util = state.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
+    threads = state.threads
+    if state.threads_auto and device == "cpu":  # the cores shared among the CPU workers there will be
+        running = sum(alive(w) and w.device in ("", "cpu") for w in state.workers)
+        threads = min(threads, default_threads(running + count))
     new: list[ProcessEntry] = []
     try:
-        index = _spawn_each(state_dir, state, role, count, device, util, standby, new)
+        index = _spawn_each(state_dir, state, role, count, device, util, standby, threads, new)
     except BaseException:  # the state returned never lists these: stop them, not leave them running
         stop_processes(new, term_timeout_s=10.0)
         raise
@@ -590,6 +603,7 @@ def _spawn_each(
     device: str,
     util: float,
     standby: bool,
+    threads: int,
     new: list[ProcessEntry],
 ) -> int:
     """``spawn_workers``' loop: appends each started worker to ``new``; returns the next index."""
@@ -601,7 +615,7 @@ def _spawn_each(
         cpus: tuple[int, ...] = ()
         if state.pin_cpus:
             live = [w.cpus for w in (*state.workers, *new) if alive(w)]
-            cpus = choose_cpus(live, state.threads, available_cpus())
+            cpus = choose_cpus(live, threads, available_cpus())
         argv = _cli(
             "worker",
             "--role",
@@ -621,16 +635,18 @@ def _spawn_each(
             "--gpu-memory-utilization",
             repr(util),
             "--threads",
-            str(state.threads),
+            str(threads),
             "--worker-id",
             wid,
             *(("--cpus", format_cpu_list(cpus)) if cpus else ()),
             *(("--standby",) if standby else ()),
             *state.worker_flags,
         )
-        entry = spawn(wid, argv, log, child_env(state.threads), role, cpus)
+        entry = spawn(wid, argv, log, child_env(threads), role, cpus)
         new.append(
-            msgspec.structs.replace(entry, device=device, gpu_memory_utilization=util, standby=standby)
+            msgspec.structs.replace(
+                entry, device=device, gpu_memory_utilization=util, standby=standby, threads=threads
+            )
         )
     return index
 
