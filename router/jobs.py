@@ -44,7 +44,8 @@ class NoRoute:
 
     why: str
     # "none_left": no other worker could ever take it (no wait helps); "queue_full": the router's queue
-    # or the prefill queue is full (as admission refuses); "no_room": none had room within the wait.
+    # or the prefill queue is full (as admission refuses); "no_room": none had room within the wait;
+    # "closing": the router is stopping (``Admission.close``).
     kind: str
 
 

@@ -87,6 +87,11 @@ class QueueFullError(Exception):
     pass
 
 
+class AdmissionClosed(Exception):
+    """The router is stopping: a request still waiting for a worker is refused, not left to wait out the
+    shutdown (its client can go to another router at once)."""
+
+
 class Admission:
     """Bounded FIFO of requests waiting for a worker with room.
 
@@ -99,17 +104,26 @@ class Admission:
             raise ValueError("max_waiting must be >= 0")
         self.max_waiting = max_waiting
         self.waiting = 0
+        self.closed = False
         self._changed = asyncio.Condition()
 
     async def notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 
+    async def close(self) -> None:
+        """Refuse every request waiting (``AdmissionClosed``) and every later one that finds no room."""
+        self.closed = True
+        await self.notify()
+
     async def wait_for_route(self, try_route, timeout_s: float | None) -> Route | None:
-        """Route now, or wait in the bounded queue. None when ``timeout_s`` passes first."""
+        """Route now, or wait in the bounded queue. None when ``timeout_s`` passes first;
+        AdmissionClosed once ``close`` was called."""
         route = try_route()
         if route is not None:
             return route
+        if self.closed:
+            raise AdmissionClosed
         if self.waiting >= self.max_waiting:
             raise QueueFullError(f"the router queue is full ({self.max_waiting} requests waiting)")
         self.waiting += 1
@@ -120,7 +134,10 @@ class Admission:
             # finishing requests and reading heartbeats). ``Condition.wait`` re-takes the lock in the
             # cancelled task itself, and ``async with`` gives it back.
             async with asyncio.timeout(timeout_s), self._changed:
-                return await self._changed.wait_for(try_route)
+                route = await self._changed.wait_for(lambda: self.closed or try_route())
+                if route is True:  # (closed: no route was tried, so none was claimed)
+                    raise AdmissionClosed
+                return route
         except TimeoutError:
             return None
         finally:

@@ -149,7 +149,13 @@ class RouterServer:
         """NOT_SERVING, refuse new requests, let in-flight ones finish (bounded), stop."""
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         self.router.closing = True
-        log.info("router stopping (%d requests in flight)", len(self.router.ledger.jobs))
+        waiting = self.router.admission.waiting
+        log.info(
+            "router stopping (%d requests running, %d waiting: refused)",
+            len(self.router.ledger.jobs),
+            waiting,
+        )
+        await self.router.admission.close()  # no worker is coming for them: their clients go elsewhere now
         await self.health.enter_graceful_shutdown()
         give_up = time.monotonic() + grace
         # (inflight_ids, not the ledger: a request whose worker is done may still be read by a slow client)

@@ -32,6 +32,7 @@ from pdserve.router.jobs import Failure, Job, Ledger, NoRoute
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
     Admission,
+    AdmissionClosed,
     QueueFullError,
     Route,
     RoutingConfig,
@@ -161,6 +162,8 @@ class Router:
             route = await self.admission.wait_for_route(try_route, max(wait, 0.0))
         except QueueFullError as e:
             raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        except AdmissionClosed:
+            raise RelayError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down") from None
         if route is None:
             if timeout_s is not None and timeout_s <= self.config.queue_timeout_s:
                 # The request's own deadline (the client's, or --request-timeout) ended the wait.
@@ -222,6 +225,8 @@ class Router:
             route = await self.admission.wait_for_route(try_route, max(wait_s, 0.0))
         except QueueFullError as e:
             return NoRoute(str(e), "queue_full")
+        except AdmissionClosed:
+            return NoRoute("the router is shutting down", "closing")
         return (
             route
             if route is not None

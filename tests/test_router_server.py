@@ -404,6 +404,31 @@ def test_queue_bound_rejects_excess_while_admitted_requests_complete(model_dir):
     run(main())
 
 
+def test_a_request_waiting_for_room_is_refused_at_once_when_the_router_stops(model_dir):
+    """Stopping (``pdserve down``, SIGTERM): the running request finishes; one waiting in the queue for a
+    worker with room is refused at once, UNAVAILABLE "shutting down", rather than left to wait out the
+    shutdown and be cut (no worker is coming for it: its client can go to another router now)."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world the"), max_running=1)
+        w.hold_at = 1
+        async with cluster(model_dir, [w], queue_timeout_s=30.0) as (server, stub):
+            a = stub.Generate(request(max_tokens=3))
+            await w.wait_for(lambda: len(w.started) == 1)
+            b = stub.Generate(request(max_tokens=3))
+            await until(lambda: server.router.admission.waiting == 1, what="b to wait")
+            stopping = asyncio.ensure_future(server.stop(grace_s=30))
+            details = await asyncio.wait_for(expect_error(b, grpc.StatusCode.UNAVAILABLE), 5)
+            assert "shutting down" in details
+            assert server.router.admission.waiting == 0 and not stopping.done()  # a still runs
+            w.release.set()
+            tokens, _, msgs = await collect(a)
+            assert tokens == ids("hello world the") and msgs[-1].finish_reason == "length"
+            await stopping
+
+    run(main())
+
+
 def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded_and_counted_as_aborted(model_dir):
     """Not UNAVAILABLE counted as a refusal: the cluster did not turn the request away, its time ran out."""
 
