@@ -172,7 +172,7 @@ def build_request(
 
 
 def stream(
-    address: str, request: generation_pb2.GenerateRequest, timeout_s: float, tls: TLSConfig = NO_TLS
+    address: str, request: generation_pb2.GenerateRequest, timeout_s: float | None, tls: TLSConfig = NO_TLS
 ) -> Iterator[generation_pb2.GenerateResponse]:
     with channel(address, tls) as ch:
         yield from generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 import time
@@ -209,7 +210,7 @@ def _up(args: argparse.Namespace) -> int:
             state = start_autoscaler(state_dir, state, args)
             cluster.save_state(state_dir, state)
     except BaseException as exc:  # whatever failed (a worker that could not start, Ctrl-C, a bug)
-        say(f"start failed ({type(exc).__name__}: {exc}); stopping what was started")
+        say(f"start failed, stopping what was started: {type(exc).__name__}: {exc}")
         _stop_all(state, drain_timeout_s=0.0)
         cluster.remove_state(state_dir)
         raise
@@ -579,7 +580,10 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
         lo = getattr(args, f"{pool}_min")
         hi = getattr(args, f"{pool}_max")
         warm = getattr(args, f"warm_{pool}")
-        return PoolBounds(lo, lo + 1 if hi is None else hi, args.warm if warm is None else warm)
+        try:
+            return PoolBounds(lo, lo + 1 if hi is None else hi, args.warm if warm is None else warm)
+        except ValueError as e:
+            raise ValueError(f"--{pool}-min, --{pool}-max, --warm-{pool}: {e}") from None
 
     try:
         return AutoscaleConfig(
@@ -588,7 +592,10 @@ def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
             **{name: getattr(args, name) for _, name, _, _ in _POLICY_FLAGS},
         )
     except ValueError as e:
-        raise cluster.ClusterError(f"autoscaling: {e}") from None
+        said = str(e)  # the policy's field names, as the flags that set them
+        for flag, name, _, _ in _POLICY_FLAGS:
+            said = re.sub(rf"\b{name}\b", flag, said)
+        raise cluster.ClusterError(f"autoscaling: {said}") from None
 
 
 def check_decode_floor(policy: AutoscaleConfig, colocated: int) -> None:

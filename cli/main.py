@@ -50,6 +50,13 @@ def _nonneg(text: str) -> int:
     return n
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def _int_in(low: int, high: int) -> Callable[[str], int]:
     """An argparse type: an int in [low, high] (what the request's proto field holds)."""
 
@@ -237,17 +244,17 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
 
 
 def _worker_tuning(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
     p.add_argument(
         "--kv-blocks", type=_nonneg, default=0, help="KV cache blocks (0: from --kv-cache-mib or default)"
     )
     p.add_argument(
         "--kv-cache-mib", type=_nonneg, default=0, help="KV cache size in MiB (0: the engine default)"
     )
-    p.add_argument("--max-running", type=int, default=64, help="decode batch bound")
+    p.add_argument("--max-running", type=_positive, default=64, help="decode batch bound")
     p.add_argument(
         "--max-batched-tokens",
-        type=int,
+        type=_positive,
         default=2048,
         help="token budget per step (a running stream's decode counts one; longer prompts are chunked)",
     )
@@ -421,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, help="a seed: reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per streamed message")
-    p.add_argument("--timeout", type=float, default=600.0, help="the request's deadline in seconds")
+    p.add_argument("--timeout", type=float, default=600.0, help="the request's deadline in seconds (0: none)")
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
     _tls_args(p, server=False)
     _state_dir(p)
@@ -771,7 +778,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     client.print_stream(
-        client.stream(_router_address(args), req, args.timeout, _router_tls(args)),
+        client.stream(_router_address(args), req, args.timeout or None, _router_tls(args)),
         sys.stdout,
         sys.stderr,
         args.json,

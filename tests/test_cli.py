@@ -70,10 +70,25 @@ def test_parser_defaults_and_validation():
         ["generate", "hi", "--max-tokens", "0"],
         ["generate", "hi", "--max-tokens", "99999999999"],
         ["generate", "hi", "--seed", "-1"],
+        ["up", "--block-size", "0"],  # (these three failed in the worker, not naming the flag)
+        ["up", "--max-running", "0"],
+        ["worker", "--role", "decode", "--router", "a:1", "--max-batched-tokens", "0"],
         ["frobnicate"],
     ):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
+
+
+def test_autoscaling_errors_name_the_flags(tmp_path, capsys):
+    """The policy's checks speak of its fields; what an operator reads names the flags that set them."""
+    for bad, said in (
+        (["--kv-usage-high", "0.3", "--kv-usage-low", "0.5"], "need 0 <= --kv-usage-low < --kv-usage-high"),
+        (["--decode-min", "3", "--decode-max", "2"], "--decode-min, --decode-max, --warm-decode: "),
+        (["--scale-up-after", "0"], "--scale-up-after and --scale-down-after must be >= 1"),
+    ):
+        up = ["up", "--autoscale", *bad, "--port", str(free_port()), "--state-dir", str(tmp_path / "c")]
+        assert cli.main(up) == 1
+        assert said in capsys.readouterr().err
 
 
 def test_worker_args_threads_and_router_config():

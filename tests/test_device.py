@@ -377,7 +377,7 @@ def test_an_up_that_fails_starting_a_worker_stops_everything_it_started(monkeypa
         assert not any(cluster.alive(e) for e in started)
         assert cluster.load_state(tmp_path) is None
         err = capsys.readouterr().err
-        assert "start failed (OSError: cannot start decode-2); stopping what was started" in err
+        assert "start failed, stopping what was started: OSError: cannot start decode-2" in err
         assert "pdserve up: cannot start decode-2" in err
     finally:
         cluster.stop_processes(started, term_timeout_s=5.0)
