@@ -627,7 +627,10 @@ class Relay:
             # not on that prefill worker.
             route = job.route
             culprit = route.prefill.worker_id if route is not None and route.prefill is not None else ""
-            return RelayError(code, details, "transfer_aborted", culprit)
+            # The decode worker lives on: it reports the transfer failed (not "decode worker ... failed").
+            sender = f" from prefill worker {culprit}" if culprit else ""
+            said = f"the KV transfer{sender} to {where} failed: {code.name}: {e.details()}"
+            return RelayError(code, said, "transfer_aborted", culprit)
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED and role == "decode":
             # Its reservation found fewer free blocks than its last heartbeat said (running requests grew
             # since): nothing was sent, so route it again, on this worker too once a heartbeat shows room.

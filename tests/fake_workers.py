@@ -140,6 +140,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
         self.refuse_room = 0  # Generate calls still to refuse for room (as a full decode worker)
         self.fail_steps = 0  # Generate calls still to fail as a failed engine step (the worker lives on)
+        self.abort_transfers = 0  # remote Generate calls still to end ABORTED: their KV transfer failed
         self.fail_at = fail_at  # each Generate stream breaks after this many tokens (a dying worker)
         self.attached: list[tuple[str, bytes]] = []  # AttachTicket calls: (request id, ticket or b"")
         self.tickets: dict[str, bytes] = {}  # attached before their prefill was done
@@ -203,6 +204,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket)
                 if self.transfers is not None:  # a fake in its own process has no transfer to wait for
                     await self.transfers.event(ticket).wait()
+                if self.abort_transfers > 0:  # as the decode servicer, when the prefill peer died mid-push
+                    self.abort_transfers -= 1
+                    await context.abort(
+                        grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: prefill peer died"
+                    )
                 if self.decode_gate is not None:
                     await self.decode_gate.wait()
             self.started.append(rid)

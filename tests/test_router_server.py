@@ -557,6 +557,37 @@ def test_a_request_whose_decode_worker_dies_mid_stream_continues_elsewhere_after
     run(main())
 
 
+def test_a_failed_kv_transfer_moves_the_request_and_its_log_names_the_transfer_not_a_dead_decoder(
+    model_dir, caplog
+):
+    """The decode worker says its KV transfer failed (ABORTED: the prefill peer died mid-push): the request
+    moves (local prefill, not on that prefill worker), and the log says the transfer from that prefill
+    worker failed; it said "decode worker d1 failed", of a decode worker that was fine."""
+
+    async def main():
+        out = ids("hello world the")
+        transfers = Transfers()
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers)
+        d.abort_transfers = 1
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
+        async with cluster(model_dir, [d, p], local_prefill_threshold=2, max_migrations=1) as (server, stub):
+            tokens, _, msgs = await collect(stub.Generate(request("the cat sat", max_tokens=3)))
+            assert tokens == out and msgs[-1].finish_reason == "length"
+            assert [r.mode for r in d.requests] == [
+                worker_pb2.PREFILL_MODE_REMOTE,
+                worker_pb2.PREFILL_MODE_LOCAL,
+            ]
+            reg = server.router.metrics.registry
+            labels = {"role": "router", "reason": "transfer_aborted"}
+            assert reg.get_sample_value("pdserve_router_migrations_total", labels) == 1
+
+    with caplog.at_level("WARNING", logger="pdserve.router"):
+        run(main())
+    moved = [r.getMessage() for r in caplog.records if "moved to" in r.getMessage()]
+    assert len(moved) == 1 and "the KV transfer from prefill worker p1 to decode worker d1 failed" in moved[0]
+    assert ": decode worker d1 failed" not in moved[0]  # (the old words)
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as s:
