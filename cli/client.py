@@ -122,13 +122,27 @@ def status_table(doc: dict[str, Any]) -> str:
         )
         for w in doc["workers"]
     ]
-    # A TOTAL row per pool (see ``status_doc``): the KV of prefill and decode workers is not one sum.
-    for role, p in sorted(t.get("pools", {}).items()):
+    # Processes of the cluster the router does not list (``pdserve status`` with a state dir).
+    unregistered = doc.get("unregistered", [])
+    rows += [
+        (w["id"], w["role"], "not registered", w["device"], "-", f"pid {w['pid']}", "-", "-", "-", "-")
+        for w in unregistered
+    ]
+    # A TOTAL row per pool (see ``status_doc``): the KV of prefill and decode workers is not one sum; a
+    # pool whose workers all run unregistered still gets one ("0/1 ready").
+    pools = dict(t.get("pools", {}))
+    counts = dict(t.get("by_role", {}))
+    for w in unregistered:
+        pools.setdefault(
+            w["role"], {"ready": 0, "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 0}
+        )
+        counts[w["role"]] = counts.get(w["role"], 0) + 1
+    for role, p in sorted(pools.items()):
         rows.append(
             (
                 "TOTAL",
                 role,
-                f"{p['ready']}/{t['by_role'][role]} ready",
+                f"{p['ready']}/{counts[role]} ready",
                 "",
                 "",
                 "",

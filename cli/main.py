@@ -726,6 +726,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     address = _router_address(args)
     token = cluster_token(args) if args.router else cluster.state_token(_state(args))
     doc = client.status_dict(cluster.cluster_status(address, token=token, tls=_router_tls(args)))
+    if not args.router:
+        # Workers this cluster started whose process runs but the router does not list (loading, hung,
+        # or dropped for missed heartbeats): the router's list alone hid them.
+        listed = {w["id"] for w in doc["workers"]}
+        doc["unregistered"] = [
+            {
+                "id": w.id,
+                "role": w.role.value if w.role else "unknown",
+                "pid": w.pid,
+                "device": w.device or "cpu",
+            }
+            for w in _state(args).workers
+            if w.id not in listed and cluster.alive(w)
+        ]
     scaler = None if args.router else cluster_cmds.autoscaler_status(_state(args), args.state_dir)
     if scaler is not None:
         doc["autoscaler"] = scaler

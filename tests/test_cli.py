@@ -696,3 +696,21 @@ def test_a_worker_added_later_shares_the_cores_with_those_running(tmp_path, monk
         assert started[-1][started[-1].index("--threads") + 1] == "2"
     finally:
         cluster.stop_processes([first], term_timeout_s=5)
+
+
+def test_status_lists_a_running_worker_the_router_does_not_and_its_pool():
+    """A worker process that runs but is not registered (loading, hung, dropped for missed heartbeats) was
+    missing from `pdserve status`, and so was its pool's TOTAL row when it was the pool's only worker."""
+    from pdserve.cli import client
+
+    doc = client.status_dict(worker_pb2.ClusterStatus(router_address="127.0.0.1:1"), now_unix=0.0)
+    doc["unregistered"] = [{"id": "decode-1", "role": "decode", "pid": 4242, "device": "cpu"}]
+    table = client.status_table(doc).splitlines()
+    row = next(ln.split() for ln in table if ln.startswith("decode-1"))
+    assert row[:5] == ["decode-1", "decode", "not", "registered", "cpu"] and "4242" in row
+    assert next(ln.split() for ln in table if ln.startswith("TOTAL"))[:4] == [
+        "TOTAL",
+        "decode",
+        "0/1",
+        "ready",
+    ]
