@@ -203,8 +203,13 @@ def prepare(
             f"max_tokens is {max_tokens}, but the prompt has {len(ids)} tokens and the model's context is "
             f"{limits.context_length} tokens: at most {room} can be generated"
         )
-    if not sampling.HasField("max_tokens") and limits.kv_tokens > len(ids):
+    unset = not sampling.HasField("max_tokens")
+    if unset and limits.kv_tokens > len(ids):
         room = min(room, limits.kv_tokens - len(ids))  # unset: what fits the cache too
+    if unset and field == "messages":
+        # A chat has no 16-token default (OpenAI's chat API has none; vLLM's chat runs to the context):
+        # it runs to its end, or as far as the context and the cache allow.
+        max_tokens = room
     if params.min_tokens > room:
         # min_tokens is what the client asked for at least: refused as max_tokens is, never cut.
         where = "the model's context" if room == limits.context_length - len(ids) else "the largest KV cache"
@@ -212,14 +217,15 @@ def prepare(
             f"min_tokens is {params.min_tokens}, but the prompt has {len(ids)} tokens and {where} leaves "
             f"room for {room}: at most {room} can be generated"
         )
-    if sampling.stop or max_tokens > room:
+    if sampling.stop or max_tokens != params.max_tokens or max_tokens > room:
         sampling = generation_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling)
         # The router owns stop strings (it detokenizes); workers stop only on token ids.
         del sampling.stop[:]
-        if max_tokens > room:  # the default, unset by the client: what fits the context and the cache
-            params = dataclasses.replace(params, max_tokens=room)
-            sampling.max_tokens = room
+        if max_tokens != params.max_tokens or max_tokens > room:
+            # Unset by the client: a chat's room, or the default cut to what fits the context and cache.
+            params = dataclasses.replace(params, max_tokens=min(max_tokens, room))
+            sampling.max_tokens = params.max_tokens
     return Prepared(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_token_ids=ids,

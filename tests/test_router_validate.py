@@ -73,3 +73,23 @@ def test_token_ids_past_the_context_are_refused_by_their_count():
         prepare(g.GenerateRequest(prompt_token_ids=ids), tok, LIMITS)
     prep = prepare(g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[1] * (CONTEXT - 1))), tok, LIMITS)
     assert len(prep.prompt_token_ids) == CONTEXT - 1
+
+
+class ChatTokenizer(CountingTokenizer):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return [1] * (10 * len(messages))
+
+
+def test_a_chat_without_max_tokens_runs_as_far_as_the_context_and_cache_allow():
+    """OpenAI's chat API has no 16-token default (vLLM's chat runs to the context): a chat with no
+    max_tokens gets what fits the context and the largest KV cache; a prompt without one keeps the
+    completions default, 16; one the client set is kept."""
+    tok = ChatTokenizer(None)
+    chat = g.GenerateRequest(messages=g.ChatMessages(messages=[g.ChatMessage(role="user", content="hi")]))
+    prep = prepare(chat, tok, LIMITS)
+    assert prep.params.max_tokens == prep.sampling.max_tokens == CONTEXT - 10
+    cache = ModelLimits(context_length=CONTEXT, vocab_size=32, kv_tokens=50)
+    assert prepare(chat, tok, cache).params.max_tokens == 50 - 10
+    assert prepare(g.GenerateRequest(prompt="hello"), tok, LIMITS).params.max_tokens == 16
+    chat.sampling.max_tokens = 7
+    assert prepare(chat, tok, LIMITS).params.max_tokens == 7
