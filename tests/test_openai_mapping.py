@@ -185,12 +185,25 @@ def test_chat_refusals_and_malformed_bodies():
         ("allowed_token_ids", [5]),
         ("bad_words", ["Alex"]),
         ("truncate_prompt_tokens", 1),
+        ("structured_outputs", {"choice": ["yes", "no"]}),  # (these six: accepted and ignored before)
+        ("logits_processors", ["x.Y"]),
+        ("vllm_xargs", {"a": 1}),
+        ("return_token_ids", True),
+        ("return_tokens_as_token_ids", True),
+        ("prompt_embeds", "AAAA"),
     ):
         for endpoint, body in ((chat, {"messages": msgs}), (completion, {"prompt": "x"})):
             err = error_of(endpoint, **body, **{name: value})
             assert (err.status, err.info.param) == (400, name) and "not supported" in err.info.message, name
+    err = error_of(chat, messages=msgs, stream=True, stream_options={"continuous_usage_stats": True})
+    assert (err.status, err.info.param) == (
+        400,
+        "stream_options",
+    ) and "continuous_usage_stats" in err.info.message
+    chat(messages=msgs, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False})
     completion(
         prompt="x",
+        return_token_ids=False,
         include_stop_str_in_output=False,
         skip_special_tokens=True,
         spaces_between_special_tokens=True,

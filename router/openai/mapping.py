@@ -94,6 +94,12 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options can only be set when stream is true", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise invalid(
+            "stream_options.continuous_usage_stats is not supported (usage comes in the last chunk, with "
+            "include_usage)",
+            "stream_options",
+        )
     _refuse_unsupported(req, UNSUPPORTED)
 
 
@@ -232,6 +238,12 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "allowed_token_ids": (),
     "bad_words": (),
     "truncate_prompt_tokens": (),
+    "structured_outputs": (),
+    "logits_processors": (),
+    "vllm_xargs": (),
+    "return_token_ids": (False,),
+    "return_tokens_as_token_ids": (False,),
+    "prompt_embeds": (),
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (False,),

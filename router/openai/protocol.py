@@ -25,6 +25,7 @@ import msgspec
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: refused (``mapping``), not ignored
 
 
 class _GenerationFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +66,12 @@ class _GenerationFields(msgspec.Struct, frozen=True, kw_only=True):
     allowed_token_ids: msgspec.Raw = msgspec.Raw()
     bad_words: msgspec.Raw = msgspec.Raw()
     truncate_prompt_tokens: msgspec.Raw = msgspec.Raw()
+    structured_outputs: msgspec.Raw = msgspec.Raw()  # (vLLM's successor of guided_*)
+    logits_processors: msgspec.Raw = msgspec.Raw()
+    vllm_xargs: msgspec.Raw = msgspec.Raw()
+    return_token_ids: msgspec.Raw = msgspec.Raw()
+    return_tokens_as_token_ids: msgspec.Raw = msgspec.Raw()
+    prompt_embeds: msgspec.Raw = msgspec.Raw()
 
 
 # One prompt: text, token ids, or a batch of one of either (what the SDK sends for ``prompt=[...]``).
