@@ -229,8 +229,9 @@ class Tokenizer:
                 raise ValueError(f"message {index} has no 'role' string")
             if role not in self._chat_roles:
                 raise ValueError(
-                    f"message {index} has role {role!r}, which this model's chat template does not allow; "
-                    f"allowed roles: {', '.join(self._chat_roles)}"
+                    f"message {index} has role {role!r}, which pdserve does not render for this model; "
+                    f"allowed roles: {', '.join(self._chat_roles)} (the model's config may name more: "
+                    f"{CHAT_ROLES_KEY})"
                 )
             if not isinstance(content, str):
                 raise ValueError(f"message {index} ({role}) has no 'content' string")

@@ -380,3 +380,10 @@ def test_non_streaming_bodies_and_error_events():
     ev = events(sse_error(error_from_status("UNAVAILABLE", "decode worker d1 failed")))
     assert ev[0]["error"]["message"] == "decode worker d1 failed" and ev[0]["error"]["type"]
     assert ev[1] == "[DONE]" and sse_error(error_from_status("UNAVAILABLE", "x")).endswith(DONE)
+
+
+def test_the_developer_role_is_openais_newer_name_for_system():
+    """OpenAI's API replaced the system role with "developer" (newer SDK examples send it): it reaches the
+    model's template as system, which chat templates know; it was refused as a role the template forbids."""
+    req = chat(messages=[{"role": "developer", "content": "Be terse"}, {"role": "user", "content": "hi"}])
+    assert [(m.role, m.content) for m in req.messages.messages] == [("system", "Be terse"), ("user", "hi")]

@@ -262,6 +262,11 @@ _CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
 }
 
 
+# OpenAI's "developer" role is its newer name for "system" (its API docs: developer messages replace system
+# messages); chat templates know system.
+_ROLE_ALIASES = {"developer": "system"}
+
+
 def _refuse_unsupported(req: object, options: Mapping[str, tuple[object, ...]]) -> None:
     for name, defaults in options.items():
         raw = getattr(req, name)
@@ -298,7 +303,8 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateReque
     out = g.GenerateRequest(request_id=request_id, sampling=sampling)
     out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
     out.messages.messages.extend(
-        g.ChatMessage(role=m.role, content=text_content(i, m.content)) for i, m in enumerate(req.messages)
+        g.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=text_content(i, m.content))
+        for i, m in enumerate(req.messages)
     )
     return out
 
