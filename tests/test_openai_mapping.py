@@ -387,3 +387,9 @@ def test_the_developer_role_is_openais_newer_name_for_system():
     model's template as system, which chat templates know; it was refused as a role the template forbids."""
     req = chat(messages=[{"role": "developer", "content": "Be terse"}, {"role": "user", "content": "hi"}])
     assert [(m.role, m.content) for m in req.messages.messages] == [("system", "Be terse"), ("user", "hi")]
+
+
+def test_a_prompt_list_mixing_ids_and_text_is_named_as_such_not_as_a_batch():
+    err = error_of(completion, prompt=[1, "a"])
+    assert (err.status, err.info.param) == (400, "prompt") and "not both" in err.info.message
+    assert "batch of 2" in error_of(completion, prompt=["a", "b"]).info.message

@@ -186,6 +186,8 @@ def completion_request(req: CompletionRequest, request_id: str, context_length: 
         if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             out.prompt_token_ids.ids.extend(_token_ids(prompt, context_length))
             return out
+        if any(isinstance(t, int) for t in prompt) and not all(isinstance(t, int) for t in prompt):
+            raise invalid("prompt: a list is token ids (ints) or prompts, not both", "prompt")
         if len(prompt) > 1:
             raise invalid(
                 f"prompt: one prompt per request is supported, got a batch of {len(prompt)}", "prompt"
