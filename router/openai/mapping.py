@@ -94,12 +94,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options can only be set when stream is true", "stream_options")
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        raise invalid(
-            "stream_options.continuous_usage_stats is not supported (usage comes in the last chunk, with "
-            "include_usage)",
-            "stream_options",
-        )
     _refuse_unsupported(req, UNSUPPORTED)
 
 

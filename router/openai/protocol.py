@@ -25,7 +25,9 @@ import msgspec
 
 class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: refused (``mapping``), not ignored
+    # vLLM's usage on every chunk. Accepted (guidellm sends it): the usage comes once, in the last chunk, as
+    # with include_usage. It changes no output, only where the counts are reported.
+    continuous_usage_stats: bool = False
 
 
 class _GenerationFields(msgspec.Struct, frozen=True, kw_only=True):
