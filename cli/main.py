@@ -726,7 +726,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     address = _router_address(args)
     token = cluster_token(args) if args.router else cluster.state_token(_state(args))
     doc = client.status_dict(cluster.cluster_status(address, token=token, tls=_router_tls(args)))
-    if not args.router:
+    state = None if args.router else _state(args)
+    if state is not None:
         # Workers this cluster started whose process runs but the router does not list (loading, hung,
         # or dropped for missed heartbeats): the router's list alone hid them.
         listed = {w["id"] for w in doc["workers"]}
@@ -737,10 +738,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "pid": w.pid,
                 "device": w.device or "cpu",
             }
-            for w in _state(args).workers
+            for w in state.workers
             if w.id not in listed and cluster.alive(w)
         ]
-    scaler = None if args.router else cluster_cmds.autoscaler_status(_state(args), args.state_dir)
+    scaler = None if state is None else cluster_cmds.autoscaler_status(state, args.state_dir)
     if scaler is not None:
         doc["autoscaler"] = scaler
     table = client.status_table(doc) + (

@@ -181,6 +181,22 @@ def running_cluster(
         stop_cluster(state_dir)
 
 
+def fake_state(
+    router: cluster.ProcessEntry, workers: tuple[cluster.ProcessEntry, ...] = (), next_index: int = 1
+) -> cluster.ClusterState:
+    """A cluster's state file as ``up`` writes it, for the processes given (tests of the CLI and harness)."""
+    return cluster.ClusterState(
+        router_address="127.0.0.1:1",
+        router=router,
+        model="m",
+        dtype="float32",
+        threads=1,
+        host="127.0.0.1",
+        workers=workers,
+        next_index=next_index,
+    )
+
+
 def stop_cluster(state_dir: Path) -> None:
     """``pdserve down``, then a stop (SIGTERM, SIGKILL) of anything the state file still lists, then of
     any process still carrying this state dir's mark (an ``up`` that failed or was cut before it wrote

@@ -17,7 +17,7 @@ from pdserve.deploy.local import cluster
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.worker.auth import token_metadata
 from pdserve.worker.role import Role
-from tests.cluster_harness import stop_cluster
+from tests.cluster_harness import fake_state, stop_cluster
 from tests.fake_workers import make_model_dir
 
 
@@ -25,20 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _state(router: cluster.ProcessEntry, workers: tuple = (), next_index: int = 1) -> cluster.ClusterState:
-    """A cluster's state file as ``up`` writes it, for the processes given."""
-    return cluster.ClusterState(
-        router_address="127.0.0.1:1",
-        router=router,
-        model="m",
-        dtype="float32",
-        threads=1,
-        host="127.0.0.1",
-        workers=workers,
-        next_index=next_index,
-    )
 
 
 def test_parser_defaults_and_validation():
@@ -113,7 +99,7 @@ def test_worker_args_threads_and_router_config():
 
 def test_state_file_roundtrip(tmp_path):
     router = cluster.ProcessEntry(id="router", pid=11, start=5, log="r.log")
-    state = _state(
+    state = fake_state(
         router, (cluster.ProcessEntry(id="decode-1", pid=12, start=6, log="d.log", role=Role.DECODE),), 2
     )
     assert cluster.load_state(tmp_path) is None
@@ -175,7 +161,7 @@ def test_up_after_a_router_crash_stops_what_the_old_cluster_left_running(tmp_pat
         worker = cluster.ProcessEntry(
             id="decode-1", pid=orphan.pid, start=stat[1], log="d.log", role=Role.DECODE
         )
-        state = _state(dead_router, (worker,), 2)
+        state = fake_state(dead_router, (worker,), 2)
         cluster.save_state(tmp_path, state)
         args = ["up", "--prefill", "0", "--decode", "0", "--model", str(tmp_path / "no-such-model")]
         args += ["--port", str(free_port()), "--timeout", "60", "--state-dir", str(tmp_path)]
@@ -476,7 +462,7 @@ def test_log_tail_shows_the_latest_run_only_and_scale_needs_a_live_router(tmp_pa
         time.sleep(0.05)
     assert "this run" in log.read_text() and "earlier" in log.read_text()
     assert cluster.log_tail(log) == "this run"
-    state = _state(cluster.ProcessEntry(id="router", pid=entry.pid, start=-1, log=""))
+    state = fake_state(cluster.ProcessEntry(id="router", pid=entry.pid, start=-1, log=""))
     cluster.save_state(tmp_path, state)
     assert cli.main(["scale", "--decode", "2", "--state-dir", str(tmp_path)]) == 1
     assert "router of the cluster" in capsys.readouterr().err
@@ -611,7 +597,7 @@ def test_down_also_stops_what_the_state_file_does_not_list(tmp_path, capsys):
         dict(os.environ),
     )
     try:
-        cluster.save_state(tmp_path, _state(cluster.ProcessEntry(id="router", pid=1, start=-1, log="")))
+        cluster.save_state(tmp_path, fake_state(cluster.ProcessEntry(id="router", pid=1, start=-1, log="")))
         assert cli.main(["down", "--state-dir", str(tmp_path)]) == 0
         assert f"(pid {unlisted.pid})" in capsys.readouterr().err
         assert not cluster.alive(unlisted)
@@ -634,7 +620,7 @@ def test_a_worker_the_router_does_not_know_is_stopped_by_signal_not_waited_for(t
     said: list[str] = []
     monkeypatch.setattr(cluster, "drain_worker", lambda *a, **k: False)  # the router: no such worker
     try:
-        state = _state(cluster.ProcessEntry(id="router", pid=1, start=-1, log=""), (loading,))
+        state = fake_state(cluster.ProcessEntry(id="router", pid=1, start=-1, log=""), (loading,))
         assert cluster.remove_workers(state, [loading], drain_timeout_s=20.0, progress=said.append) == []
         assert said == ["decode-2 is not registered with the router; stopping it by signal"]
         assert not cluster.alive(loading)
@@ -687,7 +673,7 @@ def test_a_worker_added_later_shares_the_cores_with_those_running(tmp_path, monk
     monkeypatch.setattr(cluster.os, "cpu_count", lambda: 2)
     router = cluster.ProcessEntry(id="router", pid=1, start=-1, log="")
     try:
-        auto = cluster.msgspec.structs.replace(_state(router, (first,), 2), threads=2, threads_auto=True)
+        auto = cluster.msgspec.structs.replace(fake_state(router, (first,), 2), threads=2, threads_auto=True)
         state = cluster.spawn_workers(tmp_path, auto, Role.DECODE, 1)
         assert started[-1][started[-1].index("--threads") + 1] == "1"
         assert state.workers[-1].threads == 1 and cluster.cpu_threads(state) == 2 + 1

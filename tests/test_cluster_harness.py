@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.deploy.local import cluster
 from pdserve.worker.role import Role
-from tests.cluster_harness import Cluster, stop_cluster
+from tests.cluster_harness import Cluster, fake_state, stop_cluster
 
 
 def _sleeper(state_dir: Path, wid: str) -> cluster.ProcessEntry:
@@ -22,18 +22,8 @@ def _sleeper(state_dir: Path, wid: str) -> cluster.ProcessEntry:
 
 
 def _save(state_dir: Path, workers: tuple[cluster.ProcessEntry, ...]) -> None:
-    router = cluster.ProcessEntry(id="router", pid=1, start=-1, log="")
     cluster.save_state(
-        state_dir,
-        cluster.ClusterState(
-            router_address="127.0.0.1:1",
-            router=router,
-            model="m",
-            dtype="float32",
-            threads=1,
-            host="127.0.0.1",
-            workers=workers,
-        ),
+        state_dir, fake_state(cluster.ProcessEntry(id="router", pid=1, start=-1, log=""), workers)
     )
 
 
