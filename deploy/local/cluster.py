@@ -211,9 +211,13 @@ def default_threads(n_workers: int, cpus: int | None = None) -> int:
     return max(1, cpus // max(n_workers, 1))
 
 
+def _running_on_cpu(state: ClusterState) -> list[ProcessEntry]:
+    return [w for w in state.workers if alive(w) and w.device in ("", "cpu")]
+
+
 def cpu_threads(state: ClusterState) -> int:
     """Torch threads of the running CPU workers, together (each its own --threads)."""
-    return sum(w.threads or state.threads for w in state.workers if alive(w) and w.device in ("", "cpu"))
+    return sum(w.threads or state.threads for w in _running_on_cpu(state))
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -584,8 +588,7 @@ def spawn_workers(
     util = state.gpu_memory_utilization if gpu_memory_utilization is None else gpu_memory_utilization
     threads = state.threads
     if state.threads_auto and device == "cpu":  # the cores shared among the CPU workers there will be
-        running = sum(alive(w) and w.device in ("", "cpu") for w in state.workers)
-        threads = min(threads, default_threads(running + count))
+        threads = min(threads, default_threads(len(_running_on_cpu(state)) + count))
     new: list[ProcessEntry] = []
     try:
         index = _spawn_each(state_dir, state, role, count, device, util, standby, threads, new)
