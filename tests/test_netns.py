@@ -40,8 +40,9 @@ pytestmark = pytest.mark.slow
 HOSTS = ("router", "prefill", "decode_a", "decode_b")
 ROUTER_PORT = 50051
 MAX_TOKENS = 48
-# The run whose link is cut streams longer, so that the cut lands mid-stream however fast the machine
-# is; greedy, so all its tokens are the undisturbed run's (which streams as many).
+# The run whose link is cut streams longer, so that the cut lands mid-stream on a fast machine too (the
+# victim is picked by asking the workers at once); greedy, so all its tokens are the undisturbed run's
+# (which streams as many).
 CUT_RUN_TOKENS = 128
 
 
@@ -198,9 +199,13 @@ def _metric(url: str, name: str) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(prefix))
 
 
-def _blocks_used(address: str) -> int:
+def _load(address: str) -> worker_pb2.WorkerLoad:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.Empty(), timeout=5).kv_blocks_used
+        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.Empty(), timeout=5)
+
+
+def _blocks_used(address: str) -> int:
+    return _load(address).kv_blocks_used
 
 
 def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
@@ -235,8 +240,9 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
         with c.channel() as ch:
             streams = ThreadedStreams(generation_pb2_grpc.GenerationStub(ch), again, after=4, timeout=120)
             assert streams.wait_streaming(90)
-            time.sleep(0.6)  # a heartbeat, so the router's view of who runs what is current
-            busy = {w["id"]: w["running"] for w in c.workers() if w["role"] == "decode"}
+            # Asked of the decode workers themselves (milliseconds), not of the router's heartbeat view
+            # through the CLI (a second or more): on a fast CPU the victim's streams ended in between.
+            busy = {n: _load(by_id[n]["address"]).running for n in ("decode_a", "decode_b")}
             victim = max(busy, key=lambda k: busy[k])
             assert busy[victim] > 0, busy
             netns.link(victim, up=False)
