@@ -123,6 +123,7 @@ def test_errors_are_openai_bodies_with_400_404_429_503(model_dir):
                 with pytest.raises(openai.BadRequestError) as info:
                     await client.completions.create(model=str(model_dir), **kwargs)
                 assert info.value.param == param and info.value.type == "invalid_request_error", kwargs
+                assert "retry-after" not in info.value.response.headers  # the same request fails again
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(
                     model=str(model_dir), messages=[{"role": "wizard", "content": "hi"}]
@@ -147,6 +148,8 @@ def test_errors_are_openai_bodies_with_400_404_429_503(model_dir):
                     model=str(model_dir), prompt="hello", max_tokens=3, stream=True
                 )
             assert info.value.status_code == 429 and "queue" in info.value.message
+            # When to try again (openai-python waits that long): on refusals for load only.
+            assert info.value.response.headers.get("retry-after") == "1"
             w.release.set()
             for done in await asyncio.gather(a, b):
                 choice = done.choices[0]
@@ -185,6 +188,7 @@ def test_unavailable_is_503_and_health_and_models_follow_the_router(model_dir):
                     model=str(model_dir), messages=[{"role": "user", "content": "hello"}]
                 )
             assert info.value.status_code == 503 and "decode" in info.value.message
+            assert info.value.response.headers.get("retry-after") == "1"
             models = await client.models.list()
             assert [m.id for m in models.data] == [str(model_dir)] and models.data[0].max_model_len == CONTEXT
             await client.close()

@@ -91,7 +91,15 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _REFUSAL_CODES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
 
 
+# A refusal for load (429: the router's queue is full; 503: no worker can take it now) says when to try
+# again: OpenAI's client libraries wait that long before their retry (openai-python reads Retry-After),
+# where without it they back off on their own schedule. A second: a queue moves on that scale.
+RETRY_AFTER_S = 1
+
+
 def _error_response(err: OpenAIError, headers: Mapping[str, str] | None = None) -> web.Response:
+    if err.status in _REFUSAL_CODES:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=headers)
 
 
