@@ -13,7 +13,7 @@ import dataclasses
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -82,6 +82,8 @@ class RouterTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
@@ -160,13 +162,35 @@ def _prompt_ids(
             f"messages has {len(request.messages.messages)} messages: more than the model's context of "
             f"{context_length} tokens could hold"
         )
-    messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+    messages = chat_messages((m.role, m.content) for m in request.messages.messages)
     try:
-        # The tokenizer checks roles against what the model's chat template allows.
-        return "messages", list(tokenizer.apply_chat_template(messages))
+        # The tokenizer checks roles against what the model's chat template allows. Rendering is cheap;
+        # a chat known to pass the context by its rendered characters (as a text prompt) is refused
+        # before it is tokenized, which takes seconds a megabyte on the event loop.
+        text = tokenizer.render_chat(messages)
     except ValueError as e:
         text = str(e)
         raise InvalidRequest(text if text.startswith("messages") else f"messages: {text}") from e
+    per_token = tokenizer.max_token_chars
+    if per_token:
+        chars = len(text)
+        at_least = f"{chars:,} characters, so at least {-(-chars // per_token):,}"
+        try:
+            check_prompt_length(-(-chars // per_token), context_length, "messages", at_least)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from e
+    # The template places the special tokens itself (as apply_chat_template).
+    return "messages", list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# OpenAI's "developer" role is its newer name for "system" (its API docs: developer messages replace
+# system messages); chat templates know system. For every way in: HTTP, gRPC and /tokenize.
+ROLE_ALIASES = {"developer": "system"}
+
+
+def chat_messages(pairs: Iterable[tuple[str, str]]) -> list[dict[str, str]]:
+    """(role, content) pairs as the chat template takes them, roles' aliases resolved."""
+    return [{"role": ROLE_ALIASES.get(role, role), "content": content} for role, content in pairs]
 
 
 def prepare(

@@ -161,6 +161,14 @@ def test_tokenize_and_detokenize_agree_with_usage(model_dir):
                 "/tokenize", body={"messages": messages, "add_generation_prompt": False}, cast_to=object
             )
             assert no_gen["tokens"] == ids("user : the cat")
+            # OpenAI's "developer" role is system, on /tokenize as on chat (it was refused here alone).
+            dev = [{"role": "developer", "content": "be brief"}, *messages]
+            chat = await client.chat.completions.create(model=model, messages=dev, max_tokens=2)
+            tok_dev = await root.post("/tokenize", body={"messages": dev}, cast_to=object)
+            system = [{"role": "system", "content": "be brief"}, *messages]
+            tok_sys = await root.post("/tokenize", body={"messages": system}, cast_to=object)
+            assert tok_dev["tokens"] == tok_sys["tokens"] and tok_dev["count"] == chat.usage.prompt_tokens
+            assert w.requests[-1].prompt_token_ids == tok_sys["tokens"]  # what the worker got
 
             back = await root.post(
                 "/detokenize", body={"model": model, "tokens": tok["tokens"]}, cast_to=object
@@ -302,5 +310,59 @@ def test_what_vllm_bench_serve_sends_meets_no_404(model_dir):
                     assert lines[-1] == "data: [DONE]"
                     usage = json.loads(lines[-2][6:])["usage"]
                     assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+    run(main())
+
+
+def test_a_kv_cache_shorter_than_the_context_is_the_models_max_model_len(model_dir):
+    """As vLLM's ``max_model_len`` (which never starts with a cache that cannot hold it): clients size their
+    prompts by it. Here the one decode worker's cache holds 12 tokens of the context's 24; a prompt past it
+    is refused with OpenAI's context_length_exceeded code, as a prompt past the context is."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world"), kv_blocks_total=3, block_size=4)
+        async with http_cluster(model_dir, [w]) as (server, _):
+            client, root = sdk(server), root_sdk(server)
+            model = str(model_dir)
+            card = await client.models.retrieve(model)
+            assert card.max_model_len == 12  # type: ignore[attr-defined]
+            assert (await root.post("/tokenize", body={"prompt": "the"}, cast_to=object))[
+                "max_model_len"
+            ] == 12
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model=model, prompt=[ID["the"]] * 13, max_tokens=1)
+            assert info.value.code == "context_length_exceeded" and "KV cache holds 12" in info.value.message
+            await client.close()
+            await root.close()
+
+    run(main())
+
+
+def test_a_body_longer_than_any_request_to_the_model_is_refused_before_it_is_decoded(model_dir):
+    """The bound: the context's worth of the tokenizer's longest token as escaped JSON, plus room for the
+    rest. Decoding a 62 MB list of ids held the router's event loop 4 s (every stream stood still); past the
+    bound a body is refused unread when it says its length, and undecoded when it is chunked."""
+
+    async def main():
+        w = FakeWorker("b1", Role.BOTH, ids("hello world"))
+        async with http_cluster(model_dir, [w]) as (server, _):
+            server.router.tokenizer.max_token_chars = 2  # the fake WordLevel tokenizer gives no bound
+            limit = server.http.body_limit()
+            assert limit == CONTEXT * (12 * 2 + 64) + (1 << 20) < server.http.max_body_bytes
+            url = f"{server.http.url}/v1/completions"
+            big = json.dumps({"prompt": [1] * (limit // 2)}).encode()  # a long list of ids: slow to decode
+
+            async def chunks():
+                for i in range(0, len(big), 1 << 16):
+                    yield big[i : i + (1 << 16)]
+
+            async with aiohttp.ClientSession() as http:
+                for data in (big, chunks()):  # with its length, then chunked
+                    async with http.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+                        err = (await r.json())["error"]
+                        assert r.status == 400 and err["param"] == "body", err
+                        assert f"over the limit of {limit} bytes: more than a request" in err["message"]
+                got, _, _ = await post(http, url, {"prompt": "hello", "max_tokens": 1})
+                assert got == 200
 
     run(main())

@@ -378,13 +378,6 @@ def test_non_streaming_bodies_and_error_events():
     assert ev[1] == "[DONE]" and sse_error(error_from_status("UNAVAILABLE", "x")).endswith(DONE)
 
 
-def test_the_developer_role_is_openais_newer_name_for_system():
-    """OpenAI's API replaced the system role with "developer" (newer SDK examples send it): it reaches the
-    model's template as system, which chat templates know; it was refused as a role the template forbids."""
-    req = chat(messages=[{"role": "developer", "content": "Be terse"}, {"role": "user", "content": "hi"}])
-    assert [(m.role, m.content) for m in req.messages.messages] == [("system", "Be terse"), ("user", "hi")]
-
-
 def test_a_prompt_list_mixing_ids_and_text_is_named_as_such_not_as_a_batch():
     err = error_of(completion, prompt=[1, "a"])
     assert (err.status, err.info.param) == (400, "prompt") and "not both" in err.info.message

@@ -32,6 +32,10 @@ class CountingTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
 
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        self.rendered = [dict(m) for m in messages]
+        return "".join(m["content"] for m in messages)
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
         raise NotImplementedError
 
@@ -75,9 +79,33 @@ def test_token_ids_past_the_context_are_refused_by_their_count():
     assert len(prep.prompt_token_ids) == CONTEXT - 1
 
 
+def test_a_chat_too_long_for_the_context_by_its_rendered_characters_is_refused_untokenized():
+    """As a text prompt: three chats of a 24 MB message each took 85-103 s of the router's CPU to tokenize
+    before their refusal, where the same text as a prompt was refused at once."""
+    tok = CountingTokenizer(max_token_chars=4)
+    chat = g.GenerateRequest(
+        messages=g.ChatMessages(messages=[g.ChatMessage(role="user", content="a" * 4 * CONTEXT)])
+    )
+    with pytest.raises(InvalidRequest) as info:
+        prepare(chat, tok, LIMITS)
+    assert tok.encoded == 0
+    assert str(info.value).startswith("messages has 400 characters, so at least 100 tokens;")
+    chat.messages.messages[0].content = "a" * (4 * CONTEXT - 4)
+    assert len(prepare(chat, tok, LIMITS).prompt_token_ids) == CONTEXT - 1
+
+
+def test_the_developer_role_is_system_over_grpc_as_over_http():
+    """OpenAI's API replaced the system role with "developer" (newer SDK examples send it): the template
+    gets system, which chat templates know, whichever API the chat came by."""
+    tok = CountingTokenizer(max_token_chars=None)
+    msgs = [g.ChatMessage(role="developer", content="be brief"), g.ChatMessage(role="user", content="hi")]
+    prepare(g.GenerateRequest(messages=g.ChatMessages(messages=msgs)), tok, LIMITS)
+    assert tok.rendered == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
 class ChatTokenizer(CountingTokenizer):
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return [1] * (10 * len(messages))
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        return "x" * (10 * len(messages))  # 10 tokens a message (a character a token)
 
 
 def test_a_chat_without_max_tokens_runs_as_far_as_the_context_and_cache_allow():

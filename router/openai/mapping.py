@@ -258,11 +258,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
 }
 
 
-# OpenAI's "developer" role is its newer name for "system" (its API docs: developer messages replace system
-# messages); chat templates know system.
-_ROLE_ALIASES = {"developer": "system"}
-
-
 def _refuse_unsupported(req: object, options: Mapping[str, tuple[object, ...]]) -> None:
     for name, defaults in options.items():
         raw = getattr(req, name)
@@ -299,7 +294,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateReque
     out = g.GenerateRequest(request_id=request_id, sampling=sampling)
     out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
     out.messages.messages.extend(
-        g.ChatMessage(role=_ROLE_ALIASES.get(m.role, m.role), content=text_content(i, m.content))
+        g.ChatMessage(role=m.role, content=text_content(i, m.content))  # aliases: validate.chat_messages
         for i, m in enumerate(req.messages)
     )
     return out

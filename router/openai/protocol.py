@@ -342,7 +342,7 @@ def error_from_status(code_name: str, details: str, sent_as: Mapping[str, str] |
         if m is not None and m.group(1) in _PARAM_NAMES:
             param = _PARAM_NAMES[m.group(1)]
             message = details.removeprefix("sampling.")
-        if "the model's context" in details:
+        if "the model's context" in details or "KV cache holds" in details:  # the context, or the cache
             code = "context_length_exceeded"
         for ours, theirs in (sent_as or {}).items():
             message = re.sub(rf"\b{ours}\b", theirs, message)

@@ -228,13 +228,43 @@ class OpenAIFront:
         body = encoder(self.router.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    def body_limit(self) -> int:
+        """The largest body a request to this model can need: its text as JSON at 12 bytes a character
+        (a character outside the BMP, escaped), and as many characters as the context holds tokens of the
+        tokenizer's longest (``max_token_chars``); 64 bytes of JSON a message (each takes a token); 1 MiB
+        for the rest. A larger body is refused before it is decoded: decoding holds the event loop (62 MB
+        of a token id list held it 4 s, every stream waiting). ``max_body_bytes`` where there is no bound
+        (a tokenizer that gives none), and never more."""
+        if self.router is None or self.router.tokenizer is None:  # (None: a front tested alone)
+            return self.max_body_bytes
+        per_token, context = (
+            self.router.tokenizer.max_token_chars,
+            self.router.current_limits().context_length,
+        )
+        if not per_token or context <= 0:
+            return self.max_body_bytes
+        return min(self.max_body_bytes, context * (12 * per_token + 64) + (1 << 20))
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, refused (400 naming ``body``) over ``body_limit`` before it is read, when it says its
+        length, or before it is decoded."""
+        limit = self.body_limit()
+        length = request.content_length
+        if length is None or length <= limit:
+            body = await request.read()
+            length = len(body)
+            if length <= limit:
+                return body
+        why = "" if limit == self.max_body_bytes else ": more than a request to this model can need"
+        raise invalid(f"request body is {length} bytes, over the limit of {limit} bytes{why}", "body")
+
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        body = await self._read(request)
         req = decode_request(body, TokenizeRequest)
         check_model(req.model, self.model_name)
         self._serving()
         assert self.router.tokenizer is not None
-        args = (req, self.router.tokenizer, self.router.current_limits().context_length)
+        args = (req, self.router.tokenizer, self._max_model_len() or 0)
         # Long texts tokenize off the event loop, which relays every other request's tokens.
         if len(body) > _INLINE_TOKENIZE_BYTES:
             out = await asyncio.to_thread(tokenize, *args)
@@ -243,7 +273,7 @@ class OpenAIFront:
         return web.Response(body=encode(out), content_type="application/json")
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = decode_request(await request.read(), DetokenizeRequest)
+        req = decode_request(await self._read(request), DetokenizeRequest)
         check_model(req.model, self.model_name)
         self._serving()
         assert self.router.tokenizer is not None
@@ -255,8 +285,15 @@ class OpenAIFront:
         return web.Response(body=encode(out), content_type="application/json")
 
     def _card(self) -> ModelCard:
-        context = self.router.current_limits().context_length or None
-        return ModelCard(id=self.model_name, created=self.created, max_model_len=context)
+        """``max_model_len``: the longest sequence a request can have now, as vLLM's (which never starts
+        with a KV cache that cannot hold its max_model_len): the context, or the largest decode worker's
+        KV cache where that holds less (clients size their prompts by it)."""
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self._max_model_len())
+
+    def _max_model_len(self) -> int | None:
+        limits = self.router.current_limits()
+        known = [n for n in (limits.context_length, limits.kv_tokens) if n > 0]
+        return min(known) if known else None
 
     async def models(self, request: web.Request) -> web.Response:
         return web.Response(body=encode(ModelList([self._card()])), content_type="application/json")
@@ -268,7 +305,7 @@ class OpenAIFront:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         with self._refusals_counted():
-            req = decode_request(await request.read(), CompletionRequest)
+            req = decode_request(await self._read(request), CompletionRequest)
             check_model(req.model, self.model_name)
             rid = _request_id(request, Kind.COMPLETION)
             greq = completion_request(req, rid, self.router.current_limits().context_length)
@@ -276,7 +313,7 @@ class OpenAIFront:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         with self._refusals_counted():
-            req = decode_request(await request.read(), ChatCompletionRequest)
+            req = decode_request(await self._read(request), ChatCompletionRequest)
             check_model(req.model, self.model_name)
             rid = _request_id(request, Kind.CHAT)
             greq = chat_request(req, rid)

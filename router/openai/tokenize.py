@@ -19,7 +19,7 @@ from pdserve.router.openai.protocol import (
     invalid,
     present,
 )
-from pdserve.router.validate import RouterTokenizer
+from pdserve.router.validate import RouterTokenizer, chat_messages
 
 
 def tokenize(req: TokenizeRequest, tokenizer: RouterTokenizer, max_model_len: int) -> TokenizeResponse:
@@ -39,9 +39,7 @@ def tokenize(req: TokenizeRequest, tokenizer: RouterTokenizer, max_model_len: in
         assert req.messages is not None
         if req.add_special_tokens:
             raise invalid("add_special_tokens with messages: the template places them", "add_special_tokens")
-        messages = [
-            {"role": m.role, "content": text_content(i, m.content)} for i, m in enumerate(req.messages)
-        ]
+        messages = chat_messages((m.role, text_content(i, m.content)) for i, m in enumerate(req.messages))
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except ValueError as e:
