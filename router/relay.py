@@ -343,6 +343,11 @@ class Relay:
             sampling.CopyFrom(prep.sampling)
             sampling.max_tokens = p.max_tokens - sent
             sampling.min_tokens = max(p.min_tokens - sent, 0)
+        if route.prefill is not None and not sent and prep.params.max_tokens == 1:
+            # Token 0 is the whole answer and P samples it: no decode call, no KV reservation, no
+            # transfer (which the finish at token 0 would only abort, counted as a failure).
+            await self._prefill_only(job, prep, out, write, timeout, deadline_unix)
+            return
         req = worker_pb2.WorkerGenerateRequest(
             request_id=prep.request_id,
             prompt_token_ids=prompt,
@@ -450,17 +455,8 @@ class Relay:
         assert route is not None and route.prefill is not None
         d, p = route.decode, route.prefill
         stub, meta = self._channels.stub(p.address), self._channels.metadata(prep.request_id)
-        key = uuid.uuid4().hex  # this attempt's: its AttachTicket reaches this Prefill, no other
-        preq = worker_pb2.PrefillRequest(
-            request_id=prep.request_id,
-            prompt_token_ids=prep.prompt_token_ids,
-            sampling=prep.sampling,
-            deadline_unix=deadline_unix,
-            attach_key=key,
-        )
-        pcall = stub.Prefill(preq, timeout=timeout, metadata=meta)
-        job.calls.append(pcall)
-        p_task: asyncio.Future | None = asyncio.ensure_future(pcall)
+        key, started = self._prefill(job, prep, p, timeout, deadline_unix)
+        p_task: asyncio.Future | None = started
         read: asyncio.Future | None = asyncio.ensure_future(dcall.read())
         attach: asyncio.Future | None = None  # P's AttachTicket call, once D's ticket came
         attached = answered = False
@@ -531,6 +527,44 @@ class Relay:
         finally:
             if not attached:
                 self._drop_prefill(p, prep.request_id, key)
+
+    def _prefill(
+        self, job: Job, prep: Prepared, p: Worker, timeout: float | None, deadline_unix: float
+    ) -> tuple[str, asyncio.Future]:
+        """P's Prefill call, started: this attempt's attach key (its AttachTicket reaches this Prefill, no
+        other) and the call's future."""
+        key = uuid.uuid4().hex
+        preq = worker_pb2.PrefillRequest(
+            request_id=prep.request_id,
+            prompt_token_ids=prep.prompt_token_ids,
+            sampling=prep.sampling,
+            deadline_unix=deadline_unix,
+            attach_key=key,
+        )
+        meta = self._channels.metadata(prep.request_id)
+        pcall = self._channels.stub(p.address).Prefill(preq, timeout=timeout, metadata=meta)
+        job.calls.append(pcall)
+        return key, asyncio.ensure_future(pcall)
+
+    async def _prefill_only(
+        self, job: Job, prep: Prepared, out: _Out, write: Write, timeout: float | None, deadline_unix: float
+    ) -> None:
+        """A request whose token 0 is its last (max_tokens 1) on a remote-prefill route: P's answer alone,
+        and P drops the KV at once (an empty ticket). No decode call: a reservation and a transfer that
+        the finish at token 0 would only abort (counted as a failed transfer on both sides)."""
+        p = job.route.prefill if job.route is not None else None
+        assert p is not None
+        key, task = self._prefill(job, prep, p, timeout, deadline_unix)
+        try:
+            await asyncio.wait((task,))
+            self._release_prefill(job)
+            resp = self._outcome(task, job, p, "prefill")
+            job.prefill_pending = False
+        finally:
+            task.cancel()  # (a no-op once it ended)
+            self._drop_prefill(p, prep.request_id, key)
+        tok = resp.first_token_id
+        await self._deliver(out, (tok,), 0, self._first_token_finish(prep, tok) or "length", write)
 
     def _drop_prefill(self, p: Worker, request_id: str, key: str) -> None:
         """Tell P to free the KV of a prefill that will get no ticket (fire and forget: P also drops it

@@ -385,6 +385,36 @@ def test_remote_route_ends_on_eos_from_prefill(model_dir):
     run(main())
 
 
+def test_max_tokens_1_on_a_remote_route_is_the_prefill_workers_answer_alone(model_dir):
+    """Token 0 is the whole answer and P samples it: the decode worker gets no call (no reservation, no
+    KV moved only to be aborted and counted as a failed transfer on both sides), and P is told at once to
+    drop the KV it holds (an empty ticket). Also seeded sampling's token 0, and EOS as token 0."""
+
+    async def main():
+        transfers = Transfers()
+        out = ids("hello world the cat")
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers)
+        async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (_, stub):
+            r = request("the cat sat", max_tokens=1)
+            tokens, text, msgs = await collect(stub.Generate(r))
+            assert tokens == out[:1] and text == " hello" and msgs[-1].finish_reason == "length"
+            assert msgs[-1].usage.completion_tokens == 1
+            assert not d.requests  # no decode call at all
+            assert any(isinstance(q, worker_pb2.PrefillRequest) for q in p.requests)
+            await p.wait_for(lambda: p.attached)
+            assert p.attached == [(msgs[-1].request_id, b"")]  # P drops the KV now, not at its timeout
+            p.tokens = [EOS]
+            tokens, _, msgs = await collect(stub.Generate(request("the cat sat", max_tokens=1)))
+            assert tokens == [EOS] and msgs[-1].finish_reason == "stop" and not d.requests
+            # Two tokens: the decode worker streams the second, as before.
+            p.tokens = out
+            tokens, _, _ = await collect(stub.Generate(request("the cat sat", max_tokens=2)))
+            assert tokens[0] == out[0] and d.requests[-1].mode == worker_pb2.PREFILL_MODE_REMOTE
+
+    run(main())
+
+
 def test_queue_bound_rejects_excess_while_admitted_requests_complete(model_dir):
     async def main():
         w = FakeWorker("b1", Role.BOTH, ids("hello world the"), max_running=1)
