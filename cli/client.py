@@ -128,11 +128,16 @@ def status_table(doc: dict[str, Any]) -> str:
         (w["id"], w["role"], "not registered", w["device"], "-", f"pid {w['pid']}", "-", "-", "-", "-")
         for w in unregistered
     ]
+    exited = doc.get("exited", [])
+    rows += [
+        (w["id"], w["role"], "exited", w["device"], "-", f"pid {w['pid']}", "-", "-", "-", w["log"] or "-")
+        for w in exited
+    ]
     # A TOTAL row per pool (see ``status_doc``): the KV of prefill and decode workers is not one sum; a
     # pool whose workers all run unregistered still gets one ("0/1 ready").
     pools = dict(t.get("pools", {}))
     counts = dict(t.get("by_role", {}))
-    for w in unregistered:
+    for w in [*unregistered, *exited]:
         pools.setdefault(
             w["role"], {"ready": 0, "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 0}
         )

@@ -93,6 +93,14 @@ def each_share(device: str, workers: int, given: float | None) -> float:
     return DEFAULT_GPU_MEMORY_UTILIZATION / max(workers, 1)
 
 
+# A colocated worker always prefills its own prompts (router/policy.py): prefill workers serve decode
+# workers only.
+IDLE_PREFILL_NOTE = (
+    "note: the prefill workers will get no requests: colocated workers prefill their own prompts and only "
+    "decode workers take prompts prefilled elsewhere (add --decode workers, or drop --prefill to 0)"
+)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     with cluster.state_lock(args.state_dir, create=True):
         return _up(args)
@@ -118,6 +126,8 @@ def _up(args: argparse.Namespace) -> int:
             warm[role] = bounds.warm
     if sum(counts.values()) and not (counts[Role.DECODE] or counts[Role.BOTH]):
         raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
+    if counts[Role.PREFILL] and counts[Role.BOTH] and not counts[Role.DECODE]:
+        say(IDLE_PREFILL_NOTE)
     n_workers = sum(counts.values()) + sum(warm.values())
     # Autoscaled pools may grow to their maximum: the cores are shared for that many from the start (a
     # running worker's thread count is fixed; later ones get fewer only while the cores run short).
@@ -331,6 +341,8 @@ def _scale(args: argparse.Namespace) -> int:
     }
     if not serving[Role.DECODE] and not serving[Role.BOTH]:
         raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
+    if serving[Role.PREFILL] and serving[Role.BOTH] and not serving[Role.DECODE]:
+        say(IDLE_PREFILL_NOTE)
     removing: list[cluster.ProcessEntry] = []
     wanted: dict[Role, int] = {}  # more serving workers than now: promoted standby ones, else new ones
     for role, target in targets.items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,19 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
         if not low <= n <= high:
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {n}")
         return n
+
+    return parse
+
+
+def _seconds(positive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds, > 0 (``positive``) or >= 0."""
+
+    def parse(text: str) -> float:
+        x = float(text)
+        if not math.isfinite(x) or (x <= 0 if positive else x < 0):
+            bound = "> 0" if positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be a number of seconds {bound}, got {text}")
+        return x
 
     return parse
 
@@ -202,7 +216,7 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--queue-timeout",
-        type=float,
+        type=_seconds(True),
         default=d.queue_timeout_s,
         help="seconds a request may wait in the router's queue for a decode worker with room, then "
         "UNAVAILABLE (HTTP 503)",
@@ -215,28 +229,31 @@ def _router_tuning(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--heartbeat-interval",
-        type=float,
+        type=_seconds(True),
         default=d.heartbeat_interval_s,
         help="seconds between workers' heartbeats",
     )
     p.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=_seconds(True),
         default=d.heartbeat_timeout_s,
         help="seconds without a heartbeat after which a worker is dropped and its requests move",
     )
     p.add_argument(
         "--request-timeout",
-        type=float,
+        type=_seconds(False),
         default=d.request_timeout_s,
         help="deadline for requests that set none (0: none)",
     )
     p.add_argument(
-        "--metrics-port", type=_nonneg, default=d.metrics_port, help="the router's /metrics port (0: any)"
+        "--metrics-port",
+        type=_int_in(0, 65535),
+        default=d.metrics_port,
+        help="the router's /metrics port (0: any)",
     )
     p.add_argument(
         "--http-port",
-        type=_nonneg,
+        type=_int_in(0, 65535),
         default=None,
         help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port "
         "(0: a free one; default: off)",
@@ -267,7 +284,7 @@ def _worker_tuning(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-stall-timeout",
-        type=float,
+        type=_seconds(True),
         default=WorkerArgs.kv_stall_timeout_s,
         help="seconds a started KV transfer may make no progress before the decode worker fails it: no "
         "layer landed, or with one-sided writes (puts, cross-memory, shared memory) none reported put by "
@@ -350,10 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _device_args(p, "up")
     p.add_argument("--host", default=DEFAULT_HOST, help="the address every process binds to")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the router's gRPC port")
+    p.add_argument("--port", type=_int_in(1, 65535), default=DEFAULT_PORT, help="the router's gRPC port")
     p.add_argument(
         "--threads",
-        type=int,
+        type=_positive,
         default=None,
         help="torch threads per worker (default: cores / workers, at least 1)",
     )
@@ -363,21 +380,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin every worker to its own cores (its --threads of them, least used first), so that "
         "cluster shapes with the same worker count run on the same cores",
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for everything to be ready")
+    p.add_argument(
+        "--timeout", type=_seconds(True), default=600.0, help="seconds to wait for everything to be ready"
+    )
     p.add_argument(
         "--prometheus", action="store_true", help="also start a Prometheus server scraping the cluster"
     )
-    p.add_argument("--prometheus-port", type=int, default=9090, help="its HTTP port (default %(default)s)")
-    p.add_argument("--scrape-interval", type=float, default=5.0, help="its scrape interval in seconds")
+    p.add_argument(
+        "--prometheus-port", type=_int_in(1, 65535), default=9090, help="its HTTP port (default %(default)s)"
+    )
+    p.add_argument(
+        "--scrape-interval", type=_seconds(True), default=5.0, help="its scrape interval in seconds"
+    )
     p.add_argument(
         "--alertmanager",
         action="store_true",
         help="also start an Alertmanager that the Prometheus sends its alerts to (implies --prometheus)",
     )
-    p.add_argument("--alertmanager-port", type=int, default=9093, help="its HTTP port (default %(default)s)")
+    p.add_argument(
+        "--alertmanager-port",
+        type=_int_in(1, 65535),
+        default=9093,
+        help="its HTTP port (default %(default)s)",
+    )
     p.add_argument(
         "--alert-for",
-        type=float,
+        type=_seconds(False),
         default=None,
         help="seconds every alert must hold before it fires, instead of each rule's own (minutes): "
         "for a demo or a test",
@@ -396,7 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--colocated", type=_nonneg, default=None, help="colocated workers wanted (default: as now)"
     )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for new workers / drains")
+    p.add_argument(
+        "--timeout", type=_seconds(True), default=600.0, help="seconds to wait for new workers / drains"
+    )
     _device_args(p, "scale")
     _state_dir(p)
 
@@ -428,7 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None, help="a seed: reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="one JSON object per streamed message")
-    p.add_argument("--timeout", type=float, default=600.0, help="the request's deadline in seconds (0: none)")
+    p.add_argument(
+        "--timeout", type=_seconds(False), default=600.0, help="the request's deadline in seconds (0: none)"
+    )
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
     _tls_args(p, server=False)
     _state_dir(p)
@@ -450,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("router", help="run the router in the foreground")
     p.add_argument("--host", default=DEFAULT_HOST, help="the address to bind")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="the gRPC port")
+    p.add_argument("--port", type=_int_in(0, 65535), default=DEFAULT_PORT, help="the gRPC port (0: any)")
     _model_args(p)
     _router_tuning(p)
     _token_arg(p)
@@ -460,10 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=[r.value for r in Role], required=True, help="the worker's pool")
     p.add_argument("--router", required=True, help="the router's address, host:port")
     p.add_argument("--host", default=DEFAULT_HOST, help="the address to bind and register (a pod IP)")
-    p.add_argument("--port", type=_nonneg, default=0, help="0: pick a free port")
+    p.add_argument("--port", type=_int_in(0, 65535), default=0, help="0: pick a free port")
     _model_args(p)
     _device_args(p, "worker")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=_positive, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--cpus",
         type=cluster.parse_cpu_list,
@@ -741,6 +773,19 @@ def cmd_status(args: argparse.Namespace) -> int:
             for w in state.workers
             if w.id not in listed and cluster.alive(w)
         ]
+        # ... and those whose process is gone (crashed, killed): the router forgot them, the state file
+        # still counts them, and `scale` would drop them; without this row the pool just looked smaller.
+        doc["exited"] = [
+            {
+                "id": w.id,
+                "role": w.role.value if w.role else "unknown",
+                "pid": w.pid,
+                "device": w.device or "cpu",
+                "log": w.log,
+            }
+            for w in state.workers
+            if w.id not in listed and not cluster.alive(w)
+        ]
     scaler = None if state is None else cluster_cmds.autoscaler_status(state, args.state_dir)
     if scaler is not None:
         doc["autoscaler"] = scaler
@@ -783,6 +828,12 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    for what, text in (("the prompt", args.prompt), *(("a --stop string", s) for s in args.stop)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # argv bytes that are not UTF-8 (Python keeps them as surrogates)
+            cluster_cmds.say(f"pdserve generate: {what} is not valid UTF-8 text")
+            return 2
     req = client.build_request(
         args.prompt,
         chat=args.chat,

@@ -59,6 +59,23 @@ def test_parser_defaults_and_validation():
         ["up", "--block-size", "0"],  # (these three failed in the worker, not naming the flag)
         ["up", "--max-running", "0"],
         ["worker", "--role", "decode", "--router", "a:1", "--max-batched-tokens", "0"],
+        # Checked here, naming the flag: they failed in the spawned router or worker seconds later
+        # (naming a config field), or after the whole cluster had started (a traceback), or never
+        # (a negative --timeout left `scale`'s new worker starting).
+        ["up", "--timeout", "0"],
+        ["scale", "--timeout", "-1"],
+        ["generate", "hi", "--timeout", "-5"],
+        ["up", "--prometheus", "--scrape-interval", "0"],
+        ["up", "--alertmanager", "--alert-for", "-1"],
+        ["up", "--prometheus-port", "99999"],
+        ["up", "--heartbeat-interval", "0"],
+        ["up", "--queue-timeout", "-1"],
+        ["up", "--request-timeout", "-1"],
+        ["up", "--request-timeout", "nan"],
+        ["up", "--http-port", "70000"],
+        ["up", "--metrics-port", "99999"],
+        ["up", "--threads", "-3"],
+        ["up", "--kv-stall-timeout", "0"],
         ["frobnicate"],
     ):
         with pytest.raises(SystemExit):
@@ -682,6 +699,43 @@ def test_a_worker_added_later_shares_the_cores_with_those_running(tmp_path, monk
         assert started[-1][started[-1].index("--threads") + 1] == "2"
     finally:
         cluster.stop_processes([first], term_timeout_s=5)
+
+
+def test_status_lists_a_worker_whose_process_exited_and_counts_it_in_its_pool(tmp_path, capsys, monkeypatch):
+    """A crashed worker vanished from `pdserve status` (its pool just looked smaller: "1/1 ready" of two
+    started); only a later `scale` said it had exited."""
+    router = cluster.ProcessEntry(id="router", pid=11, start=5, log="r.log")
+    served = cluster.ProcessEntry(id="decode-1", pid=12, start=6, log="d1.log", role=Role.DECODE)
+    gone = cluster.ProcessEntry(id="decode-2", pid=13, start=7, log="d2.log", role=Role.DECODE)
+    cluster.save_state(tmp_path, fake_state(router, (served, gone), 3))
+    monkeypatch.setattr(cluster, "alive", lambda p: p.id != "decode-2")
+    entry = worker_pb2.WorkerEntry(
+        info=worker_pb2.WorkerInfo(worker_id="decode-1", role=worker_pb2.ROLE_DECODE, address="127.0.0.1:2"),
+        load=worker_pb2.WorkerLoad(worker_id="decode-1", state=worker_pb2.WORKER_STATE_READY),
+    )
+    status = worker_pb2.ClusterStatus(router_address="127.0.0.1:1", workers=[entry])
+    monkeypatch.setattr(cluster, "cluster_status", lambda *a, **k: status)
+    assert cli.main(["status", "--json", "--state-dir", str(tmp_path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(w["id"], w["pid"], w["log"]) for w in doc["exited"]] == [("decode-2", 13, "d2.log")]
+    assert doc["unregistered"] == []
+    assert cli.main(["status", "--state-dir", str(tmp_path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert next(ln.split() for ln in table if ln.startswith("decode-2"))[:3] == [
+        "decode-2",
+        "decode",
+        "exited",
+    ]
+    assert next(ln.split() for ln in table if ln.startswith("TOTAL"))[:3] == ["TOTAL", "decode", "1/2"]
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8_naming_it(tmp_path, capsys):
+    """Bytes of argv that are not UTF-8 (Python keeps them as surrogates) were a UnicodeEncodeError
+    traceback; nothing is sent."""
+    assert cli.main(["generate", "\udcff\udcfe bad", "--router", "127.0.0.1:1"]) == 2
+    assert "the prompt is not valid UTF-8 text" in capsys.readouterr().err
+    assert cli.main(["generate", "ok", "--stop", "\udcff", "--router", "127.0.0.1:1"]) == 2
+    assert "a --stop string is not valid UTF-8 text" in capsys.readouterr().err
 
 
 def test_status_lists_a_running_worker_the_router_does_not_and_its_pool():
