@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.deploy.local import cluster
-from pdserve.proto import generation_pb2, generation_pb2_grpc
+from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdserve.worker.auth import token_metadata
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,6 +266,14 @@ class ThreadedStreams:
     def join(self, timeout: float) -> None:
         for t in self._threads:
             t.join(timeout)
+
+
+def worker_load(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> worker_pb2.WorkerLoad:
+    """A worker's load asked of the worker itself (GetLoad, milliseconds): what it runs and holds now,
+    where the router's view lags a heartbeat and ``Cluster.status`` adds a CLI process start (a second
+    or more, in which a fast CPU finishes a short stream)."""
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.Empty(), timeout=5, metadata=metadata)
 
 
 def run_all(address: str, reqs) -> dict[str, tuple[list[int], str, str]]:

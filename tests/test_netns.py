@@ -27,13 +27,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 
 from pdserve.deploy.local import cluster
-from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.proto import generation_pb2, generation_pb2_grpc
 from pdserve.worker.role import Role
-from tests.cluster_harness import Cluster, ThreadedStreams, generate
+from tests.cluster_harness import Cluster, ThreadedStreams, generate, worker_load
 
 pytestmark = pytest.mark.slow
 
@@ -199,13 +198,8 @@ def _metric(url: str, name: str) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(prefix))
 
 
-def _load(address: str) -> worker_pb2.WorkerLoad:
-    with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.Empty(), timeout=5)
-
-
 def _blocks_used(address: str) -> int:
-    return _load(address).kv_blocks_used
+    return worker_load(address).kv_blocks_used
 
 
 def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
@@ -242,7 +236,7 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
             assert streams.wait_streaming(90)
             # Asked of the decode workers themselves (milliseconds), not of the router's heartbeat view
             # through the CLI (a second or more): on a fast CPU the victim's streams ended in between.
-            busy = {n: _load(by_id[n]["address"]).running for n in ("decode_a", "decode_b")}
+            busy = {n: worker_load(by_id[n]["address"]).running for n in ("decode_a", "decode_b")}
             victim = max(busy, key=lambda k: busy[k])
             assert busy[victim] > 0, busy
             netns.link(victim, up=False)

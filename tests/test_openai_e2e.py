@@ -18,10 +18,11 @@ import openai
 import pytest
 
 from pdserve.bench.tool_compare import Target, Workload, compare, find_guidellm, format_report
+from pdserve.deploy.local import cluster
 from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import generation_pb2 as g
-from tests.cluster_harness import free_port, generate, running_cluster
+from tests.cluster_harness import free_port, generate, running_cluster, worker_load
 
 pytestmark = pytest.mark.slow
 
@@ -123,14 +124,29 @@ def test_disconnected_http_clients_free_their_kv_blocks_on_every_worker(topology
     worker and on both workers of a disaggregated pair (the prefill worker's blocks after their push)."""
     c = request.getfixturevalue("http_cluster" if topology == "colocated" else "pd_http_cluster")
     streams = 4
-    kw = {"model": DEFAULT_MODEL, "max_tokens": 400, "extra_body": {"ignore_eos": True}}
+    # Long enough that none ends before its client goes, however fast the CPU (with 400, a CPU ~8x this
+    # host's decode speed finished them during the status calls below: "never saw 5 requests running").
+    # Every one is cut mid-generation, so the length costs nothing; 5 x 1,500 tokens fit the default KV.
+    kw = {"model": DEFAULT_MODEL, "max_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    state = cluster.load_state(c.state_dir)
+    assert state is not None
+    token = cluster.state_token(state)
 
     async def until_running(n: int) -> None:
-        for _ in range(100):  # bounded: a failure bound, not a latency check
-            if c.status()["router"]["requests_running"] == n:
+        for _ in range(200):  # bounded: a failure bound, not a latency check
+            # Asked of the router itself (milliseconds), not through the CLI (a process start each).
+            status = await asyncio.to_thread(cluster.cluster_status, c.address, token=token)
+            if status.requests_running == n:
                 return
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)
         raise AssertionError(f"never saw {n} requests running")
+
+    def blocks_used() -> int:
+        """KV blocks in use, asked of each worker itself (GetLoad: no heartbeat lag, no CLI)."""
+        total = 0
+        for w in cluster.cluster_status(c.address, token=token).workers:
+            total += worker_load(w.info.address, c.token_metadata()).kv_blocks_used
+        return total
 
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -147,7 +163,7 @@ def test_disconnected_http_clients_free_their_kv_blocks_on_every_worker(topology
         plain = asyncio.ensure_future(client.completions.create(prompt=PROMPTS[1], **kw))
         await until_running(streams + 1)
         # Mid-generation the blocks are in use (so the check below can see a leak); then the clients go.
-        used = sum(w["kv_blocks_used"] for w in c.workers())
+        used = await asyncio.to_thread(blocks_used)
         for s in opened:
             await s.close()
         plain.cancel()

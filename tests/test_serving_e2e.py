@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
-from tests.cluster_harness import generate, migrations, run_all, running_cluster, streaming
+from tests.cluster_harness import generate, migrations, run_all, running_cluster, streaming, worker_load
 
 pytestmark = pytest.mark.slow
 
@@ -298,9 +298,15 @@ def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_pat
         want = run_all(c.address, reqs)  # undisturbed, on the same cluster
         decoders = [w for w in c.workers() if w["role"] == "decode"]
         assert len(decoders) == 2
-        victim = decoders[0]
         with streaming(c, reqs, after=3) as streams:
             assert streams.wait_streaming(120)
+            # The victim is the decode worker running most streams, asked of the workers themselves
+            # (milliseconds): a fixed one may have ended all of its 40-token streams already (one was
+            # seen to end before the last had its 3 tokens), and then nothing migrates. The last
+            # stream to get its 3 tokens has most of its 40 to go: some worker still runs it.
+            busy = {w["id"]: worker_load(w["address"], c.token_metadata()).running for w in decoders}
+            victim = max(decoders, key=lambda w: busy[w["id"]])
+            assert busy[victim["id"]] > 0, busy
             os.kill(c.worker_pid(victim["id"]), signal.SIGKILL)
         assert not streams.errors, streams.errors
         for r in reqs:
