@@ -220,7 +220,9 @@ def _up(args: argparse.Namespace) -> int:
             state = start_autoscaler(state_dir, state, args)
             cluster.save_state(state_dir, state)
     except BaseException as exc:  # whatever failed (a worker that could not start, Ctrl-C, a bug)
-        say(f"start failed, stopping what was started: {type(exc).__name__}: {exc}")
+        # A ClusterError's words (with the log tail) are said once, by main, after this.
+        why = "" if isinstance(exc, cluster.ClusterError) else f": {type(exc).__name__}: {exc}"
+        say(f"start failed, stopping what was started{why}")
         _stop_all(state, drain_timeout_s=0.0)
         cluster.remove_state(state_dir)
         raise
@@ -458,6 +460,10 @@ def _promote_standby(
 def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
     workers = [w for w in state.workers if cluster.alive(w)]
     if workers and drain_timeout_s > 0 and cluster.alive(state.router):
+        say(
+            f"draining {', '.join(w.id for w in workers)}: their requests in flight finish first (at most "
+            f"{drain_timeout_s:.0f}s, --timeout)"
+        )
         for wid in cluster.remove_workers(state, workers, drain_timeout_s, say):
             say(f"{wid} did not drain within {drain_timeout_s:.0f}s: stopped, cutting its requests in flight")
     else:

@@ -127,7 +127,9 @@ class Router:
         live = [w for w in self.registry if w.state in (State.READY, State.LOADING)]
         decoders = [w for w in live if w.role.decodes]
         if not decoders:
-            raise RelayError(grpc.StatusCode.UNAVAILABLE, "no decode or colocated worker is available")
+            draining = any(w.role.decodes and w.state is State.DRAINING for w in self.registry)
+            why = ": every one is draining (the cluster is stopping or scaling down)" if draining else ""
+            raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no decode or colocated worker is available{why}")
         context = self.current_limits().context_length
         total = n + max(max_tokens, 1)
         if context > 0:

@@ -161,6 +161,7 @@ def test_up_fails_with_the_log_tail_and_stops_what_it_started(tmp_path, capsys):
     assert cli.main(args) == 1
     err = capsys.readouterr().err
     assert "router" in err and "no-such-model" in err  # the router's own error, from its log
+    assert err.count("cannot serve model") == 1  # said once (it was twice, with the log tail twice)
     assert cluster.load_state(tmp_path) is None
 
 
@@ -754,3 +755,23 @@ def test_status_lists_a_running_worker_the_router_does_not_and_its_pool():
         "0/1",
         "ready",
     ]
+
+
+def test_a_long_drain_says_what_it_still_waits_for(monkeypatch):
+    """`down` (and `scale`) drained 3 long streams for 37 s without a word; now every few seconds it names
+    the workers still draining, what they run, and the time left."""
+    entry = cluster.ProcessEntry(id="decode-1", pid=12, start=6, log="d.log", role=Role.DECODE)
+    state = fake_state(cluster.ProcessEntry(id="router", pid=11, start=5, log="r.log"), (entry,))
+    exits_at = time.monotonic() + 0.5
+    monkeypatch.setattr(cluster, "alive", lambda p: time.monotonic() < exits_at)
+    monkeypatch.setattr(cluster, "_DRAIN_NOTE_S", 0.2)
+    monkeypatch.setattr(cluster, "_POLL_S", 0.01)
+    load = worker_pb2.WorkerLoad(worker_id="decode-1", running=3)
+    status = worker_pb2.ClusterStatus(
+        workers=[worker_pb2.WorkerEntry(info=worker_pb2.WorkerInfo(worker_id="decode-1"), load=load)]
+    )
+    monkeypatch.setattr(cluster, "cluster_status", lambda *a, **k: status)
+    said: list[str] = []
+    assert cluster._wait_drained(state, [entry], 30.0, said.append) == []  # it exited: none stuck
+    assert 1 <= len(said) <= 3 and all("still draining after" in s for s in said), said
+    assert "decode-1 (3 running); 30s left" in said[0]

@@ -977,6 +977,12 @@ def test_drain_worker_finishes_in_flight_then_the_worker_leaves(model_dir):
             assert states == {"b1": worker_pb2.WORKER_STATE_DRAINING, "b2": worker_pb2.WORKER_STATE_READY}
             tokens, _, _ = await collect(stub.Generate(request(max_tokens=2)))
             assert tokens == ids("the cat")  # new work goes elsewhere
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                registry = worker_pb2_grpc.RegistryStub(channel)
+                await registry.DrainWorker(worker_pb2.DrainWorkerRequest(worker_id="b2"))
+            # None left to take it: says why (as `down` drains every worker), not just "none available".
+            why = await expect_error(stub.Generate(request(max_tokens=2)), grpc.StatusCode.UNAVAILABLE)
+            assert "every one is draining" in why
             await until(lambda: w1.shell.state.value == "draining", what="b1 to hear the drain")
             w1.release.set()
             tokens, _, msgs = await collect(a)

@@ -675,9 +675,45 @@ def remove_workers(
         except grpc.RpcError as err:
             progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")
             send(e, signal.SIGTERM)
-    stuck = wait_exit(entries, drain_timeout_s)
+    stuck = _wait_drained(state, entries, drain_timeout_s, progress)
     cut_drains(stuck)
     return [p.id for p in stuck]
+
+
+_DRAIN_NOTE_S = 10.0  # a drain that lasts says what it still waits for this often
+
+
+def _wait_drained(
+    state: ClusterState, entries: Sequence[ProcessEntry], timeout_s: float, progress: Callable[[str], None]
+) -> list[ProcessEntry]:
+    """``wait_exit``, saying every ``_DRAIN_NOTE_S`` which workers still drain and what they still run
+    (a drain of long streams took 37 s with no word)."""
+    pending = list(entries)
+    start = time.monotonic()
+    give_up, note = start + timeout_s, start + _DRAIN_NOTE_S
+    while pending:
+        pending = [p for p in pending if alive(p)]
+        now = time.monotonic()
+        if not pending or now > give_up:
+            break
+        if now >= note:
+            note += _DRAIN_NOTE_S
+            running = _running(state)
+            still = ", ".join(
+                f"{p.id} ({running[p.id]} running)" if p.id in running else p.id for p in pending
+            )
+            progress(f"still draining after {now - start:.0f}s: {still}; {give_up - now:.0f}s left")
+        time.sleep(_POLL_S)
+    return pending
+
+
+def _running(state: ClusterState) -> dict[str, int]:
+    """Requests each worker runs, as the router last heard ({} when it cannot say)."""
+    try:
+        status = cluster_status(state.router_address, token=state_token(state), tls=state_tls(state))
+    except grpc.RpcError:
+        return {}
+    return {e.info.worker_id: e.load.running for e in status.workers}
 
 
 def replace_worker(state: ClusterState, entry: ProcessEntry) -> ClusterState:
