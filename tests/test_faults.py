@@ -231,7 +231,10 @@ HANG_OR_KILL_PROMPTS = {"n": 8, "length": 640, "seed": 1}  # the issue's 8 long 
 def two_prefill(tmp_path_factory):
     """One 2P+1D cluster for the hang and the kill of a prefill worker mid-prefill (in that order: the
     hung worker comes back), and the undisturbed greedy tokens of their prompts, by position."""
-    extra = (*REMOTE, "--heartbeat-timeout", "1.5")
+    # 3 s: long enough that a healthy worker's heartbeats are not missed in its first forward on a loaded
+    # 2-core machine (seen once at 1.5 s: the other prefill worker dropped, which would fail the hang
+    # test's "moved to the other one").
+    extra = (*REMOTE, "--heartbeat-timeout", "3")
     with running_cluster(tmp_path_factory.mktemp("two-prefill"), prefill=2, decode=1, extra=extra) as c:
         reqs = _prompts(**HANG_OR_KILL_PROMPTS, prefix="undisturbed")
         want = run_all(c.address, reqs)
