@@ -29,7 +29,7 @@ class SloThresholds:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
     def goodput_args(self) -> list[str]:
-        """The thresholds as ``pdserve bench serve --goodput`` pairs (milliseconds, vLLM's names)."""
+        """The thresholds as ``pdserve bench --goodput`` pairs (milliseconds, vLLM's names)."""
         return [f"ttft:{self.ttft_s * 1e3:g}", f"tpot:{self.itl_s * 1e3:g}", f"e2el:{self.e2e_s * 1e3:g}"]
 
 

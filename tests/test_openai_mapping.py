@@ -382,3 +382,11 @@ def test_a_prompt_list_mixing_ids_and_text_is_named_as_such_not_as_a_batch():
     err = error_of(completion, prompt=[1, "a"])
     assert (err.status, err.info.param) == (400, "prompt") and "not both" in err.info.message
     assert "batch of 2" in error_of(completion, prompt=["a", "b"]).info.message
+
+
+def test_max_completion_tokens_on_completions_is_refused_by_name_not_ignored():
+    """Chat's name for max_tokens was silently ignored on /v1/completions (16 tokens for a request of 5)."""
+    err = error_of(completion, prompt="hi", max_completion_tokens=5)
+    assert (err.status, err.info.param) == (400, "max_completion_tokens") and "max_tokens" in err.info.message
+    assert completion(prompt="hi", max_tokens=5, max_completion_tokens=None).sampling.max_tokens == 5
+    assert chat(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5).sampling.max_tokens == 5

@@ -171,6 +171,11 @@ def completion_request(req: CompletionRequest, request_id: str, context_length: 
         raise invalid("logprobs is not supported", "logprobs")
     if req.best_of not in (None, 1):
         raise invalid(f"best_of must be 1, got {req.best_of}", "best_of")
+    if present(req.max_completion_tokens):
+        raise invalid(
+            "max_completion_tokens is a chat completions field; /v1/completions takes max_tokens",
+            "max_completion_tokens",
+        )
     # The completions default (16) is also the engine's: an unset max_tokens stays unset.
     out = g.GenerateRequest(request_id=request_id, sampling=_sampling(req, req.max_tokens))
     prompt = req.prompt

@@ -86,6 +86,8 @@ class CompletionRequest(_GenerationFields, frozen=True, kw_only=True):
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    # Chat's name for max_tokens: kept raw to be refused by name (ignored, it left the default of 16).
+    max_completion_tokens: msgspec.Raw = msgspec.Raw()
 
 
 class ContentPart(msgspec.Struct, frozen=True):
