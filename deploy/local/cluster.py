@@ -126,7 +126,7 @@ def state_lock(
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                holder = _holder(fd)
             if interrupt and holder.isdigit() and _interruptible(int(holder)):
                 # As Ctrl-C first (`up` then stops what it started); SIGTERM if that was not enough (a
                 # process started with SIGINT ignored, as `&` in a script does).
@@ -146,11 +146,23 @@ def state_lock(
                     "it is done"
                 )
             time.sleep(_POLL_S)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        # The pid over the old one, then the rest cut: a reader never finds the file empty ("pid ?").
+        mine = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, mine, 0)
+        os.ftruncate(fd, len(mine))
         yield
     finally:
         os.close(fd)  # (releases the lock)
+
+
+def _holder(fd: int) -> str:
+    """The pid the lock's holder wrote ("?" if it has not yet: it writes just after taking the lock)."""
+    for _ in range(5):
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text:
+            return text
+        time.sleep(0.01)
+    return "?"
 
 
 _INTERRUPT_GRACE_S = 15.0
