@@ -898,7 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster_cmds.say(f"pdserve {args.command}: {e}")
         return 1
     except grpc.RpcError as e:
-        cluster_cmds.say(f"pdserve {args.command}: {e.code().name}: {e.details()}")
+        cluster_cmds.say(f"pdserve {args.command}: {e.code().name}: {e.details()}{_tls_hint(args, e)}")
         return 1
     except OSError as e:
         if args.command in LONG_RUNNING:
@@ -909,6 +909,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: what the command started is stopped on the way out (its finally)
         cluster_cmds.say(f"pdserve {args.command}: interrupted")
         return 130
+
+
+def _tls_hint(args: argparse.Namespace, err: grpc.RpcError) -> str:
+    """A router given by --router that closed the connection may serve TLS (or want a client
+    certificate) that the flags did not give: gRPC says only "Socket closed"."""
+    if not getattr(args, "router", None) or err.code() is not grpc.StatusCode.UNAVAILABLE:
+        return ""
+    if getattr(args, "tls_ca", None) is None:
+        return " (if the router serves TLS, give its CA with --tls-ca)"
+    if getattr(args, "tls_cert", None) is None:
+        return " (if the router requires client certificates, give one with --tls-cert and --tls-key)"
+    return ""
 
 
 if __name__ == "__main__":

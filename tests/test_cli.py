@@ -775,3 +775,12 @@ def test_a_long_drain_says_what_it_still_waits_for(monkeypatch):
     assert cluster._wait_drained(state, [entry], 30.0, said.append) == []  # it exited: none stuck
     assert 1 <= len(said) <= 3 and all("still draining after" in s for s in said), said
     assert "decode-1 (3 running); 30s left" in said[0]
+
+
+def test_an_unreachable_router_given_by_flag_hints_at_tls(capsys):
+    """gRPC says only "Socket closed" when a TLS router meets plain gRPC (or a client without the certificate
+    it requires): the error says which flag would give it."""
+    port = free_port()
+    assert cli.main(["generate", "hi", "--router", f"127.0.0.1:{port}", "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and "give its CA with --tls-ca" in err

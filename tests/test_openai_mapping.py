@@ -389,4 +389,6 @@ def test_max_completion_tokens_on_completions_is_refused_by_name_not_ignored():
     err = error_of(completion, prompt="hi", max_completion_tokens=5)
     assert (err.status, err.info.param) == (400, "max_completion_tokens") and "max_tokens" in err.info.message
     assert completion(prompt="hi", max_tokens=5, max_completion_tokens=None).sampling.max_tokens == 5
-    assert chat(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5).sampling.max_tokens == 5
+    assert (
+        chat(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5).sampling.max_tokens == 5
+    )
