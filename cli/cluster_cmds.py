@@ -96,8 +96,9 @@ def each_share(device: str, workers: int, given: float | None) -> float:
 # A colocated worker always prefills its own prompts (router/policy.py): prefill workers serve decode
 # workers only.
 IDLE_PREFILL_NOTE = (
-    "note: the prefill workers will get no requests: colocated workers prefill their own prompts and only "
-    "decode workers take prompts prefilled elsewhere (add --decode workers, or drop --prefill to 0)"
+    "note: the prefill workers will get only requests of max_tokens 1: colocated workers prefill their own "
+    "prompts and only decode workers take prompts prefilled elsewhere (add --decode workers, or drop "
+    "--prefill to 0)"
 )
 
 

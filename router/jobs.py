@@ -59,6 +59,7 @@ class Job:
         "prefill_pending",
         "kv_blocks",
         "total_tokens",
+        "one_token",
         "calls",
         "failure",
     )
@@ -77,13 +78,14 @@ class Job:
         # Prompt + max_tokens (within the context): a decode worker whose whole cache is smaller never
         # gets the request (0: unknown, not checked).
         self.total_tokens = 0
+        self.one_token = False  # its only token is the first (max_tokens 1): a prefill worker's answer
         self.calls: list[Cancellable] = []
         self.failure: Failure | None = None
 
     def uses(self, worker_id: str) -> bool:
         r = self.route
         return r is not None and (
-            r.decode.worker_id == worker_id
+            (r.decode.worker_id == worker_id and not r.decode_unused)
             or (self.prefill_pending and r.prefill is not None and r.prefill.worker_id == worker_id)
         )
 
@@ -110,9 +112,10 @@ class Ledger:
         """Count ``route`` against its workers at once, so that the next routing decision sees it."""
         job.route = route
         self.jobs.add(job)
-        self._bump(self._assigned, route.decode, 1, "assigned")
-        job.kv_blocks = blocks_needed(route.decode, job.prompt_len)
-        self._bump(self._kv_blocks, route.decode, job.kv_blocks, "assigned_kv_blocks")
+        if not route.decode_unused:
+            self._bump(self._assigned, route.decode, 1, "assigned")
+            job.kv_blocks = blocks_needed(route.decode, job.prompt_len)
+            self._bump(self._kv_blocks, route.decode, job.kv_blocks, "assigned_kv_blocks")
         job.prefill_pending = route.prefill is not None
         if route.prefill is not None:
             job.prefill_claimed = True
@@ -123,7 +126,7 @@ class Ledger:
         blocks it has grown into against that worker, so that routing between heartbeats sees the room
         running streams took since (it only ever grows; ``release`` returns it all)."""
         route = job.route
-        if route is None or job not in self.jobs:
+        if route is None or job not in self.jobs or route.decode_unused:
             return
         n = blocks_needed(route.decode, seq_len)
         if n > job.kv_blocks:
@@ -141,8 +144,10 @@ class Ledger:
         if job not in self.jobs or job.route is None:
             return
         self.release_prefill(job)
-        self._bump(self._assigned, job.route.decode, -1, "assigned")
-        self._bump(self._kv_blocks, job.route.decode, -job.kv_blocks, "assigned_kv_blocks")
+        if not job.route.decode_unused:
+            self._bump(self._assigned, job.route.decode, -1, "assigned")
+            self._bump(self._kv_blocks, job.route.decode, -job.kv_blocks, "assigned_kv_blocks")
+        job.kv_blocks = 0
         self.jobs.discard(job)
 
     def sync(self, worker: Worker) -> None:

@@ -38,6 +38,9 @@ class RoutingConfig:
 class Route:
     decode: Worker
     prefill: Worker | None  # None: the decode worker prefills locally
+    # The prefill worker's answer is the whole request (max_tokens 1): ``decode`` gets no call and no
+    # claim, so its load does not hold the request back and its death does not touch it.
+    decode_unused: bool = False
 
 
 def blocks_needed(w: Worker, prompt_len: int) -> int:
@@ -50,10 +53,23 @@ def _has_room(w: Worker, blocks_needed: int) -> bool:
 
 
 def choose_route(
-    ready: list[Worker], prompt_len: int, config: RoutingConfig, total_tokens: int = 0
+    ready: list[Worker],
+    prompt_len: int,
+    config: RoutingConfig,
+    total_tokens: int = 0,
+    one_token: bool = False,
 ) -> Route | None:
     """Pick workers for a request, or None when no READY worker has room now. ``total_tokens``: prompt +
-    max_tokens; a decode worker whose whole cache cannot hold them is never picked (it would refuse)."""
+    max_tokens; a decode worker whose whole cache cannot hold them is never picked (it would refuse).
+    ``one_token``: the request's only token is the first (max_tokens 1), which a prefill worker samples:
+    a prompt that would go to one goes to it alone (``Route.decode_unused``), however busy the decode
+    workers are."""
+    if one_token and prompt_len >= config.local_prefill_threshold:
+        prefillers = [w for w in ready if w.role.prefills_remote]
+        named = sorted(w.worker_id for w in ready if w.role.decodes)
+        if prefillers and named:
+            d = next(w for w in ready if w.worker_id == named[0])
+            return Route(decode=d, prefill=_least_queued(prefillers), decode_unused=True)
     decoders = []
     for w in ready:
         if not w.role.decodes:
@@ -71,8 +87,11 @@ def choose_route(
     prefillers = [w for w in ready if w.role.prefills_remote]
     if not prefillers:
         return Route(decode=d, prefill=None)
-    p = min(prefillers, key=lambda w: (w.queued_prefill_tokens + w.assigned_prefill_tokens, w.worker_id))
-    return Route(decode=d, prefill=p)
+    return Route(decode=d, prefill=_least_queued(prefillers))
+
+
+def _least_queued(prefillers: list[Worker]) -> Worker:
+    return min(prefillers, key=lambda w: (w.queued_prefill_tokens + w.assigned_prefill_tokens, w.worker_id))
 
 
 def can_ever_serve(workers: list[Worker], prompt_len: int) -> bool:

@@ -343,7 +343,7 @@ class Relay:
             sampling.CopyFrom(prep.sampling)
             sampling.max_tokens = p.max_tokens - sent
             sampling.min_tokens = max(p.min_tokens - sent, 0)
-        if route.prefill is not None and not sent and prep.params.max_tokens == 1:
+        if route.decode_unused:
             # Token 0 is the whole answer and P samples it: no decode call, no KV reservation, no
             # transfer (which the finish at token 0 would only abort, counted as a failure).
             await self._prefill_only(job, prep, out, write, timeout, deadline_unix)

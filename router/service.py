@@ -135,6 +135,7 @@ class Router:
         if context > 0:
             total = min(total, context)
         job.total_tokens = total
+        job.one_token = max_tokens == 1
         if not can_ever_serve(decoders, total - 1):
             holds = max(w.kv_blocks_total * w.block_size for w in decoders)
             if not can_ever_serve(decoders, n):  # the prompt alone (and its first token)
@@ -151,7 +152,7 @@ class Router:
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, why)
 
         def try_route() -> Route | None:
-            route = choose_route(self.registry.ready(), n, self.routing, job.total_tokens)
+            route = choose_route(self.registry.ready(), n, self.routing, job.total_tokens, job.one_token)
             if route is not None:
                 self._check_prefill_queue(route, n)
                 self.ledger.claim(job, route)
@@ -218,7 +219,7 @@ class Router:
 
         def try_route() -> Route | None:
             ready = [w for w in self.registry.ready() if w.worker_id != avoid]
-            route = choose_route(ready, prompt_len, routing, job.total_tokens)
+            route = choose_route(ready, prompt_len, routing, job.total_tokens, job.one_token and remote)
             if route is not None:
                 self.ledger.claim(job, route)
             return route

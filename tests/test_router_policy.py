@@ -6,7 +6,15 @@ import asyncio
 
 import pytest
 
-from pdserve.router.policy import Admission, QueueFullError, RoutingConfig, can_ever_serve, choose_route
+from pdserve.router.jobs import Job, Ledger
+from pdserve.router.policy import (
+    Admission,
+    QueueFullError,
+    Route,
+    RoutingConfig,
+    can_ever_serve,
+    choose_route,
+)
 from pdserve.router.registry import Registry, RegistryConfig, State, Worker
 from pdserve.worker.role import Role
 
@@ -73,6 +81,32 @@ def test_no_room_returns_none_and_prefill_only_cluster_cannot_decode():
     assert choose_route([mk("p", Role.PREFILL)], 10, CFG) is None
     assert can_ever_serve([mk("d", Role.DECODE, total=10, used=10)], 100)
     assert not can_ever_serve([mk("d", Role.DECODE, total=4)], 100)
+
+
+def test_a_one_token_request_goes_to_a_prefill_worker_alone_however_full_the_decode_workers():
+    """max_tokens 1: the prefill worker samples the only token. The route names a decode worker (any) that
+    gets no call: a full one does not hold it back; a short prompt, or no prefill worker, routes as any."""
+    full = mk("d", Role.DECODE, assigned=8)
+    p1, p2 = mk("p1", Role.PREFILL, queued_tokens=500), mk("p2", Role.PREFILL)
+    r = choose_route([full, p1, p2], 1000, CFG, one_token=True)
+    assert r is not None and r.decode_unused and r.prefill is p2 and r.decode is full
+    assert choose_route([full, p1], 1000, CFG) is None  # the same request of more tokens waits for room
+    assert choose_route([full, p1], 99, CFG, one_token=True) is None  # short: local, on a full worker
+    assert choose_route([full], 1000, CFG, one_token=True) is None  # no prefill worker: local
+    assert choose_route([p1], 1000, CFG, one_token=True) is None  # no decode worker at all
+    # Colocated workers prefill their own prompts, but a one-token request may go to a prefill worker.
+    r = choose_route([mk("b", Role.BOTH, total=1000), p1], 5000, CFG, one_token=True)
+    assert r is not None and r.decode_unused and r.prefill is p1
+    # Nothing of it is counted against the decode worker it names.
+    reg = Registry(RegistryConfig(heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0))
+    d = mk("d2", Role.DECODE)
+    reg.register(d, now=0.0)
+    ledger, job = Ledger(reg), Job("r", 1000)
+    ledger.claim(job, Route(decode=d, prefill=p2, decode_unused=True))
+    assert (d.assigned, d.assigned_kv_blocks, p2.assigned_prefill_tokens) == (0, 0, 1000)
+    assert not job.uses("d2") and job.uses("p2")
+    ledger.release(job)
+    assert (d.assigned, d.assigned_kv_blocks, p2.assigned_prefill_tokens) == (0, 0, 0)
 
 
 def test_registry_heartbeat_expiry_and_drain():

@@ -411,6 +411,45 @@ def test_max_tokens_1_on_a_remote_route_is_the_prefill_workers_answer_alone(mode
             p.tokens = out
             tokens, _, _ = await collect(stub.Generate(request("the cat sat", max_tokens=2)))
             assert tokens[0] == out[0] and d.requests[-1].mode == worker_pb2.PREFILL_MODE_REMOTE
+            # Seeded sampling: P samples token 0 with the request's seed, as it does before any decode.
+            seeded = request("the cat sat", max_tokens=1)
+            seeded.sampling.temperature, seeded.sampling.seed = 0.5, 7
+            await collect(stub.Generate(seeded))
+            assert p.requests[-1].sampling.seed == 7 and p.requests[-1].sampling.temperature == 0.5
+
+    run(main())
+
+
+def test_a_one_token_request_needs_no_room_on_the_decode_workers_and_survives_their_death(model_dir):
+    """The decode worker a max_tokens=1 route names gets no call: a full one (its one slot held by a long
+    stream) does not hold the request back, and its death (heard while P prefills) neither fails nor moves
+    it. Nothing of it is counted against that worker."""
+
+    async def main():
+        transfers = Transfers()
+        out = ids("hello world the cat")
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers, max_running=1)
+        d.hold_at = 1
+        cfg = {"local_prefill_threshold": 2, "queue_timeout_s": 0.5, "max_migrations": 0}
+        async with cluster(model_dir, [p, d], **cfg) as (server, stub):
+            long = stub.Generate(request("the cat sat", max_tokens=4))
+            await d.wait_for(lambda: d.started)  # d1's one slot is taken
+            tokens, _, msgs = await collect(stub.Generate(request("the cat sat", max_tokens=1)))
+            assert tokens == out[:1] and msgs[-1].finish_reason == "length"
+            assert len(d.requests) == 1 and server.router.registry.get("d1").assigned == 1
+            d.release.set()
+            await collect(long)
+
+            p.prefill_gate = asyncio.Event()
+            call = stub.Generate(request("the cat sat", max_tokens=1))
+            await until(
+                lambda: server.router.registry.get("p1").assigned_prefill_tokens > 0, what="P's claim"
+            )
+            server.router.worker_failed(server.router.registry.get("d1"), True, "UNAVAILABLE: socket closed")
+            p.prefill_gate.set()
+            tokens, _, msgs = await collect(call)  # P's answer: d1 was never needed
+            assert tokens == out[:1] and msgs[-1].finish_reason == "length" and len(d.requests) == 1
 
     run(main())
 
