@@ -362,6 +362,8 @@ def _scale(args: argparse.Namespace) -> int:
     standby = {r: sum(w.role is r and w.standby and cluster.alive(w) for w in state.workers) for r in wanted}
     new = sum(max(n - standby[r], 0) for r, n in wanted.items())
     cluster.check_gpu_shares(device, cluster.gpu_share(state, device, removing), new, util)
+    if new and args.timeout <= 0:  # (0 is for removals: they stop at once)
+        raise cluster.ClusterError("--timeout 0 leaves no time for a new worker to start: give it seconds")
     adding: dict[Role, int] = {}
     promoted: list[str] = []
     for role, n in wanted.items():

@@ -425,7 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--colocated", type=_nonneg, default=None, help="colocated workers wanted (default: as now)"
     )
     p.add_argument(
-        "--timeout", type=_seconds(True), default=600.0, help="seconds to wait for new workers / drains"
+        "--timeout",
+        type=_seconds(False),
+        default=600.0,
+        help="seconds to wait for new workers / drains (0: removed workers stop at once)",
     )
     _device_args(p, "scale")
     _state_dir(p)
@@ -471,13 +474,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--worker-id", required=True, help="the id the worker registered with")
     p.add_argument("--router", default=None, help="router address (default: from the state file)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for it to leave")
+    p.add_argument("--timeout", type=_seconds(False), default=300.0, help="seconds to wait for it to leave")
     _token_arg(p)
     _tls_args(p, server=False)
     _state_dir(p)
 
     p = sub.add_parser("down", help="stop the local cluster: drain, SIGTERM, then SIGKILL")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds workers get to drain")
+    p.add_argument(
+        "--timeout", type=_seconds(False), default=60.0, help="seconds workers get to drain (0: stop at once)"
+    )
     _state_dir(p)
 
     p = sub.add_parser("router", help="run the router in the foreground")
@@ -876,6 +881,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench" and args.bench_mode:
         _options_follow_the_mode(parser, argv, args.bench_mode)
+    if args.command == "up":
+        try:  # what the router would refuse seconds later, once everything started: here, naming the flags
+            RouterConfig(
+                heartbeat_interval_s=args.heartbeat_interval, heartbeat_timeout_s=args.heartbeat_timeout
+            )
+        except ValueError as e:
+            parser.error(str(e))
     if args.command in ("router", "worker"):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in LONG_RUNNING:

@@ -64,6 +64,8 @@ def test_parser_defaults_and_validation():
         # (a negative --timeout left `scale`'s new worker starting).
         ["up", "--timeout", "0"],
         ["scale", "--timeout", "-1"],
+        ["down", "--timeout", "nan"],
+        ["drain", "--worker-id", "d", "--timeout", "-1"],
         ["generate", "hi", "--timeout", "-5"],
         ["up", "--prometheus", "--scrape-interval", "0"],
         ["up", "--alertmanager", "--alert-for", "-1"],
@@ -80,6 +82,13 @@ def test_parser_defaults_and_validation():
     ):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
+
+
+def test_up_refuses_a_heartbeat_timeout_under_the_interval_before_anything_starts(capsys):
+    """The router refused it, seconds later, once the cluster had started ("router exited while starting")."""
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--heartbeat-interval", "5", "--heartbeat-timeout", "1", "--port", str(free_port())])
+    assert "--heartbeat-timeout, 1.0 s) must exceed" in capsys.readouterr().err
 
 
 def test_autoscaling_errors_name_the_flags(tmp_path, capsys):

@@ -364,5 +364,9 @@ def test_a_body_longer_than_any_request_to_the_model_is_refused_before_it_is_dec
                         assert f"over the limit of {limit} bytes: more than a request" in err["message"]
                 got, _, _ = await post(http, url, {"prompt": "hello", "max_tokens": 1})
                 assert got == 200
+                # /tokenize counts a document of any length (vLLM's too): not bound by the context.
+                doc = " ".join(["the"] * (limit // 3))
+                got, body, _ = await post(http, f"{server.http.url}/tokenize", {"prompt": doc})
+                assert got == 200 and body["count"] >= limit // 3, body.get("error")
 
     run(main())

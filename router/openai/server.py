@@ -245,10 +245,10 @@ class OpenAIFront:
             return self.max_body_bytes
         return min(self.max_body_bytes, context * (12 * per_token + 64) + (1 << 20))
 
-    async def _read(self, request: web.Request) -> bytes:
-        """The body, refused (400 naming ``body``) over ``body_limit`` before it is read, when it says its
-        length, or before it is decoded."""
-        limit = self.body_limit()
+    async def _read(self, request: web.Request, limit: int | None = None) -> bytes:
+        """The body, refused (400 naming ``body``) over ``limit`` (default ``body_limit``) before it is
+        read, when it says its length, or before it is decoded."""
+        limit = self.body_limit() if limit is None else limit
         length = request.content_length
         if length is None or length <= limit:
             body = await request.read()
@@ -259,7 +259,9 @@ class OpenAIFront:
         raise invalid(f"request body is {length} bytes, over the limit of {limit} bytes{why}", "body")
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._read(request)
+        # Not bound by the context: counting a document's tokens is what /tokenize is for (vLLM's counts
+        # any length too), and one long string decodes fast; its tokenizing runs off the loop (below).
+        body = await self._read(request, self.max_body_bytes)
         req = decode_request(body, TokenizeRequest)
         check_model(req.model, self.model_name)
         self._serving()
