@@ -377,8 +377,14 @@ def test_remote_route_ends_on_eos_from_prefill(model_dir):
         p = FakeWorker("p1", Role.PREFILL, [EOS], transfers=transfers)
         d = FakeWorker("d1", Role.DECODE, ids("hello world"), transfers=transfers)
         d.decode_gate = asyncio.Event()
+        # P answers once D's ticket reached it, so that D holds a reservation to free (P answering first
+        # cancelled D's call before D had started it, 1 run in 25: nothing to free, and no cancel seen).
+        p.prefill_gate = asyncio.Event()
         async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (_, stub):
-            tokens, text, msgs = await collect(stub.Generate(request("the cat sat")))
+            call = stub.Generate(request("the cat sat"))
+            await p.wait_for(lambda: p.attached)
+            p.prefill_gate.set()
+            tokens, text, msgs = await collect(call)
             assert tokens == [EOS] and text == "" and msgs[-1].finish_reason == "stop"
             await d.wait_for(lambda: d.cancelled)  # the decode side freed its reservation
 
