@@ -310,12 +310,16 @@ class Relay:
                 migrations += not full
                 if self._metrics is not None:
                     self._metrics.migrated(failed.migrate)
+                if route.decode_unused:  # (a one-token request: the prefill worker alone answers it)
+                    to = f"prefill worker {route.prefill.worker_id if route.prefill else '?'} alone"
+                else:
+                    local = route.prefill.worker_id if route.prefill is not None else "local"
+                    to = f"{route.decode.worker_id} (prefill: {local})"
                 (log.info if full else log.warning)(
-                    "request %s: %s; moved to %s (prefill: %s) after %d tokens (migration %d)",
+                    "request %s: %s; moved to %s after %d tokens (migration %d)",
                     prep.request_id,
                     failed.details,
-                    route.decode.worker_id,
-                    route.prefill.worker_id if route.prefill is not None else "local",
+                    to,
                     len(out.sent),
                     migrations,
                 )
