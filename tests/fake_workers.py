@@ -178,6 +178,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.requests.append(request)
         self.timeouts.append(context.time_remaining())
         self.active.add(rid)
+        self._note()  # tests wait on ``active`` too (wait_for sleeps until the next note)
         try:
             if self.refuse_room:
                 self.refuse_room -= 1
@@ -239,6 +240,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             raise
         finally:
             self.active.discard(rid)
+            self._note()
 
     async def Prefill(self, request, context):
         self.metadata_ids.append(request_id_from_metadata(context.invocation_metadata()))
@@ -268,6 +270,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             raise
         finally:
             self.active.discard(request.request_id)
+            self._note()
 
     async def AttachTicket(self, request, context):
         """The ticket of a Prefill sent without one (empty: dropped); moves the fake's "transfer"."""
