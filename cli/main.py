@@ -767,30 +767,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state is not None:
         # Workers this cluster started whose process runs but the router does not list (loading, hung,
         # or dropped for missed heartbeats): the router's list alone hid them.
+        # And those whose process is gone (crashed, killed): the router forgot them, the state file still
+        # counts them, and `scale` would drop them; without a row the pool just looked smaller.
         listed = {w["id"] for w in doc["workers"]}
-        doc["unregistered"] = [
-            {
-                "id": w.id,
-                "role": w.role.value if w.role else "unknown",
-                "pid": w.pid,
-                "device": w.device or "cpu",
-            }
-            for w in state.workers
-            if w.id not in listed and cluster.alive(w)
-        ]
-        # ... and those whose process is gone (crashed, killed): the router forgot them, the state file
-        # still counts them, and `scale` would drop them; without this row the pool just looked smaller.
-        doc["exited"] = [
-            {
-                "id": w.id,
-                "role": w.role.value if w.role else "unknown",
-                "pid": w.pid,
-                "device": w.device or "cpu",
-                "log": w.log,
-            }
-            for w in state.workers
-            if w.id not in listed and not cluster.alive(w)
-        ]
+        doc["unregistered"], doc["exited"] = [], []
+        for w in state.workers:
+            if w.id not in listed:
+                row = {"id": w.id, "role": w.role.value if w.role else "unknown", "pid": w.pid}
+                row["device"] = w.device or "cpu"
+                if cluster.alive(w):
+                    doc["unregistered"].append(row)
+                else:
+                    doc["exited"].append({**row, "log": w.log})
     scaler = None if state is None else cluster_cmds.autoscaler_status(state, args.state_dir)
     if scaler is not None:
         doc["autoscaler"] = scaler

@@ -66,10 +66,9 @@ def choose_route(
     workers are."""
     if one_token and prompt_len >= config.local_prefill_threshold:
         prefillers = [w for w in ready if w.role.prefills_remote]
-        named = sorted(w.worker_id for w in ready if w.role.decodes)
-        if prefillers and named:
-            d = next(w for w in ready if w.worker_id == named[0])
-            return Route(decode=d, prefill=_least_queued(prefillers), decode_unused=True)
+        named = min((w for w in ready if w.role.decodes), key=lambda w: w.worker_id, default=None)
+        if prefillers and named is not None:
+            return Route(decode=named, prefill=_least_queued(prefillers), decode_unused=True)
     decoders = []
     for w in ready:
         if not w.role.decodes:

@@ -700,22 +700,14 @@ def _wait_drained(
 ) -> list[ProcessEntry]:
     """``wait_exit``, saying every ``_DRAIN_NOTE_S`` which workers still drain and what they still run
     (a drain of long streams took 37 s with no word)."""
-    pending = list(entries)
     start = time.monotonic()
-    give_up, note = start + timeout_s, start + _DRAIN_NOTE_S
-    while pending:
-        pending = [p for p in pending if alive(p)]
-        now = time.monotonic()
-        if not pending or now > give_up:
-            break
-        if now >= note:
-            note += _DRAIN_NOTE_S
-            running = _running(state)
-            still = ", ".join(
-                f"{p.id} ({running[p.id]} running)" if p.id in running else p.id for p in pending
-            )
-            progress(f"still draining after {now - start:.0f}s: {still}; {give_up - now:.0f}s left")
-        time.sleep(_POLL_S)
+    give_up = start + timeout_s
+    pending = wait_exit(entries, min(_DRAIN_NOTE_S, timeout_s))
+    while pending and (now := time.monotonic()) < give_up:
+        running = _running(state)
+        still = ", ".join(f"{p.id} ({running[p.id]} running)" if p.id in running else p.id for p in pending)
+        progress(f"still draining after {now - start:.0f}s: {still}; {give_up - now:.0f}s left")
+        pending = wait_exit(pending, min(_DRAIN_NOTE_S, give_up - now))
     return pending
 
 
