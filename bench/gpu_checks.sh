@@ -53,6 +53,7 @@ for stage in "${STAGES[@]}"; do
   case $stage in
   env)
     run_stage env 60 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm --format=csv;
+      lscpu | grep -E "^(Model name|CPU\(s\)|CPU max MHz)";
       python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__, torch.cuda.get_device_name())";
       python3 -c "import torch; torch.cuda.init(); import ucxx; print(\"ucxx\", ucxx.__version__, ucxx.get_ucx_version())";
       python3 -c "import pdserve.engine, pdserve.kv_transfer.transports.ucp_rma as r; print(\"pdserve ok\")"; gcc --version | head -1'

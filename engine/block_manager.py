@@ -77,6 +77,14 @@ class BlockManager:
             tables = self._tables
             return [list(tables[s]) for s in seq_ids]
 
+    def live_tables(self, seq_ids: list[Hashable]) -> list[list[int]]:
+        """The tables themselves, not copies: for the engine thread's decode step, which only reads them
+        before its next mutation. A table only ever grows at its end while its id holds it; a freed or
+        preempted id that allocates again gets a new list."""
+        with self._lock:
+            tables = self._tables
+            return [tables[s] for s in seq_ids]
+
     def capacity(self, seq_id: Hashable) -> int:
         """Token slots the sequence can hold without growing."""
         return len(self._tables[seq_id]) * self.block_size

@@ -248,7 +248,19 @@ class DecodeGraphs:
         self._host = _pinned(4 * bm + bm * max_blocks)
         self._h = self._host.numpy()
         self._h[:] = 0
+        self._tab = self._h[4 * bm :].reshape(bm, max_blocks)
+        self._host_tab = self._host[4 * bm :].view(bm, max_blocks)
+        self._rows = np.arange(bm)
+        self._bucket_of = [0] + [next(b for b in self.buckets if b >= n) for n in range(1, bm + 1)]
+        # Per row: the table list written there last (``run_columns``' live tables) and its length then.
+        self._held: list[Sequence[int] | None] = [None] * bm
+        self._wrote = [0] * bm
+        self._clean_from = bm  # rows from here on hold padding inputs (none yet)
+        self._synced = (0, 0)  # (rows, columns) of the block tables the device holds as the host does
+        self._tab_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.max_len = max_len
         self._dev = torch.zeros(4 * bm + bm * max_blocks, dtype=torch.int64, device=device)
+        self._vec_host, self._vec_dev = self._host[: 4 * bm], self._dev[: 4 * bm]
         self.ids, self.positions, self.slots, self.lens = (self._dev[i * bm : (i + 1) * bm] for i in range(4))
         self.tables = self._dev[4 * bm :].view(bm, max_blocks)
         self._copied = torch.cuda.Event() if on_cuda else None
@@ -269,6 +281,7 @@ class DecodeGraphs:
         self._h[:] = 0
         self._h[2 * self.max_batch : 3 * self.max_batch] = -1  # padding: no slot, no keys
         self._dev.copy_(self._host)
+        self._clean_from, self._synced = 0, (self.max_batch, self.max_blocks)
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory
             for splits in reversed(self.splits[b]):
@@ -283,46 +296,126 @@ class DecodeGraphs:
 
     def run(self, items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
         """``items``: (token id, position, block table) per sequence. Returns float32 logits ``[n, V]``."""
-        n = len(items)
+        return self.run_columns(
+            [it[0] for it in items], [it[1] for it in items], [it[2] for it in items], live_tables=False
+        )
+
+    def run_columns(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        live_tables: bool = True,
+    ) -> torch.Tensor:
+        """``run`` with one list per input: token ids, positions and block tables, a row per sequence.
+
+        ``live_tables``: the caller passes the same list object for a sequence's table every step and
+        only ever appends to it (``BlockManager``'s own tables): a row whose list object is the one it
+        held last step gets only the entries appended since, so a step writes a table row when its
+        sequence changes rows or crosses into a new block, not every step, and copies the block tables
+        to the device only when one changed or the step reads past what was copied. With False every
+        row is written in full.
+
+        This runs on the host before every decode step, with the GPU idle until it is done: a few
+        numpy operations over the batch and no per-row work but a comparison for unchanged rows."""
+        n = len(token_ids)
         bm, bs = self.max_batch, self.block_size
-        bucket = next((b for b in self.buckets if b >= n), n) if n <= bm else n
+        if not n:
+            raise ValueError("decode needs at least one sequence")
         if n > bm:  # more than the static buffers hold: an eager step on its own tensors
-            return self._eager(items)
+            self._check_positions(min(positions), max(positions))
+            return self._eager(list(zip(token_ids, positions, tables, strict=True)))
+        bucket = self._bucket_of[n]
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host buffer
         h = self._h
-        tab = h[4 * bm :].reshape(bm, self.max_blocks)
-        for i, (tok, pos, table) in enumerate(items):
-            _check_table(table, pos + 1, bs, self.num_blocks)
-            used = pos // bs + 1
-            if used > self.max_blocks:
-                raise ValueError(f"position {pos} is past the {self.max_blocks * bs} tokens a graph holds")
-            tab[i, :used] = table[:used]
-            h[i] = tok
-            h[bm + i] = pos
-            h[2 * bm + i] = table[pos // bs] * bs + pos % bs
-            h[3 * bm + i] = pos + 1
-        # Every row checked at once: entries past a row's length are stale but were checked when written.
-        _check_ids(tab[:n], self.num_blocks)
-        h[n:bucket] = 0
-        h[bm + n : bm + bucket] = 0
-        h[2 * bm + n : 2 * bm + bucket] = -1
-        h[3 * bm + n : 3 * bm + bucket] = 0
-        # Two copies: the four per-row vectors, and only the block-table columns this step reads (the
-        # graph reads no further than each row's length).
-        max_pos = max(pos for _, pos, _ in items)
+        pos = h[bm : bm + n]
+        try:
+            blk, max_pos, written = self._stage_rows(token_ids, positions, tables, live_tables)
+        except BaseException:
+            # Rows half written: none is trusted to match the device, and every padding row is redone.
+            self._synced, self._clean_from = (0, 0), bm
+            self._held[:] = [None] * bm
+            raise
+        h[2 * bm : 2 * bm + n] = self._tab[self._rows[:n], blk] * bs + pos % bs
+        h[3 * bm : 3 * bm + n] = pos + 1
+        c = self._clean_from
+        if c > n:  # rows from n on are padding: id 0, position 0, no slot, no keys
+            h[n:c] = h[bm + n : bm + c] = h[3 * bm + n : 3 * bm + c] = 0
+            h[2 * bm + n : 2 * bm + c] = -1
+        self._clean_from = n  # (rows past n were padding already, and this step wrote none)
+        self._vec_dev.copy_(self._vec_host, non_blocking=True)
         used_cols = max_pos // bs + 1
-        self._dev[: 4 * bm].copy_(self._host[: 4 * bm], non_blocking=True)
-        host_tab = self._host[4 * bm :].view(bm, self.max_blocks)
-        self.tables[:bucket, :used_cols].copy_(host_tab[:bucket, :used_cols], non_blocking=True)
+        if written or bucket > self._synced[0] or used_cols > self._synced[1]:
+            # Only the block-table columns this step reads: the graph reads no further than each row's
+            # length. (Rows past n are padding and read nothing.)
+            key = (bucket, used_cols)
+            views = self._tab_views.get(key)
+            if views is None:
+                views = self._tab_views[key] = (
+                    self.tables[:bucket, :used_cols],
+                    self._host_tab[:bucket, :used_cols],
+                )
+            views[0].copy_(views[1], non_blocking=True)
+            self._synced = key
         if self._copied is not None:
             self._copied.record()
         splits = tk.decode_splits(bucket, self._n_kv, max_pos + 1, self._sms)
         graph = self.graphs.get((bucket, splits))
-        if graph is not None:
-            graph[0].replay()
-            return graph[1][:n]
-        return self._run(bucket, splits)[:n]
+        if graph is None:
+            return self._run(bucket, splits)[:n]
+        graph[0].replay()
+        return graph[1] if n == bucket else graph[1][:n]
+
+    def _stage_rows(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        live_tables: bool,
+    ) -> tuple[np.ndarray, int, bool]:
+        """``run_columns``' checks and its writes of token ids, positions and block tables to the host
+        buffer. Returns each row's block index of its position, the largest position, and whether a
+        table row was written."""
+        n, bm, bs = len(token_ids), self.max_batch, self.block_size
+        h = self._h
+        pos = h[bm : bm + n]
+        pos[:] = positions
+        max_pos = int(pos.max())
+        self._check_positions(int(pos.min()), max_pos)
+        h[:n] = token_ids
+        blk = pos // bs
+        tab, held, wrote, mb = self._tab, self._held, self._wrote, self.max_blocks
+        if not live_tables:
+            held[:n] = [None] * n
+        written = False
+        for i, table in enumerate(tables):
+            k = len(table)
+            if table is held[i]:
+                w = wrote[i]
+                if k == w:
+                    continue
+                new = table[w:mb]
+            else:
+                w, new = 0, table[:mb]
+                held[i] = table if live_tables else None
+            wrote[i] = k
+            written = True
+            if len(new):
+                if min(new) < 0 or max(new) >= self.num_blocks:
+                    raise ValueError(f"a block table has ids outside [0, {self.num_blocks})")
+                tab[i, w : w + len(new)] = new
+        short = np.asarray(wrote[:n]) <= blk
+        if short.any():
+            i = int(np.argmax(short))
+            raise ValueError(f"block table of {wrote[i]} blocks cannot hold {int(pos[i]) + 1} tokens")
+        return blk, max_pos, written
+
+    def _check_positions(self, lo: int, hi: int) -> None:
+        if lo < 0:
+            raise ValueError(f"position must be >= 0, got {lo}")
+        if hi >= self.max_len:
+            raise ValueError(f"position {hi} exceeds the model context of {self.max_len}")
 
     def _eager(self, items: Sequence[tuple[int, int, Sequence[int]]]) -> torch.Tensor:
         n, bs = len(items), self.block_size

@@ -66,10 +66,11 @@ class LLM:
         self.model_dir = path
         self.engine = LLMEngine(path, tokenizer, config)
         self._ids = itertools.count()
-        # The deltas of every request this LLM started and has not yet handed out, by request id: whoever
-        # steps the engine (a stream's iterator, a generate call) files every request's deltas here, so
-        # streams and generate calls open at once each get all of their own.
-        self._inbox: dict[str, collections.deque[RequestOutputDelta]] = {}
+        # Where each open request's deltas go, by request id: a stream's queue of deltas not yet handed
+        # out, or a generate call's collector. Whoever steps the engine (a stream's iterator, a generate
+        # call) hands every request's deltas here, so streams and generate calls open at once each get
+        # all of their own.
+        self._inbox: dict[str, collections.deque[RequestOutputDelta] | _Collector] = {}
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -192,46 +193,56 @@ class LLM:
         self, texts: list[str | None], encoded: list[list[int]], plist: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         engine = self.engine
-        outs: dict[str, RequestOutput] = {}
-        # Each request's text as pieces, joined at the end: ``out.text += piece`` copies the text so far.
-        pieces: dict[str, list[str]] = {}
-        order: list[str] = []
-        for text, ids, sp in zip(texts, encoded, plist, strict=True):
-            rid = str(next(self._ids))
-            self._inbox[rid] = collections.deque()
-            engine.add_request(rid, ids, sp)
-            outs[rid] = RequestOutput(rid, text, ids, [], "", "")
-            pieces[rid] = []
-            order.append(rid)
-        bar = _progress(len(order), use_tqdm)
+        bar = _progress(len(encoded), use_tqdm)
+        sinks: list[_Collector] = []
+        open_: set[str] = set()
         try:
-            open_ = set(order)
+            for text, ids, sp in zip(texts, encoded, plist, strict=True):
+                rid = str(next(self._ids))
+                sink = _Collector(RequestOutput(rid, text, ids, [], "", ""), open_, bar)
+                self._inbox[rid] = sink  # whoever steps the engine hands this request's deltas to it
+                sinks.append(sink)
+                open_.add(rid)
+                engine.add_request(rid, ids, sp)
             while open_:
-                for rid in list(open_):
-                    inbox, out = self._inbox[rid], outs[rid]
-                    while inbox:
-                        d = inbox.popleft()
-                        out.token_ids.extend(d.new_token_ids)
-                        if d.new_text:
-                            pieces[rid].append(d.new_text)
-                        if d.finish_reason is not None:
-                            out.finish_reason = d.finish_reason
-                            open_.discard(rid)
-                            if bar is not None:
-                                bar.update(1)
-                    if rid in open_ and engine.scheduler.get(rid) is None:
-                        raise RuntimeError(f"request {rid} ended without finishing")
-                if open_:
-                    self._step()
+                # Ours still open beyond what the engine runs: one may have ended without a last delta.
+                if len(open_) > engine.scheduler.num_unfinished:
+                    for rid in open_:
+                        if engine.scheduler.get(rid) is None:
+                            raise RuntimeError(f"request {rid} ended without finishing")
+                self._step()
         finally:
             if bar is not None:
                 bar.close()
-            for rid in order:  # an interrupted call leaves nothing behind
+            for sink in sinks:  # an interrupted call leaves nothing behind
+                rid = sink.out.request_id
                 self._inbox.pop(rid, None)
                 engine.abort(rid)
-        for rid in order:
-            outs[rid].text = "".join(pieces[rid])
-        return [outs[rid] for rid in order]
+        for sink in sinks:
+            sink.out.text = "".join(sink.pieces)
+        return [sink.out for sink in sinks]
+
+
+class _Collector:
+    """Where the deltas of one ``generate`` request go as steps produce them: its output, built up."""
+
+    __slots__ = ("bar", "open", "out", "pieces")
+
+    def __init__(self, out: RequestOutput, open_: set[str], bar: Any) -> None:
+        self.out, self.open, self.bar = out, open_, bar
+        # The text as pieces, joined at the end: ``out.text += piece`` copies the text so far.
+        self.pieces: list[str] = []
+
+    def append(self, d: RequestOutputDelta) -> None:
+        out = self.out
+        out.token_ids += d.new_token_ids
+        if d.new_text:
+            self.pieces.append(d.new_text)
+        if d.finish_reason is not None:
+            out.finish_reason = d.finish_reason
+            self.open.discard(out.request_id)
+            if self.bar is not None:
+                self.bar.update(1)
 
 
 def _is_conversation(messages: object) -> bool:

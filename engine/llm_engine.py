@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -39,12 +39,12 @@ from pdserve.engine.params import SamplingParams, validate_params_for_model, val
 from pdserve.engine.quant import check_quantization
 from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
-from pdserve.engine.sequence import FinishReason, SequenceStatus
+from pdserve.engine.sequence import FinishReason
 from pdserve.engine.sequence import Sequence as EngineSequence
 from pdserve.engine.stopping import StopStringMatcher
 
 if TYPE_CHECKING:
-    from pdserve.engine.tokenizer import TextStream, Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,11 @@ class EngineStats:
     num_preemptions: int  # since start
 
 
-@dataclass
+@dataclass(slots=True)
 class _TextState:
-    stream: TextStream | None
+    # The sequence's detokenizer (``TextStream.step_int``: a token's text, None while a character is
+    # incomplete); None when the engine does not detokenize.
+    step: Callable[[int], str | None] | None
     # None without stop strings: a matcher with none passes text through and never holds any back.
     matcher: StopStringMatcher | None
 
@@ -313,12 +315,22 @@ class LLMEngine:
         self.num_steps += 1
         logits = self._forward(batch)  # [n_sample, V]
         seqs = [it.seq for it in batch.sample_items]
-        rows = [SampleRow(s.params, len(s.output_token_ids), s.output_offset) for s in seqs]
-        tokens = self.sampler(logits, rows) if rows else []
+        if all(s.params.argmax_only for s in seqs):  # (greedy batches: no per-row sampler work)
+            tokens = self.sampler.argmax_tokens(logits)
+        else:
+            rows = [SampleRow(s.params, len(s.output_token_ids), s.output_offset) for s in seqs]
+            tokens = self.sampler(logits, rows)
         return self._emit(self.scheduler.postprocess(batch, tokens))
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
+        if batch.kind is BatchKind.DECODE:
+            seqs = [it.seq for it in batch.items]
+            return self.runner.decode_columns(
+                [s.last_token_id for s in seqs],
+                [it.start for it in batch.items],
+                bm.live_tables([s.seq_id for s in seqs]),
+            )
         n_dec = batch.decodes
         dec_items = batch.items[:n_dec]
         tables = bm.block_tables([it.seq.seq_id for it in dec_items])
@@ -326,8 +338,6 @@ class LLMEngine:
             DecodeItem(it.seq.last_token_id, it.start, table)
             for it, table in zip(dec_items, tables, strict=True)
         ]
-        if batch.kind is BatchKind.DECODE:
-            return self.runner.decode(dec)
         pre = [
             PrefillItem(it.token_ids, bm.block_table(it.seq.seq_id), it.start) for it in batch.items[n_dec:]
         ]
@@ -342,46 +352,42 @@ class LLMEngine:
             return _TextState(None, None)
         # Primed with the prompt's tail: the first output token decodes in context.
         stream = self.tokenizer.decode_stream(prompt_token_ids=prompt_token_ids)
-        return _TextState(stream, StopStringMatcher(params.stop) if params.stop else None)
+        return _TextState(stream.step_int, StopStringMatcher(params.stop) if params.stop else None)
 
     def _emit(self, seqs: list[EngineSequence]) -> list[RequestOutputDelta]:
         """Detokenize each sequence's newest token, apply stop strings, and describe the step."""
         # Runs for every sequence every step: names bound once, list lengths rather than the Sequence
         # properties.
         texts, finish = self._text, self.scheduler.finish
-        stop, finished = FinishReason.STOP, SequenceStatus.FINISHED
+        stop = FinishReason.STOP
+        delta = RequestOutputDelta
         deltas: list[RequestOutputDelta] = []
+        add = deltas.append
         for seq in seqs:
-            st = texts[seq.seq_id]
+            sid = seq.seq_id
+            st = texts[sid]
             outputs = seq.output_token_ids
             token = outputs[-1]
+            reason = seq.finish_reason
             text = ""
-            matcher = st.matcher
             # A stop token's own text is never emitted (vLLM's include_stop_str_in_output=False).
-            if st.stream is not None and seq.finish_reason is not stop:
-                text = st.stream.step(token)
+            if st.step is not None and reason is not stop:
+                text = st.step(token) or ""
+                matcher = st.matcher
                 if matcher is not None:
                     # vLLM semantics: stop strings count only once min_tokens tokens exist.
                     match = matcher.feed(text, can_stop=len(outputs) > seq.params.min_tokens)
                     text = match.text
                     if match.stopped:
                         finish(seq, stop)
-            reason = seq.finish_reason
-            if seq.status is finished:
-                if matcher is not None:
-                    text += matcher.flush()
-                del texts[seq.seq_id]
+                        reason = seq.finish_reason
+            if reason is not None:  # finished (its blocks are already free)
+                if st.matcher is not None:
+                    text += st.matcher.flush()
+                del texts[sid]
+                reason = reason.value
             offset = seq.output_offset
-            deltas.append(
-                RequestOutputDelta(
-                    seq.seq_id,
-                    (token,),
-                    text,
-                    None if reason is None else reason.value,
-                    len(seq.prompt_token_ids) - offset,
-                    offset + len(outputs),
-                )
-            )
+            add(delta(sid, (token,), text, reason, len(seq.prompt_token_ids) - offset, offset + len(outputs)))
         return deltas
 
 

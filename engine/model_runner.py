@@ -401,6 +401,17 @@ class ModelRunner:
             hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend)
             return logits(self.weights, self.config, hidden, ops)
 
+    def decode_columns(
+        self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """``decode`` of the sequences given as columns; ``tables`` are the ``BlockManager``'s own lists
+        (each sequence's list object the same every step, only ever appended to): the CUDA backend then
+        writes a table row only where it changed (``DecodeGraphs.run_columns``)."""
+        if self.backend is not Backend.TRITON or self._decoder is None:
+            return self.decode([DecodeItem(*c) for c in zip(token_ids, positions, tables, strict=True)])
+        with torch.inference_mode():
+            return self._decoder.run_columns(token_ids, positions, tables)
+
     def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> torch.Tensor:
         """Decode tokens and prefill chunks in one forward: every product reads its weights once for both.
 

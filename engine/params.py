@@ -6,6 +6,7 @@ rules the engine applies. Every check raises ``ValueError`` naming the field.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,6 +80,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @functools.cached_property
+    def argmax_only(self) -> bool:
+        """Every token is the argmax of the logits (greedy, or top_k 1: ties to the first index), with no
+        min_tokens masking: what the sampler's fast path checks for every sequence every step."""
+        return (self.greedy or self.top_k == 1) and self.min_tokens == 0
 
 
 def check_prompt_length(tokens: int, max_model_len: int, name: str = "prompt", what: str = "") -> None:

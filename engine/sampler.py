@@ -145,6 +145,10 @@ class Sampler:
                 tokens[idx] = sampled
         return tokens.tolist()  # the step's one device-to-host copy
 
+    def argmax_tokens(self, logits: torch.Tensor) -> list[int]:
+        """``self(logits, rows)`` where every row's params are ``argmax_only``: no per-row work."""
+        return self.argmax(logits).tolist() if len(logits) else []
+
     def _mask_min_tokens(
         self, logits: torch.Tensor, rows: Sequence[SampleRow], short: list[int], vocab: int
     ) -> torch.Tensor:

@@ -319,6 +319,8 @@ class Scheduler:
         """
         if len(token_ids) != len(batch.sample_items):
             raise ValueError(f"{len(batch.sample_items)} sequences sampled but {len(token_ids)} tokens given")
+        if batch.kind is BatchKind.DECODE:  # every step of a running stream: the short loop
+            return self._postprocess_decode(batch.items, token_ids)
         tokens = iter(token_ids)
         out: list[Sequence] = []
         for it in batch.items:
@@ -331,6 +333,23 @@ class Scheduler:
             if it.sample:
                 self._append(seq, next(tokens))
                 out.append(seq)
+        return out
+
+    def _postprocess_decode(self, items: Seq[ScheduledSeq], token_ids: Seq[int]) -> list[Sequence]:
+        """``postprocess`` of a DECODE batch: one token per item, every item samples."""
+        eos, max_len, finish = self.config.eos_token_ids, self.config.max_model_len, self.finish
+        finished = SequenceStatus.FINISHED
+        out: list[Sequence] = []
+        for it, token in zip(items, token_ids, strict=True):
+            seq = it.seq
+            if seq.status is finished:  # aborted between schedule and postprocess
+                continue
+            seq.num_computed_tokens = it.start + 1
+            seq.output_token_ids.append(token)
+            reason = check_stop(seq, eos, max_len)
+            if reason is not None:
+                finish(seq, reason)
+            out.append(seq)
         return out
 
     def _append(self, seq: Sequence, token_id: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,9 @@ class TextStream:
     def __init__(self, backend: _Backend, skip_special_tokens: bool = True) -> None:
         self._backend = backend
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        # ``step`` for a Python int, without the method call: the text or None (the engine calls it for
+        # every sequence every step).
+        self.step_int: Callable[[int], str | None] = functools.partial(self._stream.step, backend)
 
     def step(self, token_id: int) -> str:
         """The text ``token_id`` adds; "" while it leaves a multi-byte character incomplete."""

@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1): ``triton.next_power_of_2`` without its
+    per-call wrapper, which costs microseconds on the host of every decode step."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Shapes the kernels take: a power-of-two head_dim of at least 16 (``tl.arange`` and ``tl.dot``)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and num_heads % num_kv_heads == 0
@@ -163,8 +169,8 @@ def rope_store(
         HKV=num_kv_heads,
         D=head_dim,
         BLOCK=kv_layer.shape[2],
-        NQK=triton.next_power_of_2(num_heads + num_kv_heads),
-        NKV=triton.next_power_of_2(num_kv_heads),
+        NQK=_pow2(num_heads + num_kv_heads),
+        NKV=_pow2(num_kv_heads),
     )
 
 
@@ -196,7 +202,7 @@ def add_rms_norm(x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor
         assert x.is_contiguous() and (res is None or res.is_contiguous())
         _add_rms_norm_kernel[(t,)](
             x, x if res is None else res, weight, out, n, eps, HAS_RES=res is not None,
-            BLOCK=triton.next_power_of_2(n),
+            BLOCK=_pow2(n),
         )  # fmt: skip
     return out
 
@@ -220,7 +226,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t:
         assert gate_up.is_contiguous()
-        block = min(1024, triton.next_power_of_2(inter))
+        block = min(1024, _pow2(inter))
         _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
     return out
 
@@ -345,7 +351,7 @@ def gemv(
         assert norm is None and add_to.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
         out = add_to
     nw, eps = norm if norm is not None else (out, 0.0)
-    mp = triton.next_power_of_2(m)
+    mp = _pow2(m)
     # Defaults: the fastest tiling measured at one row on every SmolLM2 product (4 outputs, 2 warps).
     if block_k is None:
         block_k = max(64, min(512, 256 // mp * (4 if block_n <= 8 else 2 if block_n <= 16 else 1)))
@@ -394,7 +400,7 @@ def argmax_rows(logits: torch.Tensor, block: int = 4096) -> torch.Tensor:
     vals = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
     idx = torch.empty(n, parts, dtype=torch.int32, device=logits.device)
     _argmax_part_kernel[(n, parts)](logits, vals, idx, v, PARTS=parts, BLOCK=block)
-    _argmax_merge_kernel[(n,)](vals, idx, out, PARTS=parts, PP=triton.next_power_of_2(parts))
+    _argmax_merge_kernel[(n,)](vals, idx, out, PARTS=parts, PP=_pow2(parts))
     return out
 
 
@@ -494,7 +500,7 @@ def decode_splits(
     a power of two, at most 16, and no more than the longest context has runs of ``min_keys`` keys
     (so 1, no merge, for contexts of up to ``min_keys`` tokens)."""
     want = max(1, (2 * num_sms) // max(1, batch * num_kv_heads))
-    splits = min(16, triton.next_power_of_2(want), triton.next_power_of_2(max(1, -(-max_len // min_keys))))
+    splits = min(16, _pow2(want), _pow2(max(1, -(-max_len // min_keys))))
     return max(1, splits)
 
 
@@ -530,7 +536,7 @@ def decode_attention(
     if bsz == 0:
         return out.view(0, n_h * d)
     meta = dict(
-        HKV=n_kv, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, BLOCK=block, BLOCK_N=block_n,
+        HKV=n_kv, G=g, GP=max(16, _pow2(g)), D=d, BLOCK=block, BLOCK_N=block_n,
         SPLITS=splits, PREC=_dot_precision(q.dtype), DOT_F32=_DOT_F32,
     )  # fmt: skip
     scale = 1.0 / math.sqrt(d)

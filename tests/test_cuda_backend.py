@@ -13,7 +13,9 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed (the CUDA backend's kernels)")
 
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.block_manager import BlockManager  # noqa: E402
 from pdserve.engine.cuda_backend import (  # noqa: E402
+    DecodeGraphs,
     PrefillGraphs,
     decode_buckets,
     make_prefill_forward,
@@ -48,6 +50,101 @@ def test_decode_buckets_cover_every_batch_size():
     b = decode_buckets(256)
     assert b[-1] == 256 and b == sorted(set(b)) and 80 in b and 240 in b
     assert decode_buckets(300)[-2:] == [288, 300]
+
+
+def _staging(max_batch: int = 8) -> tuple[DecodeGraphs, list[dict[str, torch.Tensor]]]:
+    """Decode graphs (eager, on CPU) whose forward records the inputs each step staged."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def forward(ids, positions, slots, tables, lens, splits):  # type: ignore[no-untyped-def]
+        seen.append(
+            {"ids": ids.clone(), "pos": positions.clone(), "slots": slots.clone(), "tables": tables.clone(),
+             "lens": lens.clone()}
+        )  # fmt: skip
+        return torch.zeros(len(ids), 3)
+
+    graphs = DecodeGraphs(
+        forward, max_batch=max_batch, max_blocks=8, block_size=4, num_blocks=64, num_kv_heads=2, max_len=32,
+        device=torch.device("cpu"), use_graphs=False,
+    )  # fmt: skip
+    return graphs, seen
+
+
+def test_decode_staging_follows_tables_that_grow_move_rows_and_are_replaced():
+    """The engine passes the block manager's own tables (``live_tables``): a row is rewritten only when
+    its list changed. Over random steps (sequences arriving, finishing, preempted and allocated again
+    under the same id, rows reordered, tables growing across blocks), every staged input equals what
+    the tables say, and equals a run that writes every row in full."""
+    import random
+
+    rng = random.Random(0)
+    live, seen_live = _staging()
+    full, seen_full = _staging()
+    bm = BlockManager(64, 4)
+    length: dict[int, int] = {}  # tokens cached + the one decoded this step
+    next_id = 0
+    for step in range(300):
+        if len(length) < 8 and rng.random() < 0.3:
+            length[next_id] = rng.randint(1, 12)
+            bm.allocate(next_id, length[next_id])
+            next_id += 1
+        if length and rng.random() < 0.15:  # finishes
+            gone = rng.choice(list(length))
+            bm.free(gone)
+            del length[gone]
+        if length and rng.random() < 0.1:  # preempted and back: the same id, a new list
+            sid = rng.choice(list(length))
+            bm.free(sid)
+            bm.allocate(sid, length[sid])
+        ids = sorted(length)
+        if rng.random() < 0.2:
+            rng.shuffle(ids)
+        if not ids:
+            continue
+        for sid in ids:
+            length[sid] = min(length[sid] + 1, 31)
+            bm.grow(sid, length[sid])
+        tokens = [rng.randrange(1000) for _ in ids]
+        positions = [length[s] - 1 for s in ids]
+        live.run_columns(tokens, positions, bm.live_tables(ids))
+        full.run_columns(tokens, positions, bm.block_tables(ids), live_tables=False)
+        got, want = seen_live[-1], seen_full[-1]
+        n = len(ids)
+        for key in ("ids", "pos", "slots", "lens"):
+            assert torch.equal(got[key], want[key]), (step, key)
+        assert got["ids"][:n].tolist() == tokens
+        assert got["lens"][:n].tolist() == [p + 1 for p in positions]
+        for i, (sid, pos) in enumerate(zip(ids, positions, strict=True)):
+            table = bm.block_table(sid)
+            used = pos // 4 + 1
+            assert got["tables"][i, :used].tolist() == table[:used], (step, i)
+            assert got["slots"][i] == table[pos // 4] * 4 + pos % 4
+        assert (got["slots"][n:] == -1).all() and (got["lens"][n:] == 0).all()  # padding writes nothing
+    assert next_id > 10 and len(seen_live) > 250
+
+
+def test_decode_staging_refuses_bad_tables_and_positions_then_recovers():
+    graphs, seen = _staging()
+    table = [3, 4]
+    with pytest.raises(ValueError, match="block table of 2 blocks cannot hold 9 tokens"):
+        graphs.run_columns([1], [8], [table])
+    table.append(5)  # the same list, long enough now: the row is written again, not trusted
+    graphs.run_columns([1], [8], [table])
+    assert seen[-1]["tables"][0, :3].tolist() == [3, 4, 5] and seen[-1]["slots"][0] == 20
+    with pytest.raises(ValueError, match=r"ids outside \[0, 64\)"):
+        graphs.run_columns([1], [8], [[3, 4, 64]])
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        graphs.run_columns([1], [-1], [table])
+    with pytest.raises(ValueError, match="position 32 exceeds the model context of 32"):
+        graphs.run_columns([1], [32], [[0] * 9])
+    graphs.run_columns([7], [9], [table])
+    assert seen[-1]["ids"][0] == 7 and seen[-1]["slots"][0] == 21
+    # A step refused after it wrote a row: the next step must not trust that row (or the device copy).
+    other = [6, 7, 8]
+    with pytest.raises(ValueError, match="ids outside"):
+        graphs.run_columns([1, 1], [8, 8], [other, [9, 10, 64]])
+    graphs.run_columns([1], [8], [other])
+    assert seen[-1]["tables"][0, :3].tolist() == [6, 7, 8] and seen[-1]["slots"][0] == 32
 
 
 def test_prefill_inputs_index_the_cache_like_the_torch_path():
