@@ -386,10 +386,15 @@ class DecodeGraphs:
         h[:n] = token_ids
         blk = pos // bs
         tab, held, wrote, mb = self._tab, self._held, self._wrote, self.max_blocks
-        if not live_tables:
+        if not live_tables:  # every row written, as far as its position reads, and checked at once
             held[:n] = [None] * n
-        written = False
-        for i, table in enumerate(tables):
+            for i, (table, p) in enumerate(zip(tables, positions, strict=True)):
+                k = wrote[i] = len(table)
+                u = min(k, p // bs + 1)
+                tab[i, :u] = table[:u]
+            _check_ids(tab[:n, : max_pos // bs + 1], self.num_blocks)
+        written = not live_tables
+        for i, table in enumerate(tables if live_tables else ()):
             k = len(table)
             if table is held[i]:
                 w = wrote[i]
@@ -398,7 +403,7 @@ class DecodeGraphs:
                 new = table[w:mb]
             else:
                 w, new = 0, table[:mb]
-                held[i] = table if live_tables else None
+                held[i] = table
             wrote[i] = k
             written = True
             if len(new):
