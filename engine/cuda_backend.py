@@ -5,8 +5,10 @@
 - ``prefill_inputs``: a prefill step's index tensors (positions, cache slots, ``cu_seqlens``, start
   positions, padded block tables) built on the host in one pinned buffer and copied to the device at once.
 - ``DecodeGraphs``: decode at bucketed batch sizes up to ``max_batch`` under CUDA graphs. Inputs live in
-  one static device buffer (token ids, positions, cache slots, context lengths, block tables) that each
-  step overwrites with one host-to-device copy; rows past the batch are padding (slot -1: no store;
+  one static device buffer (token ids, positions, cache slots, context lengths, block tables) staged in a
+  pinned host twin: each step copies the four per-row vectors, and the block tables only when a row
+  changed (the engine passes the block manager's own tables, and a row is rewritten only when its
+  sequence moved or its table grew: ``run_columns``); rows past the batch are padding (slot -1: no store;
   length 0: attends nothing) and are sliced off the logits. Capture happens once at start-up
   (``capture_s`` says how long it took), one graph per bucket and split count of the decode attention
   (``triton_kernels.decode_splits``: contexts up to 64 tokens run unsplit). Batches over the largest
