@@ -381,13 +381,14 @@ class LLMEngine:
                     if match.stopped:
                         finish(seq, stop)
                         reason = seq.finish_reason
+            why = None
             if reason is not None:  # finished (its blocks are already free)
                 if st.matcher is not None:
                     text += st.matcher.flush()
                 del texts[sid]
-                reason = reason.value
+                why = reason.value
             offset = seq.output_offset
-            add(delta(sid, (token,), text, reason, len(seq.prompt_token_ids) - offset, offset + len(outputs)))
+            add(delta(sid, (token,), text, why, len(seq.prompt_token_ids) - offset, offset + len(outputs)))
         return deltas
 
 
