@@ -395,23 +395,25 @@ class DecodeGraphs:
                 u = min(k, p // bs + 1)
                 tab[i, :u] = table[:u]
             _check_ids(tab[:n, : max_pos // bs + 1], self.num_blocks)
-        written = not live_tables
-        for i, table in enumerate(tables if live_tables else ()):
-            k = len(table)
-            if table is held[i]:
-                w = wrote[i]
-                if k == w:
-                    continue
-                new = table[w:mb]
-            else:
-                w, new = 0, table[:mb]
-                held[i] = table
-            wrote[i] = k
             written = True
-            if len(new):
-                if min(new) < 0 or max(new) >= self.num_blocks:
-                    raise ValueError(f"a block table has ids outside [0, {self.num_blocks})")
-                tab[i, w : w + len(new)] = new
+        else:  # a row is written only where its list changed (new entries checked as they are written)
+            written = False
+            for i, table in enumerate(tables):
+                k = len(table)
+                if table is held[i]:
+                    w = wrote[i]
+                    if k == w:
+                        continue
+                    new = table[w:mb]
+                else:
+                    w, new = 0, table[:mb]
+                    held[i] = table
+                wrote[i] = k
+                written = True
+                if len(new):
+                    if min(new) < 0 or max(new) >= self.num_blocks:
+                        raise ValueError(f"a block table has ids outside [0, {self.num_blocks})")
+                    tab[i, w : w + len(new)] = new
         short = np.asarray(wrote[:n]) <= blk
         if short.any():
             i = int(np.argmax(short))
