@@ -112,12 +112,15 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 digest = await asyncio.to_thread(vocab_digest, model_dir)
                 t2 = time.perf_counter()
             except Exception:
-                load_failed.set(1)
                 log.exception(
                     "%s worker %s could not load model %r", args.role.value, args.worker_id, args.model
                 )
+                # The linger's handlers replace the shell's before the gauge shows the failure: a
+                # SIGTERM sent once the failure is scraped must end the linger, not a spent drain.
+                stop = _linger_stop()
                 await shell.stop()
-                await _linger(args.load_failure_linger_s)
+                load_failed.set(1)
+                await _linger(stop, args.load_failure_linger_s)
                 raise
             log.info(
                 "%s worker %s: model %s on %s in %s (--dtype %s, --quantization %s), %d KV blocks of %d "
@@ -228,15 +231,20 @@ def add_device_metrics(registry: CollectorRegistry, args: WorkerArgs, nvml: Any 
     return add_gpu_metrics(registry, args.role.value, nvml, index=index, uuid=cuda_uuid(args.device))
 
 
-async def _linger(seconds: float) -> None:
-    """Wait ``seconds`` or until SIGTERM/SIGINT, whichever comes first (the shell's drain handlers are
-    spent: its server has stopped)."""
-    if seconds <= 0:
-        return
-    log.error("keeping /metrics up for %.0fs so the failed load is scraped", seconds)
+def _linger_stop() -> asyncio.Event:
+    """An event SIGTERM/SIGINT set from now on (replacing the shell's drain handlers, which are spent
+    once its server stops)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _linger(stop: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds`` or until ``stop`` is set (a signal), whichever comes first."""
+    if seconds <= 0 or stop.is_set():
+        return
+    log.error("keeping /metrics up for %.0fs so the failed load is scraped", seconds)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
