@@ -28,7 +28,7 @@ from pdserve.kv_transfer.testing.spec import PeerCallError, PeerSpec
 
 class PeerProcess:
     def __init__(self, spec: PeerSpec, name: str = "peer") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._conn, child = ctx.Pipe()
         self.name = name
         self.proc = ctx.Process(target=_child_main, args=(child, spec), name=name, daemon=True)
@@ -96,6 +96,18 @@ class PeerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_PRELOAD = ["torch", "pdserve.kv_transfer.testing.child"]
+
+
+def _context() -> Any:
+    """Peers fork from one server process that has imported torch and the child's modules already (a
+    spawned peer spent seconds importing them, most of a short test on a small CPU). The server does
+    nothing else: no UCX context, no CUDA, no torch thread pool exist before a peer forks."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 @contextmanager
