@@ -724,8 +724,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
         # One line: the message says it all (a refusal names the flags to match); a failed worker's
         # cause is in its log. A supervisor restarts on the exit status.
         print(f"pdserve worker: {e}", file=sys.stderr)
-        return 1
-    return 0
+        _exit_now(1)
+    _exit_now(0)
+    return 0  # (not reached)
+
+
+def _exit_now(code: int) -> None:
+    """End a worker whose serve loop is over (its servers, transfers and loops closed, its KV cache a
+    memfd the kernel frees) without the interpreter's teardown: collecting torch's modules took a
+    second after every drain, and a scale-down or ``down`` waited for it."""
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- the local cluster --------------------------------------------------------------------------------
