@@ -156,14 +156,19 @@ def test_each_pool_grows_under_its_load_and_shrinks_back_by_draining(tmp_path):
         downs = [(d.pool, d.reason) for d in doc.decisions if d.direction == "down"]
         # The stressed pool grew first, and only it: prefill in phase A, decode in phase B.
         assert [(p, r) for t, p, r in ups if t_a <= t < t_b] == [("prefill", "queued_prefill_tokens")], ups
-        assert [(p, r) for t, p, r in ups if t >= t_b] == [("decode", "running_batch")], ups
+        # Phase B's load reads as a full batch or as requests waiting at the router for one: which a tick
+        # sees first depends on when the decode worker's heartbeat lands (seen both ways on 2 cores).
+        after_b = [(p, r) for t, p, r in ups if t >= t_b]
+        assert len(after_b) == 1 and after_b[0][0] == "decode", ups
+        reason_b = after_b[0][1]
+        assert reason_b in ("running_batch", "router_queue"), ups
         assert sorted(downs) == [("decode", "idle"), ("prefill", "idle")], downs
 
         m = _samples(doc.metrics_url)
         for pool, direction, reason in (
             ("prefill", "up", "queued_prefill_tokens"),
             ("prefill", "down", "idle"),
-            ("decode", "up", "running_batch"),
+            ("decode", "up", reason_b),
             ("decode", "down", "idle"),
         ):
             key = (

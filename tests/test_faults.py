@@ -155,10 +155,10 @@ def test_a_burst_of_200_cancels_frees_every_block(tmp_path):
 
 
 def test_overload_burst_past_the_prefill_queue_bound_is_refused_at_once(tmp_path):
-    """1P+1D, a prefill queue bound of 2,000 tokens, 16 prompts of 500 tokens at once: the excess is
+    """1P+1D, a prefill queue bound of 1,000 tokens, 16 prompts of 250 tokens at once: the excess is
     RESOURCE_EXHAUSTED at once, every admitted request completes (the same tokens as a lone run)."""
-    extra = (*REMOTE, "--max-prefill-queue-tokens", "2000")
-    reqs = _prompts(16, 500, seed=4)
+    extra = (*REMOTE, "--max-prefill-queue-tokens", "1000")
+    reqs = _prompts(16, 250, seed=4)
     for r in reqs[1:]:
         r.prompt_token_ids.CopyFrom(reqs[0].prompt_token_ids)  # one prompt: every output is the same
     with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
