@@ -1,7 +1,7 @@
 """KV transfer over real UCX between processes on loopback (issue 3, acceptance 1-3; issue 14:
 one-sided puts, which every transfer here uses unless its transport is ``tcp-tagged``).
 
-Peers are spawned processes (kv_transfer.testing.PeerProcess) running uvloop,
+Peers are separate processes (kv_transfer.testing.PeerProcess) running uvloop,
 with SmolLM2-135M's KV layout (30 layers, 3 KV heads, head dim 64, block 16).
 Every fault test ends with a leak check on both sides; every process is
 stopped (or killed) by its fixture even when a test fails.

@@ -4,7 +4,7 @@ Lives in the product, not in ``tests/``, because ``bench.kv_transfer`` drives th
 only part of ``kv_transfer`` that uses the engine's ``BlockManager`` directly.
 
 - ``spec``: ``PeerSpec`` and the seeded contents both sides check against.
-- ``process``: ``PeerProcess``, the parent's handle on a spawned peer.
+- ``process``: ``PeerProcess``, the parent's handle on a peer (forked from a server that imported torch).
 - ``child``: ``PeerState``, what the peer does with each command.
 - ``baseline``: raw ucxx sends of the same bytes, the yardstick of ``bench.kv_transfer``.
 """

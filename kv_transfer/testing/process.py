@@ -1,4 +1,5 @@
-"""The parent side of the harness: :class:`PeerProcess` spawns a peer and calls it over a pipe.
+"""The parent side of the harness: :class:`PeerProcess` starts a peer (forked from a
+fork server that has imported torch) and calls it over a pipe.
 
 The child runs an event loop (uvloop by default, like the serving path) with a KV tensor and a
 BlockManager, and dispatches each command to ``child.PeerState``: a decode receiver, a prefill sender
