@@ -17,6 +17,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 
@@ -718,18 +719,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.worker.agent import RegistrationError
     from pdserve.worker.bringup import WorkerFailed
 
+    code = 0
     try:
         uvloop.run(module.serve(wargs))
     except (WorkerFailed, RegistrationError) as e:
         # One line: the message says it all (a refusal names the flags to match); a failed worker's
         # cause is in its log. A supervisor restarts on the exit status.
         print(f"pdserve worker: {e}", file=sys.stderr)
-        _exit_now(1)
-    _exit_now(0)
-    return 0  # (not reached)
+        code = 1
+    _exit_now(code)
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int) -> NoReturn:
     """End a worker whose serve loop is over (its servers, transfers and loops closed, its KV cache a
     memfd the kernel frees) without the interpreter's teardown: collecting torch's modules took a
     second after every drain, and a scale-down or ``down`` waited for it."""
