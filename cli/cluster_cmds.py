@@ -1,36 +1,21 @@
-"""``pdserve up``, ``scale``, ``autoscale`` and ``down``: the local cluster's life, on top of
-``deploy.local.cluster`` (and ``deploy.local.autoscaler``)."""
+"""``pdserve up`` and ``pdserve down``: the local cluster's start and stop, on top of ``deploy.local.cluster``
+(and what ``scale`` shares with ``up``: the device check, GPU shares, the idle-prefill note)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import re
-import signal
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
-import grpc
-import msgspec
-
-from pdserve.cli import lifeline
-from pdserve.deploy.local import alertmanager, cluster, prometheus
-from pdserve.deploy.local import autoscaler as autoscaler_mod
+from pdserve.cli import monitoring
+from pdserve.cli.autoscale_cmds import autoscale_config, check_decode_floor, start_autoscaler
+from pdserve.cli.common import say
+from pdserve.deploy.local import cluster, prometheus
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
-from pdserve.router.autoscale import AutoscaleConfig, PoolBounds
 from pdserve.worker.address import host_port
 from pdserve.worker.auth import write_new_token
 from pdserve.worker.role import Role
 from pdserve.worker.tls import TLSConfig
-
-
-def say(text: str) -> None:
-    """Progress goes to stderr; stdout carries only results (the router address)."""
-    print(text, file=sys.stderr, flush=True)
-
 
 # ``up`` options handed on to the router and to every worker (``scale`` reuses the workers' from the state).
 _ROUTER_FLAGS = (
@@ -63,7 +48,7 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     return flags
 
 
-def _check_shared_kv(shared: bool, device: str) -> None:
+def check_shared_kv(shared: bool, device: str) -> None:
     if shared and device != "cpu":
         raise cluster.ClusterError(
             f"--kv-shared-memory keeps decode KV caches in host shared memory: workers on {device} cannot"
@@ -137,7 +122,7 @@ def _up(args: argparse.Namespace) -> int:
         most = counts[Role.BOTH] + sum(b.max + b.warm for b in (policy.prefill, policy.decode))
     threads = args.threads or cluster.default_threads(max(n_workers, most))
     device = resolve_device(args.device)
-    _check_shared_kv(args.kv_shared_memory, device)
+    check_shared_kv(args.kv_shared_memory, device)
     util = each_share(device, n_workers, args.gpu_memory_utilization)
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
     module = ["--worker-module", args.worker_module] if args.worker_module else []
@@ -205,15 +190,15 @@ def _up(args: argparse.Namespace) -> int:
             f"each{pinned}; logs in {state_dir / 'logs'}"
         )
         cluster.wait_ready(state, {w.id for w in state.workers}, args.timeout, say)
-        write_targets(state_dir, state)
+        monitoring.write_targets(state_dir, state)
         am_listen = ""
         if args.alertmanager:
             am_listen = host_port(args.host, args.alertmanager_port)
-            state = start_alertmanager(state_dir, state, am_listen)
+            state = monitoring.start_alertmanager(state_dir, state, am_listen)
             cluster.save_state(state_dir, state)
         if args.prometheus or args.alertmanager:
             listen = host_port(args.host, args.prometheus_port)
-            state = start_prometheus(
+            state = monitoring.start_prometheus(
                 state_dir, state, listen, args.scrape_interval, am_listen, args.alert_for
             )
             cluster.save_state(state_dir, state)
@@ -234,230 +219,6 @@ def _up(args: argparse.Namespace) -> int:
         say(f"OpenAI-compatible API: {status.http_url}/v1")
     print(state.router_address, flush=True)
     return 0
-
-
-def write_targets(state_dir: Path, state: cluster.ClusterState) -> None:
-    """List the router and every worker (their metrics URLs) in the Prometheus targets file, and the
-    workers the cluster should have in the worker-count alert's rule file (re-read on SIGHUP)."""
-    status = cluster.cluster_status(
-        state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
-    )
-    groups = prometheus.targets(status)
-    say(f"prometheus targets: {prometheus.write_targets(state_dir, groups)}")
-    changed = prometheus.write_expected(
-        state_dir, {r.value: sum(w.role is r for w in state.workers) for r in Role}
-    )
-    if changed and state.prometheus is not None:
-        cluster.send(state.prometheus, signal.SIGHUP)
-
-
-def _start_server(state_dir: Path, name: str, argv: list[str], url: str) -> cluster.ProcessEntry:
-    """Spawn one monitoring server and wait (bounded) until it answers ``/-/ready``. Under
-    ``PDSERVE_EXIT_WITH_PID`` it runs tied to that process, as pdserve's own processes do."""
-    if lifeline.exit_with_pid() is not None:
-        argv = [sys.executable, "-m", "pdserve.cli.lifeline", *argv]
-    proc = cluster.spawn(name, argv, state_dir / "logs" / f"{name}.log", cluster.child_env(1))
-    if not prometheus.wait_ready(url, 60.0, lambda: cluster.alive(proc)):
-        cluster.stop_processes([proc], term_timeout_s=10.0)
-        raise cluster.ClusterError(
-            f"{name} did not become ready at {url}; last lines of {proc.log}:\n" + cluster.log_tail(proc.log)
-        )
-    say(f"{name} at {url} (pid {proc.pid})")
-    return proc
-
-
-def start_prometheus(
-    state_dir: Path,
-    state: cluster.ClusterState,
-    listen: str,
-    scrape_interval_s: float,
-    alertmanager_listen: str = "",
-    alert_for_s: float | None = None,
-) -> cluster.ClusterState:
-    binary = prometheus.find_binary()
-    if binary is None:
-        raise cluster.ClusterError(
-            "prometheus is not installed: `make prometheus` unpacks Debian's package into the virtualenv "
-            "(or `apt-get install prometheus`)"
-        )
-    argv = prometheus.server_argv(
-        binary, state_dir, listen, scrape_interval_s, alertmanager_listen, alert_for_s
-    )
-    proc = _start_server(state_dir, "prometheus", argv, f"http://{listen}")
-    return msgspec.structs.replace(state, prometheus=proc, prometheus_url=f"http://{listen}")
-
-
-def start_alertmanager(state_dir: Path, state: cluster.ClusterState, listen: str) -> cluster.ClusterState:
-    binary = alertmanager.find_binary()
-    if binary is None:
-        raise cluster.ClusterError(
-            "alertmanager is not installed: `make alertmanager` unpacks Debian's prometheus-alertmanager "
-            "package into the virtualenv (or `apt-get install prometheus-alertmanager`)"
-        )
-    why = alertmanager.missing_templates(binary)
-    if why:
-        raise cluster.ClusterError(why)
-    argv = alertmanager.server_argv(binary, state_dir, listen)
-    proc = _start_server(state_dir, "alertmanager", argv, f"http://{listen}")
-    return msgspec.structs.replace(state, alertmanager=proc, alertmanager_url=f"http://{listen}")
-
-
-def cmd_scale(args: argparse.Namespace) -> int:
-    with cluster.state_lock(args.state_dir):
-        return _scale(args)
-
-
-def _scale(args: argparse.Namespace) -> int:
-    state = cluster.load_state(args.state_dir)
-    if state is None:
-        raise cluster.ClusterError(f"no cluster in {args.state_dir}")
-    if state.autoscaler is not None and cluster.alive(state.autoscaler):
-        raise cluster.ClusterError(
-            f"the autoscaler (pid {state.autoscaler.pid}) sizes this cluster's pools (`up --autoscale` or "
-            "`pdserve autoscale`): stop it to scale by hand, or restart it with other bounds"
-        )
-    if not cluster.alive(state.router):
-        raise cluster.ClusterError(
-            f"the router of the cluster in {args.state_dir} (pid {state.router.pid}) has exited: "
-            "`pdserve down`, then `pdserve up` again"
-        )
-    state, gone = cluster.live_workers(state)
-    for w in gone:
-        say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")
-    status = None
-    if any(w.standby for w in state.workers):
-        status = cluster.cluster_status(
-            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
-        )
-        state, adopted = cluster.adopt_promotions(state, status)
-        for w in adopted:
-            say(f"{w.id} serves: the router promoted it from the warm pool when its pool had none left")
-    targets = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
-    device = state.device if args.device is None else resolve_device(args.device)
-    _check_shared_kv("--kv-shared-memory" in state.worker_flags, device)
-    util = (
-        state.gpu_memory_utilization if args.gpu_memory_utilization is None else args.gpu_memory_utilization
-    )
-    serving = {
-        r: sum(w.role is r and not w.standby for w in state.workers) if targets[r] is None else targets[r]
-        for r in targets
-    }
-    if not serving[Role.DECODE] and not serving[Role.BOTH]:
-        raise cluster.ClusterError("a cluster needs at least one decode or colocated worker")
-    if serving[Role.PREFILL] and serving[Role.BOTH] and not serving[Role.DECODE]:
-        say(IDLE_PREFILL_NOTE)
-    removing: list[cluster.ProcessEntry] = []
-    wanted: dict[Role, int] = {}  # more serving workers than now: promoted standby ones, else new ones
-    for role, target in targets.items():
-        if target is None:
-            continue
-        # Serving workers only: a warm-pool worker the autoscaler left (standby) is promoted first.
-        current = [w for w in state.workers if w.role is role and not w.standby]
-        if target > len(current):
-            wanted[role] = target - len(current)
-        else:
-            removing += current[target:]  # the newest go first
-    # The GPU must hold the workers that stay and the new ones (a standby one holds its share already,
-    # registered or still loading: ``_promote_standby`` promotes both): refuse before changing anything.
-    standby = {r: sum(w.role is r and w.standby and cluster.alive(w) for w in state.workers) for r in wanted}
-    new = sum(max(n - standby[r], 0) for r, n in wanted.items())
-    cluster.check_gpu_shares(device, cluster.gpu_share(state, device, removing), new, util)
-    if new and args.timeout <= 0:  # (0 is for removals: they stop at once)
-        raise cluster.ClusterError("--timeout 0 leaves no time for a new worker to start: give it seconds")
-    adding: dict[Role, int] = {}
-    promoted: list[str] = []
-    for role, n in wanted.items():
-        state, promoted_now = _promote_standby(state, args.state_dir, role, n)
-        promoted += promoted_now
-        if n > len(promoted_now):
-            adding[role] = n - len(promoted_now)
-    added: list[str] = []
-    for role, n in adding.items():
-        before = {w.id for w in state.workers}
-        state = cluster.spawn_workers(args.state_dir, state, role, n, device, util)
-        added += [w.id for w in state.workers if w.id not in before]
-    cluster.save_state(args.state_dir, state)
-    if added:
-        say(f"starting {', '.join(added)}")
-        cores, total = os.cpu_count() or 1, cluster.cpu_threads(state)
-        if total > cores:  # the workers started before keep their thread counts
-            say(
-                f"note: the CPU workers now run {total} torch threads on {cores} cores, which slows every "
-                "one of them; size the threads for the largest pools at `up` (--threads, or "
-                "`up --autoscale`, which shares the cores among each pool's maximum)"
-            )
-        try:
-            cluster.wait_ready(state, set(added), args.timeout, say)
-        except (cluster.ClusterError, KeyboardInterrupt):
-            # Not stopped (as `up` stops what it started): they stay in the cluster and join once ready.
-            starting = [w for w in state.workers if w.id in added and cluster.alive(w)]
-            if starting:
-                with contextlib.suppress(grpc.RpcError, OSError):
-                    write_targets(args.state_dir, state)  # scraped from the start, as after a scale
-                say(
-                    f"{', '.join(w.id for w in starting)} still starting: joins the cluster once ready "
-                    "(`pdserve status`); `pdserve scale` again to remove it"
-                )
-            raise
-    if removing:
-        say(f"draining {', '.join(w.id for w in removing)}")
-        stuck = cluster.remove_workers(state, removing, args.timeout, say)
-        for wid in stuck:
-            say(f"{wid} did not drain within {args.timeout:.0f}s: stopped, cutting its requests in flight")
-        state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w not in removing))
-        cluster.save_state(args.state_dir, state)
-    write_targets(args.state_dir, state)
-    if promoted:
-        say(f"promoted from the warm pool: {', '.join(promoted)}")
-    counts = {r.value: sum(w.role is r and not w.standby for w in state.workers) for r in Role}
-    standby = sum(w.standby for w in state.workers)
-    say(
-        "workers: "
-        + ", ".join(f"{n} {role}" for role, n in counts.items())
-        + (f" (and {standby} standby)" if standby else "")
-    )
-    return 0
-
-
-def forget_worker(state_dir: Path, worker_id: str, exit_wait_s: float = 10.0) -> None:
-    """A worker of the local cluster drained by hand (``pdserve drain``): once its process has exited, it
-    leaves the state file, the Prometheus targets and the workers the alerts expect, as after ``scale``
-    (else the worker-count alert fired for a worker removed on purpose)."""
-    try:
-        with cluster.state_lock(state_dir, wait_s=30.0):
-            _forget(state_dir, worker_id, exit_wait_s)
-    except cluster.ClusterError as e:  # the drain itself succeeded: say what was left undone
-        say(f"{worker_id} left the router, but stays in the state file: {e}")
-
-
-def _forget(state_dir: Path, worker_id: str, exit_wait_s: float) -> None:
-    state = cluster.load_state(state_dir)
-    entry = next((w for w in state.workers if w.id == worker_id), None) if state else None
-    if state is None or entry is None:
-        return
-    if cluster.wait_exit([entry], exit_wait_s):
-        say(f"{worker_id} (pid {entry.pid}) still runs: left in the cluster's state file")
-        return
-    state = msgspec.structs.replace(state, workers=tuple(w for w in state.workers if w.id != worker_id))
-    cluster.save_state(state_dir, state)
-    write_targets(state_dir, state)
-
-
-def _promote_standby(
-    state: cluster.ClusterState, state_dir: Path, role: Role, n: int
-) -> tuple[cluster.ClusterState, list[str]]:
-    """Promote up to ``n`` live warm-pool workers of ``role`` into routing (the autoscaler's standby
-    workers, once it is gone): loaded already, they serve at once."""
-    token, tls = cluster.state_token(state), cluster.state_tls(state)
-    promoted = []
-    for w in [w for w in state.workers if w.role is role and w.standby and cluster.alive(w)][:n]:
-        # One not registered yet (still loading) is promoted too: the router remembers it, and it registers
-        # into routing (counted serving here, it is not doubled by a cold start beside it).
-        cluster.promote_worker(state.router_address, w.id, token, tls)
-        state = cluster.replace_worker(state, msgspec.structs.replace(w, standby=False))
-        cluster.save_state(state_dir, state)
-        promoted.append(w.id)
-    return state, promoted
 
 
 def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
@@ -525,203 +286,3 @@ def _down_without_state(args: argparse.Namespace, unreadable: cluster.ClusterErr
     cluster.remove_state(args.state_dir)
     say(f"removed {cluster.state_path(args.state_dir)}")
     return 0
-
-
-# ---- autoscaling ----------------------------------------------------------------------------------------
-
-# (flag, AutoscaleConfig field, type, help) of every policy threshold `up --autoscale` and `autoscale` take.
-_POLICY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--autoscale-interval", "interval_s", float, "seconds between decisions"),
-    ("--scale-up-after", "up_after", int, "ticks of high load in a row before a scale-up"),
-    ("--scale-down-after", "down_after", int, "ticks of low load in a row before a scale-down"),
-    ("--scale-up-cooldown", "up_cooldown_s", float, "seconds after a pool changed before it may grow"),
-    ("--scale-down-cooldown", "down_cooldown_s", float, "seconds after a pool changed before it may shrink"),
-    ("--prefill-tokens-high", "prefill_tokens_high", int, "queued prefill tokens per prefill worker: grow"),
-    (
-        "--prefill-tokens-low",
-        "prefill_tokens_low",
-        int,
-        "... at most this many (with one worker less): shrink",
-    ),
-    (
-        "--ttft-slo",
-        "ttft_slo_s",
-        float,
-        "TTFT objective in seconds (prefill grows over it while work queues)",
-    ),
-    ("--kv-usage-high", "kv_usage_high", float, "decode KV-cache usage (0-1): grow"),
-    ("--kv-usage-low", "kv_usage_low", float, "... at most this (with one worker less): shrink"),
-    ("--running-high", "running_high", float, "decode (running + queued) / max running (0-1): grow"),
-    ("--running-low", "running_low", float, "... at most this (with one worker less): shrink"),
-    ("--itl-slo", "itl_slo_s", float, "ITL objective in seconds (decode grows over it)"),
-)
-
-
-def autoscale_arguments(p: argparse.ArgumentParser, on_up: bool) -> None:
-    """The autoscaler's bounds and thresholds (defaults: ``AutoscaleConfig``)."""
-    if on_up:
-        p.add_argument(
-            "--autoscale",
-            action="store_true",
-            help="size the prefill and decode pools from their load and SLOs (a background autoscaler; "
-            "`pdserve status` shows its decisions); --prefill/--decode are the starting sizes",
-        )
-    g = p.add_argument_group("autoscaling")
-    for pool in ("prefill", "decode"):
-        extra = "; 0 only beside colocated workers" if pool == "decode" else ""
-        g.add_argument(f"--{pool}-min", type=int, default=1, help=f"fewest {pool} workers (default 1{extra})")
-        g.add_argument(
-            f"--{pool}-max", type=int, default=None, help=f"most {pool} workers (default: min + 1)"
-        )
-        g.add_argument(
-            f"--warm-{pool}",
-            type=int,
-            default=None,
-            help=f"standby {pool} workers kept loaded, not routed to; a scale-up promotes one at once "
-            "(default: --warm)",
-        )
-    g.add_argument("--warm", type=int, default=0, help="standby workers per pool (default 0)")
-    d = AutoscaleConfig()
-    for flag, name, kind, text in _POLICY_FLAGS:
-        g.add_argument(
-            flag, dest=name, type=kind, default=getattr(d, name), help=f"{text} (default %(default)s)"
-        )
-    g.add_argument(
-        "--autoscale-drain-timeout",
-        type=float,
-        default=300.0,
-        help="seconds a worker scaled down may take to drain before it is stopped by signal",
-    )
-
-
-def autoscale_config(args: argparse.Namespace) -> AutoscaleConfig:
-    """The policy of the flags, checked (ClusterError naming the problem)."""
-
-    def bounds(pool: str) -> PoolBounds:
-        lo = getattr(args, f"{pool}_min")
-        hi = getattr(args, f"{pool}_max")
-        warm = getattr(args, f"warm_{pool}")
-        try:
-            return PoolBounds(lo, lo + 1 if hi is None else hi, args.warm if warm is None else warm)
-        except ValueError as e:
-            raise ValueError(f"--{pool}-min, --{pool}-max, --warm-{pool}: {e}") from None
-
-    try:
-        return AutoscaleConfig(
-            prefill=bounds("prefill"),
-            decode=bounds("decode"),
-            **{name: getattr(args, name) for _, name, _, _ in _POLICY_FLAGS},
-        )
-    except ValueError as e:
-        said = str(e)  # the policy's field names, as the flags that set them
-        for flag, name, _, _ in _POLICY_FLAGS:
-            said = re.sub(rf"\b{name}\b", flag, said)
-        raise cluster.ClusterError(f"autoscaling: {said}") from None
-
-
-def check_decode_floor(policy: AutoscaleConfig, colocated: int) -> None:
-    """``--decode-min 0`` only beside colocated workers: with none, the autoscaler could take the decode
-    pool to zero, and then nothing it watches (requests are refused at once, none wait) grows it back."""
-    if policy.decode.min == 0 and colocated == 0:
-        raise cluster.ClusterError(
-            "autoscaling: --decode-min 0 needs colocated workers (--colocated N): a cluster needs at "
-            "least one decode or colocated worker"
-        )
-
-
-def _autoscale_flags(args: argparse.Namespace) -> list[str]:
-    """`up`'s autoscaling flags, handed on to the `pdserve autoscale` process it starts."""
-    flags = []
-    for pool in ("prefill", "decode"):
-        for name in (f"{pool}_min", f"{pool}_max", f"warm_{pool}"):
-            if getattr(args, name) is not None:
-                flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    flags += ["--warm", str(args.warm), "--autoscale-drain-timeout", str(args.autoscale_drain_timeout)]
-    for flag, name, _, _ in _POLICY_FLAGS:
-        flags += [flag, str(getattr(args, name))]
-    return flags
-
-
-def start_autoscaler(
-    state_dir: Path, state: cluster.ClusterState, args: argparse.Namespace
-) -> cluster.ClusterState:
-    argv = [
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "autoscale",
-        "--state-dir",
-        str(state_dir),
-        *_autoscale_flags(args),
-    ]
-    proc = cluster.spawn("autoscaler", argv, state_dir / "logs" / "autoscaler.log", cluster.child_env(1))
-    say(f"autoscaler (pid {proc.pid}): logs in {proc.log}")
-    return msgspec.structs.replace(state, autoscaler=proc)
-
-
-def cmd_autoscale(args: argparse.Namespace) -> int:
-    """Run the autoscaler in the foreground until SIGTERM/SIGINT (``up --autoscale`` starts it in the
-    background)."""
-    import logging
-
-    state = cluster.load_state(args.state_dir)
-    if state is None:
-        raise cluster.ClusterError(f"no cluster in {args.state_dir}")
-    other = state.autoscaler
-    if other is not None and other.pid != os.getpid() and cluster.alive(other):
-        raise cluster.ClusterError(f"an autoscaler already runs for this cluster (pid {other.pid})")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    policy = autoscale_config(args)
-    check_decode_floor(policy, sum(w.role is Role.BOTH and cluster.alive(w) for w in state.workers))
-    config = autoscaler_mod.DriverConfig(args.state_dir, policy, args.autoscale_drain_timeout)
-    me = None
-    if other is None or other.pid != os.getpid():
-        # Run by hand (`up --autoscale` lists its own): into the state file like the background one, so
-        # `scale` refuses while it owns the pools, `status` shows it and `down` stops it first.
-        stat = cluster.proc_stat(os.getpid())
-        assert stat is not None
-        me = cluster.ProcessEntry(id="autoscaler", pid=os.getpid(), start=stat[1], log="")
-        with cluster.state_lock(args.state_dir, wait_s=30.0):
-            state = cluster.load_state(args.state_dir) or state
-            other = state.autoscaler  # again, held: two started at once would both run
-            if other is not None and other.pid != os.getpid() and cluster.alive(other):
-                raise cluster.ClusterError(f"an autoscaler already runs for this cluster (pid {other.pid})")
-            cluster.save_state(args.state_dir, msgspec.structs.replace(state, autoscaler=me))
-    try:
-        return autoscaler_mod.run(config, state.host, args.metrics_port)
-    finally:
-        # Not waiting: a `down` holding the state dir stops this process and removes the file itself.
-        with contextlib.suppress(cluster.StateBusy), cluster.state_lock(args.state_dir):
-            now = cluster.load_state(args.state_dir) if me is not None else None
-            if now is not None and now.autoscaler == me:  # (gone after `down`)
-                cluster.save_state(args.state_dir, msgspec.structs.replace(now, autoscaler=None))
-
-
-def autoscaler_status(state: cluster.ClusterState, state_dir: Path) -> dict[str, Any] | None:
-    """The autoscaler's part of `pdserve status --json` (None when it does not run)."""
-    if state.autoscaler is None or not cluster.alive(state.autoscaler):
-        return None
-    doc = autoscaler_mod.load_status(state_dir)
-    if doc is None:
-        return {"pid": state.autoscaler.pid, "pools": {}, "decisions": []}
-    return msgspec.to_builtins(doc)
-
-
-def autoscaler_table(doc: dict[str, Any]) -> str:
-    lines = [
-        f"autoscaler (pid {doc['pid']})"
-        + (f"; metrics {doc['metrics_url']}" if doc.get("metrics_url") else "")
-    ]
-    for pool, p in doc["pools"].items():
-        draining = ", ".join(p["draining"]) or "-"
-        lines.append(
-            f"  {pool}: {p['serving']} serving, target {p['target']}, {p['starting']} starting, "
-            f"{p['standby']} standby, draining {draining}"
-        )
-    for d in doc["decisions"][-5:]:
-        when = time.strftime("%H:%M:%S", time.localtime(d["time_unix"]))
-        lines.append(
-            f"  {when} {d['pool']} {d['direction']} to {d['target']} ({d['reason']}: {d['detail']}) "
-            f"{d['worker_id'] or ''}".rstrip()
-        )
-    return "\n".join(lines)
