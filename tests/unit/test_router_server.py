@@ -52,6 +52,21 @@ async def until(predicate, timeout: float = 10.0, what: str = "condition") -> No
         await asyncio.sleep(0.01)
 
 
+def register_attempts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The worker ids of every registration attempt from here on (failed or not), in order."""
+    from pdserve.worker.agent import RouterAgent
+
+    attempts: list[str] = []
+    real = RouterAgent._register_once
+
+    async def counted(self: RouterAgent) -> None:
+        attempts.append(self.info.worker_id)
+        await real(self)
+
+    monkeypatch.setattr(RouterAgent, "_register_once", counted)
+    return attempts
+
+
 def request(prompt: str = "hello world", **sampling) -> g.GenerateRequest:
     return g.GenerateRequest(prompt=prompt, sampling=g.SamplingParams(**sampling))
 
@@ -994,14 +1009,16 @@ def test_drain_worker_finishes_in_flight_then_the_worker_leaves(model_dir):
     run(main())
 
 
-def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_dir):
+def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_dir, monkeypatch):
+    attempts = register_attempts(monkeypatch)
+
     async def main():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         w = FakeWorker("b1", Role.BOTH, ids("hello"))
         joining = asyncio.ensure_future(w.start(f"127.0.0.1:{port}", retry_interval_s=0.05))
-        await asyncio.sleep(0.2)  # let a few registration attempts fail
+        await until(lambda: len(attempts) >= 3, what="three failed registration attempts")
         assert not joining.done()
         server = RouterServer(RouterConfig(port=port, heartbeat_interval_s=0.05))
         await server.start()
@@ -1019,7 +1036,7 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
     run(main())
 
 
-def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir):
+def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir, monkeypatch):
     """Kubernetes' readiness probe asks ``pdserve.worker.registered``: NOT_SERVING while the worker has
     loaded but the router does not know it (here: not up yet), SERVING once registered, NOT_SERVING again
     when it drains, at once, while a held stream keeps the server up. (The overall status was SERVING from
@@ -1027,6 +1044,8 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
     that gets no answer is no NOT_SERVING here: a server gone must not pass for one draining."""
     from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
     from pdserve.worker.shell import REGISTERED_SERVICE, ShellConfig, WorkerShell
+
+    attempts = register_attempts(monkeypatch)
 
     async def main():
         with socket.socket() as s:
@@ -1059,7 +1078,7 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
 
         server = None
         try:
-            await asyncio.sleep(0.2)  # registration attempts fail: no router
+            await until(lambda: len(attempts) >= 3, what="three failed registration attempts (no router)")
             assert await status("") == health_pb2.HealthCheckResponse.SERVING
             assert await status(REGISTERED_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
             server = RouterServer(RouterConfig(port=port, heartbeat_interval_s=0.05))
@@ -1099,11 +1118,13 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir)
     run(main())
 
 
-def test_a_worker_told_to_stop_while_it_waits_for_its_router_stops_at_once(model_dir):
+def test_a_worker_told_to_stop_while_it_waits_for_its_router_stops_at_once(model_dir, monkeypatch):
     """Exploratory testing: SIGTERM to a worker whose router does not answer (a pod deleted before it
     could join) was ignored until the registration gave up (60 s). It stops at once, unregistered."""
     from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
     from pdserve.worker.shell import ShellConfig, WorkerShell
+
+    attempts = register_attempts(monkeypatch)
 
     async def main():
         with socket.socket() as s:
@@ -1123,7 +1144,7 @@ def test_a_worker_told_to_stop_while_it_waits_for_its_router_stops_at_once(model
             shell.begin_drain,
         )
         joined = asyncio.ensure_future(run_worker(shell, agent))
-        await asyncio.sleep(0.3)  # registration attempts fail
+        await until(lambda: len(attempts) >= 3, what="three failed registration attempts")
         assert not joined.done()
         shell._on_signal()  # SIGTERM
         await asyncio.wait_for(joined, 10)
@@ -1241,7 +1262,7 @@ def test_a_worker_with_another_kv_layout_is_refused_and_the_cluster_keeps_servin
 
 
 def test_a_worker_of_another_vocabulary_is_refused_and_one_registering_early_waits_for_the_tokenizer(
-    model_dir, tmp_path
+    model_dir, tmp_path, monkeypatch
 ):
     """The router checks every worker's vocabulary digest against its own tokenizer's: another model's is
     FAILED_PRECONDITION naming both digests and --model; a worker that registers before the router has
@@ -1256,13 +1277,15 @@ def test_a_worker_of_another_vocabulary_is_refused_and_one_registering_early_wai
     theirs = Tokenizer.from_dir(other_dir).vocab_digest
     assert theirs != mine
 
+    attempts = register_attempts(monkeypatch)
+
     async def main():
         early = FakeWorker("b1", Role.BOTH, ids("hello world"), tokenizer_digest=mine)
         stranger = FakeWorker("b2", Role.BOTH, ids("cat"), tokenizer_digest=theirs)
         async with cluster(model_dir, [], frontend=False) as (server, stub):
             joining = asyncio.ensure_future(early.start(server.address, retry_interval_s=0.05))
             try:
-                await asyncio.sleep(0.3)  # several attempts, each told to retry
+                await until(lambda: len(attempts) >= 3, what="three attempts, each told to retry")
                 assert not joining.done() and server.router.registry.get("b1") is None
                 await server.set_frontend(
                     Tokenizer.from_dir(model_dir), ModelLimits.from_model_dir(model_dir)
