@@ -4,7 +4,7 @@
     python -m pdserve.bench.kv_shared_steps [--batch 32] [--prompt-len 600] [--dtype bfloat16] [--rounds 2]
 
 A decode worker with ``--kv-shared-memory`` keeps its KV cache in a memfd (``engine.hugepages.SharedTensor``)
-so that a prefill worker of its host can write it with plain copies (kv_transfer/transports/shm.py). Shared
+so that a prefill worker of its host can write it with plain copies (kv_transfer/writers/shm.py). Shared
 memory gets transparent huge pages only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
 allows them, and decode attention streams the cache every step. This times greedy decode steps of the
 default model (``--batch`` sequences of ``--prompt-len`` tokens, 24 steps, the first 3 dropped) on two

@@ -54,16 +54,16 @@ push_layer call to the layer's messages completed on P.
 Transports: ``tcp`` is ``UCX_TLS=tcp`` with ``TransferConfig.same_host`` off
 (pdserve's RMA puts are UCX's, emulated over tcp); ``shm`` is
 ``UCX_TLS=tcp,sm,self`` with ``same_host`` on: pdserve's RMA writes go by
-cross-memory attach (transports/cma.py; its tagged mode stays on the
+cross-memory attach (writers/cma.py; its tagged mode stays on the
 error-handled tcp endpoint), and the raw baseline moves its data on a UCX
 shared-memory endpoint without error handling (cma/sysv), the fastest UCX
 offers on one host and what pdserve gave up because a peer's death on it
 aborts the process. ``shm_map`` is ``shm`` with the decode process's KV tensor in shared memory (a
 memfd, as a ``--kv-shared-memory`` decode worker keeps it): pdserve's RMA writes are plain copies into
-its mapping (transports/shm.py). Not in the default set: it is an opt-in of the decode worker.
+its mapping (writers/shm.py). Not in the default set: it is an opt-in of the decode worker.
 ``cuda`` (``--device cuda``, its default) is ``UCX_TLS=tcp,cuda_copy,cuda_ipc,sm,self``
 with ``same_host`` off: whatever UCX picks for device memory. ``cuda_ipc`` is the same with ``same_host``
-on: pdserve's RMA writes go by CUDA IPC (transports/cuda_ipc.py), and the raw baseline moves its data
+on: pdserve's RMA writes go by CUDA IPC (writers/cuda_ipc.py), and the raw baseline moves its data
 on an endpoint without error handling, as ``shm``'s.
 
 ``--device cuda``: both processes hold the KV tensor and the raw buffers on GPU 0 (the report's ``device``

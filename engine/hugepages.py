@@ -83,7 +83,7 @@ def shared_memory_huge_pages() -> bool:
 class SharedTensor:
     """A zeroed CPU tensor in shared memory (a memfd), which another process of this host may map (by
     ``/proc/<pid>/fd/<fd>``, under the kernel's ptrace rule) and write with plain copies: the decode
-    worker's KV cache for a same-host prefill worker (kv_transfer/transports/shm.py). ``fd`` stays open
+    worker's KV cache for a same-host prefill worker (kv_transfer/writers/shm.py). ``fd`` stays open
     (close-on-exec) as long as this object lives; ``huge``: whether the pages were advised onto huge pages
     (``shared_memory_huge_pages``)."""
 

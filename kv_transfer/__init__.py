@@ -3,9 +3,14 @@ KV blocks a decode worker reserved for it.
 
 Interface: :class:`KVReceiver` (decode side), :class:`KVSender` and its
 :class:`SenderHandle` (prefill side), over one small transport interface
-(``transport.py``, Protocols only) with two backends in ``transports/``: ``ucx``
-(ucxx; the only module importing it) and ``inproc`` (same-process fake for unit
-tests); ``transports.make_transport`` picks one. Both sides run on an
+(``transport.py``, Protocols only) with two backends in ``transports/``: UCX
+(``ucx.py`` and its ``ucx_*`` modules, with ctypes over libucp in ``ucp_rma.py``
+and ``ucp_tag.py``; ``transports/ucx_runtime.py`` is the only module importing
+ucxx) and ``inproc`` (same-process fake for unit tests);
+``transports.make_transport`` picks one. On one host a sender writes the
+receiver's KV memory itself through a writer of ``writers/`` (cross-memory
+attach, shared memory, CUDA IPC; ``writers/select.py`` picks one) rather than
+through UCX. Both sides run on an
 asyncio event loop (uvloop works); the forward runs in a worker thread and
 only calls ``SenderHandle.push_layer`` (or ``push_layers``).
 
@@ -72,7 +77,7 @@ only while, these three rules hold:
        room yet" (the engine preempts or waits; the receiver's caller answers RESOURCE_EXHAUSTED);
     c. an id's blocks are freed only by its owner above, so the two threads never free, grow or
        read the table of the same id at once (the engine copies a table under the lock).
-P's pool is touched on its event loop thread alone. ``tests/test_block_ownership.py`` checks a and c
+P's pool is touched on its event loop thread alone. ``tests/unit/test_block_ownership.py`` checks a and c
 with reservations and frees from the event loop while the engine steps.
 """
 

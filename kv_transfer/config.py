@@ -75,7 +75,7 @@ class TransferConfig:
     to finish before it force-closes the connection (bounds every cleanup).
     ``same_host``: a sender writes the host memory of a receiver on its own
     host (same boot and pid namespace, told by the handshake) by cross-memory attach (``process_vm_writev``,
-    transports/cma.py) when the receiver is on its host and the kernel permits
+    writers/cma.py) when the receiver is on its host and the kernel permits
     it, else through UCX. (UCX's own shared-memory transports are not used:
     UCX 1.21 offers them only on endpoints without peer-failure handling, where
     a peer's death aborts the process.)

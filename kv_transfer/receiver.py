@@ -115,7 +115,7 @@ class KVReceiver:
         shared_fd: int | None = None,
     ) -> None:
         """``shared_fd``: the memfd ``kv`` is mapped from (``engine.hugepages.SharedTensor``), offered to
-        senders of this host, which then write it with plain copies (transports/shm.py)."""
+        senders of this host, which then write it with plain copies (writers/shm.py)."""
         check_kv(kv, compat)
         if blocks.block_size != compat.block_size or blocks.num_blocks > kv.shape[1]:
             raise ValueError("the block pool does not match the KV tensor (block size or block count)")

@@ -242,7 +242,7 @@ class KVSender:
         timeout = self.config.connect_timeout_s
         try:
             if self._transport is None:
-                # (Which same-host writer, if any, follows the KV's memory: cma.same_host_path.)
+                # (Which same-host writer, if any, follows the KV's memory: writers.select.same_host_path.)
                 self._transport = make_transport(self.config)
             conn = await self._transport.connect(peer.address)
             peer.conn = conn

@@ -146,7 +146,7 @@ class Transport(Protocol):
     def expose(self, buf: Buffer, shared_fd: int | None = None) -> RemoteRegion | None:
         """Register ``buf`` (the whole KV tensor's bytes) for peers' one-sided writes; None when
         this backend has none. Valid until ``close``. ``shared_fd``: the memfd ``buf`` is mapped from
-        (offset 0), offered to senders of this host (transports/shm.py)."""
+        (offset 0), offered to senders of this host (writers/shm.py)."""
 
     def next_transfer_id(self) -> int:
         """A transfer id unique among the receives this process may have posted."""

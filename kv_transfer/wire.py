@@ -139,13 +139,13 @@ class RemoteRegion(msgspec.Struct, frozen=True):
     length: int  # bytes
     layer_bytes: int  # one layer's span of the tensor (its block count x block bytes)
     # The receiver's pid and host: a sender of the same host writes host memory by cross-memory attach
-    # (transports/cma.py) and, with ``cuda_ipc`` set, device memory by CUDA IPC (transports/cuda_ipc.py)
+    # (writers/cma.py) and, with ``cuda_ipc`` set, device memory by CUDA IPC (writers/cuda_ipc.py)
     # instead of through UCX. 0 / "": not offered (switched off).
     pid: int = 0
     host: str = ""
     cuda_ipc: bytes = b""  # device memory: the tensor's CUDA IPC export (cuda_ipc.export)
     # Host memory in shared memory: the memfd the tensor is mapped from (offset 0 at ``base``), which a
-    # sender of the same host maps and writes with plain copies (transports/shm.py); -1: not offered.
+    # sender of the same host maps and writes with plain copies (writers/shm.py); -1: not offered.
     shm_fd: int = -1
 
 

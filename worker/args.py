@@ -67,11 +67,11 @@ class WorkerArgs:
     cluster_token: str = field(default="", repr=False)
     # UCX network devices for the KV transfer (``TransferConfig.interface``): "" derives them from ``host``.
     kv_interface: str = ""
-    # write a decode worker of this host by process_vm_writev (host memory: kv_transfer/transports/cma.py)
-    # or CUDA IPC (device memory: kv_transfer/transports/cuda_ipc.py) rather than through UCX
+    # write a decode worker of this host by process_vm_writev (host memory: kv_transfer/writers/cma.py)
+    # or CUDA IPC (device memory: kv_transfer/writers/cuda_ipc.py) rather than through UCX
     kv_cross_memory: bool = True
     # Decode worker on CPU: the KV cache in shared memory (a memfd), which prefill workers of this host map
-    # and write with plain copies (kv_transfer/transports/shm.py) instead of cross-memory attach.
+    # and write with plain copies (kv_transfer/writers/shm.py) instead of cross-memory attach.
     kv_shared_memory: bool = False
     # One-sided UCX puts for KV (KV_PUTS): auto where they are one-sided (RDMA, CUDA IPC) and over tcp with
     # 64 KB segments (pdserve's default UCX_TCP_TX_SEG_SIZE), tagged messages on tcp with smaller ones

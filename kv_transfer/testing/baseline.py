@@ -1,6 +1,6 @@
 """Raw ucxx baseline for the benchmark: what plain ucxx does with the same bytes.
 
-It uses ucxx through :mod:`kv_transfer.transports.ucx`'s runtime (which owns the only
+It uses ucxx through :mod:`kv_transfer.transports.ucx`'s runtime (``ucx_runtime``, which owns the only
 ``import ucxx``) and the same endpoints (control endpoint with error handling,
 optional shared-memory data endpoint), so a comparison isolates the cost of
 pdserve's protocol. Unlike pdserve, it connects through a ucxx listener, which
@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from pdserve.kv_transfer.config import TransferConfig
-from pdserve.kv_transfer.transports.ucx import _CLOSE_PERIOD_NS, UcxTransport, parse_address
+from pdserve.kv_transfer.transports.ucx import UcxTransport
+from pdserve.kv_transfer.transports.ucx_connection import CLOSE_PERIOD_NS
+from pdserve.kv_transfer.transports.ucx_framing import parse_address
 
 
 def _tags(nbytes: int, count: int = 1) -> tuple[list[int], int]:
@@ -139,9 +141,9 @@ class RawBaseline:
     async def close(self) -> None:
         for ep, data_ep in self._clients.values():
             for e in {id(ep): ep, id(data_ep): data_ep}.values():
-                e.abort(period=_CLOSE_PERIOD_NS)
+                e.abort(period=CLOSE_PERIOD_NS)
         for ep in self._server_eps:
-            ep.abort(period=_CLOSE_PERIOD_NS)
+            ep.abort(period=CLOSE_PERIOD_NS)
         for listener in self._listeners.values():
             listener.close()
         self._clients.clear()

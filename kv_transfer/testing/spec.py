@@ -37,7 +37,7 @@ class PeerSpec:
     # context (allocating the tensor) before ucxx starts in its process.
     device: str = "cpu"
     # Host memory: the KV tensor in shared memory (engine.hugepages.SharedTensor), offered to same-host
-    # senders, which write it with plain copies (transports/shm.py): a ``--kv-shared-memory`` decode worker.
+    # senders, which write it with plain copies (writers/shm.py): a ``--kv-shared-memory`` decode worker.
     kv_shared: bool = False
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ and three loop iterations. Measured between two processes on one 2-core host, a 
 CompleteAck). Here the completion callback runs on ucxx's progress thread and hands the result to
 the loop with one ``call_soon_threadsafe``; a send is submitted from the loop thread at once (ucxx
 creates its worker thread-safe, ``UCS_THREAD_MODE_MULTI``). KV data in tagged transfers stays on
-ucxx (ucx.py): it is large, and its completions are not latency-bound.
+ucxx (ucx_connection.py): it is large, and its completions are not latency-bound.
 
 Ownership of a request: the callback never frees it (a cancel from the loop thread could meet a
 freed request); it tells the loop, and the loop frees it and calls ``on_done``. A receive is
@@ -110,7 +110,7 @@ def _on_received(request: int, status: int, info: Any, user_data: int) -> None:
 
 
 # One parameter block each, filled once: UCX reads it during the call only, and calls come from the
-# event loop thread only (a loop per process, ucx.py).
+# event loop thread only (a loop per process, ucx_runtime.py).
 @functools.cache
 def _send_param() -> ucp_rma.RequestParam:
     param = ucp_rma.RequestParam()

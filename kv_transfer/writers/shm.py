@@ -35,8 +35,8 @@ from typing import Any
 
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
 from pdserve.kv_transfer.plan import layer_runs
-from pdserve.kv_transfer.transports.cma import host_identity, open_pidfd, pidfd_alive
 from pdserve.kv_transfer.wire import RemoteRegion
+from pdserve.kv_transfer.writers.cma import host_identity, open_pidfd, pidfd_alive
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing them
 _POPULATE_CHUNK = 64 << 20

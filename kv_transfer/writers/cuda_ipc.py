@@ -39,8 +39,8 @@ import msgspec
 import torch
 
 from pdserve.kv_transfer.errors import PeerDiedError, TransferError
-from pdserve.kv_transfer.transports.cma import host_identity, open_pidfd, pidfd_alive
 from pdserve.kv_transfer.wire import RemoteRegion
+from pdserve.kv_transfer.writers.cma import host_identity, open_pidfd, pidfd_alive
 
 log = logging.getLogger(__name__)
 

@@ -95,20 +95,6 @@ def pidfd_alive(pidfd: int | None) -> bool:
     return not readable
 
 
-def same_host_path(region: RemoteRegion, local: Any, same_host: bool) -> str | None:
-    """Which writer of its own a sender whose KV bytes are ``local`` (``KVSpans.flat``: a numpy array
-    for host memory, a torch tensor; None: host memory) tries for a receiver's ``region`` before UCX:
-    "cross_memory" (host memory to host memory, this module), "cuda_ipc" (device memory to device
-    memory, cuda_ipc.py) or None. Cross-memory attach copies host memory only: a device-memory sender
-    never takes it, whatever the receiver offers; nor does a host-memory sender take CUDA IPC."""
-    if not same_host or not region.pid or not region.host:
-        return None
-    on_host = local is None or getattr(getattr(local, "device", None), "type", "cpu") == "cpu"
-    if region.cuda_ipc:
-        return None if on_host else "cuda_ipc"
-    return "cross_memory" if on_host else None
-
-
 def _call(fn: Any, pid: int, local: int, remote: int, nbytes: int) -> int:
     liov = _IoVec(local, nbytes)
     riov = _IoVec(remote, nbytes)
