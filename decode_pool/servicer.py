@@ -1,6 +1,7 @@
 """Decode worker (roles ``decode`` and ``both``): continuous batching over a paged KV cache.
 
-The gRPC face of a decode worker and the pool's bring-up.
+The gRPC face of a decode worker: ``Worker.Generate`` and ``GetLoad`` translated into calls on the engine
+loop and ``RemotePrefill`` (``app.py`` builds them and wires them here).
 
 Stages of a request on this worker (``Worker.Generate``, one stream per request):
 
@@ -25,50 +26,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 import grpc
-from prometheus_client import CollectorRegistry
 
 from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop, StepFailed
 from pdserve.decode_pool.metrics import DecodeMetrics
 from pdserve.decode_pool.remote import RemotePrefill, blocks_freed
 from pdserve.decode_pool.stream import relay_deltas
-from pdserve.engine.llm_engine import EngineConfig, LLMEngine
-from pdserve.engine.quant import kv_model_id
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.kv_transfer import TransferConfig, compat_for
+from pdserve.kv_transfer import TransferConfig
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from pdserve.worker.args import WorkerArgs
-from pdserve.worker.bringup import Capacity, run_pool
 from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
-from pdserve.worker.role import Role
 from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
 
-# 1 GiB: ~23k tokens of SmolLM2 in float32, ~46k in bfloat16. On a GPU: --gpu-memory-utilization.
-DEFAULT_DECODE_KV_BYTES = 1 << 30
 # The reservation of a request without a deadline: freed when its stream ends (the router's cancel).
 _NO_DEADLINE_S = 24 * 3600.0
-
-
-def engine_config(args: WorkerArgs) -> EngineConfig:
-    return EngineConfig(
-        max_num_seqs=args.max_running,
-        max_num_batched_tokens=args.max_batched_tokens,
-        mixed_steps=args.mixed_steps,
-        block_size=args.block_size,
-        num_blocks=args.kv_blocks or None,
-        kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_DECODE_KV_BYTES),
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        threads=args.threads,
-        detokenize=False,
-        kv_shared_memory=args.kv_shared_memory,
-    )
 
 
 class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
@@ -176,63 +149,3 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         """A reservation lives as long as the request may: a prompt queued on a busy prefill worker is
         served, not expired (a started transfer that stalls fails by ``RemotePrefill``'s watch)."""
         return _NO_DEADLINE_S if timeout is None else max(timeout, 0.001)
-
-
-class DecodePool:
-    """The decode pool's part of ``worker.bringup``: the engine on its thread and, for role ``decode``,
-    the KV receiver that remote prefills push into."""
-
-    def __init__(self, args: WorkerArgs, shell: WorkerShell, registry: CollectorRegistry) -> None:
-        self.args, self.registry = args, registry
-        self.metrics = DecodeMetrics(registry, args.role.value)
-        self.transfer_config = args.transfer_config()
-        self.servicer = DecodeServicer(shell, self.transfer_config, self.metrics)
-        self.shell = shell
-        self.loop: EngineLoop | None = None
-        self.remote: RemotePrefill | None = None
-        self.failure: BaseException | None = None  # the engine died: the worker drains and exits with it
-
-    def _fatal(self, err: EngineDied) -> None:
-        self.failure = err
-        log.critical("worker draining: %s", err)
-        self.shell.begin_drain()
-
-    async def load(self, model_dir: Path) -> Capacity:
-        try:
-            tokenizer = Tokenizer.from_dir(model_dir)
-        except FileNotFoundError:
-            tokenizer = None
-        # Built on its own stepping thread: that one thread makes every CPU-kernel call of this process.
-        self.loop = await EngineLoop.build(
-            lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)), on_fatal=self._fatal
-        )
-        self.loop.on_step(self.metrics.observe_batch)
-        self.loop.on_step_failed(self.metrics.prefill.failed_steps.inc)
-        engine = self.loop.engine
-        # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
-        compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
-        if self.args.role is Role.DECODE:
-            self.remote = RemotePrefill(
-                self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
-            )
-            await self.remote.start()
-        self.servicer.attach(self.loop, self.remote)
-        return Capacity(
-            engine.block_manager.num_blocks,
-            engine.max_model_len,
-            engine.dtype,
-            engine.device,
-            engine.runner.startup_seconds,
-            compat.describe(),
-        )
-
-    async def close(self) -> None:
-        if self.remote is not None:
-            await self.remote.close()
-        if self.loop is not None:
-            await self.loop.stop()
-
-
-async def serve(args: WorkerArgs) -> None:
-    """Run a decode (or colocated) worker until it has drained."""
-    await run_pool(args, lambda shell, registry: DecodePool(args, shell, registry))

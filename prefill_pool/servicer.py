@@ -1,4 +1,5 @@
-"""Prefill worker (role ``prefill``): the gRPC face of ``loop.PrefillLoop`` and the pool's bring-up.
+"""Prefill worker (role ``prefill``): the gRPC face of ``loop.PrefillLoop`` (``app.py`` builds the loop
+and wires it here).
 
 A ``Worker.Prefill`` call: validate (sampling, prompt, ticket) -> ``PrefillLoop.submit`` -> wait for the
 first token under the request's deadline -> answer. What happens in between is ``loop.py``'s docstring.
@@ -10,33 +11,21 @@ INTERNAL when the forward failed.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
-from prometheus_client import CollectorRegistry
 
-from pdserve.engine.device import resolve_device, resolve_dtype
-from pdserve.engine.llm_engine import DTYPES
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.params import validate_prompt_token_ids
-from pdserve.engine.quant import kv_model_id
-from pdserve.engine.tokenizer import Tokenizer
-from pdserve.kv_transfer import IncompatibleError, KVSender, TransferError, TransferTicket, compat_for
-from pdserve.prefill_pool.loop import ForwardFailed, LateOpenFailed, PrefillLoop, PrefillLoopStopped
+from pdserve.kv_transfer import IncompatibleError, TransferError, TransferTicket
+from pdserve.prefill_pool.loop import ForwardFailed, PrefillLoop, PrefillLoopStopped
 from pdserve.prefill_pool.metrics import PrefillMetrics
+from pdserve.prefill_pool.tickets import LateOpenFailed
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from pdserve.worker.args import WorkerArgs
-from pdserve.worker.bringup import Capacity, run_pool
 from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
 from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PREFILL_KV_BYTES = 512 << 20  # holds the prompts of the batches in flight, not whole conversations
 
 
 class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
@@ -151,88 +140,3 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room to keep the ticket of {request.request_id}"
             )
         return worker_pb2.Empty()
-
-
-class PrefillPool:
-    """The prefill pool's part of ``worker.bringup``: a model runner, a sampler, a KV sender, the loop."""
-
-    def __init__(self, args: WorkerArgs, shell: WorkerShell, registry: CollectorRegistry) -> None:
-        self.args, self.registry = args, registry
-        self.metrics = PrefillMetrics(registry)
-        self.servicer = PrefillServicer(shell, self.metrics)
-        self.shell = shell
-        self.failure: BaseException | None = None  # the loop died: the worker drains and exits with it
-        self.loop: PrefillLoop | None = None
-        self.sender: KVSender | None = None
-        # Builds the runner and runs every forward: one thread makes this process's CPU-kernel calls (the
-        # kernels' OpenMP pools belong to their calling thread; a second one halves their speed).
-        self.forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
-
-    async def load(self, model_dir: Path) -> Capacity:
-        args = self.args
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        runner = await asyncio.get_running_loop().run_in_executor(
-            self.forward_thread,
-            functools.partial(
-                ModelRunner,
-                model_dir,
-                dtype=DTYPES[dtype],
-                device=device,
-                block_size=args.block_size,
-                num_blocks=args.kv_blocks or None,
-                kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_PREFILL_KV_BYTES),
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                quantization=args.quantization,
-            ),
-        )
-        # On CUDA: prefill under CUDA graphs for chunks up to the batch budget (a no-op elsewhere).
-        await asyncio.get_running_loop().run_in_executor(
-            self.forward_thread, runner.prepare_prefill, args.max_batched_tokens
-        )
-        eos = list(runner.config.eos_token_ids)
-        try:
-            eos += [t for t in Tokenizer.from_dir(model_dir).eos_token_ids if t not in eos]
-        except FileNotFoundError:
-            pass
-        sampler = runner.sampler(tuple(eos))
-        compat = compat_for(runner.kv, kv_model_id(model_dir.name, args.quantization))
-        self.sender = KVSender(
-            runner.kv,
-            compat,
-            args.transfer_config(),
-            self.registry,
-            name=args.worker_id,
-        )
-        self.loop = PrefillLoop(
-            runner, sampler, self.sender, args.max_batched_tokens, self.metrics, self.forward_thread
-        )
-        self.loop.on_fatal(self._fatal)
-        self.loop.on_forward_failed(self.metrics.failed_steps.inc)
-        self.loop.start()
-        self.servicer.attach(self.loop)
-        return Capacity(
-            runner.num_blocks,
-            runner.config.max_position_embeddings,
-            dtype,
-            device,
-            runner.startup_seconds,
-            compat.describe(),
-        )
-
-    def _fatal(self, err: PrefillLoopStopped) -> None:
-        self.failure = err
-        log.critical("worker draining: %s", err)
-        self.shell.begin_drain()
-
-    async def close(self) -> None:
-        if self.loop is not None:
-            await self.loop.close()
-        if self.sender is not None:
-            await self.sender.close()
-        self.forward_thread.shutdown(wait=False)
-
-
-async def serve(args: WorkerArgs) -> None:
-    """Run a prefill worker until it has drained."""
-    await run_pool(args, lambda shell, registry: PrefillPool(args, shell, registry))

@@ -35,7 +35,7 @@ INSTANCE = uuid.uuid4().hex  # this process's, registered as WorkerInfo.instance
 
 @dataclass(frozen=True)
 class WorkerArgs:
-    """What ``pdserve worker`` passes to ``prefill_pool.servicer.serve`` / ``decode_pool.servicer.serve``.
+    """What ``pdserve worker`` passes to ``prefill_pool.app.serve`` / ``decode_pool.app.serve``.
 
     The CLI has already set torch's thread count to ``threads`` before calling ``serve``.
     """

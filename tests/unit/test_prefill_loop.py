@@ -18,6 +18,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.prefill_pool import loop as loop_mod
+from pdserve.prefill_pool import tickets
 from pdserve.prefill_pool.loop import PrefillLoop
 from pdserve.prefill_pool.metrics import PrefillMetrics
 
@@ -117,7 +118,7 @@ def test_a_ticket_before_its_prefill_is_kept_for_it(runner: ModelRunner) -> None
         loop, sender = _loop(runner)
         loop.attach("early", _ticket())  # type: ignore[arg-type]
         loop.attach("nobody", None)  # a drop for a request not here: nothing kept
-        assert list(loop._early) == [("early", "")]
+        assert list(loop.tickets._early) == [("early", "")]
         _, result = loop.submit("early", PROMPT, SamplingParams(temperature=0.0), None)
         await asyncio.wait_for(result, 30)
         await _until(lambda: sender.handles and sender.handles[0].completed is not None)
@@ -131,7 +132,7 @@ def test_a_ticket_before_its_prefill_is_kept_for_it(runner: ModelRunner) -> None
 def test_kv_whose_ticket_does_not_come_is_freed(
     runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    monkeypatch.setattr(loop_mod, "TICKET_WAIT_S", 0.3)
+    monkeypatch.setattr(tickets, "TICKET_WAIT_S", 0.3)
 
     async def main() -> None:
         loop, sender = _loop(runner)
@@ -476,7 +477,7 @@ def test_a_late_transfer_that_does_not_open_is_told_to_the_router_through_its_ti
             raise ConnectionError("handshake with the decode worker timed out")
 
         sender.open = broken  # type: ignore[method-assign]
-        with pytest.raises(loop_mod.LateOpenFailed, match="did not open: handshake"):
+        with pytest.raises(tickets.LateOpenFailed, match="did not open: handshake"):
             await loop.attach_and_open("r", _ticket())  # type: ignore[arg-type]
         await _until(lambda: _used(loop) == 0)
         # An open that works answers OK (and a ticket the router gave up on, at once).
@@ -511,7 +512,7 @@ def test_a_late_transfer_still_opening_past_the_bound_is_told_to_the_router_and_
             return await plain(ticket, blocks)
 
         sender.open = hanging  # type: ignore[method-assign]
-        with pytest.raises(loop_mod.LateOpenFailed, match="did not open within"):
+        with pytest.raises(tickets.LateOpenFailed, match="did not open within"):
             await loop.attach_and_open("r", _ticket(), wait_s=0.2)  # type: ignore[arg-type]
         gate.set()  # it opens after all: aborted, never pushed to, and P's blocks come back
         await _until(lambda: _used(loop) == 0)

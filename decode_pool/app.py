@@ -1,0 +1,105 @@
+"""The decode pool's composition root: builds the engine loop, the KV receiver and the metrics, wires them
+to the servicer, and is ``pdserve worker``'s entry point (``serve``) for roles ``decode`` and ``both``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop
+from pdserve.decode_pool.metrics import DecodeMetrics
+from pdserve.decode_pool.remote import RemotePrefill
+from pdserve.decode_pool.servicer import DecodeServicer
+from pdserve.engine.llm_engine import EngineConfig, LLMEngine
+from pdserve.engine.quant import kv_model_id
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.kv_transfer import compat_for
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.bringup import Capacity, run_pool
+from pdserve.worker.role import Role
+from pdserve.worker.shell import WorkerShell
+
+log = logging.getLogger(__name__)
+
+# 1 GiB: ~23k tokens of SmolLM2 in float32, ~46k in bfloat16. On a GPU: --gpu-memory-utilization.
+DEFAULT_DECODE_KV_BYTES = 1 << 30
+
+
+def engine_config(args: WorkerArgs) -> EngineConfig:
+    return EngineConfig(
+        max_num_seqs=args.max_running,
+        max_num_batched_tokens=args.max_batched_tokens,
+        mixed_steps=args.mixed_steps,
+        block_size=args.block_size,
+        num_blocks=args.kv_blocks or None,
+        kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_DECODE_KV_BYTES),
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        threads=args.threads,
+        detokenize=False,
+        kv_shared_memory=args.kv_shared_memory,
+    )
+
+
+class DecodePool:
+    """The decode pool's part of ``worker.bringup``: the engine on its thread and, for role ``decode``,
+    the KV receiver that remote prefills push into."""
+
+    def __init__(self, args: WorkerArgs, shell: WorkerShell, registry: CollectorRegistry) -> None:
+        self.args, self.registry = args, registry
+        self.metrics = DecodeMetrics(registry, args.role.value)
+        self.transfer_config = args.transfer_config()
+        self.servicer = DecodeServicer(shell, self.transfer_config, self.metrics)
+        self.shell = shell
+        self.loop: EngineLoop | None = None
+        self.remote: RemotePrefill | None = None
+        self.failure: BaseException | None = None  # the engine died: the worker drains and exits with it
+
+    def _fatal(self, err: EngineDied) -> None:
+        self.failure = err
+        log.critical("worker draining: %s", err)
+        self.shell.begin_drain()
+
+    async def load(self, model_dir: Path) -> Capacity:
+        try:
+            tokenizer = Tokenizer.from_dir(model_dir)
+        except FileNotFoundError:
+            tokenizer = None
+        # Built on its own stepping thread: that one thread makes every CPU-kernel call of this process.
+        self.loop = await EngineLoop.build(
+            lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)), on_fatal=self._fatal
+        )
+        self.loop.on_step(self.metrics.observe_batch)
+        self.loop.on_step_failed(self.metrics.prefill.failed_steps.inc)
+        engine = self.loop.engine
+        # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
+        compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
+        if self.args.role is Role.DECODE:
+            self.remote = RemotePrefill(
+                self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
+            )
+            await self.remote.start()
+        self.servicer.attach(self.loop, self.remote)
+        return Capacity(
+            engine.block_manager.num_blocks,
+            engine.max_model_len,
+            engine.dtype,
+            engine.device,
+            engine.runner.startup_seconds,
+            compat.describe(),
+        )
+
+    async def close(self) -> None:
+        if self.remote is not None:
+            await self.remote.close()
+        if self.loop is not None:
+            await self.loop.stop()
+
+
+async def serve(args: WorkerArgs) -> None:
+    """Run a decode (or colocated) worker until it has drained."""
+    await run_pool(args, lambda shell, registry: DecodePool(args, shell, registry))
