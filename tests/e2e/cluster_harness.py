@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll a condition (bounded: a failure bound, not a latency check)."""
+    give_up = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > give_up:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
 
 
 def pdserve(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -19,7 +19,15 @@ import grpc
 import pytest
 
 from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
-from tests.e2e.cluster_harness import generate, migrations, run_all, running_cluster, streaming, worker_load
+from tests.e2e.cluster_harness import (
+    generate,
+    migrations,
+    run_all,
+    running_cluster,
+    streaming,
+    wait_until,
+    worker_load,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -363,17 +371,18 @@ def test_scale_decode_up_and_down_under_traffic(tmp_path):
         for t in threads:
             t.start()
         try:
-            time.sleep(2)
+            wait_until(lambda: len(done) >= 3 or bool(errors), 120, "traffic before the scale-up")
             pdserve("scale", "--decode", "2", "--state-dir", str(c.state_dir), timeout=300)
             decoders = [w for w in c.workers() if w["role"] == "decode"]
             assert len(decoders) == 2 and all(w["state"] == "ready" for w in decoders)
             before = len(done)
-            time.sleep(3)
+            wait_until(lambda: len(done) > before or bool(errors), 120, "traffic with two decode workers")
             assert len(done) > before, "traffic kept flowing with two decode workers"
             pdserve("scale", "--decode", "1", "--state-dir", str(c.state_dir), timeout=300)
             decoders = [w for w in c.workers() if w["role"] == "decode"]
             assert len(decoders) == 1
-            time.sleep(2)
+            after = len(done)
+            wait_until(lambda: len(done) > after or bool(errors), 120, "traffic after the scale-down")
         finally:
             stop.set()
             for t in threads:
