@@ -10,42 +10,15 @@ from pathlib import Path
 from pdserve.cli import monitoring
 from pdserve.cli.autoscale_cmds import autoscale_config, check_decode_floor, start_autoscaler
 from pdserve.cli.common import say
+from pdserve.cli.router_flags import ROUTER_FLAGS
 from pdserve.deploy.local import cluster, prometheus
 from pdserve.engine.device import DEFAULT_GPU_MEMORY_UTILIZATION
 from pdserve.worker.address import host_port
 from pdserve.worker.auth import write_new_token
+from pdserve.worker.flags import UP_FLAGS
+from pdserve.worker.flagspec import forward
 from pdserve.worker.role import Role
 from pdserve.worker.tls import TLSConfig
-
-# ``up`` options handed on to the router and to every worker (``scale`` reuses the workers' from the state).
-_ROUTER_FLAGS = (
-    "max_waiting",
-    "max_migrations",
-    "max_prefill_queue_tokens",
-    "queue_timeout",
-    "local_prefill_threshold",
-    "heartbeat_interval",
-    "heartbeat_timeout",
-    "request_timeout",
-    "metrics_port",
-)
-_WORKER_FLAGS = (
-    "block_size",
-    "kv_blocks",
-    "kv_cache_mib",
-    "max_running",
-    "max_batched_tokens",
-    "kv_stall_timeout",
-    "kv_fault_delay",
-    "quantization",
-)
-
-
-def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    flags = []
-    for name in names:
-        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return flags
 
 
 def check_shared_kv(shared: bool, device: str) -> None:
@@ -125,13 +98,6 @@ def _up(args: argparse.Namespace) -> int:
     check_shared_kv(args.kv_shared_memory, device)
     util = each_share(device, n_workers, args.gpu_memory_utilization)
     cache = ["--cache-dir", str(args.cache_dir)] if args.cache_dir is not None else []
-    module = ["--worker-module", args.worker_module] if args.worker_module else []
-    module += ["--mixed-steps"] if args.mixed_steps else []
-    module += ["--kv-interface", args.kv_interface] if args.kv_interface else []
-    module += [] if args.kv_cross_memory else ["--no-kv-cross-memory"]
-    module += ["--kv-shared-memory"] if args.kv_shared_memory else []
-    module += ["--kv-puts", args.kv_puts] if args.kv_puts != "auto" else []
-    http = [] if args.http_port is None else ["--http-port", str(args.http_port)]
     # TLS files (worker.tls), checked here: every process gets them, and this command calls the router.
     tls_config = TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
     tls_config.check_server()
@@ -153,7 +119,7 @@ def _up(args: argparse.Namespace) -> int:
     token = ["--cluster-token-file", str(token_file.resolve())]
     tls = tls_flags + token
     router = cluster.spawn_router(
-        state_dir, args.host, args.port, args.model, _flags(args, _ROUTER_FLAGS) + http + cache + tls
+        state_dir, args.host, args.port, args.model, forward(args, ROUTER_FLAGS) + cache + tls
     )
     state = cluster.ClusterState(
         router_address=host_port(args.host, args.port),
@@ -163,7 +129,8 @@ def _up(args: argparse.Namespace) -> int:
         threads=threads,
         threads_auto=not args.threads,
         host=args.host,
-        worker_flags=tuple(_flags(args, _WORKER_FLAGS) + cache + module + tls),
+        # ``scale`` and the autoscaler start later workers with the same (from the state file).
+        worker_flags=tuple(forward(args, UP_FLAGS) + cache + tls),
         pin_cpus=args.pin_cpus,
         token_file=str(token_file.resolve()),
         tls_cert=tls_config.cert_file,

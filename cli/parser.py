@@ -5,22 +5,12 @@ from __future__ import annotations
 import argparse
 
 from pdserve.cli.autoscale_cmds import autoscale_arguments
-from pdserve.cli.options import (
-    device_args,
-    int_in,
-    model_args,
-    nonneg,
-    positive,
-    router_tuning,
-    seconds,
-    state_dir_arg,
-    tls_args,
-    token_arg,
-    worker_tuning,
-)
+from pdserve.cli.options import cluster_device_args, model_args, state_dir_arg, tls_args, token_arg
+from pdserve.cli.router_flags import ROUTER_FLAGS
 from pdserve.deploy.local import cluster
 from pdserve.router.config import DEFAULT_HOST, DEFAULT_PORT
-from pdserve.worker.role import Role
+from pdserve.worker import flags
+from pdserve.worker.flagspec import add_flags, int_in, nonneg, positive, seconds
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -56,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=nonneg, default=1, help="decode workers")
     p.add_argument("--colocated", type=nonneg, default=0, help="workers that prefill and decode (role both)")
     model_args(p)
-    device_args(p, "up")
+    add_flags(p, (flags.DTYPE, flags.QUANTIZATION))
+    cluster_device_args(p, "up")
     p.add_argument("--host", default=DEFAULT_HOST, help="the address every process binds to")
     p.add_argument("--port", type=int_in(1, 65535), default=DEFAULT_PORT, help="the router's gRPC port")
     p.add_argument(
@@ -101,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds every alert must hold before it fires, instead of each rule's own (minutes): "
         "for a demo or a test",
     )
-    router_tuning(p)
-    worker_tuning(p)
+    add_flags(p, ROUTER_FLAGS)
+    add_flags(p, flags.TUNING)
     tls_args(p, server=True)
     state_dir_arg(p)
     autoscale_arguments(p, on_up=True)
@@ -119,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="seconds to wait for new workers / drains (0: removed workers stop at once)",
     )
-    device_args(p, "scale")
+    cluster_device_args(p, "scale")
     state_dir_arg(p)
 
     p = sub.add_parser(
@@ -178,42 +169,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=DEFAULT_HOST, help="the address to bind")
     p.add_argument("--port", type=int_in(0, 65535), default=DEFAULT_PORT, help="the gRPC port (0: any)")
     model_args(p)
-    router_tuning(p)
+    add_flags(p, ROUTER_FLAGS)
     token_arg(p)
     tls_args(p, server=True)
 
     p = sub.add_parser("worker", help="run a worker in the foreground")
-    p.add_argument("--role", choices=[r.value for r in Role], required=True, help="the worker's pool")
-    p.add_argument("--router", required=True, help="the router's address, host:port")
-    p.add_argument("--host", default=DEFAULT_HOST, help="the address to bind and register (a pod IP)")
-    p.add_argument("--port", type=int_in(0, 65535), default=0, help="0: pick a free port")
+    add_flags(p, flags.IDENTITY)
     model_args(p)
-    device_args(p, "worker")
-    p.add_argument("--threads", type=positive, default=None, help="torch threads (default: all cores)")
+    add_flags(p, flags.ENGINE)
     p.add_argument(
         "--cpus",
         type=cluster.parse_cpu_list,
         default=None,
         help="pin the worker to these cores, e.g. 0 or 0,2-3 (default: not pinned)",
     )
-    p.add_argument("--worker-id", default=None, help="default: ROLE-HOST-PID")
-    p.add_argument(
-        "--standby",
-        action="store_true",
-        help="join the warm pool: load and register, but take requests only once promoted (the autoscaler)",
-    )
-    p.add_argument(
-        "--drain-timeout", type=float, default=300.0, help="seconds a drain waits for requests in flight"
-    )
-    p.add_argument(
-        "--load-failure-linger",
-        type=float,
-        default=0.0,
-        help="when the model fails to load, keep /metrics up this many seconds before exiting, so "
-        "Prometheus sees pdserve_model_load_failed (default: exit at once)",
-    )
-    p.add_argument("--metrics-port", type=nonneg, default=0, help="the worker's /metrics port (0: any free)")
-    worker_tuning(p)
+    add_flags(p, flags.PROCESS)
+    add_flags(p, flags.TUNING)
     token_arg(p)
     tls_args(p, server=True)
 

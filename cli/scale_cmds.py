@@ -15,6 +15,7 @@ from pdserve.cli import monitoring
 from pdserve.cli.cluster_cmds import IDLE_PREFILL_NOTE, check_shared_kv, resolve_device
 from pdserve.cli.common import say
 from pdserve.deploy.local import cluster
+from pdserve.worker.flags import KV_SHARED_MEMORY
 from pdserve.worker.role import Role
 
 
@@ -50,7 +51,7 @@ def _scale(args: argparse.Namespace) -> int:
             say(f"{w.id} serves: the router promoted it from the warm pool when its pool had none left")
     targets = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
     device = state.device if args.device is None else resolve_device(args.device)
-    check_shared_kv("--kv-shared-memory" in state.worker_flags, device)
+    check_shared_kv(KV_SHARED_MEMORY.option in state.worker_flags, device)
     util = (
         state.gpu_memory_utilization if args.gpu_memory_utilization is None else args.gpu_memory_utilization
     )

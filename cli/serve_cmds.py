@@ -9,9 +9,12 @@ import sys
 from typing import NoReturn
 
 from pdserve.cli.common import cluster_token, tls_config
+from pdserve.cli.router_flags import ROUTER_FLAGS
 from pdserve.deploy.local import cluster
 from pdserve.router.config import RouterConfig
 from pdserve.worker.args import WorkerArgs
+from pdserve.worker.flags import WORKER_FLAGS
+from pdserve.worker.flagspec import config_fields
 from pdserve.worker.role import Role
 
 # ``pdserve worker --role R`` runs ``serve(args: WorkerArgs)`` from this module.
@@ -25,24 +28,14 @@ POOL_MODULES = {
 def router_config(args: argparse.Namespace) -> RouterConfig:
     from pdserve.engine.env import EngineEnv
 
-    cache_dir = args.cache_dir or EngineEnv.from_environ().cache_dir
     return RouterConfig(
         host=args.host,
         port=args.port,
         model=args.model,
-        cache_dir=cache_dir,
-        max_waiting=args.max_waiting,
-        max_migrations=args.max_migrations,
-        max_prefill_queue_tokens=args.max_prefill_queue_tokens,
-        queue_timeout_s=args.queue_timeout,
-        local_prefill_threshold=args.local_prefill_threshold,
-        heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        request_timeout_s=args.request_timeout,
-        metrics_port=args.metrics_port,
-        http_port=args.http_port,
+        cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,
         cluster_token=cluster_token(args),
         tls=tls_config(args),
+        **config_fields(args, ROUTER_FLAGS),
     )
 
 
@@ -51,36 +44,13 @@ def worker_args(args: argparse.Namespace, hostname: str, pid: int, cpus: int) ->
 
     role = Role(args.role)
     return WorkerArgs(
-        role=role,
-        router=args.router,
         worker_id=args.worker_id or f"{role.value}-{hostname}-{pid}",
-        host=args.host,
-        port=args.port,
         model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
         threads=args.threads or cluster.default_threads(1, cpus),
-        block_size=args.block_size,
-        kv_blocks=args.kv_blocks,
-        kv_cache_bytes=args.kv_cache_mib << 20,
-        max_running=args.max_running,
-        max_batched_tokens=args.max_batched_tokens,
-        mixed_steps=args.mixed_steps,
-        kv_stall_timeout_s=args.kv_stall_timeout,
-        kv_fault_delay_s=args.kv_fault_delay,
         cache_dir=args.cache_dir or EngineEnv.from_environ().cache_dir,
-        drain_timeout_s=args.drain_timeout,
-        load_failure_linger_s=args.load_failure_linger,
-        metrics_port=args.metrics_port,
         cluster_token=cluster_token(args),
-        kv_interface=args.kv_interface,
-        kv_cross_memory=args.kv_cross_memory,
-        kv_shared_memory=args.kv_shared_memory,
-        kv_puts=args.kv_puts,
         tls=tls_config(args),
-        standby=args.standby,
+        **config_fields(args, WORKER_FLAGS),
     )
 
 

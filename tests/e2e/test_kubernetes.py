@@ -148,7 +148,7 @@ def test_every_pdserve_command_line_parses_with_the_cli_parser(rendered):
 
 
 def test_a_flag_renamed_in_the_cli_fails_the_check(monkeypatch):
-    """As if someone renamed `pdserve worker --drain-timeout` in cli/main.py."""
+    """As if someone renamed `pdserve worker --drain-timeout` in worker/flags.py."""
     lines = command_lines(render("cpu"))
     real = argparse.ArgumentParser.add_argument
 

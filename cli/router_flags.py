@@ -1,0 +1,79 @@
+"""The router's tuning flags, each defined once (``RouterConfig`` gives the defaults): ``pdserve router`` and
+``pdserve up`` add them, ``up`` hands them to the router it starts, and ``router_config`` reads them."""
+
+from __future__ import annotations
+
+from pdserve.router.config import RouterConfig
+from pdserve.worker.flagspec import Flag, int_in, nonneg, seconds
+
+_D = RouterConfig()
+
+ROUTER_FLAGS = (
+    Flag("--max-waiting", "router queue bound", default=_D.max_waiting, type=nonneg, field="max_waiting"),
+    Flag(
+        "--max-migrations",
+        "times a stream moves to a healthy worker when its worker fails (0: never; default %(default)s)",
+        default=_D.max_migrations,
+        type=nonneg,
+        field="max_migrations",
+    ),
+    Flag(
+        "--max-prefill-queue-tokens",
+        "prompt tokens queued on one prefill worker beyond which new requests are refused at once "
+        "(RESOURCE_EXHAUSTED; 0: no bound; default %(default)s)",
+        default=_D.max_prefill_queue_tokens,
+        type=nonneg,
+        field="max_prefill_queue_tokens",
+    ),
+    Flag(
+        "--queue-timeout",
+        "seconds a request may wait in the router's queue for a decode worker with room, then UNAVAILABLE "
+        "(HTTP 503)",
+        default=_D.queue_timeout_s,
+        type=seconds(True),
+        field="queue_timeout_s",
+    ),
+    Flag(
+        "--local-prefill-threshold",
+        "prompts shorter than this many tokens prefill on the decode worker",
+        default=_D.local_prefill_threshold,
+        type=nonneg,
+        field="local_prefill_threshold",
+    ),
+    Flag(
+        "--heartbeat-interval",
+        "seconds between workers' heartbeats",
+        default=_D.heartbeat_interval_s,
+        type=seconds(True),
+        field="heartbeat_interval_s",
+    ),
+    Flag(
+        "--heartbeat-timeout",
+        "seconds without a heartbeat after which a worker is dropped and its requests move",
+        default=_D.heartbeat_timeout_s,
+        type=seconds(True),
+        field="heartbeat_timeout_s",
+    ),
+    Flag(
+        "--request-timeout",
+        "deadline for requests that set none (0: none)",
+        default=_D.request_timeout_s,
+        type=seconds(False),
+        field="request_timeout_s",
+    ),
+    Flag(
+        "--metrics-port",
+        "the router's /metrics port (0: any)",
+        default=_D.metrics_port,
+        type=int_in(0, 65535),
+        field="metrics_port",
+    ),
+    Flag(
+        "--http-port",
+        "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port "
+        "(0: a free one; default: off)",
+        default=_D.http_port,
+        type=int_in(0, 65535),
+        field="http_port",
+    ),
+)
