@@ -54,13 +54,13 @@ test: $(STAMP) prometheus alertmanager
 
 # guidellm (a third-party OpenAI-API load tool, over HTTP) and `pdserve bench` (gRPC) on one workload
 # against one colocated cluster, alternating: TTFT and ITL of each, and whether they agree within the
-# noise (bench/tool_compare.py). The cluster is always stopped; the result is in $(BENCH_OPENAI_DIR).
+# noise (benchmarks/tool_compare.py). The cluster is always stopped; the result is in $(BENCH_OPENAI_DIR).
 BENCH_OPENAI_DIR ?= .pdserve/bench-openai
 BENCH_OPENAI_UP ?= --prefill 0 --decode 0 --colocated 1 --port 50161 --http-port 50162
 BENCH_OPENAI_ARGS ?= --input-len 128 --output-len 32 --num-prompts 16 --concurrency 1 --rounds 2
 bench-openai: $(STAMP)
 	$(VENV)/bin/pdserve up $(BENCH_OPENAI_UP) --state-dir $(BENCH_OPENAI_DIR)
-	$(PY) -m pdserve.bench.tool_compare --state-dir $(BENCH_OPENAI_DIR) $(BENCH_OPENAI_ARGS) \
+	$(PY) -m benchmarks.tool_compare --state-dir $(BENCH_OPENAI_DIR) $(BENCH_OPENAI_ARGS) \
 		--save-result $(BENCH_OPENAI_DIR)/compare.json; \
 		rc=$$?; $(VENV)/bin/pdserve down --state-dir $(BENCH_OPENAI_DIR); exit $$rc
 
@@ -72,8 +72,8 @@ MYPY_MODULES := engine.block_manager engine.params engine.scheduler engine.devic
 # The folders that install as pdserve.* (pyproject.toml [tool.setuptools.package-dir]).
 PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router cli bench deploy
 lint: $(STAMP)
-	$(VENV)/bin/ruff check $(PKG_DIRS) proto/regen.py tests
-	$(VENV)/bin/ruff format --check $(PKG_DIRS) proto/regen.py tests
+	$(VENV)/bin/ruff check $(PKG_DIRS) proto/regen.py tests benchmarks tools
+	$(VENV)/bin/ruff format --check $(PKG_DIRS) proto/regen.py tests benchmarks tools
 	# mypy cannot follow pdserve.* through setuptools' editable finder: give it a tree of symlinks.
 	rm -rf build/mypy && mkdir -p build/mypy/pdserve
 	for p in $(PKG_DIRS) proto; do ln -s $(CURDIR)/$$p build/mypy/pdserve/$$p; done

@@ -23,7 +23,7 @@ def test_gpu_cluster_on_one_gpu_gives_the_offline_greedy_tokens(tiny_llama_dir, 
 
     import grpc
 
-    from pdserve.bench.hf_baselines import write_placeholder_tokenizer
+    from benchmarks.hf_baselines import write_placeholder_tokenizer
     from pdserve.proto import generation_pb2, generation_pb2_grpc
     from tests.e2e.cluster_harness import generate, running_cluster
 

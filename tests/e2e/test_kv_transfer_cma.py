@@ -186,12 +186,12 @@ def test_write_runs_reports_a_fault_after_the_runs_before_it_landed(child: Child
 
 
 def test_the_direction_benchmark_times_both_directions_and_stops_its_peer() -> None:
-    """``bench.cma_direction`` (why one-host writes are slower than UCX's reads on some kernels)."""
+    """``tools.cma_direction`` (why one-host writes are slower than UCX's reads on some kernels)."""
     if not cma.host_identity():
         pytest.skip("no /proc here: cross-memory writes are off")
     import multiprocessing
 
-    from pdserve.bench import cma_direction
+    from tools import cma_direction
 
     report = cma_direction.measure(layers=2, layer_bytes=64 << 10, reps=2)
     for direction in ("write", "read"):

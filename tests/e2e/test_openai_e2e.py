@@ -17,7 +17,7 @@ import grpc
 import openai
 import pytest
 
-from pdserve.bench.tool_compare import Target, Workload, compare, find_guidellm, format_report
+from benchmarks.tool_compare import Target, Workload, compare, find_guidellm, format_report
 from pdserve.deploy.local import cluster
 from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
 from pdserve.engine.tokenizer import Tokenizer

@@ -1,4 +1,4 @@
-"""``bench.engine`` end to end on a tiny model: the rows it promises, with the host's ISA and bounds."""
+"""``benchmarks.engine`` end to end on a tiny model: the rows it promises, with the host's ISA and bounds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.bench import engine as bench
+from benchmarks import engine as bench
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.cpu_kernels import cpu_isa, kernel_cache_dir, load_cpu_kernels
 
@@ -101,11 +101,11 @@ def test_engine_bench_int8_rows_and_quality(tiny_llama_dir) -> None:
         bench.parse_args(["--quantizations", "int4"])
 
 
-# ---- the GPU suite (bench.engine_cuda), run on CPU with a tiny model -------------------------------------
+# ---- the GPU suite (benchmarks.engine_cuda), run on CPU with a tiny model ----------------------------------
 
 
 def test_random_smollm2_has_the_packaged_models_shape(tmp_path) -> None:
-    from pdserve.bench.hf_baselines import random_config
+    from benchmarks.hf_baselines import random_config
 
     random_config("smollm2").save_pretrained(tmp_path)
     c = ModelConfig.from_dir(tmp_path)
@@ -121,7 +121,7 @@ def test_random_smollm2_has_the_packaged_models_shape(tmp_path) -> None:
 def test_step_bytes_counts_weights_norms_and_kv(tiny_llama_dir) -> None:
     import torch
 
-    from pdserve.bench.engine_cuda import step_bytes
+    from benchmarks.engine_cuda import step_bytes
 
     c = ModelConfig.from_dir(tiny_llama_dir)
     weights, kv = step_bytes(c, torch.bfloat16)
@@ -131,7 +131,7 @@ def test_step_bytes_counts_weights_norms_and_kv(tiny_llama_dir) -> None:
 
 
 def test_acceptance_checks_the_issue_targets() -> None:
-    from pdserve.bench.engine_cuda_report import acceptance
+    from benchmarks.engine_cuda_report import acceptance
 
     rows = [
         {"phase": "prefill", "batch": 1, "tokens": 1024, "llm_ms": 2.5},
@@ -153,7 +153,7 @@ def test_acceptance_checks_the_issue_targets() -> None:
 
 
 def test_engine_bench_hands_cuda_to_the_gpu_suite(monkeypatch) -> None:
-    from pdserve.bench import engine_cuda
+    from benchmarks import engine_cuda
 
     seen = []
     monkeypatch.setattr(engine_cuda, "main", seen.append)
@@ -169,7 +169,7 @@ def test_engine_bench_hands_cuda_to_the_gpu_suite(monkeypatch) -> None:
 
 
 def test_gpu_suite_runs_on_cpu(tmp_path, capsys) -> None:
-    from pdserve.bench import engine_cuda
+    from benchmarks import engine_cuda
 
     out = tmp_path / "engine_cuda.json"
     engine_cuda.main(["--device", "cpu", "--quick", "--dtype", "float32", "--out", str(out)])

@@ -1,4 +1,4 @@
-"""``bench.kv_transfer``'s command line: which transports a device may use, and a clear error where CUDA
+"""``benchmarks.kv_transfer``'s command line: which transports a device may use, and a clear error where CUDA
 is asked for without a CUDA device. No peer process is started (``run`` is replaced)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.bench import kv_transfer as bench
+from benchmarks import kv_transfer as bench
 from pdserve.kv_transfer.testing import PeerSpec
 from pdserve.kv_transfer.wire import PROTOCOL_VERSION
 

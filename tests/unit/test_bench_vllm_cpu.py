@@ -1,4 +1,4 @@
-"""bench.vllm_cpu without vLLM: its arguments and the command lines of the servers it compares."""
+"""benchmarks.vllm_cpu without vLLM: its arguments and the command lines of the servers it compares."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench import vllm_cpu
+from benchmarks import vllm_cpu
 
 
 def _flag(cmd: list[str], name: str) -> str:

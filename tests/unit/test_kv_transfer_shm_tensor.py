@@ -40,8 +40,8 @@ def test_a_runner_with_its_kv_cache_in_shared_memory_computes_the_same(tiny_llam
 
 
 def test_the_step_benchmark_times_both_caches(tiny_llama_dir) -> None:
-    """``bench.kv_shared_steps`` (the price of --kv-shared-memory), on a tiny model."""
-    from pdserve.bench import kv_shared_steps
+    """``tools.kv_shared_steps`` (the price of --kv-shared-memory), on a tiny model."""
+    from tools import kv_shared_steps
 
     tiny = str(tiny_llama_dir)
     report = kv_shared_steps.measure(tiny, batch=2, prompt_len=8, dtype=torch.float32, rounds=1)

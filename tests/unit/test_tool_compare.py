@@ -1,4 +1,4 @@
-"""bench.tool_compare's pure parts: the agreement statistic, guidellm's command and report parsing."""
+"""benchmarks.tool_compare's pure parts: the agreement statistic, guidellm's command and report parsing."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.tool_compare import Workload, agreement, bench_samples, guidellm_argv, guidellm_samples
 from pdserve.bench.metrics import RequestRecord
-from pdserve.bench.tool_compare import Workload, agreement, bench_samples, guidellm_argv, guidellm_samples
 
 
 def test_agreement_is_a_difference_of_means_within_the_noise():

@@ -1,11 +1,11 @@
-"""The GPU engine benchmark's verdict and text: issue #13's targets checked on a result of
-``bench.engine_cuda``, and the result as a readable table."""
+"""The GPU engine benchmark's verdict and text: the GPU targets checked on a result of
+``benchmarks.engine_cuda``, and the result as a readable table."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# Targets of issue #13, on LLM.generate.
+# The GPU targets, on LLM.generate.
 DECODE_TARGETS = {1: 1_000.0, 32: 20_000.0, 256: 60_000.0}
 PREFILL_TARGET_MS = 3.0
 VS_STATIC_TARGET = 1.5

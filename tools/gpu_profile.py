@@ -1,6 +1,6 @@
 """Where the CUDA engine's time goes: torch.profiler over prefill and decode, cProfile over the host side.
 
-    python -m pdserve.bench.gpu_profile [--batches 1,32,256] [--prefill-len 1024] [--top 18]
+    python -m tools.gpu_profile [--batches 1,32,256] [--prefill-len 1024] [--top 18]
 
 On a random-weight model of SmolLM2-135M's shape in bfloat16 (weights do not change speed), after a
 warm-up of every shape measured:
@@ -9,7 +9,7 @@ warm-up of every shape measured:
 - ``decode`` at each batch: ``LLM.generate`` of ``--new-tokens`` greedy tokens: wall ms per step, the
   runner's step alone, and the host functions by own time (cProfile), which is what the scheduler,
   sampler and input building cost on top of the graph replay.
-Prints text for a person; the engine benchmark (``bench.engine --device cuda``) keeps the figures.
+Prints text for a person; the engine benchmark (``benchmarks.engine --device cuda``) keeps the figures.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.engine_cuda import _prompts, llm_gen
-from pdserve.bench.engine_steps import runner_decode_steps
-from pdserve.bench.hf_baselines import write_random_model
+from benchmarks.engine_cuda import _prompts, llm_gen
+from benchmarks.engine_steps import runner_decode_steps
+from benchmarks.hf_baselines import write_random_model
 
 
 def _sync() -> None:
@@ -63,9 +63,7 @@ def _host(fn, top: int) -> str:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.gpu_profile", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_profile", description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,32,256")
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=32)

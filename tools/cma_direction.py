@@ -1,9 +1,9 @@
 """Cross-memory copies between two processes of this host, by direction: what bounds one-host KV writes.
 
-    python -m pdserve.bench.cma_direction [--layers 30] [--layer-kib 768] [--reps 31] [--out FILE]
+    python -m tools.cma_direction [--layers 30] [--layer-kib 768] [--reps 31] [--out FILE]
 
 pdserve's sender writes each layer into the decode worker's KV tensor (``process_vm_writev``,
-kv_transfer/writers/cma.py); the raw-ucxx baseline of ``bench.kv_transfer`` moves its bytes by UCX's
+kv_transfer/writers/cma.py); the raw-ucxx baseline of ``benchmarks.kv_transfer`` moves its bytes by UCX's
 shared-memory rendezvous, where the receiver reads them (``process_vm_readv``). The kernel copies both
 ways a page at a time, and on some kernels one direction is much slower: when writing is, the copies
 alone can cost more than the benchmark's 0.8x target allows. This measures both on this machine, the

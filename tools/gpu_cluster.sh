@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Disaggregated serving on one GPU (#14): `pdserve bench compare` of 1P+1D against 2 colocated workers,
+# Disaggregated serving on one GPU: `pdserve bench compare` of 1P+1D against 2 colocated workers,
 # every worker on the same GPU, on a random-weight model of SmolLM2-135M's shape (bfloat16; weights do not
 # change speed, and the packaged GGUF does not travel to the GPU machine). The lowest rate is the
 # no-load TTFT of a 1,024-token prompt, both shapes side by side.
-#   bash bench/gpu_cluster.sh OUT_DIR        (from bench/gpu_checks.sh's `cluster` stage)
+#   bash tools/gpu_cluster.sh OUT_DIR        (from tools/gpu_checks.sh's `cluster` stage)
 set -eu
 out=${1:?usage: gpu_cluster.sh OUT_DIR}
 model=/tmp/pdserve-smollm2-random
 [ -f "$model/config.json" ] || python3 -c "
 import torch
 from pathlib import Path
-from pdserve.bench.hf_baselines import write_random_model
+from benchmarks.hf_baselines import write_random_model
 write_random_model('smollm2', Path('$model'), torch.bfloat16, 'cuda')"
 runs=/tmp/pdserve-gpu-compare
 rm -rf "$runs"

@@ -1,11 +1,11 @@
 """Engine benchmark: pdserve's model runtime against transformers and against what the hardware allows.
 
-    python -m pdserve.bench.engine [--out FILE] [--model smollm2-135m-instruct] [--engine runner|llm]
-    python -m pdserve.bench.engine --device cuda [--random-model smollm2] [--out FILE]
+    python -m benchmarks.engine [--out FILE] [--model smollm2-135m-instruct] [--engine runner|llm]
+    python -m benchmarks.engine --device cuda [--random-model smollm2] [--out FILE]
 
-``--device cuda`` (or ``cuda:N``) runs the GPU suite instead, ``bench.engine_cuda`` (its flags:
+``--device cuda`` (or ``cuda:N``) runs the GPU suite instead, ``benchmarks.engine_cuda`` (its flags:
 ``--device cuda --help``): runner, ``LLM.generate``, transformers eager and static-cache compiled, and a
-bandwidth bound, in bfloat16, checked against issue #13's targets. What follows is the CPU suite.
+bandwidth bound, in bfloat16, checked against the GPU targets. What follows is the CPU suite.
 
 One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch threads (default 2):
 
@@ -74,8 +74,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pdserve.bench import engine_cuda
-from pdserve.bench.engine_steps import greedy_tokens, runner_decode_steps
+from benchmarks import engine_cuda
+from benchmarks.engine_steps import greedy_tokens, runner_decode_steps
 from pdserve.bench.machine import machine_info as host_machine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -535,13 +535,13 @@ def _log(row: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[BenchConfig, Path | None]:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="write the JSON here (default: print it)")
     p.add_argument(
         "--device",
         choices=("cpu",),
         default="cpu",
-        help="cpu: this suite; cuda or cuda:N run bench.engine_cuda (see --device cuda --help)",
+        help="cpu: this suite; cuda or cuda:N run benchmarks.engine_cuda (see --device cuda --help)",
     )
     p.add_argument("--model", default="smollm2-135m-instruct", help="model name or HF directory")
     p.add_argument(

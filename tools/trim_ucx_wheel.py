@@ -1,6 +1,6 @@
 """Trim the UCX wheel the GPU machine gets, so that the tree plus ``.whl/`` fits the device tool's 64 MiB.
 
-    ../shared/device/fetch-wheels.sh all && python bench/trim_ucx_wheel.py [.whl]
+    ../shared/device/fetch-wheels.sh all && python tools/trim_ucx_wheel.py [.whl]
 
 ``libucx_cu13``'s wheel (42 MB) carries static libraries, UCX's perftest plug-ins and C headers that
 nothing of pdserve loads (23 MB of it): they are dropped, and the wheel's RECORD with them, so pip installs

@@ -2,7 +2,7 @@
 
 Run against a cluster that ``pdserve up --http-port PORT`` started::
 
-    python -m pdserve.bench.tool_compare --state-dir DIR [--input-len 128 --output-len 32 --num-prompts 16
+    python -m benchmarks.tool_compare --state-dir DIR [--input-len 128 --output-len 32 --num-prompts 16
                                  --concurrency 1 --rounds 2] [--save-result FILE]
 
 (``make bench-openai`` starts such a cluster, runs this and stops it.)
@@ -353,7 +353,7 @@ def target_from_state(state_dir: Path) -> Target:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.tool_compare", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.tool_compare", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--state-dir", type=Path, default=Path(".pdserve"))
     d = Workload()
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         doc = compare(target_from_state(args.state_dir), w, args.guidellm or find_guidellm())
     except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
-        print(f"bench.tool_compare: {e}", file=sys.stderr)
+        print(f"benchmarks.tool_compare: {e}", file=sys.stderr)
         return 1
     print(format_report(doc), flush=True)
     if args.save_result is not None:

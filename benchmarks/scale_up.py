@@ -1,4 +1,4 @@
-"""Scale-up from cold vs from warm, measured in one run: ``python -m pdserve.bench.scale_up``.
+"""Scale-up from cold vs from warm, measured in one run: ``python -m benchmarks.scale_up``.
 
 One local 1P+1D cluster (``pdserve up``); then, ``--rounds`` times for each ``--roles`` role:
     cold: start a worker of that role and time spawn -> the router lists it READY (routed to);
@@ -105,7 +105,7 @@ def measure(state_dir: Path, role: Role, timeout_s: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.scale_up", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale_up", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--roles", default="prefill,decode")
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for r in roles
     }
-    command = " ".join(["python -m pdserve.bench.scale_up", *(argv or sys.argv[1:])])
+    command = " ".join(["python -m benchmarks.scale_up", *(argv or sys.argv[1:])])
     machine = {**machine_info(), "threads_per_worker": args.threads}
     doc = {"command": command, "machine": machine, "cluster": info, "rows": rows, "summary": summary}
     out = args.out or args.state_dir / "scale_up.json"

@@ -1,7 +1,7 @@
 """Engine benchmark on a GPU: pdserve against transformers (eager and compiled) and the memory bound.
 
-    python -m pdserve.bench.engine --device cuda --random-model smollm2 --out engine_cuda.json
-    python -m pdserve.bench.engine_cuda --device cpu --quick          # the same code on CPU, tiny model
+    python -m benchmarks.engine --device cuda --random-model smollm2 --out engine_cuda.json
+    python -m benchmarks.engine_cuda --device cpu --quick          # the same code on CPU, tiny model
 
 One run, in one dtype (``--dtype``, bfloat16 by default), on one device (``cuda``, ``cuda:N``; ``cpu`` runs
 the same functions, for tests):
@@ -27,7 +27,7 @@ the same functions, for tests):
   at the mean context, ``prompt_len + new_tokens / 2``) over the device's measured read bandwidth (summing
   a large float32 tensor, timed with CUDA events): the tok/s ceiling at that batch.
 
-``acceptance`` checks the issue's targets (#13) on the ``llm`` figures: decode batch 1 >= 1,000 tok/s,
+``acceptance`` checks the GPU targets on the ``llm`` figures: decode batch 1 >= 1,000 tok/s,
 batch 32 >= 20,000, batch 256 >= 60,000, prefill of 1,024 tokens <= 3 ms, and every decode row >= 1.5x the
 compiled static-cache baseline. ``issue_setting`` says whether this run is the issue's (CUDA, bfloat16,
 1,024-token prefill, 128-token prompts, 64 new tokens). ``device`` names the GPU, torch, CUDA, Triton and
@@ -51,9 +51,9 @@ from typing import Any
 
 import torch
 
-from pdserve.bench.engine_cuda_report import acceptance, table
-from pdserve.bench.engine_steps import runner_decode_steps
-from pdserve.bench.hf_baselines import (
+from benchmarks.engine_cuda_report import acceptance, table
+from benchmarks.engine_steps import runner_decode_steps
+from benchmarks.hf_baselines import (
     RANDOM_MODELS,
     STATIC_RECIPES,
     hf_gen,
@@ -390,7 +390,7 @@ def _log(row: dict[str, Any]) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[GpuBenchConfig, Path | None]:
     p = argparse.ArgumentParser(
-        prog="python -m pdserve.bench.engine --device cuda", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.engine --device cuda", description=__doc__.split("\n")[0]
     )
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (the same code, for smoke tests)")
     p.add_argument("--out", type=Path, help="write the JSON here and print a table (default: print the JSON)")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of the CUDA engine (#13) and the GPU KV transfer (#14), in one device-machine call.
+# The GPU checks of the CUDA engine and the GPU KV transfer, in one device-machine call.
 #
 #   ../shared/device/fetch-wheels.sh all          # here, once: .whl/ (ignored by git)
-#   python bench/trim_ucx_wheel.py                # here: the tree + .whl/ must fit the tool's 64 MiB
-#   bash bench/gpu_checks.sh [STAGE ...]          # there, from the project root (device tool: OUT is set)
+#   python tools/trim_ucx_wheel.py                # here: the tree + .whl/ must fit the tool's 64 MiB
+#   bash tools/gpu_checks.sh [STAGE ...]          # there, from the project root (device tool: OUT is set)
 #
 # Stages (default: env tests engine): env, tests, micro, engine, engine-full, profile, kv, kvipc, kvtests,
 # cluster. Each runs under its own
@@ -69,42 +69,42 @@ for stage in "${STAGES[@]}"; do
     ;;
   engine)
     # The rows (batch 1, 32, 256; 1,024-token prefill) with both transformers baselines.
-    run_stage engine 300 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
+    run_stage engine 300 python3 -m benchmarks.engine --device cuda --random-model smollm2 \
       --batches 1,32,256 --reps 2 --out "$OUT/engine_cuda.json"
     tail -n 40 "$OUT/engine.log"
     if [ "$STAGE_RC" != 0 ] && [ "${PDSERVE_GEMV_FUSE_NORMS:-0}" = 1 ] && fused_norms_failed "$OUT/engine.log"; then
       fuse_off "the engine benchmark failed in a gemv"
       mv "$OUT/engine.log" "$OUT/engine_fused_failed.log"
-      run_stage engine 300 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
+      run_stage engine 300 python3 -m benchmarks.engine --device cuda --random-model smollm2 \
         --batches 1,32,256 --reps 2 --out "$OUT/engine_cuda.json"
       tail -n 40 "$OUT/engine.log"
     fi
     ;;
   engine-full)
-    run_stage engine-full 420 python3 -m pdserve.bench.engine --device cuda --random-model smollm2 \
+    run_stage engine-full 420 python3 -m benchmarks.engine --device cuda --random-model smollm2 \
       --out "$OUT/engine_cuda_full.json"
     tail -n 40 "$OUT/engine-full.log"
     ;;
   kv)
-    run_stage kv 150 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda,cuda_ipc \
+    run_stage kv 150 python3 -m benchmarks.kv_transfer --device cuda --transports cuda,cuda_ipc \
       --modes rma --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda.json"
     tail -n 40 "$OUT/kv.log"
     ;;
   micro)
-    run_stage micro 200 python3 -m pdserve.bench.gpu_micro --out "$OUT/micro.json"
+    run_stage micro 200 python3 -m tools.gpu_micro --out "$OUT/micro.json"
     tail -n 80 "$OUT/micro.log"
     ;;
   profile)
-    run_stage profile 120 python3 -m pdserve.bench.gpu_profile --batches 1,32,256
+    run_stage profile 120 python3 -m tools.gpu_profile --batches 1,32,256
     tail -n 20 "$OUT/profile.log"
     ;;
   kvipc)
     # The one-host CUDA IPC rows alone (the transfer's acceptance rows).
-    run_stage kvipc 90 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda_ipc \
+    run_stage kvipc 90 python3 -m benchmarks.kv_transfer --device cuda --transports cuda_ipc \
       --modes rma --tokens 256,1024,4096 --reps 5 --out "$OUT/kv_cuda_ipc.json"
     tail -n 40 "$OUT/kvipc.log"
     # Every layer in one push (a prefill under CUDA graphs, 2,048 tokens and fewer): one 2D copy per run.
-    run_stage kvipc_burst 90 python3 -m pdserve.bench.kv_transfer --device cuda --transports cuda_ipc \
+    run_stage kvipc_burst 90 python3 -m benchmarks.kv_transfer --device cuda --transports cuda_ipc \
       --modes rma --tokens 256,1024,4096 --reps 5 --burst 30 --out "$OUT/kv_cuda_ipc_burst.json"
     tail -n 40 "$OUT/kvipc_burst.log"
     ;;
@@ -113,7 +113,7 @@ for stage in "${STAGES[@]}"; do
     tail -n 30 "$OUT/kvtests.log"
     ;;
   cluster)
-    run_stage cluster 240 bash bench/gpu_cluster.sh "$OUT"
+    run_stage cluster 240 bash tools/gpu_cluster.sh "$OUT"
     tail -n 60 "$OUT/cluster.log"
     ;;
   *) echo "unknown stage $stage" ;;

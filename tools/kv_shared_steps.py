@@ -1,7 +1,7 @@
 """Decode steps with the KV cache in shared memory against anonymous huge pages: the price of
 ``--kv-shared-memory`` on this machine.
 
-    python -m pdserve.bench.kv_shared_steps [--batch 32] [--prompt-len 600] [--dtype bfloat16] [--rounds 2]
+    python -m tools.kv_shared_steps [--batch 32] [--prompt-len 600] [--dtype bfloat16] [--rounds 2]
 
 A decode worker with ``--kv-shared-memory`` keeps its KV cache in a memfd (``engine.hugepages.SharedTensor``)
 so that a prefill worker of its host can write it with plain copies (kv_transfer/writers/shm.py). Shared
@@ -28,7 +28,7 @@ STEPS = 24
 
 
 def measure(model: str, batch: int, prompt_len: int, dtype: torch.dtype, rounds: int) -> dict[str, Any]:
-    from pdserve.bench.engine_steps import runner_decode_steps
+    from benchmarks.engine_steps import runner_decode_steps
     from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.registry import resolve_model
 

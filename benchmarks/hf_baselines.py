@@ -1,4 +1,4 @@
-"""The transformers side of ``bench.engine_cuda``: random-weight models of a known shape, and the
+"""The transformers side of ``benchmarks.engine_cuda``: random-weight models of a known shape, and the
 ``generate`` baselines (dynamic cache; static cache under ``torch.compile``)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KV transfer benchmark: pdserve's layer-by-layer push against raw ucxx, same bytes, same run.
 
-    python -m pdserve.bench.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
+    python -m benchmarks.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
                                 [--modes rma,tagged] [--device cpu|cuda] [--ucx-env UCX_KEY=VALUE ...]
                                 [--burst N]
 

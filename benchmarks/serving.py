@@ -1,4 +1,4 @@
-"""Serving-path figures, measured side by side in one run: ``python -m pdserve.bench.serving [--out FILE]``.
+"""Serving-path figures, measured side by side in one run: ``python -m benchmarks.serving [--out FILE]``.
 
 1. TTFT with no load for a 1,024-token prompt: through 1 prefill + 1 decode
    worker (every prompt prefilled remotely, its KV pushed layer by layer) over
@@ -97,7 +97,7 @@ def itl_direct(worker_address: str, prompt: list[int], n: int, rid: str, token: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.serving", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     p.add_argument("--threads", type=int, default=2, help="torch threads per worker, the same in both shapes")

@@ -1,0 +1,1 @@
+"""Development tooling and one-off diagnostics, run from the repository root; not installed."""
