@@ -12,6 +12,7 @@ also exits when the parent's pipe closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -79,7 +80,9 @@ class PeerProcess:
 
     def kill(self) -> None:
         if self.proc.is_alive() and self.proc.pid is not None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+            # A forkserver reaps the peer before it reports the exit: "alive" may name a pid already gone.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join(10)
 
     def stop(self, timeout: float = 10.0) -> None:
