@@ -14,51 +14,46 @@ Every ``interval_s`` (one ``Driver.tick``):
        seconds from an UP decision to serving, by source warm|cold) and ``<state-dir>/autoscaler.json``
        for ``pdserve status``
 
-While it runs it owns the state file's ``workers`` (``pdserve scale`` refuses, ``down`` stops it
-first). SIGTERM/SIGINT end it between ticks; the workers stay.
+It changes the cluster only through a ``ClusterControl`` (``cluster.LocalControl``: the state file, the
+processes and the router). While it runs it owns the state file's ``workers`` (``pdserve scale`` refuses,
+``down`` stops it first). SIGTERM/SIGINT end it between ticks; the workers stay. What a tick reads is
+``autoscaler_signals``; what it shows, ``autoscaler_report``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import logging
 import os
 import signal
 import threading
 import time
-import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.local import cluster, prometheus
-from pdserve.proto import worker_pb2
-from pdserve.router.autoscale import (
-    AutoscaleConfig,
-    Autoscaler,
-    Decision,
-    Direction,
-    Pool,
-    PoolSignals,
-    possible_decisions,
-    window_quantile,
+from pdserve.deploy.local.autoscaler_report import (
+    AutoscalerStatus,
+    DecisionRecord,
+    Metrics,
+    PoolStatus,
+    load_status,
+    save_status,
 )
+from pdserve.deploy.local.autoscaler_signals import ROLES, LatencyWindow, pool_signals
+from pdserve.proto import worker_pb2
+from pdserve.router.autoscale import AutoscaleConfig, Autoscaler, Decision, Direction, Pool, PoolSignals
 from pdserve.worker.role import Role
 
-log = logging.getLogger(__name__)
-_STANDBY_OR_LOADING = (worker_pb2.WORKER_STATE_STANDBY, worker_pb2.WORKER_STATE_LOADING)
+# (``pdserve status`` and the tests find the status file's reader and the metrics here too.)
+__all__ = ["ClusterControl", "Driver", "DriverConfig", "Metrics", "load_status", "run"]
 
-STATUS_FILE = "autoscaler.json"
-ROLES = {Pool.PREFILL: Role.PREFILL, Pool.DECODE: Role.DECODE}
-TTFT = "pdserve_time_to_first_token_seconds"
-ITL = "pdserve_inter_token_latency_seconds"
-_SCALE_UP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,74 +67,39 @@ class DriverConfig:
             raise ValueError("drain_timeout_s must be > 0")
 
 
-class PoolStatus(msgspec.Struct, frozen=True):
-    target: int
-    serving: int
-    starting: int
-    standby: int
-    draining: tuple[str, ...]
+class ClusterControl(Protocol):
+    """What the autoscaler does to its cluster (``cluster.LocalControl`` is the real one)."""
 
+    def load(self) -> cluster.ClusterState:
+        """The state file (ClusterError: there is no cluster)."""
+        ...
 
-class DecisionRecord(msgspec.Struct, frozen=True):
-    time_unix: float
-    pool: str
-    direction: str
-    reason: str
-    target: int
-    worker_id: str  # promoted, started or drained
-    detail: str
+    def save(self, state: cluster.ClusterState) -> None: ...
 
+    def alive(self, worker: cluster.ProcessEntry) -> bool: ...
 
-class AutoscalerStatus(msgspec.Struct, frozen=True):
-    """``<state-dir>/autoscaler.json``: what ``pdserve status`` shows of the autoscaler."""
+    def status(self, state: cluster.ClusterState) -> worker_pb2.ClusterStatus:
+        """The router's GetClusterStatus."""
+        ...
 
-    pid: int
-    metrics_url: str
-    updated_unix: float
-    pools: dict[str, PoolStatus]
-    decisions: tuple[DecisionRecord, ...] = ()  # the latest, oldest first
+    def start(
+        self, state: cluster.ClusterState, role: Role, count: int, *, standby: bool = False
+    ) -> cluster.ClusterState:
+        """Start ``count`` workers of ``role`` (into the warm pool when ``standby``); returns the state
+        listing them."""
+        ...
 
+    def promote(self, state: cluster.ClusterState, worker_id: str) -> worker_pb2.PromoteWorkerResponse:
+        """The router's PromoteWorker: a warm-pool worker taken into routing."""
+        ...
 
-def load_status(state_dir: Path) -> AutoscalerStatus | None:
-    path = state_dir / STATUS_FILE
-    try:
-        return msgspec.json.decode(path.read_bytes(), type=AutoscalerStatus)
-    except (OSError, msgspec.DecodeError):
-        return None
+    def drain(self, state: cluster.ClusterState, worker_id: str) -> bool:
+        """The router's DrainWorker; False: the router does not know the worker."""
+        ...
 
-
-class Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
-            "pdserve_autoscaler_decisions_total",
-            "Scaling decisions by pool, direction and reason.",
-            ["pool", "direction", "reason"],
-            registry=registry,
-        )
-        for pool, direction, reason in possible_decisions():  # series exist (at 0) before any decision
-            self.decisions.labels(pool.value, direction.value, reason.value)
-        self.target = Gauge(
-            "pdserve_autoscaler_target_workers",
-            "Workers the autoscaler wants per pool.",
-            ["pool"],
-            registry=registry,
-        )
-        self.current = Gauge(
-            "pdserve_autoscaler_current_workers", "Workers serving per pool.", ["pool"], registry=registry
-        )
-        self.standby = Gauge(
-            "pdserve_autoscaler_standby_workers",
-            "Warm-pool workers loaded and ready to be promoted, per pool.",
-            ["pool"],
-            registry=registry,
-        )
-        self.scale_up = Histogram(
-            "pdserve_autoscaler_scale_up_seconds",
-            "Seconds from a scale-up decision until the new worker is routed to (source: warm | cold).",
-            ["pool", "source"],
-            buckets=_SCALE_UP_BUCKETS,
-            registry=registry,
-        )
+    def cut(self, workers: Sequence[cluster.ProcessEntry]) -> None:
+        """Stop workers whose drain outlived its time, cutting what they still run."""
+        ...
 
 
 @dataclass
@@ -154,8 +114,11 @@ class _Pending:
 class Driver:
     """One autoscaler: the policy plus what it has set in motion (scale-ups starting, drains)."""
 
-    def __init__(self, config: DriverConfig, metrics: Metrics, metrics_url: str = "") -> None:
+    def __init__(
+        self, config: DriverConfig, metrics: Metrics, control: ClusterControl, metrics_url: str = ""
+    ) -> None:
         self.config = config
+        self.control = control
         self.policy = Autoscaler(config.policy)
         self.metrics = metrics
         self.metrics_url = metrics_url
@@ -163,20 +126,15 @@ class Driver:
         self.draining: dict[str, float] = {}  # worker id -> when its drain was asked (monotonic)
         self.targets: dict[Pool, int] = {}
         self.history: list[DecisionRecord] = []
-        self._hist: dict[str, dict[float, float]] = {}
+        self.latency = LatencyWindow(config.policy.latency_quantile)
 
     # ---- one tick -------------------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Decision]:
-        state = cluster.load_state(self.config.state_dir)
-        if state is None:
-            raise cluster.ClusterError(f"no cluster in {self.config.state_dir}")
-        state = self._reap(state, now)
-        status = cluster.cluster_status(
-            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
-        )
+        state = self._reap(self.control.load(), now)
+        status = self.control.status(state)
         state = self._adopt_promotions(state, status)
-        latency = self._latencies(status.metrics_url)
+        latency = self.latency.read(status.metrics_url)
         signals = self.signals(state, status, latency)
         self._observe_serving(status, now)
         decisions = self.policy.decide(now, signals)
@@ -194,51 +152,8 @@ class Driver:
         status: worker_pb2.ClusterStatus,
         latency: Mapping[Pool, float | None],
     ) -> dict[Pool, PoolSignals]:
-        entries = {e.info.worker_id: e for e in status.workers}
-        out = {}
-        for pool, role in ROLES.items():
-            procs = [w for w in state.workers if w.role is role and cluster.alive(w)]
-            serving = [
-                entries[w.id]
-                for w in procs
-                if w.id in entries
-                and entries[w.id].load.state == worker_pb2.WORKER_STATE_READY
-                and w.id not in self.draining
-            ]
-            # Standby workers loaded (registered as standby) or still loading: a replacement standby
-            # counts from its spawn, as a starting worker does.
-            standby = [
-                w
-                for w in procs
-                if w.standby and (w.id not in entries or entries[w.id].load.state in _STANDBY_OR_LOADING)
-            ]
-            # Loading, not registered yet, or promoted out of the warm pool but not READY yet.
-            coming = (worker_pb2.WORKER_STATE_LOADING, worker_pb2.WORKER_STATE_STANDBY)
-            starting = [
-                w
-                for w in procs
-                if not w.standby
-                and w.id not in self.draining
-                and (w.id not in entries or entries[w.id].load.state in coming)
-            ]
-            draining = tuple(w.id for w in procs if w.id in self.draining)
-            loads = [e.load for e in serving]
-            kv_total = sum(ld.kv_blocks_total for ld in loads)
-            max_running = sum(e.info.max_running for e in serving)
-            out[pool] = PoolSignals(
-                serving=len(serving),
-                starting=len(starting),
-                draining=draining,
-                standby=len(standby),
-                queued_prefill_tokens=sum(ld.queued_prefill_tokens for ld in loads),
-                kv_usage=sum(ld.kv_blocks_used for ld in loads) / kv_total if kv_total else 0.0,
-                running_ratio=sum(ld.running + ld.queued for ld in loads) / max_running
-                if max_running
-                else 0.0,
-                router_waiting=status.requests_waiting if pool is Pool.DECODE else 0,
-                latency_s=latency.get(pool),
-            )
-        return out
+        live = [w for w in state.workers if self.control.alive(w)]
+        return pool_signals(live, status, latency, self.draining)
 
     # ---- actions --------------------------------------------------------------------------------
 
@@ -277,30 +192,29 @@ class Driver:
         now: float,
     ) -> tuple[cluster.ClusterState, str]:
         entries = {e.info.worker_id: e for e in status.workers}
-        warm = [w for w in state.workers if w.role is role and w.standby and cluster.alive(w)]
+        warm = [w for w in state.workers if w.role is role and w.standby and self.control.alive(w)]
         # A loaded standby first; one still loading is still closer to serving than a cold start.
         warm.sort(
             key=lambda w: w.id not in entries or entries[w.id].load.state != worker_pb2.WORKER_STATE_STANDBY
         )
-        token, tls = cluster.state_token(state), cluster.state_tls(state)
         for w in warm:
             try:
-                resp = cluster.promote_worker(state.router_address, w.id, token, tls)
+                resp = self.control.promote(state, w.id)
             except grpc.RpcError as e:
                 log.warning("could not promote %s: %s", w.id, e.code().name)
                 continue
             if not resp.found and w.id in entries:
                 continue
             state = cluster.replace_worker(state, msgspec.structs.replace(w, standby=False))
-            cluster.save_state(self.config.state_dir, state)
+            self.control.save(state)
             if resp.serving:
                 self.metrics.scale_up.labels(pool.value, "warm").observe(time.monotonic() - now)
             else:
                 self.pending[w.id] = _Pending(pool, now, "warm")
             return state, w.id
         before = {w.id for w in state.workers}
-        state = cluster.spawn_workers(self.config.state_dir, state, role, 1)
-        cluster.save_state(self.config.state_dir, state)
+        state = self.control.start(state, role, 1)
+        self.control.save(state)
         wid = next(w.id for w in state.workers if w.id not in before)
         self.pending[wid] = _Pending(pool, now, "cold")
         return state, wid
@@ -308,7 +222,7 @@ class Driver:
     def _scale_down(
         self, state: cluster.ClusterState, status: worker_pb2.ClusterStatus, role: Role, now: float
     ) -> str:
-        live = {w.id for w in state.workers if w.role is role and not w.standby and cluster.alive(w)}
+        live = {w.id for w in state.workers if w.role is role and not w.standby and self.control.alive(w)}
         ready = [
             e
             for e in status.workers
@@ -322,9 +236,7 @@ class Driver:
         victim = min(ready, key=lambda e: (e.load.running + e.load.queued, -_index(e.info.worker_id)))
         wid = victim.info.worker_id
         try:
-            found = cluster.drain_worker(
-                state.router_address, wid, cluster.state_token(state), cluster.state_tls(state)
-            )
+            found = self.control.drain(state, wid)
         except grpc.RpcError as e:
             log.warning("could not drain %s: %s", wid, e.code().name)
             return ""
@@ -337,16 +249,17 @@ class Driver:
     ) -> cluster.ClusterState:
         for pool, role in ROLES.items():
             want = self.config.policy.bounds(pool).warm
-            have = sum(1 for w in state.workers if w.role is role and w.standby and cluster.alive(w))
+            have = sum(1 for w in state.workers if w.role is role and w.standby and self.control.alive(w))
             if have < want:
-                state = cluster.spawn_workers(self.config.state_dir, state, role, want - have, standby=True)
-                cluster.save_state(self.config.state_dir, state)
+                state = self.control.start(state, role, want - have, standby=True)
+                self.control.save(state)
                 log.info("%s warm pool: starting %d standby worker(s)", pool.value, want - have)
         return state
 
     def _reap(self, state: cluster.ClusterState, now: float) -> cluster.ClusterState:
         """Forget exited workers; stop drains that outlived their timeout."""
-        state, gone = cluster.live_workers(state)
+        gone = [w for w in state.workers if not self.control.alive(w)]
+        state = cluster.without_workers(state, gone)
         for w in gone:
             self.draining.pop(w.id, None)
             self.pending.pop(w.id, None)
@@ -358,10 +271,10 @@ class Driver:
         ]
         if stuck:
             log.warning("drain timed out: stopping %s by signal", ", ".join(w.id for w in stuck))
-            cluster.cut_drains(stuck)
-            state, _ = cluster.live_workers(state)
+            self.control.cut(stuck)
+            state = cluster.without_workers(state, [w for w in state.workers if not self.control.alive(w)])
         if gone or stuck:
-            cluster.save_state(self.config.state_dir, state)
+            self.control.save(state)
         return state
 
     def _adopt_promotions(
@@ -373,7 +286,7 @@ class Driver:
         for w in adopted:
             log.info("%s was promoted by the router (its pool had no serving worker left)", w.id)
         if adopted:
-            cluster.save_state(self.config.state_dir, state)
+            self.control.save(state)
         return state
 
     def _observe_serving(self, status: worker_pb2.ClusterStatus, now: float) -> None:
@@ -383,31 +296,6 @@ class Driver:
             p = self.pending.pop(wid)
             self.metrics.scale_up.labels(p.pool.value, p.source).observe(now - p.decided)
             log.info("%s serving %.2fs after the scale-up (%s)", wid, now - p.decided, p.source)
-
-    # ---- signals from the router's /metrics -------------------------------------------------------
-
-    def _latencies(self, url: str) -> dict[Pool, float | None]:
-        """The TTFT (prefill) and ITL (decode) quantile over what the router observed since last tick."""
-        if not url:
-            return {}
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as resp:
-                text = resp.read().decode()
-            now = _buckets(text, (TTFT, ITL))
-        except (OSError, http.client.HTTPException, ValueError) as e:  # (a body cut short: no sample)
-            log.warning("router metrics at %s: %r", url, e)
-            return {}
-        q = self.config.policy.latency_quantile
-        out = {
-            Pool.PREFILL: window_quantile(self._hist.get(TTFT, {}), now.get(TTFT, {}), q)
-            if self._hist
-            else None,
-            Pool.DECODE: window_quantile(self._hist.get(ITL, {}), now.get(ITL, {}), q)
-            if self._hist
-            else None,
-        }
-        self._hist = now
-        return out
 
     # ---- what it shows ----------------------------------------------------------------------------
 
@@ -427,29 +315,12 @@ class Driver:
             self.metrics.standby.labels(pool.value).set(s.standby)
             pools[pool.value] = PoolStatus(target, s.serving, s.starting, s.standby, s.draining)
         doc = AutoscalerStatus(os.getpid(), self.metrics_url, time.time(), pools, tuple(self.history))
-        path = self.config.state_dir / STATUS_FILE
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(msgspec.json.encode(doc))
-        os.replace(tmp, path)
+        save_status(self.config.state_dir, doc)
 
 
 def _index(worker_id: str) -> int:
     tail = worker_id.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else 0
-
-
-def _buckets(text: str, names: tuple[str, ...]) -> dict[str, dict[float, float]]:
-    """Cumulative bucket counts (upper bound -> count) of the named histograms, summed over labels."""
-    out: dict[str, dict[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in names:
-            continue
-        buckets = out.setdefault(family.name, {})
-        for sample in family.samples:
-            if sample.name.endswith("_bucket"):
-                ub = float(sample.labels["le"])
-                buckets[ub] = buckets.get(ub, 0.0) + sample.value
-    return out
 
 
 @contextlib.contextmanager
@@ -472,7 +343,7 @@ def run(config: DriverConfig, host: str = "127.0.0.1", metrics_port: int = 0) ->
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     with serve_metrics(registry, host, metrics_port) as endpoint, _scraped(config.state_dir, endpoint.url):
-        driver = Driver(config, metrics, endpoint.url)
+        driver = Driver(config, metrics, cluster.LocalControl(config.state_dir), endpoint.url)
         log.info("autoscaler: %s; metrics at %s", config.policy, endpoint.url)
         while not stop.is_set():
             started = time.monotonic()
