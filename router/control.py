@@ -62,7 +62,7 @@ def _incompatible(info: worker_pb2.WorkerInfo, router: Router) -> str | None:
     if not info.kv_layout:
         return None
     for w in router.registry:
-        other = router.infos.get(w.worker_id)
+        other = router.membership.infos.get(w.worker_id)
         if w.worker_id == info.worker_id or other is None or not other.kv_layout:
             continue
         if other.kv_layout != info.kv_layout:
@@ -134,7 +134,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         router.registry.register(w, now)
         router.ledger.sync(w)
         info.standby = w.standby  # (promoted before it registered: it serves)
-        router.infos[info.worker_id] = info
+        router.membership.infos[info.worker_id] = info
         log.info(
             "worker %s %s: %s at %s (pid %d)%s",
             w.worker_id,
@@ -163,7 +163,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         if load.kv_blocks_total:
             w.kv_blocks_total = load.kv_blocks_total
         if router.registry.get(load.worker_id) is None:
-            router.infos.pop(load.worker_id, None)  # it reported STOPPED
+            router.membership.infos.pop(load.worker_id, None)  # it reported STOPPED
             log.info("worker %s stopped", load.worker_id)
         await router.admission.notify()
         return worker_pb2.HeartbeatResponse(known=True, drain=w.drain_requested, standby=w.standby)
@@ -175,7 +175,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         if w is not None and (not info.address or w.address == info.address):
             router.registry.remove(info.worker_id)
             # Its calls are not failed here: a worker deregisters after its in-flight calls ended.
-            router.infos.pop(info.worker_id, None)
+            router.membership.infos.pop(info.worker_id, None)
             log.info("worker %s left (deregistered)", info.worker_id)
         return worker_pb2.Empty()
 
@@ -184,7 +184,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         now_mono, now_unix = time.monotonic(), time.time()
         entries = []
         for w in sorted(router.registry, key=lambda w: (w.role.value, w.worker_id)):
-            info = router.infos.get(w.worker_id) or worker_pb2.WorkerInfo(
+            info = router.membership.infos.get(w.worker_id) or worker_pb2.WorkerInfo(
                 worker_id=w.worker_id, address=w.address
             )
             load = worker_pb2.WorkerLoad(
@@ -214,8 +214,8 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         w = router.registry.promote(request.worker_id, time.monotonic())
         if w is None:
             return worker_pb2.PromoteWorkerResponse(found=False)
-        if request.worker_id in router.infos:
-            router.infos[request.worker_id].standby = False
+        if request.worker_id in router.membership.infos:
+            router.membership.infos[request.worker_id].standby = False
         log.info("worker %s promoted from the warm pool", request.worker_id)
         await router.admission.notify()  # requests waiting for room may take it now
         return worker_pb2.PromoteWorkerResponse(found=True, serving=w.state is State.READY)

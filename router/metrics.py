@@ -64,7 +64,7 @@ MIGRATION_REASONS = (
     "step_failed",
 )
 # Heartbeat sweeps that found the router's own event loop had stood still past a heartbeat interval
-# (the workers' deadlines were moved by as long; router/service.py sweep_forever).
+# (the workers' deadlines were moved by as long; router/membership.py sweep_forever).
 LOOP_STALLS = "pdserve_router_event_loop_stalls_total"
 PROMPT_TOKENS = "pdserve_prompt_tokens_total"
 GENERATION_TOKENS = "pdserve_generation_tokens_total"

@@ -108,7 +108,7 @@ class RouterServer:
         except ListenError:
             await self.stop(0.0)  # nothing of a failed start stays bound
             raise
-        self._sweep = asyncio.get_running_loop().create_task(self.router.sweep_forever())
+        self._sweep = asyncio.get_running_loop().create_task(self.router.membership.sweep_forever())
         log.info("router listening on %s", self.router.address)
         return self.router.address
 

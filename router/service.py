@@ -15,7 +15,8 @@ Stages of a request at the router:
 4. finish: on every exit path the ledger releases the route and waiting
    requests are woken, since capacity may have freed.
 
-``Router`` holds the cluster state the Generation and Registry services share.
+``Router`` holds the cluster state the Generation and Registry services share; the worker set and its
+upkeep (deaths, missed heartbeats, standby promotion) are ``membership.Membership``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import time
 
 import grpc
 
-from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
+from pdserve.proto import generation_pb2, generation_pb2_grpc
+from pdserve.router.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
-from pdserve.router.jobs import Failure, Job, Ledger, NoRoute
+from pdserve.router.errors import ClientGone, is_batch_error, worker_failure
+from pdserve.router.jobs import Job, Ledger, NoRoute
+from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
     Admission,
@@ -40,17 +44,8 @@ from pdserve.router.policy import (
     choose_route,
 )
 from pdserve.router.registry import Registry, State, Worker
-from pdserve.router.relay import (
-    ClientGone,
-    Relay,
-    RelayError,
-    WorkerChannels,
-    Write,
-    is_batch_error,
-    worker_failure,
-)
+from pdserve.router.relay import Relay, RelayError, Write
 from pdserve.router.validate import InvalidRequest, ModelLimits, Prepared, RouterTokenizer, prepare
-from pdserve.worker.role import Role
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +55,8 @@ _ALWAYS_LOCAL = (
 
 
 class Router:
-    """Registry, admission, ledger and worker channels of one router process."""
+    """Registry, admission, ledger and worker channels of one router process; the ``RouterOps`` the
+    relay calls back."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -69,14 +65,20 @@ class Router:
         self.admission = Admission(config.max_waiting)
         self.ledger = Ledger(self.registry)
         self.channels = WorkerChannels(config.cluster_token, config.tls)
-        self.infos: dict[str, worker_pb2.WorkerInfo] = {}  # the registration of every known worker
+        self.metrics = RouterMetrics()
+        self.membership = Membership(
+            self.registry,
+            self.ledger,
+            self.admission,
+            self.channels,
+            self.metrics,
+            config.heartbeat_interval_s,
+        )
         self.address = config.bind_address  # the bound address once the server has started
         self.tokenizer: RouterTokenizer | None = None  # None until loaded: Generate is UNAVAILABLE
         self.limits = ModelLimits()
         self.relay: Relay | None = None
         self.closing = False
-        self._wakeups: set[asyncio.Task[None]] = set()  # admission wake-ups sent from sync code
-        self.metrics = RouterMetrics()
         self.inflight_ids: set[str] = set()  # request ids admitted and not finished: unique at a time
         self.metrics_url = ""  # set once the router's /metrics endpoint serves
         self.http_url = ""  # set once the OpenAI HTTP front serves (``openai_server``); empty: off
@@ -91,15 +93,10 @@ class Router:
         self.relay = Relay(
             tokenizer,
             self.channels,
-            self.ledger.release_prefill,
-            self.worker_failed,
+            self,
             metrics=self.metrics,
-            reroute=self.reroute,
             max_migrations=self.config.max_migrations,
-            on_worker_full=self.worker_full,
             queue_timeout_s=self.config.queue_timeout_s,
-            worker_done=self.release,
-            grown=self.ledger.grow,
         )
 
     def current_limits(self) -> ModelLimits:
@@ -115,7 +112,9 @@ class Router:
         )
         context = self.limits.context_length
         if context <= 0:
-            context = min((i.context_length for i in self.infos.values() if i.context_length > 0), default=0)
+            context = min(
+                (i.context_length for i in self.membership.infos.values() if i.context_length > 0), default=0
+            )
         return ModelLimits(context_length=context, vocab_size=self.limits.vocab_size, kv_tokens=kv_tokens)
 
     async def admit(self, job: Job, timeout_s: float | None, max_tokens: int = 0) -> Route:
@@ -246,109 +245,18 @@ class Router:
         self.inflight_ids.discard(job.request_id)
         await self.release(job)
 
+    # RouterOps: what the relay tells the router.
+    def release_prefill(self, job: Job) -> None:
+        self.ledger.release_prefill(job)
+
+    def grow(self, job: Job, seq_len: int) -> None:
+        self.ledger.grow(job, seq_len)
+
     def worker_full(self, w: Worker) -> None:
-        """``w`` refused a reservation its last heartbeat had room for: route nothing more to it until a
-        heartbeat it sends after the refusal can have arrived (two intervals)."""
-        current = self.registry.get(w.worker_id)
-        if current is not None and current.address == w.address:
-            current.refused_for_room(2 * self.config.heartbeat_interval_s)
+        self.membership.worker_full(w)
 
     def worker_failed(self, w: Worker, dead: bool, reason: str) -> None:
-        """A call to ``w`` failed with UNAVAILABLE: it died (stop routing to it, and move every other
-        request that still needs it now, not at its heartbeat timeout) or is draining."""
-        current = self.registry.get(w.worker_id)
-        if current is None or current.address != w.address:
-            return  # already removed, or re-registered elsewhere
-        if dead:
-            log.warning("worker %s marked dead: %s", w.worker_id, reason)
-            self.registry.mark_dead(w.worker_id)
-            self.infos.pop(w.worker_id, None)
-            if self.cover_with_standby(w.role) is not None:  # before its requests move: they may move there
-                # Requests waiting for room may route to it now, not at the next heartbeat.
-                task = asyncio.get_running_loop().create_task(self.admission.notify())
-                self._wakeups.add(task)
-                task.add_done_callback(self._wakeups.discard)
-            lost = "decode_failed" if w.role.decodes else "prefill_failed"
-            self.fail_jobs_on(w.worker_id, f"worker {w.worker_id} died: {reason}", lost)
-        else:
-            current.state = State.DRAINING
-
-    def cover_with_standby(self, role: Role) -> Worker | None:
-        """A worker of ``role`` died: if none of that role is left serving, promote one of its warm
-        standby workers now (the one whose heartbeat said it is loaded), rather than refuse requests until
-        the autoscaler's next tick. Returns the promoted worker; the autoscaler sees the promotion in
-        ``ClusterStatus`` and starts a replacement standby."""
-        if any(w.role is role for w in self.registry.ready()):
-            return None
-        standby = [w for w in self.registry if w.role is role and w.state is State.STANDBY]
-        if not standby:
-            return None
-        w = self.registry.promote(standby[0].worker_id, time.monotonic())
-        if w is None:
-            return None
-        if w.worker_id in self.infos:
-            self.infos[w.worker_id].standby = False
-        log.warning("no %s worker left serving: standby worker %s promoted", role.value, w.worker_id)
-        return w
-
-    def fail_jobs_on(self, worker_id: str, reason: str, migrate: str = "") -> None:
-        """Fail every request that still needs ``worker_id`` (``migrate``: why, for the relay's move)."""
-        for job in self.ledger:
-            if job.uses(worker_id):
-                job.fail(Failure("UNAVAILABLE", reason, worker_id, migrate))
-
-    async def sweep(self, now: float) -> list[Worker]:
-        """Drop workers that missed heartbeats, fail their requests, close unused channels."""
-        dead = self.registry.expire(now)
-        for w in dead:
-            log.warning("worker %s (%s) missed heartbeats; removed", w.worker_id, w.address)
-            self.infos.pop(w.worker_id, None)
-        if [role for role in {w.role for w in dead} if self.cover_with_standby(role)]:
-            await self.admission.notify()
-        for w in dead:
-            self.fail_jobs_on(w.worker_id, f"worker {w.worker_id} missed heartbeats")
-        keep = {w.address for w in self.registry}
-        for job in self.ledger:
-            if job.route is not None:
-                keep.add(job.route.decode.address)
-                if job.route.prefill is not None:
-                    keep.add(job.route.prefill.address)
-        await self.channels.close_except(keep)
-        return dead
-
-    async def sweep_forever(self) -> None:
-        interval = self.config.heartbeat_interval_s
-        woke = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            stood_still, woke = now - woke - interval, now
-            try:
-                await self._sweep_tick(now, stood_still, interval)
-            except Exception:  # noqa: BLE001 - the sweep must outlive a bad tick (it expires dead workers)
-                log.exception("the heartbeat sweep failed; it runs again in %.3g s", interval)
-            woke = time.monotonic()  # (the sweep's own time is not a stall)
-
-    async def _sweep_tick(self, now: float, stood_still: float, interval: float) -> None:
-        """One sweep (``sweep_forever``): first, a stall of this loop moves the workers' deadlines."""
-        if stood_still > interval:
-            # This loop could not run (a call holding the GIL, the host swapping, SIGSTOP): the
-            # heartbeats sent meanwhile may still wait unread, so the silence is the router's own,
-            # not the workers'. Their deadlines move by as much; a dead worker still expires, one
-            # timeout after the router runs again.
-            log.warning(
-                "the router's event loop stood still for %.1f s: heartbeat deadlines moved by as much",
-                stood_still,
-            )
-            self.metrics.loop_stalls.inc()
-            self.registry.postpone(stood_still, now)
-        await self.sweep(now)
-
-    def counts_by_role(self) -> dict[Role, int]:
-        out: dict[Role, int] = {}
-        for w in self.registry:
-            out[w.role] = out.get(w.role, 0) + 1
-        return out
+        self.membership.worker_failed(w, dead, reason)
 
 
 # Prompts up to this many characters are tokenized inline (well under a millisecond).

@@ -1,0 +1,179 @@
+"""Relaying a decode worker's stream to the client: read-ahead flow control, and each message's delivery
+through the request's detokenizer. The hot loop: per worker message one read, one detokenizer step and
+one write, and no logging."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from pdserve.proto import generation_pb2
+from pdserve.router.detok import Detokenizer
+from pdserve.router.errors import RelayError, cancelling, classify, worker_failure
+from pdserve.router.jobs import Job
+from pdserve.router.ops import RouterOps
+from pdserve.router.registry import Worker
+from pdserve.router.validate import Prepared
+
+_EOF = grpc.aio.EOF
+# Worker messages (~0.5 kB each) a stream reads ahead of a slow client: beyond them the worker waits (and
+# its claim stays), which bounds what a stalled client costs the router.
+_READ_AHEAD = 4096
+# ... and router-wide (~64 MB): many stalled clients together make every stream past its first
+# ``_READ_AHEAD_OWN`` messages wait, so the router's memory stays bounded whatever clients do (their workers
+# then hold their claims, and admission refuses what no worker can take).
+_READ_AHEAD_TOTAL = 1 << 17
+_READ_AHEAD_OWN = 64  # a stream may always read this far ahead: readers are not slowed by stalled ones
+_Resp = generation_pb2.GenerateResponse
+# Sends one message to the client. False: it delivered nothing of it (yet), as the HTTP front holding back
+# text that may begin a stop string; the metrics then see no token arrive (``RequestRecord.wrap``).
+Write = Callable[[generation_pb2.GenerateResponse], Awaitable[bool | None]]
+
+
+class ReadAheadBudget:
+    """Worker messages read ahead of their clients by every stream of the router together."""
+
+    __slots__ = ("limit", "used", "_room")
+
+    def __init__(self, limit: int = _READ_AHEAD_TOTAL) -> None:
+        self.limit = limit
+        self.used = 0
+        self._room: asyncio.Event | None = None
+
+    async def wait(self) -> None:
+        """Until the router-wide read-ahead is under its limit."""
+        while self.used >= self.limit:
+            if self._room is None or self._room.is_set():
+                self._room = asyncio.Event()
+            await self._room.wait()
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        if self._room is not None and self.used < self.limit:
+            self._room.set()
+
+
+class Output:
+    """What has been sent to the client for one request."""
+
+    __slots__ = ("request_id", "prompt_tokens", "detok", "sent")
+
+    def __init__(self, prep: Prepared, detok: Detokenizer) -> None:
+        self.request_id = prep.request_id
+        self.prompt_tokens = len(prep.prompt_token_ids)
+        self.detok = detok
+        self.sent: list[int] = []  # output token ids sent so far: a migrated stream's input tail
+
+
+async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str, write: Write) -> bool:
+    """Send the new part of a worker message to the client. True when the request is finished."""
+    detok = out.detok
+    skip = detok.count - first_index
+    if skip:
+        if skip < 0 and len(ids):
+            raise RelayError(
+                grpc.StatusCode.INTERNAL, f"worker skipped output tokens {detok.count}..{first_index}"
+            )
+        if skip > 0:
+            ids = ids[skip:]
+    if not ids and not finish:
+        return False
+    # The router owns stop strings (workers get none), so a worker's "stop" is eos or a stop token id.
+    text, used = detok.feed(ids, ends_on_stop_token=finish == "stop")
+    if detok.stopped:
+        ids, finish = ids[:used], "stop"
+    out.sent.extend(ids)
+    if not finish:
+        await write(_Resp(request_id=out.request_id, token_ids=ids, text=text))
+        return False
+    await write(
+        _Resp(
+            request_id=out.request_id,
+            token_ids=ids,
+            text=text + detok.flush(),
+            finish_reason=finish,
+            usage=generation_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=detok.count),
+        )
+    )
+    return True
+
+
+async def relay_stream(
+    job: Job,
+    d: Worker,
+    dcall: Any,
+    out: Output,
+    write: Write,
+    pending: asyncio.Future | None,
+    budget: ReadAheadBudget,
+    ops: RouterOps,
+) -> None:
+    """Relay D's stream until its finish (or a stop string). The hot loop.
+
+    D is read ahead of the client's writes (``_read_ahead``): a client that reads slowly, or not at
+    all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
+    ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
+    reader = asyncio.ensure_future(_read_ahead(job, dcall, pending, ahead, out.prompt_tokens, budget, ops))
+    try:
+        m = await ahead.get()
+        budget.give(1)
+        job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
+        while True:
+            if isinstance(m, BaseException):
+                raise m
+            if m is _EOF:
+                raise RelayError(
+                    grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
+                )
+            if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+                return
+            m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
+            budget.give(1)
+    except grpc.aio.AioRpcError as e:
+        raise classify(job, d, "decode", e, ops) from None
+    except asyncio.CancelledError as e:
+        # A cancel of the worker call by ``Job.fail`` (not of this task) carries the job's failure.
+        if (failed := worker_failure(job, e)) is not None:
+            raise failed from None
+        raise
+    finally:
+        reader.cancel()  # (it puts nothing more: a put it waits in is cancelled with it)
+        budget.give(ahead.qsize())
+
+
+async def _read_ahead(
+    job: Job,
+    dcall: Any,
+    pending: asyncio.Future | None,
+    ahead: asyncio.Queue[Any],
+    prompt_tokens: int,
+    budget: ReadAheadBudget,
+    ops: RouterOps,
+) -> None:
+    """D's messages into ``ahead`` as they come (at most one per token; up to ``_READ_AHEAD`` ahead of
+    the client, then D waits as before), then its end or its error (raised in order by ``relay_stream``).
+    Each message's tokens grow the job's KV count on D; once D's stream ended, its claim is released."""
+    grow = ops.grow
+    try:
+        m = await (pending if pending is not None else dcall.read())
+        while True:
+            if budget.used >= budget.limit and ahead.qsize() >= _READ_AHEAD_OWN:
+                await budget.wait()
+            await ahead.put(m)
+            budget.used += 1
+            if m is _EOF or m.finish_reason:
+                break
+            # D holds the prompt and every output so far (a migrated try's prompt includes the tokens
+            # sent before; ``first_index`` counts them too).
+            grow(job, prompt_tokens + m.first_index + len(m.token_ids))
+            m = await dcall.read()
+    except BaseException as e:  # noqa: BLE001 - handed to relay_stream, which raises it in its place
+        if isinstance(e, asyncio.CancelledError) and cancelling():
+            raise  # (relay_stream is done: no one reads any more)
+        await ahead.put(e)
+        budget.used += 1
+        return
+    await ops.release(job)
