@@ -492,9 +492,7 @@ def test_a_worker_added_later_shares_the_cores_with_those_running(tmp_path, monk
         tmp_path / "d1.log",
         dict(os.environ),
     )
-    first = cluster.ProcessEntry(
-        **{**msgspec.structs.asdict(first), "role": Role.DECODE, "device": "cpu"}
-    )
+    first = cluster.ProcessEntry(**{**msgspec.structs.asdict(first), "role": Role.DECODE, "device": "cpu"})
     started: list[list[str]] = []
 
     def spawn(wid, argv, log, env, role=None, cpus=()):

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.decode_pool import engine_loop
-from pdserve.decode_pool.engine_loop import EngineDied
 from pdserve.decode_pool.app import DecodePool
+from pdserve.decode_pool.engine_loop import EngineDied
 from pdserve.engine.params import SamplingParams
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.role import Role
