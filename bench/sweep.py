@@ -416,7 +416,7 @@ async def _sweep_async(
             )
             _say(f"[{label}] {rate:g} req/s: {bench.num_prompts} requests (+{bench.warmup} warmup)")
             result = await run_benchmark(bench, token_space=token_space)
-            # Per-request records are most of a run's bytes: kept gzipped (bench/results is not a data store).
+            # Per-request records are most of a run's bytes: kept gzipped.
             run_file = Path("runs") / f"{label}_rate{_rate_tag(rate)}.json.gz"
             result.save(cfg.out_dir / run_file)
             point = point_summary(rate, result, str(run_file))

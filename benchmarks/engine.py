@@ -28,9 +28,9 @@ One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch t
   independent FMA chains on the widest vectors the host has, all threads, ``f32_fma``), and for bfloat16
   where the host has AVX512-BF16 its dot products (``CpuKernels.bf16_dot_peak``, ``bf16_dot``: twice the
   products per instruction, which pdserve's bfloat16 linear rows use). Files written before
-  ``bound_peak`` used the float32 peak for bfloat16 too: no bound there (the batch-32 bf16 linear rows in
-  ``results/cpu_engine_avx512bf16`` reached 1.41 and 1.53 of it). AMX tiles are not measured: on a host
-  with AMX (``amx_bf16`` in ``flags``) oneDNN's bfloat16 products can pass the bf16 bound too.
+  ``bound_peak`` used the float32 peak for bfloat16 too: no bound there (the batch-32 bf16 linear rows
+  in ``results/engine_avx512bf16.json`` passed it). AMX tiles are not measured: on a host with AMX
+  (``amx_bf16`` in ``flags``) oneDNN's bfloat16 products can pass the bf16 bound too.
 - ``linear``: pdserve's own product kernels (the runner's ``Linear`` objects, in the layout
   ``choose_linear`` picked) over every layer and the head, weights streamed as in a step: tok/s,
   ``gflops``, ``gbps`` (weight bytes / time) and ``ratio`` against the bound.

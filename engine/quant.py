@@ -11,7 +11,7 @@ bandwidth bounds the step.
 The engine is exact against its own dequantised reference: ``dequantize_state_dict`` gives the Hugging
 Face weights the engine computes with (``q * scale`` in float32), and a transformers model loaded with
 them produces the same greedy tokens (the tests check it). How far that is from the unquantised model is
-a property of the model, measured by ``bench.engine --quantization int8``, not assumed.
+a property of the model, measured by ``benchmarks.engine --quantizations int8``, not assumed.
 
 The panel kernel (``engine.cpu_kernels``) widens each int8 weight and multiplies it by its scale in
 registers, so it multiplies by exactly the float32 weights of the reference. Scales belong to output rows,

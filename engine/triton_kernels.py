@@ -236,7 +236,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # Rows up to which a decode step's products run as ``gemv`` instead of cuBLAS, for products whose
 # outputs give cuBLAS's 64-wide tiles fewer than two per SM (``gemv_wins``). Measured inside CUDA graphs
-# on an H200, SmolLM2-135M's products in bfloat16 (bench/results/gpu_h200/micro_9e1fb39.json), at one
+# on an H200, SmolLM2-135M's products in bfloat16 (benchmarks/results/gpu_micro_h200.json), at one
 # row: qkv 2.30 us against cuBLAS's 3.52, o 2.25 against 3.17, gate_up 4.11 against 4.12, and the down
 # product taking silu(gate) * up in its loads 4.89 against 6.57 for silu_mul + cuBLAS (one kernel less);
 # the 49k-row lm_head 23.7 against 16.0 (cuBLAS fills the GPU there). At four rows cuBLAS was as fast or
@@ -245,7 +245,7 @@ GEMV_MAX_ROWS = int(os.environ.get("PDSERVE_GEMV_MAX_ROWS", "1"))
 # Where the products around a norm run as ``gemv``, PDSERVE_GEMV_FUSE_NORMS=1 puts the norm into the
 # product after it (``norm``) and the residual add into the product before it (``add_to``): two launches
 # less a layer, 60 of a SmolLM2 step's ~270 at batch 1. Off by default: measured on an H100 inside CUDA
-# graphs (bench/results/gpu_h100/micro.json, one run, back to back), a batch-1 step took 0.985 ms fused
+# graphs (benchmarks/results/gpu_micro_h100.json, one run, back to back), a batch-1 step took 0.985 ms fused
 # against 0.947 ms with the separate add_rms_norm kernel (every gemv program normalises its input rows
 # itself, and the adds serialise on the residual stream), and LLM.generate at batch 1 read 996 tok/s
 # fused against 1,055 apart (engine_cuda_fused_norms.json, engine_cuda.json).
@@ -644,7 +644,7 @@ def prefill_attention(
         return out.view(0, n_h * d)
     if block_n is None:
         # 128 keys a tile in half precision: 23.5 us a layer against 32.9 with 64 for a 1,024-token
-        # prompt of SmolLM2's heads on an H200 (bench/results/gpu_h200/micro_9e1fb39.json); float32
+        # prompt of SmolLM2's heads on an H200 (benchmarks/results/gpu_micro_h200.json); float32
         # tiles (and head dims past 128) keep 64, within shared memory.
         block_n = 128 if q.element_size() == 2 and d <= 128 else 64
     grid = (triton.cdiv(max_new, block_m), n_h, n)

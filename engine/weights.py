@@ -110,7 +110,7 @@ def choose_linear(
     quantization: str = "none",
 ) -> LinearKind:
     """The matmul path for a model: ``PDSERVE_LINEAR`` when set (ValueError if it cannot run here), else
-    by measurement on the hosts we have (bench/results/cpu_engine_avx2):
+    by measurement on the hosts we have (benchmarks/results/engine_avx2_*.json):
 
     - ``quantization="int8"``: PANELS where the C kernels are built (they read int8 panels), else PLAIN
       (``Linear`` dequantises per call: correct, slow). oneDNN's pre-packed path has no int8 weights.
@@ -120,7 +120,7 @@ def choose_linear(
       oneDNN took about half of MKL's at 8 rows.
     - CPU, bfloat16, C kernels with AVX512-BF16 dot products (``CpuKernels.bf16_pairs``): PANELS in pair
       layout. On a Zen 5 EPYC (2 threads, SmolLM2-135M's products) they ran 1.0-1.1x oneDNN's bfloat16
-      at 1-32 rows and 1.14x its 1,024-token prefill (bench/results/cpu_engine_avx512bf16).
+      at 1-32 rows and 1.14x its 1,024-token prefill (benchmarks/results/engine_avx512bf16.json).
     - CPU, half precision otherwise: ONEDNN where the CPU has the instructions (AVX512-BF16, AMX: bitwise
       equal to ``F.linear``); else PANELS, which reads half-precision weights (half the bytes of float32)
       and multiplies in float32, where oneDNN and MKL would emulate.

@@ -126,7 +126,7 @@ _DEVICES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
 # UCX_TCP_TX_SEG_SIZE: UCX's tcp transport sends in segments of 8 KB by default, a system call and a
 # progress pass each; 64 KB (the size of its receive segments) moved a 1,024-token SmolLM2 request
 # (23.6 MB) by puts in 6.4-10.9 ms instead of 22.8-23.5 ms over loopback, tagged sends 2x faster too
-# (bench/results/kv_transfer_s22_tcp_seg.json).
+# (benchmarks/results/kv_transfer_tcp_segment.json).
 _UCX_ENV_DEFAULTS = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TCP_TX_SEG_SIZE": "64K"}
 
 

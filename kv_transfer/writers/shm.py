@@ -8,7 +8,7 @@ for cross-memory attach), maps it once per peer, and copies each layer's runs in
 Why: cross-memory attach is a kernel copy a page at a time, and its writing direction can be the slow
 one. Measured on an AMD EPYC (Zen, Linux 6.18), 30 layers of 768 KiB (a 1,024-token SmolLM2 request):
 ``process_vm_writev`` 1.69 ms, ``process_vm_readv`` 1.16 ms, a ``memmove`` into the peer's memfd mapping
-0.69 ms (``bench.cma_direction``, README). The price is on the decode side: shared memory has huge pages
+0.69 ms (``tools.cma_direction``, README). The price is on the decode side: shared memory has huge pages
 only where ``transparent_hugepage/shmem_enabled`` allows them (or hugetlb pages are reserved), and decode
 attention read 1.02-1.09x slower from KV on 4 KiB pages; so it is a flag, off by default.
 
