@@ -23,8 +23,10 @@ is not a matmul decides the step time:
 Everything is optional. ``load_cpu_kernels`` returns None (and the engine
 uses the torch path) when there is no C compiler or the build fails (GCC is
 needed: vector extensions, ``_Float16``); ``supports`` says which model shapes
-the kernels handle (head_dim a multiple of 16). The shared object is cached
-under ``<cache>/kernels``, keyed by a hash of the source, flags, compiler
+the kernels handle (head_dim a multiple of 16). The C source is ``engine/csrc/``
+(package data; its README lists the kernels): one translation unit made of the
+fragments ``SOURCE_FILES`` names, in order. The shared object is cached under
+``<cache>/kernels``, keyed by a hash of the fragments' text, flags, compiler
 version and CPU flags (``-march=native``), and written by atomic rename so
 concurrent processes never see a partial file.
 
@@ -42,7 +44,7 @@ and sleep, so each parallel region (~150 a decode step) pays a wake-up: on a
 2-core host the kernels then ran at half speed. Workers keep the rule: the
 decode/colocated engine is built and stepped on its ``EngineLoop`` thread, a
 prefill worker builds its runner and runs every forward on one executor
-thread (``tests/test_kernel_thread.py``).
+thread (``tests/unit/test_kernel_thread.py``).
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from pdserve.engine.cpu_kernels_src import SOURCE
 from pdserve.engine.env import KERNEL_ISAS, EngineEnv
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,25 @@ COMPILE_TIMEOUT_S = 120
 # without -ffast-math.
 BUILD_RECIPE = "2"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The C source: fragments of one translation unit, in the order it includes them (each opens with the blank
+# line that separates it from the one before).
+CSRC_DIR = Path(__file__).with_name("csrc")
+SOURCE_FILES = (
+    "common.h",  # headers, vector types, dtype loads and rounding stores
+    "kv_rows.h",  # a sequence's K/V rows from the paged cache into float32 vectors; lane sums
+    "prefetch.h",  # cache-line prefetches (decode attention, the linear panels)
+    "decode_attention.c",  # paged_decode_attention
+    "prefill_attention.c",  # prefill_attention
+    "sampling.c",  # argmax_rows, seeded_race
+    "elementwise.c",  # add_rms_norm, rope_store, silu_mul
+    "linear.c",  # linear_packed, pack_linear_weight: float and int8 panels
+    "peak.c",  # fma_peak, bf16_dot_peak
+)
+
+
+def kernel_source() -> str:
+    """The text the library is built from: the fragments concatenated in order (what the cache key hashes)."""
+    return "".join((CSRC_DIR / name).read_text(encoding="utf-8") for name in SOURCE_FILES)
 
 
 def _cpu_flags() -> str:
@@ -167,15 +187,18 @@ def kernel_isas_to_check() -> list[str]:
 
 def _build(cc: str, out: Path, cflags: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as tmp:
+        # The unit includes the fragments where they are, so compiler messages name engine/csrc/*:line.
         src = Path(tmp) / "paged_attention.c"
-        src.write_text(SOURCE)
+        src.write_text("".join(f'#include "{name}"\n' for name in SOURCE_FILES))
         obj = Path(tmp) / "paged_attention.o"
         so = Path(tmp) / "paged_attention.so"
         # Compiled and linked apart: a link with -ffast-math adds GCC's crtfastmath.o, whose constructor
         # turns on flush-to-zero and denormals-are-zero for the whole process the library loads into, so
-        # torch and numpy there would silently lose subnormals (tests/test_cpu_kernels.py checks they do not).
+        # torch and numpy there would silently lose subnormals (tests/e2e/test_cpu_kernels_fp_env.py checks
+        # they do not).
+        compile_flags = [f for f in cflags if f != "-shared"] + ["-iquote", str(CSRC_DIR)]
         for argv in (
-            [cc, *(f for f in cflags if f != "-shared"), "-c", "-o", str(obj), str(src)],
+            [cc, *compile_flags, "-c", "-o", str(obj), str(src)],
             [cc, "-shared", "-fopenmp", "-o", str(so), str(obj), "-lm"],
         ):
             subprocess.run(argv, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
@@ -581,7 +604,7 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         version = subprocess.run(
             [cc, "--version"], check=True, capture_output=True, text=True, timeout=30
         ).stdout
-        recipe = [SOURCE, *cflags, BUILD_RECIPE, version, _cpu_flags(), platform.machine()]
+        recipe = [kernel_source(), *cflags, BUILD_RECIPE, version, _cpu_flags(), platform.machine()]
         key = hashlib.sha256("\0".join(recipe).encode())
         path = cache_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
         if isa != "native":

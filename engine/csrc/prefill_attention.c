@@ -1,0 +1,166 @@
+
+/* ---- causal attention of fresh prompt tokens (no cached prefix) ----
+   q: [n] rows q_stride elements apart, query head i at i * D; k, v: [n] rows kv_stride apart, KV head h
+   at h * D; out: [n, H * D] contiguous. First every KV head's K is widened to float32 and transposed in
+   tiles of W keys, kt[h][j / W][d][W] (a vector holds W keys' d-th element, and a tile is one contiguous
+   D x W block: a plain [d][j] transpose put the rows of one tile a whole prompt apart, all in the same
+   few L1 sets), and V widened, vv[h][j][D]. Then items = (KV head, block of PA_Q positions) with the
+   block's G query heads as rows: scores by broadcast-FMA over W-key tiles (no horizontal sums), a causal
+   softmax per row in float32 (expf vectorized), P x V by broadcast-FMA over V rows, every key loop
+   stopping at the last key its rows may see. Head sizes of 4 and 8 vectors are compiled as constants, so
+   the accumulators stay in registers. Largest blocks first, dynamic schedule. */
+#define PA_Q 32
+#define PA_SR 8  /* score rows per register group */
+
+/* P x V for rows [r0, r0 + nr) (nr <= PVR) and column vectors [c0, c0 + PVC) of one item; rows beyond nr
+   repeat row r0 and are not stored. */
+static inline __attribute__((always_inline)) void prefill_pv_group(
+    const float* sc, const float* inv, const vf* vh, char* out, int64_t npad, int64_t r0, int64_t nr,
+    int64_t nk, int64_t p0, int64_t G, int64_t h, int64_t n_heads, int64_t c0, const int PVR, const int PVC,
+    const int NC, const int dt)
+{
+    const int64_t D = (int64_t)NC * W, esz = dt == 0 ? 4 : 2;
+    vf a[16][4];
+    const float* pr[16];
+    for (int i = 0; i < PVR; i++) {
+        pr[i] = sc + (r0 + (i < nr ? i : 0)) * npad;
+        for (int c = 0; c < PVC; c++) a[i][c] = (vf){0};
+    }
+    for (int64_t j = 0; j < nk; j++) {
+        const vf* vj = vh + j * NC + c0;
+        for (int i = 0; i < PVR; i++) {
+            const float pj = pr[i][j];
+            for (int c = 0; c < PVC; c++) a[i][c] += pj * vj[c];
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        const int64_t r = r0 + i;
+        char* o = out + ((p0 + r / G) * n_heads * D + (h * G + r % G) * D + c0 * W) * esz;
+        for (int c = 0; c < PVC; c++) st(o + c * W * esz, a[i][c] * inv[r], dt);
+    }
+}
+
+/* One item: KV head h, positions [p0, p0 + np). sc: [rows rounded up to PA_SR][npad] scores, then
+   [rows] inverse sums; qf: [rows rounded up to PA_SR][D] scaled float32 queries. */
+static inline __attribute__((always_inline)) void prefill_item(
+    const char* qc, const float* kh, const vf* vh, char* out, float* sc, float* qf, int64_t npad,
+    int64_t p0, int64_t np, int64_t h, int64_t G, int64_t n_heads, int64_t q_stride, float scale,
+    int64_t RP, const int NC, const int dt)
+{
+    const int64_t D = (int64_t)NC * W, esz = dt == 0 ? 4 : 2, rows = np * G;
+    const int64_t rows_p = (rows + PA_SR - 1) / PA_SR * PA_SR;
+    float* inv = sc + RP * npad;
+    for (int64_t r = 0; r < rows; r++) {  /* row r: position p0 + r / G, query head h * G + r % G */
+        const char* qr = qc + ((p0 + r / G) * q_stride + (h * G + r % G) * D) * esz;
+        for (int c = 0; c < NC; c++) {
+            const vf x = ld(qr + c * W * esz, dt) * scale;
+            memcpy(qf + r * D + c * W, &x, sizeof x);
+        }
+    }
+    memset(qf + rows * D, 0, sizeof(float) * (rows_p - rows) * D);
+    for (int64_t r0 = 0; r0 < rows; r0 += PA_SR) {  /* scores of PA_SR rows, W keys at a time */
+        const int64_t nr = rows - r0 < PA_SR ? rows - r0 : PA_SR;
+        const int64_t nk = p0 + (r0 + nr - 1) / G + 1;  /* keys the group's last row sees */
+        for (int64_t j0 = 0; j0 < nk; j0 += W) {
+            const float* tile = kh + j0 * D;  /* [D][W] */
+            vf a[PA_SR];
+            for (int i = 0; i < PA_SR; i++) a[i] = (vf){0};
+            for (int64_t d = 0; d < D; d++) {
+                vf kd; memcpy(&kd, tile + d * W, sizeof kd);
+                for (int i = 0; i < PA_SR; i++) a[i] += qf[(r0 + i) * D + d] * kd;
+            }
+            for (int i = 0; i < nr; i++) memcpy(sc + (r0 + i) * npad + j0, &a[i], sizeof a[i]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {  /* causal softmax: row r sees keys 0 .. p0 + r / G */
+        float* sr = sc + r * npad;
+        const int64_t len = p0 + r / G + 1;
+        float mx = sr[0], sum = 0.f;
+        for (int64_t j = 1; j < len; j++) mx = sr[j] > mx ? sr[j] : mx;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t j = 0; j < len; j++) { const float e = expf(sr[j] - mx); sr[j] = e; sum += e; }
+        inv[r] = 1.f / sum;
+    }
+    /* P x V: register groups of PVR rows x PVC column vectors (W == 16: 16 accumulators of 32 registers;
+       W == 8: 12 of 16). Each row's loop stops at its group's last key; a row's keys past its own last
+       (causal) are read as 0 from sc: zero them first. */
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = p0 + r / G + 1, group_end = p0 + (PA_Q * G - 1) / G + 1;
+        for (int64_t j = len; j < group_end && j < npad; j++) sc[r * npad + j] = 0.f;
+    }
+    const int PVC = NC % 4 == 0 ? 4 : NC % 2 == 0 ? 2 : 1, PVR = (W == 16 ? 16 : 12) / PVC;
+    for (int64_t r0 = 0; r0 < rows; r0 += PVR) {
+        const int64_t nr = rows - r0 < PVR ? rows - r0 : PVR;
+        const int64_t nk = p0 + (r0 + nr - 1) / G + 1;
+        for (int64_t c0 = 0; c0 < NC; c0 += PVC)
+            prefill_pv_group(sc, inv, vh, out, npad, r0, nr, nk, p0, G, h, n_heads, c0, PVR, PVC, NC, dt);
+    }
+}
+
+int prefill_attention(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t n_heads,
+                      int64_t n_kv_heads, int64_t D, int64_t q_stride, int64_t kv_stride, float scale, int dt,
+                      int num_threads)
+{
+    if (D % W || n_heads % n_kv_heads || dt < 0 || dt > 2 || n < 1) return -1;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t G = n_heads / n_kv_heads, NC = D / W, esz = dt == 0 ? 4 : 2;
+    const int64_t npad = (n + W - 1) / W * W, R = PA_Q * G;
+    const int64_t blocks = (n + PA_Q - 1) / PA_Q, items = n_kv_heads * blocks;
+    const char *qc = (const char*)q, *kc = (const char*)k, *vc = (const char*)v;
+    float* kt = (float*)aligned_alloc(64, sizeof(float) * n_kv_heads * D * npad);
+    vf* vv = (vf*)aligned_alloc(64, sizeof(vf) * n_kv_heads * npad * NC);
+    if (!kt || !vv) { free(kt); free(vv); return -2; }
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t ht = 0; ht < n_kv_heads * (npad / W); ht++) {  /* widen: K in tiles, V as rows */
+            const int64_t h = ht / (npad / W), j0 = ht % (npad / W) * W, nj = n - j0 < W ? n - j0 : W;
+            float* tile = kt + h * D * npad + j0 * D;  /* [D][W] */
+            for (int64_t t = 0; t < W; t++) {
+                float row[512];  /* D <= 512 (cpu_kernels.supports) */
+                for (int64_t c = 0; c < NC; c++) {
+                    const vf x = t < nj ? ld(kc + ((j0 + t) * kv_stride + h * D + c * W) * esz, dt) : (vf){0};
+                    memcpy(row + c * W, &x, sizeof x);
+                }
+                for (int64_t d = 0; d < D; d++) tile[d * W + t] = row[d];
+            }
+            for (int64_t t = 0; t < W; t++) {
+                vf* vr = vv + (h * npad + j0 + t) * NC;
+                for (int64_t c = 0; c < NC; c++)
+                    vr[c] = t < nj ? ld(vc + ((j0 + t) * kv_stride + h * D + c * W) * esz, dt) : (vf){0};
+            }
+        }
+        const int64_t RP = (R + PA_SR - 1) / PA_SR * PA_SR;
+        float* sc = (float*)aligned_alloc(64, sizeof(float) * (RP * npad + RP));
+        float* qf = (float*)aligned_alloc(64, sizeof(float) * RP * D);
+        if (!sc || !qf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!sc || !qf) continue;
+            const int64_t blk = blocks - 1 - it / n_kv_heads, h = it % n_kv_heads;
+            const int64_t p0 = blk * PA_Q, np = n - p0 < PA_Q ? n - p0 : PA_Q;
+            const float* kh = kt + h * D * npad;
+            const vf* vh = vv + h * npad * NC;
+#define ITEM(NCC, DT) prefill_item(qc, kh, vh, (char*)out, sc, qf, npad, p0, np, h, G, n_heads, q_stride, \
+                                   scale, RP, NCC, DT)
+#define ITEM_DT(NCC) switch (dt) { case 0: ITEM(NCC, 0); break; case 1: ITEM(NCC, 1); break; \
+                                   default: ITEM(NCC, 2); break; }
+            switch (NC) {
+                case 4: ITEM_DT(4); break;
+                case 8: ITEM_DT(8); break;
+                default: ITEM_DT((int)NC); break;
+            }
+#undef ITEM_DT
+#undef ITEM
+        }
+        free(sc);
+        free(qf);
+    }
+    free(kt);
+    free(vv);
+    return failed ? -2 : 0;
+}
