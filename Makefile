@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: run test install lint clean prometheus alertmanager alerts dashboards bench-openai
+.PHONY: run test test-fast install lint clean prometheus alertmanager alerts dashboards bench-openai
 
 install: $(STAMP)
 
@@ -49,8 +49,14 @@ alerts: $(STAMP)
 dashboards: $(STAMP)
 	$(PY) -m pdserve.deploy.grafana.dashboards
 
-test: $(STAMP) prometheus alertmanager
-	$(PY) -m pytest
+# What CI runs (.ci/run): the lint first, then every test, in-process (tests/unit) and with processes
+# (tests/e2e). Both folders are named, so a run always collects tests (never pytest's exit 5: none).
+test: lint prometheus alertmanager
+	$(PY) -m pytest tests/unit tests/e2e
+
+# The in-process tests alone, against the host's native C kernel build only: a few minutes.
+test-fast: $(STAMP)
+	PDSERVE_TEST_KERNEL_ISAS=native $(PY) -m pytest tests/unit
 
 # guidellm (a third-party OpenAI-API load tool, over HTTP) and `pdserve bench` (gRPC) on one workload
 # against one colocated cluster, alternating: TTFT and ITL of each, and whether they agree within the
