@@ -62,8 +62,9 @@ for stage in "${STAGES[@]}"; do
   tests)
     # The kernels compiled (not interpreted), the CUDA backend and both parity suites on the GPU.
     run_stage tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 180 -rfE \
-      tests/test_triton_kernels.py tests/test_cuda_backend.py tests/test_sampler.py tests/test_kv_transfer_cuda.py \
-      "tests/test_model_parity.py" -k "triton or gpu or cuda"
+      tests/unit/test_triton_kernels.py tests/unit/test_cuda_backend.py tests/e2e/test_cuda_backend_cluster.py \
+      tests/unit/test_sampler.py tests/e2e/test_kv_transfer_cuda.py \
+      "tests/unit/test_model_parity.py" -k "triton or gpu or cuda"
     tail -n 60 "$OUT/tests.log"
     fused_norms_failed "$OUT/tests.log" && fuse_off "a batch-1 / gemv GPU test failed"
     ;;
@@ -109,7 +110,7 @@ for stage in "${STAGES[@]}"; do
     tail -n 40 "$OUT/kvipc_burst.log"
     ;;
   kvtests)
-    run_stage kvtests 90 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 80 -rfE tests/test_kv_transfer_cuda.py
+    run_stage kvtests 90 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 80 -rfE tests/e2e/test_kv_transfer_cuda.py
     tail -n 30 "$OUT/kvtests.log"
     ;;
   cluster)

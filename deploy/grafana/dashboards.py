@@ -14,7 +14,7 @@ Two dashboards:
 Both have a ``datasource`` variable (any Prometheus) and an ``instance``
 variable (multi-select, All by default) that every query filters on. The
 panels and their queries are ``deploy/grafana/panels.py``;
-``tests/test_observability.py`` fails while the committed JSON differs from
+``tests/unit/test_observability.py`` fails while the committed JSON differs from
 what this produces.
 """
 
