@@ -7,6 +7,7 @@ import pytest
 from pdserve.kv_transfer.config import TransferConfig, ucx_net_devices
 from pdserve.kv_transfer.netif import interfaces_for_host
 
+
 def test_ucx_devices_follow_host_or_the_operator(monkeypatch):
     loopback = interfaces_for_host("127.0.0.1")
     assert loopback and interfaces_for_host("localhost") == loopback
