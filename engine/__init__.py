@@ -1,8 +1,7 @@
-"""pdserve's model runtime. ``from engine import LLM, SamplingParams``.
+"""pdserve's model runtime: ``from pdserve.engine import LLM, SamplingParams``.
 
-Names are resolved lazily (PEP 562) so ``import engine`` loads neither torch
-nor a model: the pure modules (block manager, scheduler, params) stay cheap
-to import for the router.
+Names resolve lazily (PEP 562), so ``import pdserve.engine`` loads neither torch nor a model and the
+pure modules (block manager, scheduler, params) stay cheap for the router to import.
 """
 
 from __future__ import annotations

@@ -1,29 +1,8 @@
-"""Paged attention over the KV cache ``kv [L, N, 2, B, Hkv, D]``.
+"""Paged attention over the KV cache ``kv [L, N, 2, B, Hkv, D]``: prefill and decode and their index tensors.
 
-Layout (fixed project-wide for the KV transfer): ``kv[layer, block]`` is one
-contiguous span holding K then V of ``B`` token slots; token position ``p`` of
-a sequence lives at block ``table[p // B]``, offset ``p % B``. Viewing one
-layer as ``[N * 2 * B, Hkv, D]`` rows, K of that token is row
-``table[p // B] * 2B + p % B`` and V is the same row ``+ B``.
-
-Each step builds its index tensors once (``PrefillMeta`` / ``DecodeMeta``);
-all layers share them, so the per-layer work is tensor ops only, with no
-Python loops over tokens and no device syncs.
-
-- Prefill: tokens of all prompts are flattened ``[T_total]`` (no padding).
-  Attention runs per prompt: a prompt with nothing cached attends its own
-  fresh K/V causally; a prompt continuing a cached prefix (``start_pos > 0``)
-  reads its whole context back from the cache with a bottom-right causal mask.
-- Decode: one query token per sequence. On CPU, a C kernel
-  (``engine.cpu_kernels``) reads each sequence's blocks in place. Elsewhere,
-  or without a C compiler, each layer gathers the sequences' blocks (one
-  ``index_select`` for K, one for V, padded to the longest table with any
-  valid block) and runs one batched SDPA with a length mask. Either way the
-  ``H / Hkv`` query heads sharing a KV head are that head's query rows, so
-  grouped-query attention needs no KV repetition.
-
-Unused cache slots must hold finite values (the runner zero-fills the cache):
-masked positions get probability 0, and ``0 * nan`` would poison the output.
+Position ``p`` of a sequence is K row ``table[p // B] * 2B + p % B`` of a layer viewed as
+``[N * 2 * B, Hkv, D]``, V that row ``+ B`` (docs/engine.md). Unused slots must hold finite values: masked
+positions get probability 0, and ``0 * nan`` would poison the output.
 """
 
 from __future__ import annotations
@@ -185,8 +164,8 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Attend ``q [T, H, D]`` over the fresh ``k, v [T, Hkv, D]`` (already written to the cache) and, for
     prompts continuing a cached prefix, over the cache; returns ``[T, H * D]``. With ``kernels``, fresh
-    prompts go through ``CpuKernels.prefill_attention`` (SDPA's CPU kernel ran ~75 GFLOP/s on SmolLM2's
-    heads: a third of a bf16 prefill of 256-token prompts); prompts with a cached prefix through SDPA."""
+    prompts go through ``CpuKernels.prefill_attention`` (SDPA's CPU kernel is slow on small heads);
+    prompts with a cached prefix through SDPA."""
     t, n_h, d = q.shape
     out = torch.empty(t, n_h, d, dtype=q.dtype, device=q.device)  # [T, H, D]
     for s in meta.seqs:

@@ -1,25 +1,8 @@
-"""Paged KV-cache block allocator. Pure Python: imports no torch.
+"""Paged KV-cache block allocator: block tables per sequence id, reference counted. Pure Python.
 
-The KV cache is split into ``num_blocks`` blocks of ``block_size`` token slots.
-A sequence owns an ordered *block table*; token position ``p`` of the sequence
-lives in slot ``table[p // block_size] * block_size + p % block_size``.
-
-What this class guarantees (the rules for using it across roles and threads are the block-ownership
-contract in ``kv_transfer/__init__.py``, the only copy):
-- ``allocate``/``grow`` hand blocks to a sequence id; whoever owns that id
-  calls ``free(seq_id)`` on every exit path. ``free`` is idempotent.
-- ``fork`` shares a table between two ids by reference count; a block returns
-  to the free list only when its last owner frees it.
-- Every operation is atomic (one lock) and all-or-nothing: it succeeds fully
-  or raises and changes nothing. That is what lets a decode worker's KV
-  receiver reserve and free on the event loop thread while the engine thread
-  schedules on the same instance. Readings (``num_free``, ``can_allocate``)
-  are stale as soon as they return when another thread uses the instance:
-  act on them only where one thread owns it (the prefill scheduler).
-
-Invariant (checked by ``check_invariants`` and the property tests): every
-block is either on the free list with refcount 0 or owned, with refcount equal
-to the number of tables that hold it; free + distinct owned == num_blocks.
+Every operation is atomic (one lock) and all-or-nothing, so a decode worker's KV receiver and its engine
+thread share one instance; readings (``num_free``, ``can_allocate``) are stale once another thread uses it.
+The rules across roles and threads are the block-ownership contract in ``kv_transfer/__init__.py``.
 """
 
 from __future__ import annotations
@@ -165,6 +148,8 @@ class BlockManager:
                     self._free.append(b)
             return True
 
+    # Every block is either free with refcount 0 or owned, with refcount equal to the number of tables
+    # that hold it; free + distinct owned == num_blocks (the tests assert it after their operations).
     def check_invariants(self) -> None:
         with self._lock:
             self._check_invariants()

@@ -1,7 +1,4 @@
-"""``python -m pdserve.engine.chat``: stream a chat answer from the default model, token by token.
-
-What ``make run`` runs until the serving path exists.
-"""
+"""``python -m pdserve.engine.chat``: stream a chat answer from the default model, token by token."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Model configuration read from a Hugging Face model directory.
 
-``ModelConfig`` is the one place that interprets ``config.json`` (and
-``generation_config.json`` for end-of-sequence ids). Everything else in the
-engine reads this frozen dataclass, never the raw dicts, so an unsupported
-feature (an unknown RoPE scaling type, a sliding window, a non-SiLU MLP) fails
-here, at load time, with a message naming it.
-
-Both spellings transformers has written are accepted: the older
-``rope_theta`` + ``rope_scaling`` keys and the newer ``rope_parameters`` dict.
+``ModelConfig`` is the one place that interprets ``config.json`` (and ``generation_config.json``): the
+rest of the engine reads this frozen dataclass, so an unsupported feature (an unknown RoPE scaling, a
+sliding window, a non-SiLU MLP) fails here, at load time, with a message naming it.
 """
 
 from __future__ import annotations
@@ -127,6 +122,8 @@ class ModelConfig:
                 f"sliding-window attention (window {window} < context {max_pos}) is not supported"
             )
 
+        # Both spellings transformers has written: the newer ``rope_parameters`` dict, and the older
+        # ``rope_theta`` + ``rope_scaling`` keys.
         rope = d.get("rope_parameters")
         if isinstance(rope, Mapping) and "rope_theta" in rope:
             rope_theta = float(rope["rope_theta"])

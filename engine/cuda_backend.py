@@ -1,26 +1,7 @@
-"""The CUDA backend of ``ModelRunner``: Triton kernels for the non-matmul work, CUDA graphs for decode.
+"""The CUDA backend of ``ModelRunner``: Triton step ops, and decode and prefill under CUDA graphs.
 
-- ``TritonStepOps``: the ``engine.model.StepOps`` of a step on CUDA (``engine.triton_kernels``): residual
-  add + RMSNorm, RoPE + K/V store, SiLU * up, each one kernel.
-- ``prefill_inputs``: a prefill step's index tensors (positions, cache slots, ``cu_seqlens``, start
-  positions, padded block tables) built on the host in one pinned buffer and copied to the device at once.
-- ``DecodeGraphs``: decode at bucketed batch sizes up to ``max_batch`` under CUDA graphs. Inputs live in
-  one static device buffer (token ids, positions, cache slots, context lengths, block tables) staged in a
-  pinned host twin: each step copies the four per-row vectors, and the block tables only when a row
-  changed (the engine passes the block manager's own tables, and a row is rewritten only when its
-  sequence moved or its table grew: ``run_columns``); rows past the batch are padding (slot -1: no store;
-  length 0: attends nothing) and are sliced off the logits. Capture happens once at start-up
-  (``capture_s`` says how long it took), one graph per bucket and split count of the decode attention
-  (``triton_kernels.decode_splits``: contexts up to 64 tokens run unsplit). Batches over the largest
-  bucket, or ``use_graphs=False`` (``enforce_eager``), run the same code eagerly.
-
-- ``PrefillGraphs``: a prefill of one prompt (or chunk) at bucketed token counts up to ``max_tokens``
-  under CUDA graphs, the same way: one static input buffer, padding tokens with slot -1 (no store) past
-  the chunk's end, which the attention's causal mask and the last-row gather ignore. A prefill of 1,024
-  tokens is ~400 kernel launches: eagerly the host's launches, not the GPU, set its time (6.6 ms against
-  2.8 ms of kernels on an H200). Batches of several chunks run eagerly.
-
-The logits a graph returns are a view of its static output: read them before the next step.
+A small step's time is set by the host's kernel launches, not the GPU, hence the graphs. The logits a
+graph returns are a view of its static output: read them before the next step.
 """
 
 from __future__ import annotations
@@ -51,7 +32,7 @@ __all__ = [
 
 def _gemv_runs(lin: Linear, rows: int) -> bool:
     """Whether ``lin`` over ``rows`` rows runs as ``triton_kernels.gemv`` (plain weights, where it
-    measured faster than cuBLAS: ``triton_kernels.gemv_wins``)."""
+    beats cuBLAS: ``triton_kernels.gemv_wins``)."""
     if rows > tk.GEMV_MAX_ROWS or lin.kind is not LinearKind.PLAIN or lin.scales is not None:
         return False
     w = lin.weight
@@ -215,7 +196,14 @@ DecodeForward = Callable[
 
 
 class DecodeGraphs:
-    """Static decode inputs and one CUDA graph per bucket (see the module docstring)."""
+    """Decode at bucketed batch sizes up to ``max_batch`` under CUDA graphs.
+
+    Inputs live in one static device buffer (token ids, positions, cache slots, context lengths, block
+    tables) staged in a pinned host twin: each step copies the four per-row vectors, and a block-table row
+    only when it changed (``run_columns``). Rows past the batch are padding (slot -1: no store; length 0:
+    attends nothing) and are sliced off the logits. One graph per bucket and split count of the decode
+    attention (``triton_kernels.decode_splits``), captured once at start-up; batches over the largest
+    bucket, or ``use_graphs=False``, run the same code eagerly."""
 
     def __init__(
         self,
@@ -464,7 +452,11 @@ PrefillForward = Callable[..., torch.Tensor]
 
 
 class PrefillGraphs:
-    """Static inputs of a one-chunk prefill and one CUDA graph per token bucket (module docstring)."""
+    """A prefill of one prompt chunk at bucketed token counts up to ``max_tokens`` under CUDA graphs.
+
+    One static input buffer, as ``DecodeGraphs``; padding tokens past the chunk's end have slot -1 (no
+    store), and the causal mask and the last-row gather ignore them. Batches of several chunks run
+    eagerly."""
 
     def __init__(
         self,

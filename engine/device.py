@@ -1,15 +1,7 @@
 """Where an engine runs and in which dtype: the one place ``--device`` and ``--dtype auto`` are resolved.
 
-    resolve_device("cuda")  -> "cuda:0"   (or ValueError: unknown string, no CUDA here, N out of range)
-    resolve_dtype("auto", "cuda:0") -> "bfloat16"
-    resolve_dtype("auto", "cpu")    -> "bfloat16" with bf16 dot products (AVX512-BF16, AMX), else "float32"
-
-``auto`` picks what the device computes fast: bfloat16 on CUDA (float16 on GPUs older than Ampere, which
-have no bf16 tensor cores), bfloat16 on CPUs with bf16 dot-product instructions, float32 elsewhere (on an
-AVX2-only CPU bfloat16 runs several times slower than float32: README, "Measured figures").
-
-Syntax checks (``check_device``, ``check_dtype``, ``check_gpu_memory_utilization``) import nothing heavy,
-so configs and the CLI validate without torch; ``resolve_*`` look at the host (torch, /proc/cpuinfo).
+The ``check_*`` syntax checks import nothing heavy, so configs and the CLI validate without torch;
+``resolve_*`` look at the host (torch, /proc/cpuinfo).
 """
 
 from __future__ import annotations
@@ -103,7 +95,9 @@ def resolve_dtype(
     cpu_flags: Collection[str] | None = None,
     cuda_bf16: Callable[[int], bool] | None = None,
 ) -> str:
-    """The dtype an engine on ``device`` runs in: ``dtype`` itself, or for ``auto`` the fast one there.
+    """The dtype an engine on ``device`` runs in: ``dtype`` itself, or for ``auto`` the fast one there:
+    bfloat16 on CUDA (float16 before Ampere, which has no bf16 tensor cores) and on CPUs with bf16 dot
+    products, float32 elsewhere (an AVX2-only CPU emulates bfloat16, slower than float32).
 
     ``cpu_flags`` (default: this host's) and ``cuda_bf16`` (whether GPU N has bf16 tensor cores) are
     for tests.

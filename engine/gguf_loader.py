@@ -1,20 +1,8 @@
-"""Turn a llama.cpp GGUF file into what a Hugging Face model directory holds.
+"""Turn a llama.cpp GGUF file into what a Hugging Face model directory holds: config, weights, tokenizer.
 
-A GGUF carries the config, the weights and the tokenizer as metadata under
-llama.cpp's names. This module maps each back to what transformers builds when it
-loads the same file (``from_pretrained(..., gguf_file=...)``), so a model
-converted here computes exactly what transformers computes on that GGUF:
-
-- config: ``{arch}.*`` keys -> a ``config.json`` dict (Llama and Qwen2 layouts).
-- weights: every tensor dequantized to float32 with ``gguf.quants.dequantize``
-  (the function transformers calls), renamed to HF names, and llama.cpp's Q/K row
-  permutation undone the way transformers undoes it.
-- tokenizer: byte-level BPE vocabulary + merges + control tokens -> a
-  ``tokenizers.Tokenizer`` equal to transformers' GGUF tokenizer
-  (``engine.gguf_tokenizer``), plus the ``tokenizer_config.json`` dict (chat
-  template, special tokens).
-
-Pure numpy + ``gguf`` + ``tokenizers``: converting needs no torch.
+Each part maps back to what transformers builds from the same file (``from_pretrained(..., gguf_file=...)``),
+so a converted model computes exactly what transformers computes on that GGUF. Weights are dequantized to
+float32 with ``gguf.quants.dequantize``. Pure numpy + ``gguf`` + ``tokenizers``: converting needs no torch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """GGUF tokenizer metadata -> a ``tokenizers.Tokenizer`` equal to the one transformers builds.
 
-transformers' GGUF path hands the byte-level vocabulary and merges to GPT2Tokenizer,
-adds the tokens llama.cpp marks as control as special tokens (user-defined ones as
-plain added tokens), picks the pre-tokenizer split by ``tokenizer.ggml.pre`` and
-honours add_bos/add_eos with a TemplateProcessing post-processor. This module
-builds the same pipeline directly with ``tokenizers``; a test compares the two
-serialized tokenizers for equality.
+The same pipeline transformers' GGUF path builds (see ``build_byte_level_tokenizer``), made directly with
+``tokenizers``; a test compares the two serialized tokenizers for equality.
 """
 
 from __future__ import annotations

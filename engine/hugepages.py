@@ -1,14 +1,8 @@
 """CPU tensors backed by transparent huge pages (2 MiB), for the big arrays a step streams through.
 
-torch's CPU allocator leaves large tensors on 4 KiB pages (numpy's asks for huge pages). The KV cache and
-the packed weights are read end to end every step; on 4 KiB pages that is a TLB miss every 4 KiB, and UCX
-moves KV between processes slower from them. Measured, same process, same kernels (Zen 5 EPYC, 2 threads):
-bf16 decode attention over KV on huge pages 1.02x (batch 32, 160 tokens) to 1.09x (batch 32, 600 tokens);
-SmolLM2's bf16 products from huge-page weights 1.01-1.04x; UCX shared memory 64 MiB ~11 vs ~14 ms.
-
-Linux only, and only where transparent huge pages are ``always`` or ``madvise``
-(``/sys/kernel/mm/transparent_hugepage/enabled``); elsewhere these are plain allocations. The advice must
-come before a page is first touched: :func:`zeros_huge_pages` advises, then zeroes.
+torch's CPU allocator leaves large tensors on 4 KiB pages; the KV cache and packed weights, read end to
+end every step, then miss the TLB every 4 KiB and UCX moves them more slowly. Linux only, where THP is
+``always`` or ``madvise``; elsewhere plain allocations. Advice must precede a page's first touch.
 """
 
 from __future__ import annotations

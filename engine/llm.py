@@ -1,17 +1,8 @@
 """The offline API, in the shape users know from vLLM.
 
-    from pdserve.engine import LLM, SamplingParams
-    llm = LLM("smollm2-135m-instruct", dtype="float32")
-    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
-
-``dtype="auto"`` (the default) runs bfloat16 on CUDA and on CPUs with native bf16 dot products, float32
-elsewhere (``engine.device``); ``device`` is ``cpu``, ``cuda`` or ``cuda:N``, and on a GPU
-``gpu_memory_utilization`` (default 0.9) bounds the memory the engine takes. ``llm.engine.device`` and
-``llm.engine.dtype`` say what it picked.
-
-``generate`` validates every prompt and parameter set before any work, adds
-all requests to the engine and steps it until all finish (continuous
-batching: sequences finish at different times and free their blocks at once).
+from pdserve.engine import LLM, SamplingParams
+llm = LLM("smollm2-135m-instruct", dtype="float32")
+outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 """
 
 from __future__ import annotations
@@ -45,6 +36,11 @@ class RequestOutput:
 
 
 class LLM:
+    """An engine for offline generation. ``dtype="auto"`` runs bfloat16 on CUDA and on CPUs with native
+    bf16 dot products, float32 elsewhere; ``device`` is ``cpu``, ``cuda`` or ``cuda:N``, and on a GPU
+    ``gpu_memory_utilization`` bounds the memory the engine takes. ``llm.engine.device`` and
+    ``llm.engine.dtype`` say what it picked."""
+
     def __init__(
         self,
         model: str | Path = DEFAULT_MODEL,
@@ -83,7 +79,8 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in prompt order."""
+        """Generate for each prompt (text or token ids); outputs in prompt order. Every prompt and parameter
+        set is validated before any work; then all run at once, continuously batched."""
         items = _as_prompt_list(prompts)
         plist = self._params_list(params, len(items))
         encoded = [self._encode(p, i) for i, p in enumerate(items)]

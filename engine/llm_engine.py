@@ -1,17 +1,8 @@
 """LLMEngine: scheduler + model runner + sampler + detokenizer, one ``step()`` at a time.
 
-A request goes through: ``add_request`` (validated, queued) -> prefill steps
-(chunked when longer than the token budget) -> token 0 sampled -> decode steps
--> finished (stop token, stop string, max_tokens, context full) or aborted.
-Every exit frees the request's KV blocks at once.
-
-For a decode worker, ``add_prefilled_request`` adopts a request whose prompt
-K/V arrived over the network into blocks this engine's ``block_manager``
-already holds under the request id: the engine owns and frees them from then
-on (the hand-over is the contract in ``kv_transfer/__init__.py``). ``abort`` of
-an id that only holds reserved blocks frees those too.
-
-Not thread-safe: one thread drives ``add_*``, ``abort`` and ``step``.
+A decode worker's ``add_prefilled_request`` adopts blocks its KV receiver filled under the request id (the
+hand-over is the contract in ``kv_transfer/__init__.py``). Not thread-safe: one thread drives ``add_*``,
+``abort`` and ``step``.
 """
 
 from __future__ import annotations
@@ -61,8 +52,8 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences per decode batch
     max_num_batched_tokens: int = 2048  # tokens per step (a decode counts one); longer prompts are chunked
     # True: one step decodes the running sequences and prefills waiting prompts in what is left of the
-    # budget (``engine.scheduler``). False (default; mixed steps measured slower on CPU, README): a step
-    # either prefills or decodes, prefill first.
+    # budget (``engine.scheduler``). False (the default: mixed steps are slower on CPU): a step either
+    # prefills or decodes, prefill first.
     mixed_steps: bool = False
     block_size: int = 16
     num_blocks: int | None = (
@@ -125,7 +116,7 @@ class RequestOutputDelta(NamedTuple):
     """What one step produced for one request.
 
     A NamedTuple, not a frozen dataclass: the engine makes one per sequence per step, and a frozen
-    dataclass's ``__init__`` costs ~3x as much (~0.45 us, a tenth of the host time of a decode step)."""
+    dataclass's ``__init__`` costs several times as much."""
 
     request_id: Hashable
     new_token_ids: tuple[int, ...]
@@ -294,7 +285,8 @@ class LLMEngine:
         return self._emit([seq])[0]
 
     def abort(self, request_id: Hashable) -> bool:
-        """Stop a request and free its blocks now. False when the engine knew nothing of it."""
+        """Stop a request and free its blocks now, reserved ones never adopted included. False when the
+        engine knew nothing of it."""
         self._text.pop(request_id, None)
         return self.scheduler.abort(request_id)
 

@@ -1,23 +1,8 @@
 """Llama-family decoder math as plain functions (Llama, Llama 3, SmolLM2, Mistral, Qwen2).
 
-Tokens of every sequence in a step are flattened into one ``[T, hidden]``
-matrix, so the linear layers run once per layer for the whole batch whatever
-the sequence lengths; only attention knows where sequences begin and end, and
-it is passed in as a callable (``engine.attention`` implements it over the
-paged KV cache).
-
-A layer is: ``x += res; h = rmsnorm(x)`` -> qkv matmul -> RoPE on q and k,
-K/V into the cache -> attention -> o matmul -> ``x += o; h = rmsnorm(x)`` ->
-gate_up matmul -> ``silu(gate) * up`` (in the matmul's epilogue with the CPU
-kernels' packed weights: ``Linear.silu_mul``) -> down matmul (its output
-``res`` is added by the next layer's norm). A ``StepOps`` may fuse a norm into the product after it
-(``norm_linear``) and a residual add into the product before it (``residual``, ``down``: the CUDA
-backend's one-row gemv does). The non-matmul parts are a ``StepOps``:
-``TorchStepOps`` follows transformers' Llama modules op for op (RMSNorm in
-float32, RoPE as ``x * cos + rotate_half(x) * sin`` in the model dtype) and
-runs on any device; ``KernelStepOps`` does each part in one C call
-(``engine.cpu_kernels``), in float32, rounding once. Both agree with
-transformers to rounding noise in float32.
+Tokens of every sequence in a step are flattened into one ``[T, hidden]`` matrix, so each product runs
+once per layer for the whole batch; only attention, passed in as a callable, knows where sequences begin
+and end. The non-matmul work of a layer is a ``StepOps``.
 """
 
 from __future__ import annotations
@@ -171,7 +156,8 @@ class Products:
 
 
 class TorchStepOps(Products):
-    """Plain torch ops: any device."""
+    """Plain torch ops on any device, following transformers' Llama modules op for op (RMSNorm in float32,
+    RoPE as ``x * cos + rotate_half(x) * sin`` in the model dtype): the oracle."""
 
     def __init__(
         self,
@@ -211,7 +197,7 @@ class TorchStepOps(Products):
 
 
 class KernelStepOps(Products):
-    """The fused C kernels of ``engine.cpu_kernels`` (CPU)."""
+    """The fused C kernels of ``engine.cpu_kernels`` (CPU): each part one call, in float32, rounding once."""
 
     def __init__(
         self,

@@ -1,19 +1,8 @@
 """ModelRunner: weights, the paged KV cache tensor, and batched prefill/decode steps.
 
-The runner holds no allocation state. Block tables come from the caller's
-``BlockManager(runner.num_blocks, runner.block_size)``; the runner only reads
-and writes the blocks it is handed. One step:
-
-1. build the step's index tensors once (positions, cache rows, block tables,
-   masks: ``engine.attention.PrefillMeta`` / ``DecodeMeta``);
-2. run the decoder layers over all tokens of the batch flattened (no padding);
-   each layer writes its new K/V into the cache, then attends;
-3. return float32 logits.
-
-KV cache: ONE tensor ``kv [L, N, 2, B, Hkv, D]`` in the model dtype, allocated
-once (on huge pages on CPU: ``engine.hugepages``) and zero-filled (see
-``engine.attention`` for why unused slots must be finite), so a transport can
-register it once.
+The runner holds no allocation state: block tables come from the caller's
+``BlockManager(runner.num_blocks, runner.block_size)``, and the runner reads and writes only the blocks it
+is handed. A step builds its index tensors once, runs the layers over the batch flattened, returns logits.
 """
 
 from __future__ import annotations
@@ -203,7 +192,8 @@ class ModelRunner:
         self.num_blocks = int(num_blocks)
         self._decoder: DecodeGraphs | None = None
         self._prefill_graphs: PrefillGraphs | None = None
-        # [L, N, 2, B, Hkv, D]
+        # [L, N, 2, B, Hkv, D]: one tensor, allocated once so a transport registers it once, and zero-filled
+        # because attention gives masked slots probability 0 and 0 * nan would poison the output.
         shape = (c.num_layers, self.num_blocks, 2, block_size, c.num_kv_heads, c.head_dim)
         self._kv_shared: SharedTensor | None = None
         if kv_shared and self.device.type == "cpu":
@@ -355,18 +345,18 @@ class ModelRunner:
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(-1)`` for this runner's float32 logits ``[n, V]``: the CPU kernels' row argmax
-        where they run (torch's took ~0.6 ms for 32 rows of a 49k vocabulary on 2 cores)."""
+        where they run (torch's is slow on a large vocabulary)."""
         if self.kernels is not None:
             return self.kernels.argmax(logits)
         if self.backend is Backend.TRITON and logits.is_contiguous() and logits.dtype == torch.float32:
             from pdserve.engine import triton_kernels as tk
 
-            return tk.argmax_rows(logits)  # torch's took ~13 us a row of a 49k vocabulary on an H200
+            return tk.argmax_rows(logits)  # torch's one-block reduction leaves the GPU idle
         return logits.argmax(dim=-1)
 
     def seeded_race(self, probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """The sampler's seeded draw (``engine.sampler.seeded_race``): the CPU kernels' one-pass form where
-        they run (the tensor form took ~3 ms for 8 rows of a 49k vocabulary)."""
+        they run (the tensor form makes several passes over the vocabulary)."""
         return self.kernels.seeded_race(probs, keys) if self.kernels is not None else seeded_race(probs, keys)
 
     def sampler(self, eos_token_ids: Sequence[int], seed: int = 0) -> Sampler:

@@ -1,22 +1,8 @@
-"""Weight-only int8 quantisation (``--quantization int8``).
+"""Weight-only int8 quantisation (``--quantization int8``): one float32 scale per output row and input group.
 
-Every matrix a step multiplies by (the fused qkv, o_proj, gate_up, down and the LM head) is stored as
-int8 with one float32 scale per output row and group of ``INT8_GROUP`` consecutive inputs, symmetric:
-``w ~ q * scale``, ``scale = max|w_group| / 127``, ``q = round(w / scale)`` (half to even) in [-127, 127].
-The embedding table, the norms and the biases stay in the model's dtype; activations, the KV cache and
-every sum stay float32 (or the model's dtype where it is stored). Decode reads every weight once per step,
-so about a quarter of float32's bytes (half of bfloat16's) is up to that much less time where memory
-bandwidth bounds the step.
-
-The engine is exact against its own dequantised reference: ``dequantize_state_dict`` gives the Hugging
-Face weights the engine computes with (``q * scale`` in float32), and a transformers model loaded with
-them produces the same greedy tokens (the tests check it). How far that is from the unquantised model is
-a property of the model, measured by ``benchmarks.engine --quantizations int8``, not assumed.
-
-The panel kernel (``engine.cpu_kernels``) widens each int8 weight and multiplies it by its scale in
-registers, so it multiplies by exactly the float32 weights of the reference. Scales belong to output rows,
-so a row is quantised the same whether or not it is fused with others: quantising the fused qkv and
-gate_up equals quantising each HF matrix.
+The engine is exact against its dequantised reference (``dequantize_state_dict``: ``q * scale`` in
+float32); how far that is from the unquantised model is the model's property, measured by
+``benchmarks.engine --quantizations int8``, not assumed. Activations, the KV cache and sums stay unquantised.
 """
 
 from __future__ import annotations
@@ -31,9 +17,9 @@ if TYPE_CHECKING:
 # check_quantization and these names import nothing heavy (the CLI validates flags without torch).
 QUANTIZATIONS = ("none", "int8")
 INT8_MAX = 127
-# k per scale: 64 (GGUF's Q8_0 uses 32, GPTQ and AWQ 128). On SmolLM2-135M, greedy text teacher-forced
-# through float32 and int8 (8 chat prompts, 384 positions): KL from float32 0.0045 with one scale per row,
-# 0.0021 with groups of 64 (bfloat16 weights: 0.0010), for 1/16 more bytes than int8 alone.
+# k per scale: 64 (GGUF's Q8_0 uses 32, GPTQ and AWQ 128): much closer to float32 than one scale per row,
+# for 1/16 more bytes than int8 alone. Scales belong to output rows, so quantising the fused qkv and
+# gate_up equals quantising each HF matrix.
 INT8_GROUP = 64
 
 
@@ -46,8 +32,9 @@ def check_quantization(name: str) -> str:
 
 def quantize_int8(weight: torch.Tensor, group: int = INT8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [N, K]`` (any float dtype) -> ``(q [N, K] int8, scales [N, ceil(K / group)] float32)``, one
-    scale per row and group of ``group`` consecutive k (the last group may be shorter). An all-zero group
-    gets scale 1 (and zeros)."""
+    scale per row and group of ``group`` consecutive k (the last group may be shorter), symmetric:
+    ``scale = max|w_group| / 127``, ``q = round(w / scale)`` (half to even). An all-zero group gets scale 1
+    (and zeros)."""
     import torch
 
     if weight.dim() != 2 or not weight.is_floating_point():

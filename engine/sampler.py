@@ -1,28 +1,8 @@
-"""Batched token sampler: greedy, temperature, top-k, top-p, min_tokens, per-request seed.
+"""Batched token sampler: greedy, temperature, top-k, top-p, min_tokens, per-request seed; one call a step.
 
-One call per step samples every row of the batch.
-
-Seeded rows use the exponential race (equivalent to Gumbel-max):
-``argmax(probs / q)`` with ``q ~ Exp(1)``, and are stateless per token: the
-noise for output token ``i`` of a request is a counter-based hash of
-(``mix(seed, i)``, vocabulary index) and nothing else, computed for every
-seeded row at once in int64 tensor ops on the logits' device (no per-row
-generators, no per-row kernel launches). So a seeded request samples the same
-tokens alone or in any batch, on CPU and on CUDA alike, and in the
-disaggregated system the prefill worker (token 0) and the decode worker
-(tokens 1..) sample exactly what a colocated engine would.
-
-Unseeded rows share one engine-wide generator and draw one uniform each,
-inverted through the row's cumulative distribution (``inverse_cdf_sample``):
-noise for the whole vocabulary from torch's CPU generator cost ~5.5 ms a step
-for 8 rows of a 49k vocabulary (``exponential_``, one thread), a third of a
-decode step of the embedded model. An all-greedy batch is a single argmax;
-every batch ends in one device-to-host copy, of the token ids.
-
-Top-k and top-p cut each row at a threshold logit found among the row's largest
-logits (``top_k_top_p_thresholds``; the row is sorted whole only where they do
-not settle it), and the cut tokens' probabilities are zeroed: sorting every row
-of a 49k vocabulary took ~13 ms a step for 8 rows.
+Seeded rows draw by the exponential race with counter-based noise of (seed, output index, vocabulary
+index) alone, so a seeded request samples the same tokens alone or in any batch, on any device and on any
+worker; unseeded rows share one generator (docs/engine.md). Each call ends in one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -88,7 +68,7 @@ class SampleRow(NamedTuple):
     """One row of the logits to sample: the request's params and how many tokens it has output so far.
 
     A NamedTuple, not a frozen dataclass: the engine makes one per sequence per step, and a frozen
-    dataclass's ``__init__`` costs ~3x as much."""
+    dataclass's ``__init__`` costs several times as much."""
 
     params: SamplingParams
     output_index: int  # index of the token being sampled = number of output tokens already generated
@@ -195,6 +175,8 @@ class Sampler:
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         tokens = torch.empty(m, dtype=torch.int64, device=dev)
         if unseeded:
+            # One uniform a row, inverted through its distribution: generating noise for the whole
+            # vocabulary from torch's CPU generator would cost a large share of a decode step.
             sub = probs if len(unseeded) == m else probs[unseeded]
             u = torch.rand(len(unseeded), generator=self.generator, device=dev)
             drawn = inverse_cdf_sample(sub, u)
@@ -240,9 +222,8 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 # A row's top-k and top-p sets are looked for among its largest ``_CANDIDATES`` logits (``topk``: sorting a
-# 49k vocabulary costs ~1.5 ms a row), then among 8x as many for the rows that did not settle there, and
-# only then in the sorted row. Sampled chat with the embedded model (512 positions, temperature 1): the
-# top 256 held a 0.95 nucleus at 87% of positions, the top 2,048 at all of them.
+# whole vocabulary on CPU is costly), then among 8x as many for the rows that did not settle there, and
+# only then in the sorted row. A typical nucleus lies within the first candidates at most positions.
 _CANDIDATES = 256
 
 

@@ -1,33 +1,8 @@
 """Continuous-batching scheduler over a paged KV cache. Pure Python: imports no torch.
 
-``schedule()`` returns plain data (a prefill batch or a decode batch) and
-``postprocess()`` applies the sampled tokens, nano-vllm style.
-
-Policy (``mixed_steps``, off by default: measured slower on CPU, see the README):
-- Every step decodes up to ``max_num_seqs`` running sequences, oldest first,
-  and fills what is left of the token budget ``max_num_batched_tokens`` (each
-  decode counts one token) with waiting prompts, FIFO: one MIXED batch, so a
-  prefill never stalls the running streams and the step reads the weights once
-  for both. A prompt longer than what is left of the budget is chunked
-  (``start`` > 0 on later steps), so any prompt runs; at most one sequence is
-  partially prefilled at a time and it heads the queue. When the decodes fill
-  the budget, prompts wait for a step with room.
-- Without ``mixed_steps`` (the default), prefill first: while sequences wait,
-  a step only prefills; otherwise it only decodes.
-- When a sequence needs a block and none is free, the newest sequence
-  holding blocks is preempted (blocks freed, requeued to recompute prompt and
-  outputs); with no newer holder the sequence preempts itself. Nothing
-  deadlocks because every request fits the cache alone (checked at ``add``).
-- Finished and aborted sequences free their blocks at once.
-
-Block ownership: a sequence's blocks live in the BlockManager under its
-``seq_id``. ``add_prefilled`` takes over blocks someone else allocated under
-that id (a decode worker whose prompt KV arrived over the network); from then
-on the scheduler frees them on finish, abort and preemption. In a decode worker
-another thread reserves and frees in the same BlockManager, so the scheduler
-never acts on an earlier reading of it: it allocates, and "out of blocks" means
-"no room yet" (reservations are adopted or freed within their deadline). The
-rules are the block-ownership contract in ``kv_transfer/__init__.py``.
+``schedule()`` returns plain data (a prefill, decode or mixed batch) and ``postprocess()`` applies the
+sampled tokens, nano-vllm style. The policy is ``schedule``'s docstring; block ownership follows the
+contract in ``kv_transfer/__init__.py``.
 """
 
 from __future__ import annotations
@@ -54,7 +29,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     eos_token_ids: tuple[int, ...] = ()
-    mixed_steps: bool = False  # decode and prefill in one step (see the module docstring)
+    mixed_steps: bool = False  # decode and prefill in one step (see ``Scheduler.schedule``)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -72,7 +47,7 @@ class BatchKind(enum.Enum):
 
 class ScheduledSeq(NamedTuple):
     """One sequence's work in a step. A NamedTuple, not a frozen dataclass: one is made per running
-    sequence per step, and a frozen dataclass's ``__init__`` costs ~3x as much."""
+    sequence per step, and a frozen dataclass's ``__init__`` costs several times as much."""
 
     seq: Sequence
     start: int  # first position computed this step
@@ -156,7 +131,8 @@ class Scheduler:
     def add_prefilled(
         self, seq_id: Hashable, prompt_token_ids: Seq[int], first_token_id: int, params: SamplingParams
     ) -> Sequence:
-        """Adopt a request whose prompt K/V already sit in blocks held under ``seq_id``.
+        """Adopt a request whose prompt K/V already sit in blocks held under ``seq_id``; from then on the
+        scheduler frees them on finish, abort and preemption.
 
         ``first_token_id`` (sampled by the prefill side) is output token 0 and
         goes through the same stop checks; the sequence may finish at once.
@@ -213,7 +189,20 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------
     def schedule(self) -> Batch | None:
-        """The next step's work, or None when there is nothing to run."""
+        """The next step's work, or None when there is nothing to run.
+
+        - Default: prefill first. While sequences wait, a step only prefills; otherwise it only decodes.
+        - ``mixed_steps``: decode up to ``max_num_seqs`` running sequences, oldest first, and fill what is
+          left of ``max_num_batched_tokens`` (a decode counts one) with waiting prompts, FIFO, so a prefill
+          never stalls the running streams and the step reads the weights once for both.
+        - A prompt longer than what is left of the budget is chunked; at most one sequence is partially
+          prefilled at a time, and it heads the queue.
+        - A sequence that needs a block when none is free preempts the newest sequence holding blocks
+          (freed, requeued to recompute), else itself. Nothing deadlocks: every request fits the cache
+          alone (``check_fits``).
+        - Another thread may reserve in the same ``BlockManager`` (a decode worker), so no earlier reading
+          of it is trusted: the scheduler allocates, and "out of blocks" means "no room yet".
+        """
         if self.config.mixed_steps:
             decodes = self._schedule_decode() if self.running else []
             prefills = self._schedule_prefill(self.config.max_num_batched_tokens - len(decodes))

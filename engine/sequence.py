@@ -1,10 +1,4 @@
-"""One request's token sequence and its lifecycle. Pure Python.
-
-States: WAITING (queued; may hold blocks for a partially prefilled prompt) ->
-RUNNING (whole sequence but the last token is cached; decodes each step) ->
-FINISHED. Preemption sends a RUNNING sequence back to WAITING with its blocks
-freed and ``num_computed_tokens`` reset, so prompt and outputs are recomputed.
-"""
+"""One request's token sequence and its lifecycle. Pure Python."""
 
 from __future__ import annotations
 
@@ -16,8 +10,10 @@ from pdserve.engine.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    # Preemption sends RUNNING back to WAITING with its blocks freed and ``num_computed_tokens`` reset,
+    # so prompt and outputs are recomputed.
+    WAITING = "waiting"  # queued; may hold blocks for a partially prefilled prompt
+    RUNNING = "running"  # all but the last token cached; decodes each step
     FINISHED = "finished"
 
 

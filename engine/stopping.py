@@ -1,13 +1,7 @@
-"""Stop-string matching over streamed text. Pure Python.
+"""Stop-string matching over streamed text, for the engine and the router alike. Pure Python.
 
-Used by the engine and by the router, which detokenizes and streams text: both
-feed text as it is produced and emit only what is safe. A stop string never
-reaches the output: the matcher holds back the longest tail that could still
-grow into a stop string, and on a match returns the text before it.
-
-Invariant: every match starts inside the held-back buffer. Proof sketch: text
-is released only when no suffix starting at or before it is a proper prefix of
-a stop string, and any complete match inside the buffer is found at once.
+A stop string never reaches the output: the matcher holds back the longest tail that could still grow
+into one, and on a match returns the text before it.
 """
 
 from __future__ import annotations
@@ -82,7 +76,10 @@ class StopStringMatcher:
         return None if best is None else (best[1], best[2])
 
     def _held_tail(self) -> int:
-        """Length of the longest suffix of the buffer that is a proper prefix of a stop string."""
+        """Length of the longest suffix of the buffer that is a proper prefix of a stop string.
+
+        Invariant: every match starts inside the held-back buffer, since text is released only when no
+        suffix starting at or before it is a proper prefix of a stop string."""
         buf = self._buf
         for n in range(min(self._max_hold, len(buf)), 0, -1):
             tail = buf[-n:]

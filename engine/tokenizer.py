@@ -1,12 +1,7 @@
-"""Tokenizer and chat template for a model directory.
+"""Tokenizer and chat template for a model directory, on ``tokenizers`` (the Rust library transformers wraps).
 
-Built on the ``tokenizers`` library (the Rust tokenizer transformers wraps) with the
-files an HF directory holds: ``tokenizer.json``, ``tokenizer_config.json`` (special
-tokens, chat template; or ``chat_template.jinja``) and ``generation_config.json``
-(stop token ids). The chat template is rendered as transformers renders it: a
-sandboxed jinja2 environment with trim_blocks/lstrip_blocks, ``raise_exception``,
-a non-escaping ``tojson`` and the special tokens in scope; the rendered text is then
-encoded without adding special tokens, since the template wrote them.
+The chat template renders as transformers renders it: a sandboxed jinja2 environment with
+trim_blocks/lstrip_blocks, ``raise_exception``, a non-escaping ``tojson`` and the special tokens in scope.
 """
 
 from __future__ import annotations
@@ -138,8 +133,8 @@ class Tokenizer:
             raise ValueError(f"text to encode must be a str, got {type(text).__name__}")
         if len(text) > _GIL_HELD_CHARS:
             # ``tokenizers`` holds the GIL through ``encode`` but releases it in ``encode_batch``: a long
-            # text tokenized in a worker thread must not stop the event loop (a 3 MB prompt held it for
-            # 1.6 s here: long enough for a router to miss its workers' heartbeats).
+            # text tokenized in a worker thread must not stop the event loop (a multi-megabyte prompt
+            # would hold it long enough for a router to miss its workers' heartbeats).
             batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
             return list(batch[0].ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -194,7 +189,9 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """Prompt token ids for a conversation. ValueError naming the problem for a malformed one."""
+        """Prompt token ids for a conversation. ValueError naming the problem for a malformed one.
+
+        The rendered text is encoded without adding special tokens: the template wrote them."""
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:

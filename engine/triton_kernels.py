@@ -1,24 +1,8 @@
-"""Triton kernels of the CUDA backend, over the project-wide KV layout ``kv [L, N, 2, B, Hkv, D]``.
+"""Triton kernels of the CUDA backend over the KV layout ``kv [L, N, 2, B, Hkv, D]`` (``engine.attention``).
 
-One layer of the cache, viewed flat, holds K of token slot ``s`` (``s = block * B + offset``) at element
-``((block * 2) * B + offset) * Hkv * D`` and V ``B * Hkv * D`` further on (``engine.attention``).
-
-- ``rope_store``: RoPE on q and k of ``qkv [T, (H + 2 Hkv) * D]`` in place, and K/V into their cache slots
-  (a slot of -1 stores nothing: CUDA-graph padding rows).
-- ``add_rms_norm``: ``x += res`` in place, then RMSNorm; ``silu_mul``: ``silu(gate) * up``.
-- ``decode_attention``: one query token per sequence; one program per (sequence, KV head, split) serves
-  the KV head's ``G = H / Hkv`` query heads as the rows of one tile, online softmax in float32. With
-  ``splits > 1`` each program covers a slice of the context and a second kernel merges the slices
-  (split-KV: small batches and long contexts still fill the GPU).
-- ``prefill_attention``: a ragged batch of prompt chunks, each possibly continuing a cached prefix
-  (``start_pos > 0``), all read back from the paged cache with a causal mask.
-
-Rounding follows the torch path (``engine.model.TorchStepOps``): each elementwise op rounds to the
-model dtype where transformers' modules do, so half-precision results stay close to it; in float32 the
-products of ``tl.dot`` run in IEEE float32 (no TF32), and results agree with the torch path to
-summation order.
-
-Every kernel runs on CPU under ``TRITON_INTERPRET=1`` (the tests compare them with the torch path there).
+Each op rounds to the model dtype where transformers' modules do (as ``engine.model.TorchStepOps``);
+float32 ``tl.dot`` runs in IEEE float32 (no TF32). Every kernel also runs on CPU under
+``TRITON_INTERPRET=1``, where the tests compare it with the torch path.
 """
 
 from __future__ import annotations
@@ -235,20 +219,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # -- small-batch products and greedy argmax -------------------------------------------------------------
 
 # Rows up to which a decode step's products run as ``gemv`` instead of cuBLAS, for products whose
-# outputs give cuBLAS's 64-wide tiles fewer than two per SM (``gemv_wins``). Measured inside CUDA graphs
-# on an H200, SmolLM2-135M's products in bfloat16 (benchmarks/results/gpu_micro_h200.json), at one
-# row: qkv 2.30 us against cuBLAS's 3.52, o 2.25 against 3.17, gate_up 4.11 against 4.12, and the down
-# product taking silu(gate) * up in its loads 4.89 against 6.57 for silu_mul + cuBLAS (one kernel less);
-# the 49k-row lm_head 23.7 against 16.0 (cuBLAS fills the GPU there). At four rows cuBLAS was as fast or
-# faster on every product. A decode step at batch 1: 0.959 ms against 1.012 ms.
+# outputs give cuBLAS's 64-wide tiles fewer than two per SM (``gemv_wins``): there cuBLAS leaves SMs idle
+# at one row, and the down product can take silu(gate) * up in its loads (one kernel less). Where cuBLAS
+# fills the GPU (a large LM head), or at a few rows, cuBLAS is as fast or faster.
 GEMV_MAX_ROWS = int(os.environ.get("PDSERVE_GEMV_MAX_ROWS", "1"))
 # Where the products around a norm run as ``gemv``, PDSERVE_GEMV_FUSE_NORMS=1 puts the norm into the
 # product after it (``norm``) and the residual add into the product before it (``add_to``): two launches
-# less a layer, 60 of a SmolLM2 step's ~270 at batch 1. Off by default: measured on an H100 inside CUDA
-# graphs (benchmarks/results/gpu_micro_h100.json, one run, back to back), a batch-1 step took 0.985 ms fused
-# against 0.947 ms with the separate add_rms_norm kernel (every gemv program normalises its input rows
-# itself, and the adds serialise on the residual stream), and LLM.generate at batch 1 read 996 tok/s
-# fused against 1,055 apart (engine_cuda_fused_norms.json, engine_cuda.json).
+# less a layer. Off by default: fused, a step is no faster than with the separate add_rms_norm kernel,
+# since every gemv program normalises its input rows itself and the adds serialise on the residual stream.
 FUSE_NORMS = os.environ.get("PDSERVE_GEMV_FUSE_NORMS", "0") == "1"
 
 
@@ -353,9 +331,9 @@ def gemv(
         out = add_to
     nw, eps = norm if norm is not None else (out, 0.0)
     mp = _pow2(m)
-    # Defaults: the fastest tiling measured at one row on every SmolLM2 product (4 outputs, 2 warps). The
+    # Defaults: the fastest tiling at one row on the default model's products (4 outputs, 2 warps). The
     # interpreter pays per program, not per element: there, 64 outputs a program (the same code; the
-    # tests check that tilings agree) runs a tiny model's decode step ~10x faster.
+    # tests check that tilings agree) keeps the interpreted tests quick.
     if block_n is None:
         block_n = 64 if _INTERPRETED else 4
     if block_k is None:
@@ -394,8 +372,7 @@ def _argmax_merge_kernel(val_ptr, idx_ptr, out_ptr, PARTS: tl.constexpr, PP: tl.
 
 def argmax_rows(logits: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """``logits.argmax(-1)`` for float32 ``[n, V]`` rows without NaN, in two kernels (a slice of the row
-    per program, then a merge): torch's one-block reduction took ~13 us a row of a 49k vocabulary on an
-    H200."""
+    per program, then a merge): torch's one-block reduction leaves most of the GPU idle."""
     n, v = logits.shape
     assert logits.is_contiguous() and logits.dtype == torch.float32
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
@@ -491,10 +468,10 @@ def _decode_merge_kernel(part_ptr, ml_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.
     tl.store(out_ptr + r * D + d, o.to(out_ptr.dtype.element_ty))
 
 
-# Fewest keys a split gets: one tile of the kernel (BLOCK_N). Measured on an H200 at batch 1 with
-# 150-190-token contexts: one program a KV head walking its 3 tiles took 5.9 us a layer, against 3.1 us
-# for the split kernel (3 programs busy) plus 1.3 us for the merge; so short contexts are still split
-# per tile, and the split count follows the batch's longest context (graphs per count), not the model's.
+# Fewest keys a split gets: one tile of the kernel (BLOCK_N). Even at batch 1 with contexts of a few
+# tiles, the split kernel plus its merge beats one program walking every tile of a KV head; so short
+# contexts are still split per tile, and the split count follows the batch's longest context (graphs per
+# count), not the model's.
 MIN_SPLIT_KEYS = 64
 
 
@@ -531,7 +508,11 @@ def decode_attention(
     """``q [Bsz, H, D]`` (row stride free) against the cache; ``tables [Bsz, M]`` block ids (int32 or
     int64, only the first ``ceil(len / B)`` of a row are read), ``lens [Bsz]`` tokens attended (0: a
     padding row, output zeros). Returns ``[Bsz, H * D]``. ``splits``: a power of two (see
-    ``decode_splits``); the result does not depend on it beyond float32 rounding."""
+    ``decode_splits``); the result does not depend on it beyond float32 rounding.
+
+    One program per (sequence, KV head, split) serves the KV head's ``H / Hkv`` query heads as the rows of
+    one tile, online softmax in float32; with ``splits > 1`` each covers a slice of the context and a
+    second kernel merges the slices, so small batches and long contexts still fill the GPU."""
     bsz, n_h, d = q.shape
     _, _, block, n_kv, _ = kv_layer.shape
     assert q.stride(2) == 1 and q.stride(1) == d and kv_layer.is_contiguous() and tables.stride(1) == 1
@@ -643,9 +624,8 @@ def prefill_attention(
     if t == 0:
         return out.view(0, n_h * d)
     if block_n is None:
-        # 128 keys a tile in half precision: 23.5 us a layer against 32.9 with 64 for a 1,024-token
-        # prompt of SmolLM2's heads on an H200 (benchmarks/results/gpu_micro_h200.json); float32
-        # tiles (and head dims past 128) keep 64, within shared memory.
+        # 128 keys a tile in half precision, faster than 64 on long prompts; float32 tiles (and head
+        # dims past 128) keep 64, within shared memory.
         block_n = 128 if q.element_size() == 2 and d <= 128 else 64
     grid = (triton.cdiv(max_new, block_m), n_h, n)
     _prefill_attn_kernel[grid](

@@ -1,28 +1,8 @@
-"""Weight loading from a Hugging Face model directory.
+"""Weight loading from a Hugging Face model directory into the engine's layout (``ModelWeights``, ``Linear``).
 
-``load_state_dict`` reads ``model.safetensors``, a sharded
-``model.safetensors.index.json``, or (failing both) every ``*.safetensors``
-file in the directory, converting each tensor to the requested dtype and
-device as it is read so peak memory stays near one copy of the model.
-
-``ModelWeights.from_state_dict`` maps HF parameter names onto the engine's
-layout. Two fusions cut the per-layer matmul count on the decode path, where
-per-op overhead matters as much as FLOPs:
-
-- ``qkv``: ``cat(q_proj, k_proj, v_proj)`` rows, so one matmul yields
-  ``[T, (H + 2 * Hkv) * D]``; the optional Qwen2 biases are fused likewise.
-- ``gate_up``: ``cat(gate_proj, up_proj)`` rows, one matmul yields ``[T, 2 * I]``.
-
-On CPU the matmul weights are repacked once at load into the layout of the
-path that runs them (``LinearKind``, picked by ``choose_linear``): the C
-kernels' column panels (float32, and half precision where the CPU lacks
-bf16/fp16 instructions), or oneDNN's blocked layout (half precision on CPUs
-that have them: the kernel ``F.linear`` ends up in, bitwise equal, minus the
-per-call weight reorder). Results differ from ``F.linear``'s by summation
-order only (the parity tests bound them).
-
-With ``quantization="int8"`` (``engine.quant``) the same matrices are stored as int8 with a scale per row
-and 64 inputs: column panels for the C kernels, or ``[out, in]`` dequantised per call where there are none.
+Tensors are converted to the requested dtype and device as they are read, so peak memory stays near one
+copy of the model. q/k/v and gate/up are fused into one product each (fewer products a layer on the decode
+path, where per-op overhead matters as much as FLOPs); on CPU each matrix is repacked once for its path.
 """
 
 from __future__ import annotations
@@ -62,7 +42,9 @@ def _weight_files(path: Path) -> list[Path]:
 def load_state_dict(
     path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory by their HF names, converted to ``dtype`` on ``device``."""
+    """All tensors of an HF directory by their HF names, converted to ``dtype`` on ``device``: from
+    a sharded ``model.safetensors.index.json``, else ``model.safetensors``, else every ``*.safetensors``
+    file there."""
     path = Path(path)
     out: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
@@ -110,17 +92,15 @@ def choose_linear(
     quantization: str = "none",
 ) -> LinearKind:
     """The matmul path for a model: ``PDSERVE_LINEAR`` when set (ValueError if it cannot run here), else
-    by measurement on the hosts we have (benchmarks/results/engine_avx2_*.json):
+    the path that ran fastest where we measured (``benchmarks/``):
 
     - ``quantization="int8"``: PANELS where the C kernels are built (they read int8 panels), else PLAIN
       (``Linear`` dequantises per call: correct, slow). oneDNN's pre-packed path has no int8 weights.
 
-    - CPU, float32, C kernels built: PANELS. On an AVX2 EPYC, a step's products took 0.71 / 0.74 / 0.84 /
-      0.93 of oneDNN's time at 1 / 8 / 32 / 256 rows (one thread, weights streamed as in a step), and
-      oneDNN took about half of MKL's at 8 rows.
+    - CPU, float32, C kernels built: PANELS, faster than oneDNN (itself faster than MKL) at every batch
+      size, as the weights stream through once a step.
     - CPU, bfloat16, C kernels with AVX512-BF16 dot products (``CpuKernels.bf16_pairs``): PANELS in pair
-      layout. On a Zen 5 EPYC (2 threads, SmolLM2-135M's products) they ran 1.0-1.1x oneDNN's bfloat16
-      at 1-32 rows and 1.14x its 1,024-token prefill (benchmarks/results/engine_avx512bf16.json).
+      layout, at least as fast as oneDNN's bfloat16, prefill included.
     - CPU, half precision otherwise: ONEDNN where the CPU has the instructions (AVX512-BF16, AMX: bitwise
       equal to ``F.linear``); else PANELS, which reads half-precision weights (half the bytes of float32)
       and multiplies in float32, where oneDNN and MKL would emulate.
