@@ -1,23 +1,8 @@
 """Every process's Prometheus side: its registry, and ``/metrics`` on a port of its own.
 
-The router and the workers each call ``process_registry(role)`` once, hang
-their metric objects on it (``router.metrics``, ``prefill_pool.metrics``,
-``decode_pool.metrics``, ``kv_transfer``), and ``serve_metrics`` it. Imports
-only prometheus_client and ``telemetry.gpu``, so the pools use it without
-the router's internals.
-
-What every process exports, whatever its role:
-- ``pdserve_info{role,version}`` (always 1): the dashboards list instances from it;
-- ``process_*`` (CPU seconds, resident memory, open fds) from prometheus_client;
-- ``pdserve_gpu_*`` only where a GPU is present (``telemetry.gpu``).
-
-A registry per process (never prometheus_client's global one): tests run
-several routers and workers in one interpreter, and the global registry
-refuses a second metric of the same name.
-
-The endpoint is prometheus_client's threaded WSGI server: a scrape runs on its
-own thread, not on the event loop that relays tokens, and every metric object
-is thread-safe.
+A registry per process, never prometheus_client's global one: tests run several routers and workers in
+one interpreter, and the global registry refuses a second metric of the same name. Scrapes run on the
+threaded WSGI server's own thread, not on the event loop that relays tokens.
 """
 
 from __future__ import annotations
@@ -47,7 +32,9 @@ def pdserve_version() -> str:
 
 
 def process_registry(role: str, *, gpu: bool = True) -> CollectorRegistry:
-    """A new registry holding what every pdserve process exports (see the module docstring)."""
+    """A new registry holding what every pdserve process exports, whatever its role:
+    ``pdserve_info{role,version}`` (always 1: the dashboards list instances from it), prometheus_client's
+    ``process_*``, and ``pdserve_gpu_*`` where a GPU is present (``telemetry.gpu``)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     registry = CollectorRegistry()

@@ -1,14 +1,6 @@
-"""GPU utilisation and memory through NVML (nvidia-ml-py), only where a GPU is present.
+"""GPU utilisation and memory through NVML (nvidia-ml-py), read at scrape time, only where a GPU is present.
 
-``add_gpu_metrics`` registers a collector when NVML starts and sees at least
-one device; otherwise (no driver, no library, no device, a CPU-only machine)
-it registers nothing and says so at debug level only: no metric, no error.
-Values are read at scrape time, so an idle GPU costs nothing between scrapes.
-
-A worker on ``cuda:N`` exports its own GPU only (``index=N``, labelled ``gpu="N"``): NVML numbers
-devices in PCI order over the whole machine while CUDA's N counts the devices this process sees
-(``CUDA_VISIBLE_DEVICES``), so the worker passes the device's UUID and the index is the fallback.
-The router, which runs no model, exports every GPU of its host.
+No driver, library or device is not an error: nothing is registered, and that is logged at debug level.
 """
 
 from __future__ import annotations
@@ -91,7 +83,9 @@ def add_gpu_metrics(
     """Register the GPU collector on ``registry`` when a GPU is present. True when it was registered.
 
     ``index``: only the process's CUDA device ``index`` (a worker's ``cuda:N``; ``uuid``, NVML's
-    ``GPU-...`` name of it, finds it when CUDA numbers devices differently); None: every GPU.
+    ``GPU-...`` name of it, finds it when CUDA numbers devices differently: NVML numbers the whole
+    machine's devices in PCI order, CUDA only those ``CUDA_VISIBLE_DEVICES`` shows); None: every GPU of
+    the host (the router, which runs no model).
     ``nvml`` is the pynvml module (tests pass a stand-in); None imports nvidia-ml-py.
     """
     nvml = nvml if nvml is not None else _import_nvml()

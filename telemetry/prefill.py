@@ -1,9 +1,7 @@
 """Prefill forward time and prompt tokens prefilled, for every worker that prefills.
 
-A prefill worker (``prefill_pool.metrics``) observes every batched prefill forward here with
-``role="prefill"``. Decode and colocated workers observe their local prefills (engine steps that
-prefill and decode nothing) under their own role (``decode``, ``both``), so that their decode step
-time (``decode_pool.metrics``) times only steps that decode.
+Decode and colocated workers observe their local prefills here under their own role, so that their
+decode step time (``decode_pool.metrics``) times only steps that decode.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Service-level objectives and the histogram buckets built around them. Pure: imports nothing of ours.
 
-One place for the SLO thresholds: the router's latency histograms put a bucket
-boundary exactly on each threshold (so "fraction of requests within the SLO"
-is an exact ratio of two bucket counters in PromQL, not an interpolation), and
-the benchmark scores goodput against the same numbers
-(``bench.metrics.parse_slo(DEFAULT_SLO.goodput_args())``).
-
-The defaults suit the 2-core CPU reference machine and SmolLM2-135M (a
-1,024-token prefill takes about a second there); a GPU deployment would
-tighten them here and nowhere else.
+The router's latency histograms put a bucket boundary exactly on each threshold, so "fraction within the
+SLO" is an exact ratio of two bucket counters in PromQL; the benchmark scores goodput against the same
+numbers. The defaults suit a CPU deployment of the default model; a GPU one tightens them here only.
 """
 
 from __future__ import annotations
