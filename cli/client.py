@@ -45,7 +45,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "metrics_url": info.metrics_url,
                 "queued_prefill_tokens": load.queued_prefill_tokens,
                 "model": info.model,
-                "device": info.device or "cpu",  # a worker from before the field runs on the CPU
+                "device": info.device or "cpu",  # a worker that leaves the field empty runs on the CPU
                 "dtype": info.dtype,
                 "quantization": info.quantization or "none",
                 "kv_layout": info.kv_layout,

@@ -50,9 +50,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     state = None if args.router else _state(args)
     if state is not None:
         # Workers this cluster started whose process runs but the router does not list (loading, hung,
-        # or dropped for missed heartbeats): the router's list alone hid them.
+        # or dropped for missed heartbeats): the router's list alone would hide them.
         # And those whose process is gone (crashed, killed): the router forgot them, the state file still
-        # counts them, and `scale` would drop them; without a row the pool just looked smaller.
+        # counts them, and `scale` would drop them; without a row the pool would just look smaller.
         listed = {w["id"] for w in doc["workers"]}
         doc["unregistered"], doc["exited"] = [], []
         for w in state.workers:

@@ -1,16 +1,8 @@
-"""Stop with another process: ``PDSERVE_EXIT_WITH_PID``.
+"""Stop with another process: with ``PDSERVE_EXIT_WITH_PID=N`` a pdserve process stops once N is gone.
 
-A router, worker or autoscaler started with ``PDSERVE_EXIT_WITH_PID=N`` in its environment (children
-inherit it, so one setting reaches everything ``pdserve up`` starts) watches process N and, once N is gone,
-stops itself as SIGTERM would: a worker drains, the router stops serving. If it has not exited
-``kill_after_s`` later, it is killed.
-
-For supervisors and test runs: a killed test session (a CI timeout, kill -9 of pytest) otherwise leaves
-its clusters running, since ``pdserve up`` starts them in their own sessions to outlive the shell.
-
-Programs that are not pdserve's (the Prometheus and Alertmanager of ``up --prometheus``) run under
-``python -m pdserve.cli.lifeline PROGRAM ARGS...`` when the variable is set: a small parent that forwards
-signals to the program, stops it the same way once N is gone, and whose own death ends it too.
+It stops as SIGTERM would (a worker drains), and is killed if still running ``kill_after_s`` later.
+Children inherit the variable, so one setting reaches all that ``pdserve up`` starts in its own sessions,
+which would otherwise outlive a killed supervisor or test run. Other programs run under ``supervise``.
 """
 
 from __future__ import annotations
@@ -88,7 +80,10 @@ def _die_with(parent: int) -> None:
 
 
 def supervise(argv: list[str], *, interval_s: float = 0.5, kill_after_s: float = 30.0) -> int:
-    """Run ``argv`` tied to ``PDSERVE_EXIT_WITH_PID`` (module docstring); returns its exit status."""
+    """Run ``argv`` tied to ``PDSERVE_EXIT_WITH_PID``; returns its exit status. For programs that are not
+    pdserve's (the Prometheus and Alertmanager of ``up --prometheus``), as ``python -m pdserve.cli.lifeline
+    PROGRAM ARGS...``: a small parent that forwards signals to the program, stops it the same way once N is
+    gone, and whose own death ends it too."""
     import subprocess
 
     me = os.getpid()

@@ -1,13 +1,6 @@
 """The ``pdserve`` command line: parse, then dispatch to a subcommand (one line per failure, no traceback).
 
-Local cluster (background processes, found again through ``--state-dir``):
-    up, scale, autoscale, status, generate, down
-Foreground pieces for deployments:
-    router, worker, drain (one worker, through the router: a preStop hook)
-
-The parser is ``parser.py``; the commands: ``cluster_cmds.py`` (up, down), ``scale_cmds.py``,
-``autoscale_cmds.py``, ``serve_cmds.py`` (router, worker) and ``client_cmds.py`` (status, generate, drain,
-bench). The environment is read in the CLI only (``engine.env.EngineEnv``: the model cache directory).
+The environment is read in the CLI only (``engine.env.EngineEnv``: the model cache directory).
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def _exit_now(code: int) -> NoReturn:
     """End a worker whose serve loop is over (its servers, transfers and loops closed, its KV cache a
-    memfd the kernel frees) without the interpreter's teardown: collecting torch's modules took a
-    second after every drain, and a scale-down or ``down`` waited for it."""
+    memfd the kernel frees) without the interpreter's teardown: collecting torch's modules is slow, and a
+    scale-down or ``down`` would wait for it after every drain."""
     import os
 
     logging.shutdown()
