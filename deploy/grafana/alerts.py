@@ -2,23 +2,7 @@
 
     .venv/bin/python -m pdserve.deploy.grafana.alerts          # rewrite deploy/prometheus/alerts.yml
     .venv/bin/python -m pdserve.deploy.grafana.alerts --check  # exit 1 when the committed file is stale
-
-It lives beside the dashboards (``panels.py``) so that a metric renamed in the
-module that defines it is renamed here too: every name below is imported from
-that module, and the SLO thresholds come from ``telemetry.slo``.
-``tests/unit/test_alerts.py`` checks the committed file; ``tests/e2e/test_alerts_processes.py`` runs
-``promtool test rules`` on every rule (a firing and a silent case each), and ``tests/e2e/test_alerts_e2e.py``
-fires the worker-count alert end to end through a real Prometheus and Alertmanager.
-
-The worker-count alert compares the ready workers the router counts with
-``pdserve:workers_expected{role}``, a series the deployment provides: ``pdserve
-up``/``scale`` write it as a recording-rule file (``workers_expected_rules``),
-and on Kubernetes a recording rule derives it from kube-state-metrics'
-Deployment replicas (``deploy/kubernetes/README.md``). Without it that alert
-stays silent.
-
-Annotations use only ``$labels`` (no ``$value``), so promtool's tests can
-state them exactly; the dashboards show the values.
+The SLO thresholds come from ``telemetry.slo``.
 """
 
 from __future__ import annotations
@@ -30,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+# Every metric name comes from the module that defines it, so a rename there is a rename here.
 from pdserve.decode_pool import metrics as dm
 from pdserve.deploy.grafana import panels
 from pdserve.router import metrics as rm
@@ -39,8 +24,11 @@ from pdserve.telemetry.slo import DEFAULT_SLO, SloThresholds
 
 OUT_FILE = Path(__file__).resolve().parent.parent / "prometheus" / "alerts.yml"
 GROUP = "pdserve"
+# What the deployment says each pool should have, compared with the ready workers the router counts:
+# ``pdserve up``/``scale`` write it as a recording-rule file (``workers_expected_rules``), and on Kubernetes
+# a recording rule derives it from kube-state-metrics (deploy/kubernetes/README.md). Without it the
+# worker-count alert stays silent.
 WORKERS_EXPECTED = "pdserve:workers_expected"
-# What the deployment says each pool should have; on Kubernetes, from kube-state-metrics (see README).
 KV_CACHE_HIGH = 0.9  # fraction of a decode worker's KV blocks in use
 REFUSED_FRACTION = 0.05  # of the router's requests refused with RESOURCE_EXHAUSTED / UNAVAILABLE
 WINDOW = "5m"  # rate window of every rate-based rule
@@ -52,6 +40,7 @@ class Alert:
     expr: str
     for_s: float
     severity: str  # page (someone acts now) | ticket (look today)
+    # Only ``$labels``, never ``$value``, so promtool's tests state it exactly; the dashboards show values.
     summary: str
     runbook: str
     labels: Mapping[str, str] = field(default_factory=dict)

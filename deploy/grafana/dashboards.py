@@ -1,21 +1,8 @@
-"""The Grafana dashboards of pdserve, generated with grafana-foundation-sdk.
+"""The Grafana dashboards of pdserve (serving; GPU), generated with grafana-foundation-sdk from ``panels.py``.
 
     .venv/bin/python -m pdserve.deploy.grafana.dashboards          # rewrite deploy/grafana/dashboards/*.json
     .venv/bin/python -m pdserve.deploy.grafana.dashboards --check  # exit 1 when the committed JSON is stale
-
-Two dashboards:
-- ``pdserve.json``: serving. Latency as the client sees it (TTFT, ITL,
-  end-to-end, with the SLO thresholds drawn), traffic, queueing, workers,
-  the decode pool (KV cache, batch size, step time), the prefill pool and the
-  KV transfer, and the processes' CPU and memory;
-- ``pdserve-gpu.json``: GPU utilisation and memory, which only processes on a
-  GPU host export (``telemetry.gpu``).
-
-Both have a ``datasource`` variable (any Prometheus) and an ``instance``
-variable (multi-select, All by default) that every query filters on. The
-panels and their queries are ``deploy/grafana/panels.py``;
-``tests/unit/test_observability.py`` fails while the committed JSON differs from
-what this produces.
+Both have a ``datasource`` variable (any Prometheus) and a multi-select ``instance`` variable.
 """
 
 from __future__ import annotations
@@ -124,7 +111,9 @@ def build(uid: str, title: str, description: str, rows: Sequence[tuple[str, Sequ
 
 
 def dashboards() -> dict[str, dict]:
-    """File name -> dashboard JSON, as committed under deploy/grafana/dashboards/."""
+    """File name -> dashboard JSON, as committed under deploy/grafana/dashboards/: ``pdserve.json``
+    (serving: client-side latency with the SLO thresholds drawn, traffic, queueing, workers, the pools, the
+    KV transfer, processes) and ``pdserve-gpu.json`` (what GPU hosts export: ``telemetry.gpu``)."""
     return {
         "pdserve.json": build(
             "pdserve-serving",

@@ -1,9 +1,7 @@
 """What the pdserve dashboards show: rows of panels and their PromQL, as plain typed data.
 
-``deploy/grafana/dashboards.py`` turns these specs into Grafana JSON with
-grafana-foundation-sdk. Every query filters on the dashboard's ``instance``
-variable and rates over Grafana's ``$__rate_interval``. Metric names come
-from the modules that define the metrics, so a rename there shows up here.
+Every query filters on the dashboard's ``instance`` variable and rates over ``$__rate_interval``. Metric
+names come from the modules that define the metrics, so a rename there shows up here.
 """
 
 from __future__ import annotations
