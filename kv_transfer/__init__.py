@@ -1,50 +1,10 @@
-"""KV transfer: a prefill worker pushes a request's KV cache, layer by layer, into
-KV blocks a decode worker reserved for it.
+"""KV transfer: a prefill worker pushes a request's KV cache, layer by layer, into KV blocks a decode
+worker reserved for it.
 
-Interface: :class:`KVReceiver` (decode side), :class:`KVSender` and its
-:class:`SenderHandle` (prefill side), over one small transport interface
-(``transport.py``, Protocols only) with two backends in ``transports/``: UCX
-(``ucx.py`` and its ``ucx_*`` modules, with ctypes over libucp in ``ucp_rma.py``
-and ``ucp_tag.py``; ``transports/ucx_runtime.py`` is the only module importing
-ucxx) and ``inproc`` (same-process fake for unit tests);
-``transports.make_transport`` picks one. On one host a sender writes the
-receiver's KV memory itself through a writer of ``writers/`` (cross-memory
-attach, shared memory, CUDA IPC; ``writers/select.py`` picks one) rather than
-through UCX. Both sides run on an
-asyncio event loop (uvloop works); the forward runs in a worker thread and
-only calls ``SenderHandle.push_layer`` (or ``push_layers``).
-
-Lifecycle on the decode side (D):
-    1. ``ticket = receiver.reserve(request_id, num_tokens)``: blocks allocated in
-       D's block pool under ``request_id`` (no room: the pool's error, nothing
-       reserved); deadline armed. ``ticket.encode()`` travels to P as bytes.
-    2. P's ``Open`` arrives: D posts one receive per layer and contiguous run
-       straight into the reserved blocks. P does not wait for this: data that
-       arrives first waits in UCX until its receive is posted. A refused Open
-       (expired, aborted, unknown) gets ``Abort``, and whatever P pushed lands
-       in scratch memory, never in KV blocks; tags name the sending connection,
-       so only the accepted sender of a ticket can match the posted receives.
-    3. Every layer landed and ``Complete`` (first sampled token) arrived:
-       ``await receiver.wait(request_id)`` returns a TransferResult and D
-       acknowledges. The blocks stay allocated under ``request_id``, now the
-       decode engine's (see the contract below).
-    4. Or it fails: ``receiver.abort()`` (client cancel), the deadline, P's
-       abort, P's death (UCX endpoint error), incompatibility. ``wait`` raises
-       a TransferError subclass at once.
-
-Lifecycle on the prefill side (P):
-    1. ``handle = await sender.open(ticket, src_block_ids)``: connect once per
-       peer (handshake checks protocol version and compatibility hash: a
-       mismatch raises IncompatibleError before any data moves; with a cluster
-       token both ends prove it first, ``auth.py``: UnauthenticatedError), send
-       ``Open`` and return at once.
-    2. The forward calls ``handle.push_layer(layer)`` after writing each layer (``push_layers(first,
-       count)`` for layers written together: a prefill under a CUDA graph);
-       the send starts at once and overlaps the next layers' compute.
-    3. ``await handle.complete(first_token_id)`` waits until D acknowledged the
-       completion, which it does once every byte of every layer landed.
-    4. Or ``await handle.abort(reason)``; D's abort, D's death or the deadline
-       make ``complete`` raise.
+:class:`KVReceiver` (decode side) and :class:`KVSender` with its :class:`SenderHandle` (prefill side) run
+over the Protocols of ``transport.py``; ``transports/`` holds the backends (UCX, and an in-process fake for
+tests), ``writers/`` the one-host writers. The lifecycle, wire protocol, handshake, writers and failure
+handling are in ``docs/kv_transfer.md``.
 
 THE block-ownership and threading contract (the only copy; other modules point here)
 ------------------------------------------------------------------------------------

@@ -1,11 +1,5 @@
-"""Both ends of a KV transfer prove the cluster token in the handshake. Pure: hmac and hashlib only.
-
-The prefill side's ``Hello`` carries a fresh random nonce and an HMAC-SHA256, keyed by the cluster token,
-over the Hello's fields and that nonce; the decode side refuses a Hello without a valid proof, or with a
-nonce it has already seen (a replay), and answers with an HMAC over the same nonce and its verdict, which
-the prefill side checks in turn. So a process without the token can neither write into a decode worker's
-KV blocks nor pose as a decode worker to receive a prompt's KV. The token itself never crosses the wire.
-No token configured on a side: that side neither proves nor checks (an open cluster, as before).
+"""Both ends of a KV transfer prove the cluster token in the handshake (HMAC-SHA256 over a fresh nonce;
+the token never crosses the wire). Pure: hmac and hashlib only. The exchange: docs/kv_transfer.md.
 """
 
 from __future__ import annotations

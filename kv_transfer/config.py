@@ -1,9 +1,5 @@
-"""Transfer configuration, built once at startup. Pure: no torch, no ucxx.
-
-This is also the one place the kv_transfer package touches the environment:
-:func:`apply_ucx_env` sets UCX's network devices and fills UCX defaults before
-ucxx starts. Transport choice otherwise follows UCX's own variables
-(``UCX_TLS`` and friends), which UCX reads itself.
+"""Transfer configuration, built once at startup. Pure: no torch, no ucxx. Also the one place the package
+touches the environment: :func:`apply_ucx_env` sets UCX's network devices and defaults before ucxx starts.
 """
 
 from __future__ import annotations
@@ -77,19 +73,18 @@ class TransferConfig:
     host (same boot and pid namespace, told by the handshake) by cross-memory attach (``process_vm_writev``,
     writers/cma.py) when the receiver is on its host and the kernel permits
     it, else through UCX. (UCX's own shared-memory transports are not used:
-    UCX 1.21 offers them only on endpoints without peer-failure handling, where
+    UCX offers them only on endpoints without peer-failure handling, where
     a peer's death aborts the process.)
     ``rma``: move KV with one-sided UCX puts into the receiver's registered KV
-    tensor (protocol 3 and later) when both peers offer it; otherwise, or with False on
+    tensor when both peers offer it; otherwise, or with False on
     either side, each layer goes as tagged messages. Which one a transfer uses
     is named in its ``Open``: one transfer never mixes them.
     ``rma_over_tcp``: puts also where every lane of the endpoint is tcp (no RDMA device, no CUDA IPC,
     no cross-memory attach), where UCX emulates them. None (auto): when UCX's tcp segments are at
     least 64 KB (``UCX_TCP_TX_SEG_SIZE``, which :func:`apply_ucx_env` sets to 64K unless the
-    environment sets it). At 64 KB, puts beat the tagged push over loopback (medians of eight runs,
-    1,024 tokens: 8.1 ms against 10.1; 4,096: 23.0 against 32.9); at UCX's own 8 KB, puts went out as ~2,900
-    fragments, sent both by the calling thread and by the progress thread, and lost (median 32.8 ms
-    against 23.4). True: puts over tcp whatever the segment size; False: the tagged push there.
+    environment sets it): with such segments puts beat the tagged push, while with UCX's own 8 KB a put
+    goes out as many small fragments, sent by both the calling thread and the progress thread, and loses.
+    True: puts over tcp whatever the segment size; False: the tagged push there.
     """
 
     backend: Backend = Backend.UCX
@@ -121,12 +116,11 @@ class TransferConfig:
 
 _DEVICES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*")
 
-# UCX 1.21 no longer knows UCX_MEMTYPE_CACHE, which ucxx sets on import, and
-# warns about it on every context creation.
+# UCX_WARN_UNUSED_ENV_VARS: UCX 1.21 does not know UCX_MEMTYPE_CACHE, which ucxx sets on import, and
+# would warn about it on every context creation.
 # UCX_TCP_TX_SEG_SIZE: UCX's tcp transport sends in segments of 8 KB by default, a system call and a
-# progress pass each; 64 KB (the size of its receive segments) moved a 1,024-token SmolLM2 request
-# (23.6 MB) by puts in 6.4-10.9 ms instead of 22.8-23.5 ms over loopback, tagged sends 2x faster too
-# (benchmarks/results/kv_transfer_tcp_segment.json).
+# progress pass each; 64 KB (the size of its receive segments) moves KV markedly faster, by puts and by
+# tagged sends alike (benchmarks/results/kv_transfer_tcp_segment.json).
 _UCX_ENV_DEFAULTS = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_TCP_TX_SEG_SIZE": "64K"}
 
 

@@ -1,15 +1,5 @@
-"""Decode side: receive what the sender of a refused ``Open`` pushed, into scratch memory.
-
-A prefill worker pushes data right after ``Open`` without waiting for an
-answer, so by the time the receiver refuses an Open (reservation expired,
-aborted, unknown, malformed plan) messages of that transfer may already wait
-in UCX, and rendezvous sends stay pending until a receive matches them. The
-receiver therefore posts receives for every (layer, segment) of the refused
-plan into one scratch buffer (never into KV blocks), then tells the sender with
-``Abort``; the sender stops and answers which layers it had sent
-(``AbortAck``, or its own ``Abort``), and the receives of the others are
-cancelled. A drain that hears nothing cancels everything after
-``settle_timeout_s``, and drops the connection if even that stalls.
+"""Decode side: receive what the sender of a refused ``Open`` pushed into scratch memory, never into KV
+blocks, until the sender says which layers it sent and the rest are cancelled.
 """
 
 from __future__ import annotations
@@ -30,7 +20,13 @@ log = logging.getLogger(__name__)
 
 
 class Drains:
-    """Every drain of one receiver; all methods run on its event loop thread."""
+    """Every drain of one receiver; all methods run on its event loop thread.
+
+    A sender pushes right after Open, so by the time an Open is refused its messages may already wait
+    in UCX, and rendezvous sends stay pending until a receive matches them: hence a scratch receive for
+    every (layer, segment) of the refused plan. A drain that hears nothing cancels everything after
+    ``settle_timeout_s``, and drops the connection if even that stalls.
+    """
 
     def __init__(self, kv: torch.Tensor, block_bytes: int, settle_timeout_s: float) -> None:
         self._kv = kv

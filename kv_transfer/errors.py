@@ -1,9 +1,6 @@
-"""Why a transfer failed, as exception types. Pure: no torch, no ucxx.
-
-Every failure a caller can see is a :class:`TransferError` subclass whose
-``reason`` is a :class:`FailureReason`; the same value labels the
-``pdserve_kv_transfer_failures_total`` counter and travels in ``Abort``
-messages, so both sides report the same cause.
+"""Why a transfer failed, as exception types. Pure: no torch, no ucxx. A :class:`TransferError`'s
+``reason`` also labels ``pdserve_kv_transfer_failures_total`` and travels in ``Abort``, so both sides report
+the same cause.
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
-"""Prefill side, one transfer: push layers as the forward produces them, then complete.
+"""Prefill side, one transfer: push layers as the forward produces them, then complete or abort.
 
-Stages (:class:`HandleState`):
-    STREAMING  ``KVSender.open`` sent ``Open``; each pushed layer is sent on the
-               event loop at once (no wait for an answer to Open: the receiver
-               posts its receives when Open arrives, and UCX holds data that
-               comes first), while the forward computes the next layers;
-               ``push_layer`` (``push_layers``) may be called from any thread
-    COMPLETING ``complete`` sends ``Complete`` with the first token once every
-               layer is issued, then waits for the receiver's ack, which says
-               every byte landed (and so no send reads P's blocks any more)
-    DONE       acknowledged: the receiver owns the data
-    FAILED     aborted, deadline, peer died, refused (the receiver's ``Abort``):
-               every wait raises the error
-
-With one-sided writes (``writer``, protocol 3 and later) a layer is a put per
-contiguous run into the receiver's registered tensor instead of tagged sends;
-puts start at once when the ticket is newer than the connection (``eager``: the
-receiver then revokes rather than refuses), otherwise only once the receiver
-has answered the Open with ``Accept`` (layers pushed before wait here), and
-Complete, Abort and AbortAck go out only after a flush of the endpoint has
-confirmed that every put landed (receiver.py says why).
-
-Who frees (the contract is in ``kv_transfer/__init__.py``): P's source blocks
-are the prefill worker's until ``complete`` or ``abort`` has returned or raised;
-both return only after every send has settled (or been cancelled after
-``settle_timeout_s``), so nothing reads the blocks afterwards.
+Tagged sends go out on the event loop; one-sided writes go through the connection's ``RemoteWriter``, on
+the forward thread itself where the writer is direct.
 """
 
 from __future__ import annotations
@@ -63,9 +40,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # CUDA only: a layer whose writes have not finished is re-checked on every loop iteration for this long
-# after its push, then every millisecond. A shorter timer is no finer (asyncio rounds it up to the
-# millisecond of its epoll wait; uvloop runs it on the next iteration, which made the 20 us timer used
-# before a spin on the loop for as long as the forward ran ahead of the GPU).
+# after its push, then every millisecond. A shorter timer is no finer: asyncio rounds it up to the
+# millisecond of its epoll wait, and uvloop runs it on the next iteration, so the loop would spin for as
+# long as the forward runs ahead of the GPU.
 _READY_SPIN_S = 2e-3
 _READY_POLL_S = 1e-3
 _BOOKS_LAG_S = 0.005  # direct writes: how often the loop is woken to book them, at most
@@ -75,10 +52,14 @@ PROGRESS_INTERVAL_S = 0.5
 
 
 class HandleState(Enum):
+    # Open sent; each pushed layer goes out at once, without waiting for an answer to Open, while the
+    # forward computes the next layers.
     STREAMING = "streaming"
+    # Complete sent once every layer was issued; waiting for the ack that says every byte landed (and so
+    # no send reads P's blocks any more).
     COMPLETING = "completing"
-    DONE = "done"
-    FAILED = "failed"
+    DONE = "done"  # acknowledged: the receiver has the data
+    FAILED = "failed"  # aborted, deadline, peer died or refused: every wait raises the error
 
 
 class NotifyPeer(Enum):
@@ -146,7 +127,7 @@ class SenderHandle:
         self._tag_base = tag_base(ticket.transfer_id, peer.conn_id)
         self._deadline = deadline  # loop time
         # The transfer's duration (pdserve_kv_transfer_seconds) on a fine clock: uvloop's loop.time()
-        # moves in whole milliseconds, and transfers take from under one.
+        # moves in whole milliseconds, and a transfer can take less than one.
         self._t_open = time.perf_counter()
         self._progress_at = self._loop.time()  # RMA: when the receiver last heard how far the puts are
         self._lock = threading.Lock()
@@ -235,7 +216,7 @@ class SenderHandle:
         prefill under a CUDA graph writes all layers before its hooks run; a transfer that opens
         mid-forward catches up on the layers written so far). A direct writer copies them in one call:
         one strided copy per contiguous run (cuda_ipc.py), one system call (cma.py), where a push per
-        layer costs a call (and, on CUDA, tens of microseconds of host time) each."""
+        layer costs a call, and on CUDA that call's host time, each."""
         if count < 1 or first < 0 or first + count > self.num_layers:
             raise ValueError(f"layers {first} .. {first + count - 1} outside [0, {self.num_layers})")
         if self._direct:
@@ -280,7 +261,7 @@ class SenderHandle:
             else:
                 self._written.extend((i, now - pushed_at, nbytes, err) for i in range(layer, layer + count))
             # The books may lag (complete() and a failure's settling catch up): a wake per layer
-            # has the loop contend with this thread for the GIL (~1 ms of 5 at 1,024 tokens).
+            # would have the loop contend with this thread for the GIL.
             due = err is not None or len(self._pushed) == self.num_layers or now >= self._next_wake
             if not due:
                 return
@@ -395,7 +376,7 @@ class SenderHandle:
 
     def _account_written(self, written: list[tuple[int, float, int, TransferError | None]]) -> None:
         """``_account_put`` for a batch of direct writes, at once: the books of a whole forward (a wake
-        after its last layer) sit between its last push and ``complete``, ~2 us a layer one by one."""
+        after its last layer) sit between its last push and ``complete``."""
         if any(err is not None for *_, err in written):  # rare: layer by layer, up to the failure
             for layer, seconds, nbytes, err in written:
                 self._account_put(layer, seconds, nbytes, err)

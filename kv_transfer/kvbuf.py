@@ -1,9 +1,6 @@
-"""Views into the project's KV tensor, for the transport. Uses torch, never model code.
-
-Layout (fixed project-wide): ``kv [L, N, 2, B, Hkv, D]``, one allocation.
-``kv[layer, b0:b0 + n]`` is one contiguous span of ``n`` blocks, K then V of
-every block; that is the unit one data message moves (:class:`KVSpans` gives
-it as bytes).
+"""Byte views of the project's KV tensor for the transports; uses torch, never model code. In the layout
+``kv [L, N, 2, B, Hkv, D]``, ``kv[layer, b0:b0 + n]`` is one contiguous span (K then V of each block): the
+unit one data message moves.
 """
 
 from __future__ import annotations
@@ -54,9 +51,8 @@ class KVSpans:
     """Byte spans of one KV tensor, for the transport's hot path.
 
     A span is a slice of one flat uint8 view made once: a numpy view for host
-    memory (slicing it costs ~1 us, where a torch view plus ``.numpy()`` costs
-    ~25 us, which adds up over hundreds of messages per transfer), a torch view
-    for device memory.
+    memory (slicing it is far cheaper than a torch view plus ``.numpy()``, which
+    adds up over hundreds of messages per transfer), a torch view for device memory.
     """
 
     def __init__(self, kv: torch.Tensor) -> None:

@@ -1,9 +1,5 @@
-"""Prometheus metrics of the KV transfer. Pure: prometheus_client only.
-
-Every object takes the registry it lives on; the default is a private one.
-Senders and receivers given the same registry (a colocated worker, the
-observability layer's registry) share one set of families, told apart by the
-``role`` label.
+"""Prometheus metrics of the KV transfer. Pure: prometheus_client only. Senders and receivers given the
+same registry (a colocated worker's) share one set of families, told apart by the ``role`` label.
 """
 
 from __future__ import annotations

@@ -1,36 +1,28 @@
-"""Which bytes go in which message. Pure: no torch, no ucxx.
-
-One layer of one request is ``kv[layer, block_table]``; every run of block ids
-that is consecutive on BOTH sides is one contiguous span in both KV tensors,
-so it moves as one message straight from P's tensor into D's tensor. The
-sender computes the runs from both tables and sends their lengths in ``Open``;
-the receiver checks that its side of every run is contiguous.
-
-Data message tags (64 bits, matched exactly by the receiving UCX worker):
-    bit 63      1 (data; ucxx's own connection tags are random 64-bit hashes)
-    bits 32-62  transfer id (31 bits, unique per receiving process)
-    bits 24-31  layer (8 bits)
-    bits 16-23  connection id (8 bits: the receiver's id for the sending connection)
-    bits  0-15  segment index (16 bits)
-
-The sender pushes data without waiting for the receiver to see ``Open`` (UCX
-holds messages that arrive before their receive), so a tag must say who sent
-it: the connection id, which the receiver hands out in ``HelloReply`` and keeps
-unique among its live connections, keeps a second sender of the same ticket
-from ever matching the receives posted for the accepted one.
-"""
+"""Which bytes go in which data message, and the tags that name them. Pure: no torch, no ucxx."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# Data message tags (64 bits, matched exactly by the receiving process):
+#   bit 63      1: data (control tags clear it, transports/ucx_framing.py)
+#   bits 32-62  transfer id, unique per receiving process
+#   bits 24-31  layer
+#   bits 16-23  connection id: the receiver's id for the sending connection (HelloReply.conn_id)
+#   bits  0-15  segment index
+# Data follows Open without waiting for the receiver to see it, and matching is per process, not per
+# connection: the connection id keeps a second sender of the same ticket from ever matching the
+# receives posted for the accepted one.
 MAX_TRANSFER_ID = (1 << 31) - 1
 MAX_LAYERS = 1 << 8
 MAX_CONN_IDS = 1 << 8
 MAX_SEGMENTS = 1 << 16
 
 
+# A segment is a run of blocks consecutive on BOTH sides: one contiguous span in both KV tensors, so it
+# moves as one message. The sender computes the runs from both tables and sends their lengths in Open;
+# the receiver checks that its side of every run is contiguous.
 @dataclass(frozen=True)
 class Segment:
     index: int

@@ -1,58 +1,5 @@
-"""Decode side: reserve KV blocks, hand out a ticket, receive layers into the blocks.
-
-Stages of a transfer here (one ``Reservation`` per request):
-    RESERVED  blocks allocated under the request id; ticket handed out; deadline armed
-    OPEN      the sender's ``Open`` arrived; one receive per layer and segment
-              is posted straight into the reserved blocks (the sender does not
-              wait for this: data that came first waits in UCX and lands now)
-    DONE      every layer landed and ``Complete`` (first token id) arrived:
-              ``wait()`` returns, the blocks now belong to the decode engine
-    FAILING   aborted, deadline, peer died, incompatible: ``wait()`` raises at
-              once; the blocks are held until every posted receive has settled
-    FREED     failed and blocks returned to the BlockManager
-
-An ``Open`` that cannot be accepted (reservation expired, aborted, unknown;
-malformed plan) is refused with ``Abort``, and whatever its sender pushed is
-received into scratch memory (drain.py): no KV block is written, no send waits
-forever. Data tags carry this receiver's id for the sending connection, so a
-second sender of the same ticket never matches the accepted sender's receives.
-
-Who frees (the contract is in ``kv_transfer/__init__.py``): on every failure
-before DONE the receiver, and only after the last in-flight write into those
-blocks has finished, so a freed block is never written by a late message; after
-DONE the decode engine.
-
-One-sided writes (RMA, ``Open.rma``): the sender puts straight into the KV
-tensor, which ``start`` registers once and ``HelloReply`` offers. Nothing is
-posted here, so nothing here can be cancelled. Who may write a reservation's
-blocks, and so who must have stopped before they are freed:
-    - Eager writers. A connection may put into a reservation made after its
-      handshake (ticket ``seq`` > the ``HelloReply``'s) right after its Open,
-      with no round trip first. Nothing says which of them holds the ticket,
-      so when such a reservation ends before an Open came (deadline, abort,
-      shutdown), every one of them is sent a revoke (``Abort`` with the
-      ticket's deadline) and the blocks wait until each has answered
-      (``AbortAck``: sent after its flush when it was writing; a sender not
-      yet writing remembers the revoke and never opens the ticket) or its
-      connection closed. A connection made after the reservation never writes
-      it eagerly: its Open waits for ``Accept``, which a refused Open never gets.
-    - The opener. Once an Open is taken (``Accept`` sent, or eager), the blocks
-      are freed only when the sender's Complete, Abort or AbortAck arrives
-      (each sent after it flushed its endpoint: no put of the transfer is
-      still in flight), or the connection broke (the sender died, or its
-      endpoint failed).
-    - Either wait is bounded: after ``settle_timeout_s`` without an answer this
-      side closes the connection and holds the blocks another
-      ``settle_timeout_s``, and so the blocks of every other transfer that
-      connection opened or may write eagerly (``_close``: any close this side
-      makes, a protocol violation's too; only a close that means the sender
-      is gone frees at once). This is the one case not closed by construction: a
-      sender frozen (not dead) in the middle of a put for longer than that,
-      which then resumes, could finish that put.
-One ticket is opened by one sender (the router hands each ticket to one
-prefill worker); a second, eager Open of it from another connection fails the
-transfer while it is open, and is logged as an error after it completed (its
-puts may have reached blocks the decode engine already owns).
+"""Decode side: reserve KV blocks and hand out tickets, receive layers into the blocks, and free a failed
+transfer's blocks only once nothing can write them any more (docs/kv_transfer.md, "Failure handling").
 """
 
 from __future__ import annotations
@@ -268,7 +215,9 @@ class KVReceiver:
     def _close(self, peer: PrefillConn) -> None:
         """Close a live sender's connection from this side (``forced``). Its sender may live on and
         still put into every transfer it opened here, or may write eagerly, not only the one it is closed
-        for: those blocks are freed (once failed) no sooner than ``settle_timeout_s`` from now."""
+        for: those blocks are freed (once failed) no sooner than ``settle_timeout_s`` from now. The one
+        case this does not close by construction: a sender frozen (not dead) in the middle of a put for
+        longer than that, which then resumes, could finish that put."""
         if peer.rma and not peer.forced:
             until = asyncio.get_running_loop().time() + self._config.settle_timeout_s
             eager = [r for r in self._by_transfer.values() if r.state is RxState.RESERVED]
@@ -354,7 +303,7 @@ class KVReceiver:
     def _on_hello(self, peer: PrefillConn, msg: wire.Hello) -> None:
         if peer.greeted:
             # One Hello per connection: a second would move its hello_seq past reservations it may be
-            # writing eagerly (they would no longer be revoked on it).
+            # writing eagerly, and they would then not be revoked on it.
             log.warning("closing connection from %s: Hello twice", peer.conn.peer)
             self._close(peer)
             return
@@ -443,7 +392,9 @@ class KVReceiver:
         rx.opened_at = time.perf_counter()  # (not uvloop's loop.time(): whole milliseconds)
         if msg.rma:
             rx.rma = True
-            rx.unsettled = 1  # the sender may write the blocks from now until it says it stopped
+            # The sender may write the blocks from now until its Complete, Abort or AbortAck (each sent
+            # after a flush of its endpoint) or the connection's end: nothing is posted here to cancel.
+            rx.unsettled = 1
             if not msg.eager:
                 self._send(peer.conn, wire.Accept(rx.transfer_id))
             return

@@ -34,11 +34,13 @@ class BlockPool(Protocol):
 
 
 class RxState(Enum):
-    RESERVED = "reserved"
-    OPEN = "open"
-    DONE = "done"
-    FAILING = "failing"
-    FREED = "freed"
+    """A reservation's stage on the decode side."""
+
+    RESERVED = "reserved"  # blocks allocated under the request id; ticket handed out; deadline armed
+    OPEN = "open"  # the sender's Open taken: receives posted into the blocks, or its puts allowed
+    DONE = "done"  # every layer and Complete arrived: wait() returns; the blocks are the engine's
+    FAILING = "failing"  # wait() raises; the blocks are held until nothing can write them any more
+    FREED = "freed"  # failed, and the blocks returned to the pool
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,5 @@
-"""Prefill side: connections to decode workers and the opening of transfers.
-
-Per peer (decode worker address), once: connect, ``Hello`` with the protocol
-version and the KV compatibility hash, ``HelloReply``. The connection is cached
-until it breaks; a refused handshake is cached too (it would be refused again).
-
-Per transfer: check the ticket (version, hash, deadline, block count) before
-any data moves, send ``Open`` with the contiguous-run plan, and return a
-:class:`~kv_transfer.handle.SenderHandle` at once: layers go out as soon as
-they are pushed, without waiting for the receiver to answer ``Open`` (it
-answers only a refusal, with ``Abort``), so no round trip sits before the first
-layer. An incompatible ticket or peer raises IncompatibleError and tells the
-receiver, which frees its reservation at once rather than at its deadline.
-
-One-sided writes go out eagerly too, on tickets newer than the connection
-(``TransferTicket.seq`` > ``HelloReply.seq``). The receiver's revoke of such a
-ticket (an ``Abort`` for a transfer with no handle here) is answered with
-``AbortAck`` and remembered until the ticket's deadline: an ``open`` of it
-later is refused here, before anything is written. Should revokes pile up past
-``_MAX_REVOKED`` unexpired ones, the connection stops writing eagerly (every
-later RMA Open waits for ``Accept``) rather than forget one.
+"""Prefill side: one connection and handshake per decode worker, and the opening of transfers, which
+checks the ticket before any data moves and returns a :class:`SenderHandle` without waiting for an answer.
 """
 
 from __future__ import annotations
@@ -78,6 +59,9 @@ class _Peer:
         return self.writer is not None and 0 <= self.hello_seq < ticket.seq
 
     def remember_revoke(self, msg: wire.Abort) -> None:
+        """Keep a revoke until its ticket's deadline, so that an ``open`` of the ticket is refused here
+        before anything is written. Past ``_MAX_REVOKED`` unexpired ones the connection stops writing
+        eagerly (every later one-sided Open waits for Accept) rather than forget one."""
         if self.hello_seq < 0:
             return
         if len(self.revoked) >= _MAX_REVOKED:
@@ -228,6 +212,7 @@ class KVSender:
         return peer if peer.conn is not None and peer.conn.alive else None
 
     async def _connect(self, address: str) -> _Peer:
+        # Cached until the connection breaks; a refused handshake too (it would be refused again).
         peer = self._peers.get(address)
         if peer is None or (peer.ready.done() and (peer.conn is None or not peer.conn.alive)):
             loop = asyncio.get_running_loop()

@@ -1,35 +1,6 @@
-"""The one small interface both backends implement.
-
-A transport moves two things over a connection between a prefill worker
-(connects) and a decode worker (listens):
-- control messages: small byte strings, delivered in order to a handler;
-- data: tagged buffers. ``recv_data`` posts a receive straight into a KV
-  span; ``send_data`` sends a KV span; the receive whose tag matches gets it.
-  Tag matching is per receiving process, not per connection, as in UCX, and a
-  message may arrive before its receive is posted: it waits for it.
-
-Every data operation takes an ``on_done`` callback, called exactly once on the
-event loop thread (never from inside ``send_data``/``recv_data``) when the
-buffer may be reused (send) or holds the data (receive), with None, or with the
-:class:`~kv_transfer.errors.TransferError` that ended it. A callback instead of
-a future: a transfer runs hundreds of these, and each future costs an extra
-loop iteration. ``DataOp.cancel`` asks to stop; ``on_done`` still comes, and
-only then is the buffer free of the transport (a receive that already matched
-finishes writing first). Receivers rely on this to free KV blocks only after
-the last write into them.
-
-Buffers are contiguous 1-D uint8 views: numpy arrays for host memory (slicing
-them costs a fraction of a torch view, see ``kvbuf.KVSpans``), torch tensors
-for device memory.
-
-Handlers run on the event loop thread. A broken connection calls ``on_close``
-with the error exactly once and fails every pending operation on it.
-
-One-sided writes (RMA), where a backend has them: the receiving side
-``expose``s its KV bytes once and hands the region to senders in the
-handshake; a sender's ``remote_writer`` puts spans straight into it, and a
-``flush`` says when every put issued before it has landed. Backends without
-them return None from both, and transfers move as tagged data.
+"""The one small interface every backend implements (Protocols only): a connection between a prefill
+worker (connects) and a decode worker (listens) carries ordered control messages, tagged data and, where
+the backend has them, one-sided writes into the decode worker's exposed KV bytes.
 """
 
 from __future__ import annotations
@@ -45,15 +16,20 @@ if TYPE_CHECKING:
     from pdserve.kv_transfer.errors import TransferError
     from pdserve.kv_transfer.wire import RemoteRegion
 
+    # A contiguous 1-D uint8 view: numpy for host memory (slicing it is far cheaper than a torch view,
+    # kvbuf.KVSpans), torch for device memory.
     Buffer = np.ndarray | torch.Tensor
 
 MessageHandler = Callable[[bytes], None]
 CloseHandler = Callable[[Exception | None], None]
+# Called exactly once, on the event loop thread and never from inside the call that started the operation,
+# with None or the error that ended it. A callback, not a future: a transfer runs hundreds of operations,
+# and each future costs another loop iteration.
 DoneCallback = Callable[["TransferError | None"], None]
 
 
 def describe(address: str) -> str:
-    """A peer's address for logs and errors: a UCX worker address is ~250 characters of base64."""
+    """A peer's address for logs and errors: a UCX worker address is hundreds of characters of base64."""
     if len(address) <= 48:
         return address
     head = address[: address.find(":") + 1] if ":" in address[:24] else ""
@@ -61,17 +37,22 @@ def describe(address: str) -> str:
 
 
 class DataOp(Protocol):
-    def cancel(self) -> None: ...
+    def cancel(self) -> None:
+        """Ask to stop. ``on_done`` still comes, and only then is the buffer free of the transport (a
+        receive that already matched finishes writing first): receivers rely on this to free KV blocks
+        only after the last write into them."""
+        ...
 
 
 class RemoteWriter(Protocol):
-    # True: ``put`` is a copy done when it returns, callable from any thread; ``flush`` is a check.
+    # True: ``write_runs`` is a copy done when it returns, callable from any thread; ``flush`` is a check.
     synchronous: bool
     # True: ``write_runs`` may be called on the forward thread right after the forward wrote (or, on
     # CUDA, enqueued the writes of) a layer: a synchronous copy, or a copy ordered after those writes
     # on the same CUDA stream (cuda_ipc.py). False: only on the event loop, once the layer is ready.
     direct: bool
-    # How it writes, for the metrics (``TransferMetrics.opened``): "puts", "cross_memory" or "cuda_ipc".
+    # How it writes, for the metrics (``metrics.TRANSFER_PATHS``): "puts", "cross_memory", "shared_memory"
+    # or "cuda_ipc".
     path: str
 
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
@@ -111,7 +92,9 @@ class Connection(Protocol):
     def alive(self) -> bool: ...
 
     def set_handlers(self, on_message: MessageHandler, on_close: CloseHandler) -> None:
-        """Install handlers; messages that arrived earlier are delivered after this call."""
+        """Install handlers, which run on the event loop thread; messages that arrived earlier are
+        delivered after this call. A broken connection calls ``on_close`` with the error exactly once
+        and fails every pending operation on it."""
 
     def post_message(self, payload: bytes) -> None:
         """Submit a control message now (not when a task gets to run), in order.
@@ -121,10 +104,12 @@ class Connection(Protocol):
         """
 
     def send_data(self, buf: Buffer, tag: int, on_done: DoneCallback) -> DataOp:
-        """Send a contiguous uint8 buffer."""
+        """Send a contiguous uint8 buffer; ``on_done`` once it may be reused."""
 
     def recv_data(self, buf: Buffer, tag: int, on_done: DoneCallback) -> DataOp:
-        """Receive into a contiguous uint8 buffer of exactly the sent size."""
+        """Receive into a contiguous uint8 buffer of exactly the sent size; ``on_done`` once it holds the
+        data. Tags match per receiving process, not per connection (as in UCX), and a message that
+        arrives before its receive is posted waits for it."""
 
     def close(self) -> None:
         """Close abruptly: pending operations fail, the peer sees the connection break."""

@@ -1,36 +1,6 @@
-"""Typed messages of the KV transfer. Pure: msgspec only, no torch, no ucxx.
-
-Two kinds of bytes cross a process boundary:
-- the :class:`TransferTicket`, which the decode worker hands out and the
-  serving path carries through gRPC as opaque bytes to the prefill worker;
-- control messages on the transfer connection (a tagged union, msgpack).
-  KV data itself moves as raw tagged buffers, never through msgspec.
-
-Control conversation on one connection (prefill P -> decode D):
-    P: Hello          D: HelloReply        once per connection (version + hash); D names the
-                                           connection (``conn_id``, part of every data tag)
-    P: Open                                per transfer; P pushes data right after it without
-                                           waiting: D posts the receives when Open arrives, and
-                                           UCX holds any data that came first
-    (data: one tagged message per layer and contiguous segment)
-    P: Complete       D: CompleteAck       first token id, sent once every layer is issued;
-                                           D acks once every layer has also landed
-    With RMA (``Open.rma``), P puts each layer's runs straight into D's registered KV tensor
-    (the region in HelloReply) instead of tagged messages, and sends Complete, Abort and
-    AbortAck only after flushing its endpoint: each of them says no put of the transfer
-    is in flight any more. P puts right after Open, without waiting (``Open.eager``), into
-    reservations D made after this connection's handshake (``TransferTicket.seq`` >
-    ``HelloReply.seq``): D frees such a reservation, when it ends before any Open came,
-    only once every connection that may hold it has answered its ``Abort`` (revoke) with
-    ``AbortAck`` or closed. An older reservation (or a sender that lost track of revokes)
-    waits for D's ``Accept`` of the Open: a refused Open's blocks may be another request's.
-    P: Abort(sent layers)                  P gives up; D keeps the receives of sent layers
-    D: Abort          P: AbortAck(sent)    D gives up, revokes an un-opened reservation, or
-                                           refuses an Open (expired, aborted,
-                                           unknown, malformed): then D receives whatever P
-                                           pushed into scratch memory, never into KV blocks.
-                                           P stops and says what it had sent, so D knows
-                                           which receives may still be written
+"""Typed messages of the KV transfer: the ticket a decode worker hands out and the control messages on a
+transfer connection (a msgpack tagged union; KV data never goes through here). Pure: msgspec only.
+The conversation and its rules are in docs/kv_transfer.md ("Wire protocol").
 """
 
 from __future__ import annotations
@@ -41,14 +11,8 @@ import msgspec
 
 from pdserve.kv_transfer.errors import IncompatibleError
 
-# Bump on any change to these messages or to the tag layout (plan.py).
-# 2: data follows Open without waiting for a reply (no OpenReply); connection id in tags.
-# 3: one-sided puts (RMA): Hello offers them, HelloReply carries the remote key, Open says which
-#    way the transfer's data moves.
-# 4: RMA puts start at Open (no wait for Accept) on reservations newer than the connection; the
-#    receiver revokes an un-opened one on every such connection before reusing its blocks.
-# 5: Progress: an RMA sender says how many layers it has put, so the decode side's stall watch sees a
-#    long forward move (puts leave no trace at the receiver before Complete).
+# Bump on any change to these messages or to the tag layout (plan.py): it is part of the compatibility
+# hash, so peers of different versions refuse each other at the handshake, before any data moves.
 PROTOCOL_VERSION = 5
 
 
@@ -124,7 +88,7 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     ok: bool
     reason: str = ""
     conn_id: int = 0  # the receiver's id for this connection, in every data tag (plan.py)
-    code: str = ""  # a FailureReason value when refused ("": incompatible, as before)
+    code: str = ""  # a FailureReason value when refused ("": incompatible)
     proof: str = ""  # the receiver's proof of the cluster token over the Hello's nonce (auth.py)
     rma: RemoteRegion | None = None  # offered when both sides can: where puts go
     # The receiver's reservation count now: tickets with a larger seq may be written before Accept.

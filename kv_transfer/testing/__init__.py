@@ -1,12 +1,7 @@
-"""Two-process harness for the KV transfer tests and benchmark (not used by the serving path).
-
-Lives in the product, not in ``tests/``, because ``benchmarks.kv_transfer`` drives the same peers. It is the
-only part of ``kv_transfer`` that uses the engine's ``BlockManager`` directly.
-
-- ``spec``: ``PeerSpec`` and the seeded contents both sides check against.
-- ``process``: ``PeerProcess``, the parent's handle on a peer (forked from a server that imported torch).
-- ``child``: ``PeerState``, what the peer does with each command.
-- ``baseline``: raw ucxx sends of the same bytes, the yardstick of ``benchmarks.kv_transfer``.
+"""Two-process harness for the KV transfer tests and ``benchmarks/kv_transfer.py`` (not used by the serving
+path; in the product because the benchmark drives the same peers): ``spec`` (what both sides agree on),
+``process`` (the parent's handle on a peer), ``child`` (what a peer does), ``baseline`` (raw ucxx sends).
+The only part of ``kv_transfer`` that uses the engine's ``BlockManager`` directly.
 """
 
 from pdserve.kv_transfer.testing.process import PeerProcess, running_peers

@@ -1,19 +1,5 @@
-"""Raw ucxx baseline for the benchmark: what plain ucxx does with the same bytes.
-
-It uses ucxx through :mod:`kv_transfer.transports.ucx`'s runtime (``ucx_runtime``, which owns the only
-``import ucxx``) and the same endpoints (control endpoint with error handling,
-optional shared-memory data endpoint), so a comparison isolates the cost of
-pdserve's protocol. Unlike pdserve, it connects through a ucxx listener, which
-binds every interface while a benchmark runs. One message of N bytes is answered by a one-byte
-ack; connections and buffers are made once and reused, like pdserve's.
-
-``count > 1`` splits the same bytes into that many messages, all posted at
-once and answered by one ack: what plain ucxx pays for as many messages as
-pdserve sends (one per layer and contiguous run), a reference, not the baseline.
-
-``device="cuda"``: the data buffers are CUDA tensors (ucxx takes them through
-``__cuda_array_interface__``), as pdserve's KV tensor is then; the one-byte
-acks stay in host memory, as pdserve's control messages do.
+"""Raw ucxx baseline for the benchmark: plain ucxx moving the same bytes over the same kind of endpoints,
+so that a comparison isolates the cost of pdserve's protocol.
 """
 
 from __future__ import annotations
@@ -49,6 +35,15 @@ def _split(buf: Any, count: int) -> list[Any]:
 
 
 class RawBaseline:
+    """ucxx through the transport's runtime (``ucx_runtime`` owns the only ``import ucxx``): a control
+    endpoint with error handling and, on one host, a data endpoint without it (where UCX may use shared
+    memory). Unlike pdserve it connects through a ucxx listener, which binds every interface while a
+    benchmark runs. One message of N bytes is answered by a one-byte ack; connections and buffers are
+    made once and reused, like pdserve's. ``count > 1`` splits the bytes into that many messages posted
+    at once and answered by one ack: a reference for as many messages as pdserve sends, not the
+    baseline. ``device="cuda"``: CUDA data buffers (``__cuda_array_interface__``), host-memory acks.
+    """
+
     def __init__(self, config: TransferConfig, device: str = "cpu") -> None:
         self._transport = UcxTransport(config)  # holds the ucxx runtime
         self._ucxx = self._transport.ucxx

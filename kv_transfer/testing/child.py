@@ -273,10 +273,10 @@ class PeerState:
                 "bytes": stats.bytes,
                 "messages": stats.messages,
                 "rma": handle.rma,
-                # How this transfer's KV moved (puts, cross_memory, tagged): the benchmark reports it,
-                # so that a fallback (e.g. device memory not written by puts) shows. (The handle says;
-                # reading it off the opened-by-path counters collected the whole metrics registry twice
-                # a transfer, ~1 ms of this process's time right before and after the timed part.)
+                # How this transfer's KV moved (``metrics.TRANSFER_PATHS``): the benchmark reports it,
+                # so that a fallback (e.g. device memory not written by puts) shows. The handle says;
+                # the opened-by-path counters would mean collecting the whole metrics registry twice a
+                # transfer, right before and after the timed part.
                 "path": handle.path,
                 "layer_seconds": list(stats.layer_seconds),
             }

@@ -1,12 +1,7 @@
-"""The parent side of the harness: :class:`PeerProcess` starts a peer (forked from a
-fork server that has imported torch) and calls it over a pipe.
-
-The child runs an event loop (uvloop by default, like the serving path) with a KV tensor and a
-BlockManager, and dispatches each command to ``child.PeerState``: a decode receiver, a prefill sender
-(a fake forward thread pushes the layers), or a raw-ucxx baseline.
-
-The parent always stops its peers: use it as a context manager, or call ``stop()``/``kill()``; the child
-also exits when the parent's pipe closes.
+"""The parent side of the harness: :class:`PeerProcess` starts a peer, forked from a server that has
+imported torch, and calls it over a pipe; the child runs an event loop (uvloop by default) with a KV tensor
+and a BlockManager and hands each command to ``child.PeerState``. The parent always stops its peers (a
+context manager, or ``stop()``/``kill()``); a child also exits when the parent's pipe closes.
 """
 
 from __future__ import annotations

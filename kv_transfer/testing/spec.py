@@ -1,9 +1,6 @@
-"""What both sides of the two-process KV transfer harness agree on: the peer's shape, seeded KV contents
-(so both sides check bit-exactness without shipping tensors), scattered allocations, and the error a
-peer's failure comes back as.
-
-Seeded contents are made on the host; a device KV tensor is compared and digested through a host copy
-(the checks are not timed)."""
+"""What both sides of the two-process harness agree on: the peer's shape, seeded KV contents (checked
+bit-exact on both sides without shipping tensors; device KV through an untimed host copy), scattered
+allocations, and the error a peer's failure comes back as."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The transport backends behind ``kv_transfer.transport``'s Protocols, and the one factory that picks one.
-
-Two backends. UCX: ``ucx`` (the transport: listen, connect, expose), ``ucx_runtime`` (the process's ucxx
-context; the only module in pdserve that imports ucxx), ``ucx_framing`` (addresses, control tags and
-frames), ``ucx_connection`` (one side of a connection), ``ucx_puts`` (one-sided puts), and ``ucp_rma`` and
-``ucp_tag`` (ctypes over libucp: registration, remote keys and puts; control frames and flushes).
-``inproc``: a same-process fake for unit tests, with the same ordering and failure semantics. Neither
-backend is imported until a config asks for it. The writers of one host are ``kv_transfer.writers``.
+"""The backends behind ``kv_transfer.transport``'s Protocols, and :func:`make_transport`, which picks one:
+UCX (``ucx.py`` and its ``ucx_*``/``ucp_*`` modules) or ``inproc``, a same-process fake for unit tests.
+Neither is imported until a config asks for it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Same-process fake transport, for fast unit tests of the sender/receiver logic.
-
-It keeps UCX's semantics where the logic depends on them: tag matching per
-receiving transport (not per connection), sends that wait for their receive
-(like rendezvous), receives that cancel only while unmatched, and a broken
-connection failing every pending operation on both ends. Data is copied with
-``Tensor.copy_`` on the event loop, one loop iteration after the send, so
-ordering races still happen.
-
-Addresses are ``inproc://N`` in a process-wide table of listening transports:
-this fake's stand-in for the network.
+"""Same-process fake transport for unit tests, keeping the UCX semantics the logic depends on: tag matching
+per receiving transport, sends that wait for their receive, receives that cancel only while unmatched, a
+broken connection failing every pending operation on both ends, and data copied one loop iteration after
+the send (so ordering races still happen). Addresses are ``inproc://N``, in a process-wide table.
 """
 
 from __future__ import annotations

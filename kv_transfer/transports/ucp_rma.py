@@ -1,21 +1,6 @@
-"""One-sided UCX puts for the KV transfer: a ctypes binding of the few libucp calls ucxx's
-Python API lacks (memory registration, remote keys, ``ucp_put_nbx``, ``ucp_ep_flush_nbx``).
-
-ctypes over the libucp that ucxx already loaded, not a compiled extension: nothing to
-build at first use, and a put is one foreign call (about a microsecond) while a transfer
-makes one per layer and contiguous run. ucxx exposes the raw handles it wraps (its
-context's, worker's and endpoints' ``handle``), and creates its worker thread-safe
-(``UCS_THREAD_MODE_MULTI``), so calls from the event loop thread may run beside its
-progress thread.
-
-- The receiving side maps its KV tensor once (:class:`Registration`) and hands out the
-  packed remote key and the tensor's base address.
-- The sending side unpacks the key once per endpoint (:class:`RemoteKey`), puts each
-  contiguous run straight into the remote tensor (:meth:`RemoteKey.put`), and flushes the
-  endpoint (``ucp_tag.flush``): its completion means every put issued before it has landed
-  in the peer's memory.
-
-Requests whose completion the event loop waits for (control frames, flushes) are ucp_tag.py's.
+"""A ctypes binding of the few libucp calls ucxx's Python API lacks: memory registration, remote keys,
+one-sided puts and endpoint queries. Requests the event loop waits for (control frames, flushes) are
+ucp_tag.py's.
 """
 
 from __future__ import annotations
@@ -156,6 +141,10 @@ def status_of(ptr: int | None) -> int:
 
 
 class _Lib:
+    """libucp's functions. ctypes over the copy ucxx already loaded, not a compiled extension: nothing to
+    build at first use, and a put is one foreign call. ucxx creates its worker thread-safe
+    (``UCS_THREAD_MODE_MULTI``), so calls from the event loop thread may run beside its progress thread."""
+
     def __init__(self) -> None:
         import libucx  # the wheel ucxx loads libucp from; the same soname resolves to the same copy
 

@@ -1,21 +1,6 @@
-"""Tagged messages straight on libucp (ctypes), for the KV transfer's control frames, and every
-other request whose completion the event loop waits for (endpoint flushes after puts).
-
-Why not ucxx's requests: each completion of one reaches the event loop through ucxx's notifier
-thread, which wakes, takes the GIL, schedules a coroutine with ``run_coroutine_threadsafe``, whose
-Task sets the request's future, whose done callback runs one loop iteration later: two thread hops
-and three loop iterations. Measured between two processes on one 2-core host, a control frame took
-120-270 us from send to handler that way, and a transfer waits on two of them (Complete, then
-CompleteAck). Here the completion callback runs on ucxx's progress thread and hands the result to
-the loop with one ``call_soon_threadsafe``; a send is submitted from the loop thread at once (ucxx
-creates its worker thread-safe, ``UCS_THREAD_MODE_MULTI``). KV data in tagged transfers stays on
-ucxx (ucx_connection.py): it is large, and its completions are not latency-bound.
-
-Ownership of a request: the callback never frees it (a cancel from the loop thread could meet a
-freed request); it tells the loop, and the loop frees it and calls ``on_done``. A receive is
-cancelled with ``Op.cancel``; its ``on_done`` still comes, with ``UCS_ERR_CANCELED`` (or the
-message, when it matched first). Buffers stay referenced until ``on_done``. :func:`pending` counts
-requests not yet freed, so that a closing transport can wait for them before the worker goes.
+"""Tagged messages straight on libucp (ctypes), for the control frames and every other request whose
+completion the event loop waits for (endpoint flushes after puts): one hop from UCX's progress thread to
+the loop, where a ucxx request takes two thread hops and three loop iterations (docs/kv_transfer.md).
 """
 
 from __future__ import annotations
@@ -63,6 +48,9 @@ class Op:
             lib().request_cancel(self.worker, self.request)
 
 
+# A request's owner: the callback never frees it (a cancel from the loop thread could meet a freed request);
+# it tells the loop, and the loop frees it and calls ``on_done``. Buffers stay referenced until then, and a
+# closing transport waits (bounded) for ``pending`` to reach 0 before the worker goes.
 _ops: dict[int, Op] = {}  # by key (the request's user data); touched under the GIL only
 _keys = itertools.count(1)
 

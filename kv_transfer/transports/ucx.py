@@ -1,51 +1,5 @@
-"""UCX transport on ucxx: listening, connecting and exposing the KV tensor for one-sided writes.
-
-Modules: ``ucx_runtime`` (the process's ucxx context: the only module of pdserve that imports ucxx; the
-benchmark's raw baseline, ``testing/baseline.py``, borrows the module object from this transport),
-``ucx_framing`` (addresses, control tags and frames), ``ucx_connection`` (one side of a connection),
-``ucx_puts`` (one-sided puts), ``ucp_rma`` and ``ucp_tag`` (ctypes over libucp); the writers of one host
-are ``kv_transfer.writers``.
-
-Connections: no listener. ucxx's listener takes only a port and binds every
-interface, so instead the decode side's address is its UCX *worker address*
-(``ucx-worker:`` + base64, carried in the transfer ticket), and the prefill
-side creates an endpoint to it. UCX's TCP transport then listens only on the
-devices in ``UCX_NET_DEVICES``, which ``config.apply_ucx_env`` sets from the
-worker's ``--host`` (``lo`` on loopback) or ``--kv-interface``.
-
-A connection is a pair of endpoints, one each way, both with UCX peer-failure
-error handling: UCX fails their operations and calls their close callbacks
-when the peer dies (kill -9 included), which is how both sides detect peer
-death without waiting for a deadline. The prefill side P opens with a
-``connect`` frame on the decode worker's connect tag, carrying a random
-channel id and P's own worker address; the decode side D makes its endpoint
-back from that address and answers with an empty frame on the channel.
-
-Control messages are tagged messages on the channel's two tags (``ucx_framing``),
-framed with their length and received into one buffer per connection. They go
-straight on libucp (ucp_tag.py: completions reach the loop in one hop, where
-ucxx's notifier thread takes two hops and three loop iterations); a UCX receive
-is the worker's, not an endpoint's, so breaking a connection cancels its
-posted receive. KV data
-uses tagged messages posted straight into the KV tensor (rendezvous above
-``UCX_RNDV_THRESH``, so no staging copy). Tag matching is per UCX worker, not
-per endpoint: a receive matches what the peer sent on any endpoint.
-Closing one side's endpoint does not tell the peer (they are two endpoints),
-so a local close first sends a ``closed`` frame.
-
-One-sided writes (RMA, protocol 3): the decode side maps its KV tensor with
-UCX once (``expose``, ucp_rma.py) and the prefill side unpacks the remote key
-on its endpoint (``remote_writer``, ucx_puts.py) and puts into it. The receiver's own
-memory (torch's allocation) works for every transport, so the KV tensor needs
-no UCX allocation.
-
-One host (``TransferConfig.same_host``): UCX 1.21 never uses its
-shared-memory transports (cma, posix, sysv) on an endpoint with peer-failure
-handling (puts there are emulated over tcp), and on an endpoint without it a
-put or rendezvous read that meets a dead peer aborts the whole process. So
-pdserve keeps every endpoint error-handled, and a sender on the receiver's
-host writes host memory itself by cross-memory attach (writers/cma.py), falling back
-to UCX's puts where the kernel does not permit it.
+"""UCX transport on ucxx: listening (on the worker address, not a ucxx listener), connecting, and exposing
+the KV tensor for one-sided writes. How its connections work: docs/kv_transfer.md ("The UCX backend").
 """
 
 from __future__ import annotations
@@ -123,7 +77,7 @@ class UcxTransport:
     @property
     def rma_over_tcp(self) -> bool | None:
         """True: puts on every endpoint; None: puts where every lane is tcp, tagged messages where
-        one is ``cuda_copy`` (device memory staged through the host: unmeasured); False: tagged
+        one is ``cuda_copy`` (device memory staged through the host); False: tagged
         messages where no lane is one-sided."""
         if self._config.rma_over_tcp is True:
             return True
@@ -140,6 +94,8 @@ class UcxTransport:
         return self._address
 
     async def listen(self, on_connect: Callable[[Connection], None]) -> None:
+        # No ucxx listener (it takes only a port and binds every interface): peers reach this worker's
+        # address, and UCX's TCP transport listens only on UCX_NET_DEVICES (config.apply_ucx_env).
         self._on_connect = on_connect
         self._post_connect_recv()
 
@@ -203,6 +159,8 @@ class UcxTransport:
         self._on_connect(conn)
 
     async def connect(self, address: str) -> UcxConnection:
+        # A connect frame on the peer's connect tag carries a random channel id and this side's worker
+        # address; the peer makes its endpoint back and answers with an empty frame on the channel.
         label = describe(address)
         try:
             blob = parse_worker_address(address)

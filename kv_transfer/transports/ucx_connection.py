@@ -175,8 +175,9 @@ class UcxConnection:
         # The message first, the next receive after: an answer (CompleteAck to Complete) goes out
         # sooner, and a frame arriving meanwhile waits in UCX's unexpected queue, in order. The receive
         # is posted from the loop's next callback, not here: a coroutine the message resumed (complete()
-        # on CompleteAck) runs first, where posting (a call into UCX, which waits for the worker's lock,
-        # held by the progress thread that just delivered the frame) sat between the ack and its waiter.
+        # on CompleteAck) runs first, where posting here (a call into UCX, which waits for the worker's
+        # lock, held by the progress thread that just delivered the frame) would sit between the ack and
+        # its waiter.
         try:
             self._dispatch(payload)
         finally:

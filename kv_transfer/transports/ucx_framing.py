@@ -22,7 +22,8 @@ CHANNEL_BITS = 61
 CONNECT_TAG = CONTROL
 
 # Frames: a little-endian u32 payload length, then the payload. CLOSED in place of a length: the peer
-# closed the connection. An Open with the tag layout's 65,536 segment lengths is ~200 KB of msgpack.
+# closed the connection. An Open with the tag layout's 65,536 segment lengths (at most 5 bytes of msgpack
+# each) fits.
 LEN = struct.Struct("<I")
 CLOSED = 0xFFFFFFFF
 MAX_CONTROL_BYTES = 1 << 20

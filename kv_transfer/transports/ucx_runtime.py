@@ -1,9 +1,6 @@
-"""The process's ucxx runtime: the only module of pdserve that imports ucxx (everything else that uses
-ucxx gets the module object from here).
-
-One application context per process, created on first use inside the running event loop (its Python
-futures belong to that loop), with a progress thread and Python-future notification, so waiting costs no
-polling.
+"""The process's ucxx runtime, the only module of pdserve that imports ucxx: one context per process, made
+on first use inside the running event loop (its futures belong to that loop), with a progress thread and
+Python-future notification, so waiting costs no polling.
 """
 
 from __future__ import annotations
@@ -62,8 +59,8 @@ class Runtime:
         ucxx, worker = self.ucxx, self.worker
         self.ucxx, self.loop, self.worker = None, None, None
         # The notifier thread must stop while its loop still exists, else exit hangs. It reads ucxx's
-        # shutdown message only between waits of a second: waking its wait first makes a close (every
-        # worker's stop, each scale-down) a second shorter.
+        # shutdown message only between waits: waking its wait first keeps every close (each worker's
+        # stop, each scale-down) from waiting out the rest of one.
         worker.stop_request_notifier_thread()
         ucxx.stop_notifier_thread()
         try:
@@ -79,9 +76,9 @@ class Runtime:
         return int(self.ucxx.core._get_ctx().context.handle)
 
     def refill_futures(self) -> None:
-        # Every request takes a Python future from a pool of 100 that the notifier
+        # Every request takes a Python future from a small pool that the notifier
         # thread refills only now and then; a transfer posts hundreds at once, so top
-        # it up here (a no-op above 50 left) instead of letting ucxx warn per request.
+        # it up here (a no-op while enough are left) instead of letting ucxx warn per request.
         self.worker.populate_python_futures_pool()
 
 

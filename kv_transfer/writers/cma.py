@@ -1,20 +1,6 @@
-"""One-sided writes between processes of one host by cross-memory attach (``process_vm_writev``).
-
-Why not UCX's own shared-memory transports: measured with UCX 1.21 (libucx-cu13), an endpoint with
-peer-failure handling never uses cma, posix or sysv (``UCX_TLS=sm`` with error handling: unreachable),
-so one-sided puts on it are emulated over tcp on loopback, about 10x slower than cma here; and on an
-endpoint *without* error handling a put to a peer that has died is fatal: UCX logs ``process_vm_writev
-... No such process`` and aborts the writing process. A decode worker killed mid-transfer then takes
-its healthy prefill peer down with it. The same system call made here returns ``ESRCH`` instead, so a
-peer's death is an error of one transfer, and the UCX endpoint (with error handling) keeps carrying the
-control messages and detecting the death.
-
-A write lands when the call returns (it is a copy into the peer's memory): ``flush`` has nothing to
-wait for. The peer is named by pid; the writer holds a pidfd (Linux >= 5.3) and checks before every
-write that the process it opened is still alive, so a pid reused by another process after the peer's
-death is never written to. Permission is the kernel's ptrace rule (same user, and Yama's
-``ptrace_scope`` 0, or root); :meth:`CmaWriter.open` probes it with a one-byte read and says why not,
-and the caller falls back to UCX.
+"""One-sided writes between processes of one host by cross-memory attach (``process_vm_writev``), which
+fails one transfer with ``ESRCH`` where UCX's own shared-memory path would abort the writing process
+(docs/kv_transfer.md); also the host identity and pidfd liveness check the other writers use.
 """
 
 from __future__ import annotations
@@ -106,7 +92,10 @@ class CmaWriter:
     """Writes into a peer process's exposed region (``RemoteRegion`` with ``pid`` and ``host``).
 
     ``put`` is a plain copy, done when it returns, and may be called from any thread (the
-    forward thread writes each layer itself: handle.py); ``close`` may race with it.
+    forward thread writes each layer itself: handle.py); ``close`` may race with it. Before every
+    write a pidfd says whether the process it opened still runs, so a pid reused after the peer's
+    death is never written to. Permission is the kernel's ptrace rule (same user and Yama's
+    ``ptrace_scope`` 0, or root): :meth:`open` probes it with a one-byte read and says why not.
     """
 
     synchronous = True
@@ -141,7 +130,7 @@ class CmaWriter:
 
     def _gone(self) -> PeerDiedError:
         """Why the peer cannot be written: this writer was closed (the connection ended), or the process
-        exited (a closed writer was reported as the latter: misleading while the peer kept serving)."""
+        exited; the two are told apart, since a closed writer's peer may still be serving."""
         if self._closed:
             return PeerDiedError(f"the connection to peer process {self._pid} is closed")
         return PeerDiedError(f"peer process {self._pid} has exited")

@@ -1,26 +1,6 @@
-"""One-sided writes into another process's CUDA memory on one host, by CUDA IPC.
-
-The decode worker exports its KV tensor's allocation once (``export``: a CUDA IPC memory handle, as
-``torch.multiprocessing`` shares CUDA tensors, with the device's UUID) in the region it offers; a
-prefill worker of the same host opens it once per peer (:meth:`CudaIpcWriter.open`) and copies each
-layer's runs of blocks straight from its own KV tensor into the peer's with ``cudaMemcpyAsync``
-(device to device, or peer to peer across two GPUs), on its current CUDA stream.
-
-Why not UCX's ``cuda_ipc`` transport: measured on an H200 with UCX 1.21, a 1,024-token SmolLM2
-request put layer by layer through UCX took 1.99 ms (30 puts, then a flush), where the bytes alone
-are ~25 us of the GPU's copy bandwidth: UCX's per-operation cost (~45 us a message) dominated.
-
-Ordering, the point of it: a copy enqueued on the stream the forward runs on starts only after the
-forward's writes of that layer, so the forward thread issues each layer's copies the moment the layer is
-enqueued, without waiting for it (the handle's direct path), and never blocks. An event recorded after
-each call's copies is what ``flush`` waits for: every earlier copy on the stream has then finished, and
-the bytes are in the peer's memory.
-
-A peer that dies keeps its memory mapped here until this writer closes it (CUDA keeps an allocation
-alive while another process has it open), so a copy in flight at its death writes into memory no
-one reads; the writer reports the death (``check``, ``flush``: a pidfd, as cma.py) and the transfer
-fails. Offered only between two processes of one host (``RemoteRegion.host``); a handle cannot be
-opened in the process that made it, nor where the device (by UUID) is not visible.
+"""One-sided writes into another process's CUDA memory on one host by CUDA IPC: the decode worker exports
+its KV tensor's allocation once (``export``), and a prefill worker opens it once per peer and copies each
+layer's runs into it with ``cudaMemcpyAsync`` on the forward's own stream.
 """
 
 from __future__ import annotations
@@ -44,10 +24,9 @@ from pdserve.kv_transfer.writers.cma import host_identity, open_pidfd, pidfd_ali
 
 log = logging.getLogger(__name__)
 
-# ``flush`` re-checks its event on every loop iteration for this long (the copies of a request take tens
-# of microseconds of GPU time), then every millisecond. A shorter timer is no finer: asyncio rounds it up
-# to the millisecond of its epoll wait (measured: a 20 us call_later fired after 1.08 ms), and uvloop's
-# fires on the next iteration (1.3 us), which made the 20 us timer used before a spin without end.
+# ``flush`` re-checks its event on every loop iteration for this long (a request's copies are short on
+# the GPU), then every millisecond. A shorter timer is no finer: asyncio rounds it up to the millisecond
+# of its epoll wait, and uvloop's fires on the next iteration, so the loop would spin without end.
 _SPIN_S = 2e-3
 _POLL_S = 1e-3
 
@@ -105,8 +84,8 @@ _NOT_READY = 600  # cudaErrorNotReady
 
 class _Cudart:
     """The few CUDA runtime calls a layer's copies need, through ctypes on the libcudart torch loaded:
-    torch's own ops cost ~10 us of host time each (two slices, a copy, an event) on the GPU machine's
-    CPU, ~1.2 ms a transfer of 30 layers, where one runtime call costs ~2 us."""
+    torch's own ops (two slices, a copy, an event per layer) cost several times a runtime call's host
+    time each, on every layer of every transfer."""
 
     def __init__(self, lib: Any) -> None:
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
@@ -195,11 +174,16 @@ def _open_remote(spec: _Export, device: torch.device) -> torch.Tensor:
 
 
 class CudaIpcWriter:
-    """Copies into a peer process's KV tensor opened by CUDA IPC (module docstring).
+    """Copies into a peer process's KV tensor opened by CUDA IPC.
 
     ``write_runs`` may be called from any thread (the forward thread writes each layer itself:
     handle.py); the copies go on that thread's current stream of the source's device, after the work
-    already there."""
+    already there: a layer's copies follow the forward's writes of it without waiting for them. An
+    event recorded after each call's copies is what ``flush`` waits for. A peer that dies keeps its
+    memory mapped here until this writer closes (CUDA keeps an allocation alive while another process
+    has it open), so a copy at its death lands in memory no one reads, and ``check`` (a pidfd, as
+    cma.py) reports the death. A handle cannot be opened in the process that made it, nor where the
+    device (by UUID) is not visible."""
 
     synchronous = False
     direct = True
@@ -270,7 +254,7 @@ class CudaIpcWriter:
                 )
             if base + src < 0 or base + src + nbytes > self._local_bytes:
                 raise ValueError(f"a run of {nbytes} bytes at {base + src} is outside the local tensor")
-        if not self._alive():  # (a pidfd poll, ~2 us: no copy starts into a peer known to be dead)
+        if not self._alive():  # (a cheap pidfd poll: no copy starts into a peer known to be dead)
             raise PeerDiedError(f"peer process {self._pid} has exited")
 
     def write_runs(self, local: int, offset: int, runs: Sequence[tuple[int, int, int]]) -> None:
@@ -350,8 +334,8 @@ class CudaIpcWriter:
 
     def flush(self, on_done: Callable[[TransferError | None], None]) -> None:
         """``on_done`` on the loop once every copy enqueued so far has finished: at once, inside this
-        call, when they already have (a request's copies take tens of microseconds of GPU time, less
-        than the Python between the last push and here), else from a later loop iteration."""
+        call, when they already have (a request's copies commonly take less GPU time than the Python
+        between the last push and here), else from a later loop iteration."""
         loop = asyncio.get_running_loop()
         with self._lock:
             event = self._last

@@ -1,26 +1,6 @@
-"""One-sided writes into a peer's KV cache in shared memory: plain copies into a mapping of its memfd.
-
-A decode worker started with ``--kv-shared-memory`` keeps its KV cache in a memfd
-(``engine.hugepages.SharedTensor``) and offers the descriptor in its region (``RemoteRegion.shm_fd``); a
-prefill worker of the same host opens it through ``/proc/<pid>/fd/<fd>`` (the kernel's ptrace rule, as
-for cross-memory attach), maps it once per peer, and copies each layer's runs into it with ``memmove``.
-
-Why: cross-memory attach is a kernel copy a page at a time, and its writing direction can be the slow
-one. Measured on an AMD EPYC (Zen, Linux 6.18), 30 layers of 768 KiB (a 1,024-token SmolLM2 request):
-``process_vm_writev`` 1.69 ms, ``process_vm_readv`` 1.16 ms, a ``memmove`` into the peer's memfd mapping
-0.69 ms (``tools.cma_direction``, README). The price is on the decode side: shared memory has huge pages
-only where ``transparent_hugepage/shmem_enabled`` allows them (or hugetlb pages are reserved), and decode
-attention read 1.02-1.09x slower from KV on 4 KiB pages; so it is a flag, off by default.
-
-The mapping's page tables are filled on a thread of its own (``MADV_POPULATE_WRITE``, 64 MiB at a
-time), not on the event loop that opens the writer: ``MAP_POPULATE`` took 0.08-0.09 s per GiB there
-(now the open takes 0.5 ms), seconds of a stalled loop for a large cache. A copy that comes first faults
-its pages in itself.
-
-A peer that dies leaves its memory mapped here (the mapping keeps the memfd's pages) until the writer
-closes: a copy at its death lands in memory no one reads, and ``check`` (a pidfd, as cma.py) reports the
-death before Complete. The pid in the region is only used to open the descriptor: once open, a reused
-pid cannot redirect a write.
+"""One-sided writes into a peer's KV cache in shared memory (``--kv-shared-memory``): plain copies into a
+mapping of its memfd, opened through ``/proc/<pid>/fd/<fd>`` under the kernel's ptrace rule. Why beside
+cross-memory attach, and its price on the decode side: docs/kv_transfer.md.
 """
 
 from __future__ import annotations
@@ -47,7 +27,10 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 class ShmWriter:
     """Copies into a peer's KV cache mapped from its memfd. ``write_runs`` may be called from any thread
     (the forward thread writes each layer itself: handle.py); ``close`` may race with it (a lock keeps a
-    copy from running into a mapping being unmapped)."""
+    copy from running into a mapping being unmapped). A peer that dies leaves its memory mapped here until
+    the writer closes: a copy at its death lands in memory no one reads, and ``check`` (a pidfd, as cma.py)
+    reports the death before Complete. The region's pid only opens the descriptor: once it is open, a
+    reused pid cannot redirect a write."""
 
     synchronous = True
     direct = True
@@ -66,7 +49,9 @@ class ShmWriter:
 
     def _populate(self) -> None:
         """Fault the mapping's pages in, a chunk at a time, until done or closed (a GIL-free ctypes call
-        per chunk; a kernel without MADV_POPULATE_WRITE leaves the faults to the copies)."""
+        per chunk; a kernel without MADV_POPULATE_WRITE leaves the faults to the copies). On a thread of
+        its own, not on the event loop that opens the writer: for a large cache ``MAP_POPULATE`` would
+        stall the loop for seconds. A copy that comes first faults its pages in itself."""
         try:
             for start in range(0, self.length, _POPULATE_CHUNK):
                 with self._populating:
