@@ -1,2 +1,3 @@
 """The OpenAI-compatible HTTP front of the router: ``protocol`` (request/response shapes), ``mapping``
-(to and from ``pdserve.v1`` messages) and ``server`` (aiohttp handlers over the router's request path)."""
+(to and from ``pdserve.v1`` messages), ``tokenize`` and ``server`` (aiohttp handlers).
+"""

@@ -1,17 +1,8 @@
-"""OpenAI requests onto ``pdserve.v1`` ``GenerateRequest``, and ``GenerateResponse`` messages back
-onto OpenAI responses and server-sent-event chunks. Pure: protobuf messages, no grpc.
+"""OpenAI requests onto ``pdserve.v1`` ``GenerateRequest``, and ``GenerateResponse`` messages back onto
+OpenAI responses and server-sent-event chunks. Pure: protobuf messages, no grpc.
 
-A request's life here (the HTTP handler in ``openai_server`` drives it):
-
-1. ``completion_request`` / ``chat_request``: check what only the HTTP API
-   has (model name, ``n``, unsupported options), then build the
-   ``GenerateRequest`` the gRPC front would get. Values (empty prompt,
-   ``top_p`` 1.5, ...) are left to the router's own validation, so both fronts
-   reject exactly the same requests.
-2. streaming: ``EventStream.feed`` turns each response message into SSE
-   bytes; ``EventStream.end`` adds the usage chunk (``include_usage``) and
-   ``data: [DONE]``. Non-streaming: ``Collected`` gathers the messages and
-   ``Collected.response`` is the body.
+Only what the HTTP API alone has (model name, ``n``, unsupported options) is checked here; values are
+left to the router's own validation, so both fronts reject exactly the same requests.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The OpenAI HTTP API's wire shapes, as typed ``msgspec`` Structs. Pure: no grpc.
 
-Requests (``CompletionRequest``, ``ChatCompletionRequest``) decode with
-``decode_request``: unknown fields are ignored (clients send many that change
-nothing here, e.g. ``user``), a wrong type is a 400 naming the field.
-Responses and stream chunks encode with ``encode``. Errors are ``OpenAIError``:
+The shapes follow OpenAI's API reference and the extensions vLLM accepts (``top_k``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``), so tools written for vLLM work unchanged. Errors are ``OpenAIError``:
 an HTTP status and OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
-
-The shapes follow OpenAI's API reference (completions, chat.completions, their
-stream chunks, the usage chunk of ``stream_options.include_usage``) and the
-extensions vLLM accepts (``top_k``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``), so tools written for vLLM work unchanged.
 """
 
 from __future__ import annotations
@@ -366,7 +359,8 @@ _LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][
 
 
 def decode_request(body: bytes, kind: type[T]) -> T:
-    """Decode a request body; a malformed body or a wrongly typed field is a 400 naming the field."""
+    """Decode a request body; a malformed body or a wrongly typed field is a 400 naming the field. Unknown
+    fields are ignored: clients send many that change nothing here (``user``, say)."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:

@@ -1,33 +1,8 @@
 """The router's OpenAI-compatible HTTP front (aiohttp, on the router's own event loop).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
-server-sent events, or one JSON body), ``GET /v1/models``; and what vLLM-compatible
-servers offer beside them, which clients and load tools probe for: ``POST /tokenize``,
-``POST /detokenize`` (``tokenize.py``), ``GET /metrics`` (the router's registry, the
-same series as its metrics port), ``GET /version``, ``GET /health`` (200 only while a
-decode-capable worker is READY).
-
-Request ids: a client's ``X-Request-ID`` header (checked like gRPC's ``request_id``:
-``validate.check_request_id``) is the request's id end to end: the body's ``id``, the
-worker calls, the logs; it is echoed in the response's ``X-Request-ID`` header. Without
-the header the id is generated (``cmpl-...``/``chatcmpl-...``).
-
-A generation request's stages here:
-
-1. decode the body and map it (``openai_mapping``): 400/404 before anything
-   reaches the router's request path;
-2. ``service.generate``: the request path gRPC ``Generate`` runs (validation,
-   admission, routing, relay, the ledger, metrics), with a ``write`` that
-   turns each response message into SSE bytes or collects it;
-3. the HTTP status is decided by the first thing that happens: the first
-   message sends 200 and starts the stream; an error before it is an error
-   status with OpenAI's body (400/429/503, from the gRPC status); an error
-   after it is an error event followed by ``data: [DONE]``.
-
-Client disconnect: the server runs with ``handler_cancellation``, so a closed
-connection cancels the handler's task, and with it the request's worker calls
-(the workers then free its KV blocks) exactly as a gRPC client cancel does. A
-write to a connection already gone raises, which ends the request the same way.
+``/v1/completions`` and ``/v1/chat/completions`` (server-sent events or one JSON body), ``/v1/models``,
+and what vLLM-compatible servers offer beside them: ``/tokenize``, ``/detokenize``, ``/metrics``,
+``/version``, ``/health``. Generation runs the gRPC front's request path; fields and errors: docs/openai.md.
 """
 
 from __future__ import annotations
@@ -130,7 +105,9 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 def _request_id(request: web.Request, kind: Kind) -> str:
-    """The client's ``X-Request-ID`` (checked; 400 naming the header) or a new id of OpenAI's form."""
+    """The client's ``X-Request-ID`` (checked as gRPC's ``request_id``; 400 naming the header) or a new id
+    of OpenAI's form: the request's id end to end (the body's ``id``, the worker calls, the logs), echoed
+    in the response's header."""
     sent = request.headers.get(REQUEST_ID_HEADER, "")
     try:
         check_request_id(sent, REQUEST_ID_HEADER)
@@ -174,7 +151,8 @@ class OpenAIFront:
 
     async def start(self) -> str:
         """Bind (port 0 picks a free one) and serve. Returns the base URL."""
-        # handler_cancellation: a client that disconnects cancels its request (see the module doc).
+        # handler_cancellation: a closed connection cancels the handler's task and with it the request's
+        # worker calls (which free its KV blocks), as a gRPC client's cancel does.
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         try:
@@ -232,9 +210,9 @@ class OpenAIFront:
         """The largest body a request to this model can need: its text as JSON at 12 bytes a character
         (a character outside the BMP, escaped), and as many characters as the context holds tokens of the
         tokenizer's longest (``max_token_chars``); 64 bytes of JSON a message (each takes a token); 1 MiB
-        for the rest. A larger body is refused before it is decoded: decoding holds the event loop (62 MB
-        of a token id list held it 4 s, every stream waiting). ``max_body_bytes`` where there is no bound
-        (a tokenizer that gives none), and never more."""
+        for the rest. A larger body is refused before it is decoded: decoding holds the event loop, every
+        stream waiting. ``max_body_bytes`` where there is no bound (a tokenizer that gives none), and never
+        more."""
         if self.router is None or self.router.tokenizer is None:  # (None: a front tested alone)
             return self.max_body_bytes
         per_token, context = (
@@ -369,6 +347,9 @@ class OpenAIFront:
         events: EventStream,
         req: CompletionRequest | ChatCompletionRequest,
     ) -> web.StreamResponse:
+        # The first thing that happens decides the HTTP status: the first message sends 200 and starts the
+        # stream; an error before it is an error status with OpenAI's body; an error after it is an error
+        # event, then the end of the stream.
         resp = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: events.id})
 
         async def write(msg: g.GenerateResponse) -> bool:

@@ -1,11 +1,7 @@
 """``POST /tokenize`` and ``POST /detokenize``, with the request and response shapes of vLLM's server.
 
-Both go through the router's own tokenizer and chat template, the ones the request path uses, so a
-prompt's ``count`` here equals the ``usage.prompt_tokens`` of a completion of the same prompt:
-- ``prompt``: encoded with the tokenizer's special tokens (BOS) unless ``add_special_tokens`` is false;
-- ``messages``: rendered by the chat template (which places the special tokens itself), with the
-  assistant's turn opened unless ``add_generation_prompt`` is false.
-Errors are ``OpenAIError`` (400 naming the field). Pure: no grpc, no aiohttp.
+Both use the router's own tokenizer and chat template, as the request path does, so a prompt's ``count``
+here equals the ``usage.prompt_tokens`` of a completion of the same prompt. Pure: no grpc, no aiohttp.
 """
 
 from __future__ import annotations
@@ -23,6 +19,9 @@ from pdserve.router.validate import RouterTokenizer, chat_messages
 
 
 def tokenize(req: TokenizeRequest, tokenizer: RouterTokenizer, max_model_len: int) -> TokenizeResponse:
+    """A ``prompt`` is encoded with the tokenizer's special tokens (BOS) unless ``add_special_tokens`` is
+    false; ``messages`` are rendered by the chat template, which places the special tokens itself, with
+    the assistant's turn opened unless ``add_generation_prompt`` is false. Errors: OpenAIError (400)."""
     if (req.prompt is None) == (req.messages is None):
         field = "prompt" if req.messages is None else "messages"
         raise invalid("set exactly one of prompt and messages", field)
