@@ -1,18 +1,5 @@
-"""Alertmanager for a local cluster: its config and the server process (``pdserve up --alertmanager``).
-
-Prometheus (``deploy.local.prometheus``) evaluates ``deploy/prometheus/alerts.yml``
-and sends what fires to this Alertmanager; ``/api/v2/alerts`` (or its web page)
-lists them. The config routes everything to one receiver with no integrations:
-locally there is no one to page, the point is to see the alerts. A real
-deployment puts its own receivers (email, Slack, PagerDuty) in its own config.
-
-Debian's ``prometheus-alertmanager`` package: ``make alertmanager`` unpacks it into
-the virtualenv (``deploy/prometheus/install.sh``), or ``apt-get install`` it. HA
-gossip is switched off (``--cluster.listen-address=``): it would bind 0.0.0.0:9094.
-Debian's build reads its default notification templates from a fixed path
-(``TEMPLATES``) and will not start without them; ``install.sh`` copies them
-there from the package (as root), and ``missing_templates`` says when they are not.
-"""
+"""Alertmanager for a local cluster (``pdserve up --alertmanager``): its config, which notifies no one,
+and the server process."""
 
 from __future__ import annotations
 
@@ -24,8 +11,10 @@ from pathlib import Path
 ALERTMANAGER_DIR = "alertmanager"
 CONFIG_FILE = "alertmanager.yml"
 BINARY = "prometheus-alertmanager"  # Debian's name for it; upstream's is `alertmanager`
+# Where ``make alertmanager`` (deploy/prometheus/install.sh) unpacks Debian's package.
 VENV_PREFIX = Path("opt") / "alertmanager"
 RECEIVER = "pdserve-local"
+# Debian's build reads its default notification templates from here and will not start without them.
 TEMPLATES = Path("/usr/share/prometheus/alertmanager")
 
 
@@ -50,7 +39,8 @@ def find_binary() -> str | None:
 
 
 def render_config(group_wait_s: float = 1.0) -> str:
-    """One route to one receiver without integrations; short waits, since nothing is sent anywhere."""
+    """One route to one receiver without integrations (locally there is no one to page: the point is to
+    see the alerts); short waits, since nothing is sent anywhere."""
     if not group_wait_s > 0:
         raise ValueError(f"group_wait must be > 0, got {group_wait_s}")
     wait = f"{round(group_wait_s * 1000)}ms"
@@ -79,5 +69,5 @@ def server_argv(binary: str, state_dir: Path, listen: str) -> list[str]:
         f"--config.file={config}",
         f"--storage.path={adir / 'data'}",
         f"--web.listen-address={listen}",
-        "--cluster.listen-address=",
+        "--cluster.listen-address=",  # no HA gossip: it would bind 0.0.0.0
     ]

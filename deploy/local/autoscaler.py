@@ -1,24 +1,6 @@
-"""The local cluster's autoscaler: ``pdserve autoscale`` (``up --autoscale`` runs it in the background).
-
-Every ``interval_s`` (one ``Driver.tick``):
-    read the state file (the cluster's processes), the router's GetClusterStatus (READY, STANDBY,
-        DRAINING workers; queued prefill tokens, running, KV blocks) and its /metrics (TTFT and ITL
-        histograms: the quantile of what arrived since the last tick)
-    -> signals per pool -> ``router.autoscale.Autoscaler.decide`` (the pure policy) -> each decision:
-        UP:   promote a warm (standby) worker: routed to at once; else start a cold one
-        DOWN: drain one serving worker through the router: it takes no new request, finishes what
-              it has, deregisters and exits (no request fails because of a scale-down)
-    -> keep ``warm`` standby workers per pool: a promoted one is replaced in the background
-    -> forget workers that exited; SIGTERM one whose drain outlived ``drain_timeout_s``
-    -> metrics (decisions by pool, direction and reason; target, serving and standby sizes;
-       seconds from an UP decision to serving, by source warm|cold) and ``<state-dir>/autoscaler.json``
-       for ``pdserve status``
-
-It changes the cluster only through a ``ClusterControl`` (``cluster.LocalControl``: the state file, the
-processes and the router). While it runs it owns the state file's ``workers`` (``pdserve scale`` refuses,
-``down`` stops it first). SIGTERM/SIGINT end it between ticks; the workers stay. What a tick reads is
-``autoscaler_signals``; what it shows, ``autoscaler_report``.
-"""
+"""The local cluster's autoscaler (``pdserve autoscale``; ``up --autoscale`` runs it in the background):
+each tick reads the pools' signals, asks the policy (``router.autoscale``) and applies its decisions
+through a ``ClusterControl``."""
 
 from __future__ import annotations
 
@@ -131,6 +113,8 @@ class Driver:
     # ---- one tick -------------------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Decision]:
+        """Read the cluster (state file, the router's status and latency histograms), decide, act, keep
+        the warm pools full, and write what it shows (metrics, ``autoscaler.json``)."""
         state = self._reap(self.control.load(), now)
         status = self.control.status(state)
         state = self._adopt_promotions(state, status)
@@ -222,6 +206,8 @@ class Driver:
     def _scale_down(
         self, state: cluster.ClusterState, status: worker_pb2.ClusterStatus, role: Role, now: float
     ) -> str:
+        """Drain one serving worker (its id; "" for none): it takes no new request and finishes what it
+        has, so no request fails because of a scale-down."""
         live = {w.id for w in state.workers if w.role is role and not w.standby and self.control.alive(w)}
         ready = [
             e

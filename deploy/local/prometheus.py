@@ -1,29 +1,5 @@
-"""Prometheus for a local cluster: the file_sd targets file, the config, and the server process.
-
-``pdserve up`` and ``pdserve scale`` write ``<state-dir>/prometheus/targets.json``
-(Prometheus' file service discovery format: the router and every worker, by
-the ``metrics_url`` each registered) once the cluster is ready; ``down``
-empties it. The autoscaler of ``up --autoscale`` lists itself in
-``targets-autoscaler.json`` beside it while it runs. Any Prometheus whose
-config reads these files scrapes the cluster:
-
-- ``deploy/prometheus/prometheus.yml`` reads it for the default state dir
-  (``./.pdserve``, Prometheus started from the repository root);
-- ``pdserve up --prometheus`` renders a config for its own state dir and
-  starts Prometheus (Debian's package: ``make prometheus`` unpacks it into
-  the virtualenv, or ``apt-get install prometheus``) as one more process of
-  the cluster, stopped by ``pdserve down``.
-
-Alerts: every config loads two rule files beside it: ``alerts.yml`` (for the
-committed config, ``deploy/prometheus/alerts.yml`` itself; for ``up``, the same
-rules rendered into the state dir, with ``--alert-for`` applied) and
-``workers_expected.yml`` next to the targets file, which ``up``/``scale``
-write (``pdserve:workers_expected{role}``, what the worker-count alert
-compares with) and ``down`` empties. Prometheus reads rule files at start and
-on SIGHUP: ``scale`` signals the Prometheus ``up`` started; one of your own
-needs ``kill -HUP`` after ``up``/``scale``. ``up --alertmanager`` adds the
-Alertmanager (``deploy.local.alertmanager``) as the config's alerting target.
-"""
+"""Prometheus for a local cluster: the file_sd targets files, the rendered config and rules, and the
+server process ``pdserve up --prometheus`` starts."""
 
 from __future__ import annotations
 
@@ -42,7 +18,7 @@ from pdserve.proto import worker_pb2
 
 PROMETHEUS_DIR = "prometheus"
 TARGETS_FILE = "targets.json"
-# Written by the autoscaler of `up --autoscale` while it runs (it is no router/worker of the cluster status).
+# Written by the autoscaler while it runs: it is no router or worker of the cluster status.
 AUTOSCALER_TARGETS_FILE = "targets-autoscaler.json"
 CONFIG_FILE = "prometheus.yml"
 RULES_FILE = "alerts.yml"
@@ -56,6 +32,7 @@ _READY_POLL_S = 0.2
 
 
 def targets_path(state_dir: Path) -> Path:
+    """The router's and every worker's metrics address, written by ``up``/``scale``, emptied by ``down``."""
     return Path(state_dir) / PROMETHEUS_DIR / TARGETS_FILE
 
 
@@ -136,6 +113,8 @@ def render_config(targets_file: str, scrape_interval_s: float = 5.0, alertmanage
         raise ValueError(f"scrape interval must be > 0, got {scrape_interval_s}")
     ms = round(scrape_interval_s * 1000)
     interval = f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+    # Two rule files: the alerts beside the config, and the expected worker counts beside the targets
+    # (written by `up`/`scale`, emptied by `down`), which Prometheus rereads on SIGHUP.
     # Globs: a rule file not written yet (the expected counts exist only while a cluster runs) is no
     # error to Prometheus, and with a wildcard none to `promtool check config` either.
     rules = _glob(RULES_FILE)

@@ -1,26 +1,10 @@
 """A local cluster of background processes: the names ``cli``, ``bench`` and the tests use, from the
-modules that hold them.
-
-``pdserve up`` writes ``<state-dir>/cluster.json`` (``state.ClusterState``) before it waits for anything,
-so ``down`` can always find what ``up`` started. Every process is started in its own session
-(``start_new_session``) with its log in ``<state-dir>/logs/``; it is stopped by its pid only (after
-checking the pid still runs ``cli``, so a reused pid is never signalled).
-
-Removing a worker (``scale`` down, ``down``): the router's DrainWorker (the worker stops taking requests,
-finishes in-flight ones, deregisters, exits), then SIGTERM, then SIGKILL, each step bounded.
-
-    state.py       the state file and its lock
-    placement.py   threads per worker, core pinning, GPU shares
-    processes.py   spawn, liveness, readiness, stop
-    rpc.py         calls to the cluster's router
-    control.py     start, drain and remove workers; ``LocalControl`` for the autoscaler
-
-A test that replaces a function replaces it where it is defined (``cluster.processes.spawn``): the
-modules call each other through their module, not through these names.
-"""
+modules that hold them (state file, placement, processes, calls to the router, control)."""
 
 from __future__ import annotations
 
+# A test that replaces a function replaces it where it is defined (``cluster.processes.spawn``): the
+# modules call each other through their module, not through these names.
 from pdserve.deploy.local.cluster.control import (
     LocalControl,
     adopt_promotions,

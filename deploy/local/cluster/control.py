@@ -154,7 +154,7 @@ def remove_workers(
     for e in entries:
         # One the router does not know (still loading, or the router is unreachable) gets SIGTERM now: a
         # loading worker then never joins, a serving one drains as on the router's word. Left alone, it
-        # registered and took requests while the rest were going, and the wait ran to its timeout.
+        # would register and take requests while the rest drain, and the wait would run to its timeout.
         try:
             if not rpc.drain_worker(state.router_address, e.id, rpc.state_token(state), rpc.state_tls(state)):
                 progress(f"{e.id} is not registered with the router; stopping it by signal")
@@ -171,7 +171,7 @@ def _wait_drained(
     state: ClusterState, entries: Sequence[ProcessEntry], timeout_s: float, progress: Callable[[str], None]
 ) -> list[ProcessEntry]:
     """``wait_exit``, saying every ``_DRAIN_NOTE_S`` which workers still drain and what they still run
-    (a drain of long streams took 37 s with no word)."""
+    (a drain of long streams may last, and silence looks like a hang)."""
     start = time.monotonic()
     give_up = start + timeout_s
     pending = processes.wait_exit(entries, min(_DRAIN_NOTE_S, timeout_s))

@@ -11,12 +11,8 @@ from pdserve.deploy.local.cluster.state import ClusterError, ClusterState, Proce
 
 
 def default_threads(n_workers: int, cpus: int | None = None) -> int:
-    """Torch threads per worker: the cores shared evenly, at least one each.
-
-    On the 2-core reference machine two or more workers get 1 thread each, so
-    they do not oversubscribe the cores and slow each other down; a single
-    worker gets both.
-    """
+    """Torch threads per worker: the cores shared evenly, at least one each, so workers do not
+    oversubscribe the cores and slow each other down."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, cpus // max(n_workers, 1))
 
@@ -59,8 +55,8 @@ def choose_cpus(taken: Iterable[Iterable[int]], threads: int, available: Sequenc
 
     Ties go to the lowest core id, so a cluster's placement is the same every
     time: on 2 cores with 1 thread each, the first worker gets core 0 and the
-    second core 1 whatever their roles, so ``1P+1D`` and ``2x colocated`` run on
-    the same cores. More threads than cores: all of them.
+    second core 1 whatever their roles, so one prefill and one decode worker
+    run on the same cores as two colocated ones. More threads than cores: all of them.
     """
     if threads >= len(available):
         return tuple(sorted(available))

@@ -28,13 +28,15 @@ class ProcessEntry(msgspec.Struct, frozen=True):
     log: str
     role: Role | None = None  # None: the router
     cpus: tuple[int, ...] = ()  # the cores it is pinned to (sched_setaffinity); empty: not pinned
-    device: str = ""  # a worker's --device (cpu | cuda:N); "": the router, or a state file from before
+    device: str = ""  # a worker's --device (cpu | cuda:N); "": the router, or a state file without it
     gpu_memory_utilization: float = 0.0  # a GPU worker's --gpu-memory-utilization: its share of the GPU
     standby: bool = False  # started into the warm pool (``--standby``) and not promoted since
-    threads: int = 0  # a worker's --threads; 0: the cluster's (``ClusterState.threads``; older state files)
+    threads: int = 0  # a worker's --threads; 0 (not recorded): the cluster's (``ClusterState.threads``)
 
 
 class ClusterState(msgspec.Struct, frozen=True):
+    """What ``up`` started, saved before it waits for anything, so ``down`` can always find it."""
+
     router_address: str
     router: ProcessEntry
     model: str
@@ -87,8 +89,8 @@ def state_lock(
     progress: Callable[[str], None] = lambda _: None,
 ) -> Iterator[None]:
     """Hold the state dir for one command that changes its cluster (``up``, ``scale``, ``down``): a second
-    one at the same time is refused (ClusterError) instead of racing it (two ``scale`` calls started
-    workers under one id). ``create``: make the dir (``up``); else a missing dir is nothing to hold.
+    one at the same time is refused (ClusterError) instead of racing it (two ``scale`` calls at once would
+    start workers under one id). ``create``: make the dir (``up``); else a missing dir is nothing to hold.
     ``wait_s``: wait that long for the holder; ``interrupt``: first ask it to stop as Ctrl-C would (``down``
     stops a hung ``up``: it stops what it started on the way out)."""
     d = Path(state_dir)
