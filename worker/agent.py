@@ -1,19 +1,5 @@
-"""The worker side of the control plane: register with the router, heartbeat, obey drain.
-
-Every worker process runs one ``RouterAgent``:
-
-    register (retried until the router answers, bounded by register_timeout_s)
-    -> a first heartbeat at once (the router marks a worker READY on its heartbeat)
-    -> heartbeat every interval the router asked for, with a load snapshot
-       from the ``load`` callback
-         - answer ``known=False`` (the router restarted or expired us): register again
-         - answer ``drain=True``: call ``on_drain`` once (the worker drains and exits)
-         - router unreachable: keep trying each interval (the router may be restarting)
-    -> ``close``: stop heartbeating, deregister (bounded)
-
-``run_worker`` strings a ``WorkerShell`` and an agent together for a pool's ``serve``.
-Imports only grpc, the protos, ``worker.shell`` and ``worker.tls``.
-"""
+"""The worker side of the control plane: register with the router, heartbeat, obey drain
+(``RouterAgent``), and ``run_worker``, which joins a serving shell to the cluster until it has drained."""
 
 from __future__ import annotations
 
@@ -70,6 +56,10 @@ class RegistrationError(RuntimeError):
 
 
 class RouterAgent:
+    """Registers, then heartbeats with a load snapshot at the interval the router asked for: registers
+    again when the router no longer knows the worker, calls ``on_drain`` once when it asks for a drain,
+    and keeps beating while it is unreachable (it may be restarting); ``close`` deregisters."""
+
     def __init__(
         self,
         config: AgentConfig,
@@ -137,6 +127,7 @@ class RouterAgent:
                         f"(last: {e.code().name}: {e.details()})"
                     ) from e
                 await asyncio.sleep(cfg.retry_interval_s)
+        # At once: the router marks a worker READY on its first heartbeat.
         await self._heartbeat_once()
 
     def start(self) -> None:

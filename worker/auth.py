@@ -1,16 +1,6 @@
-"""The cluster token: a shared secret the router requires of every caller of its control plane, and
-every worker of every caller of its Worker service.
-
-Without it a process cannot register as a worker (and so receive users' prompts), heartbeat, drain a
-worker, read the cluster's addresses, or call a worker directly (the router sends it with each call).
-The KV transfer proves the same token in its handshake (``kv_transfer/auth.py``). ``pdserve up`` makes
-one per local cluster (a 0600 file in the state dir) and hands it to every process it starts;
-deployments give each process the same file (``--cluster-token-file`` or ``PDSERVE_CLUSTER_TOKEN_FILE``).
-No token configured: everything is open, as before (loopback-only clusters started by hand).
-
-The token travels as gRPC metadata (``pdserve-cluster-token``) and is compared in constant time; over
-anything but loopback, pair it with TLS so it cannot be read off the wire.
-"""
+"""The cluster token: a shared secret the router requires of every caller of its control plane, and every
+worker of every caller of its Worker service (token files, call metadata, the interceptor). No token
+configured: everything is open."""
 
 from __future__ import annotations
 
@@ -25,6 +15,7 @@ import grpc
 
 log = logging.getLogger(__name__)
 
+# Plain gRPC metadata: beyond loopback, pair the token with TLS so it cannot be read off the wire.
 TOKEN_METADATA_KEY = "pdserve-cluster-token"
 MIN_TOKEN_CHARS = 16
 

@@ -1,26 +1,6 @@
-"""The one start-up every worker process runs, whatever its pool.
-
-    metrics endpoint (the process registry, served at once so a slow load is visible; a worker on
-        cuda:N adds NVML metrics of that GPU)
-    -> shell started: gRPC bound, health and reflection NOT_SERVING, signals drain
-    -> model resolved and loaded by the pool (``Pool.load``), which attaches it to its servicer
-    -> SERVING
-    -> agent: register with the router, heartbeat, obey drain (``agent.run_worker``)
-       (``--standby``: registered into the warm pool; the router routes to it once promoted)
-    -> drained: the pool closes (its loops, its KV transfer), the metrics endpoint closes
-
-A model that does not load sets ``pdserve_model_load_failed`` to 1; the gRPC server stops, and with
-``load_failure_linger_s`` the metrics endpoint stays up that long (or until SIGTERM) before the error
-ends the process, so that Prometheus scrapes the failure (the ``PdserveModelLoadFailed`` alert).
-
-Cold start is measured by phase in ``pdserve_worker_startup_seconds{phase}``: ``process`` (exec to this
-start-up: the interpreter and imports), ``model_resolve`` (finding the model, converting a GGUF file on
-first use), the engine's own (``kernel_build``, ``model_load``, ``kv_alloc``, ``graph_capture``: see
-``ModelRunner.startup_seconds``), ``load`` (the pool's whole load) and ``ready`` (exec to registered).
-
-A pool provides only what differs: its servicer, how it loads, and how it closes. The pools call
-``run_pool`` from their ``serve(args)``; ``pdserve worker`` picks the pool by role.
-"""
+"""The one start-up every worker process runs, whatever its pool (``run_pool``): a pool provides only
+what differs (``Pool``: its servicer, how it loads, how it closes) and calls ``run_pool`` from its
+``serve(args)``."""
 
 from __future__ import annotations
 
@@ -89,11 +69,13 @@ class Pool(Protocol):
 
 
 async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegistry], Pool]) -> None:
-    """Run one worker process of ``args.role`` until it has drained."""
+    """Run one worker process of ``args.role`` until it has drained: metrics, the shell (NOT_SERVING),
+    the pool's model, SERVING, the agent (register, heartbeat, obey drain), then close the pool."""
     registry = process_registry(args.role.value, gpu=False)
     load_failed = model_load_gauge(registry, args.role.value)
     startup = startup_gauge(registry, args.role.value)
     startup.labels(args.role.value, "process").set(process_age_s())
+    # Served before anything loads, so a slow or failed load is visible.
     endpoint = serve_metrics(registry, args.host, args.metrics_port)
     try:
         await asyncio.to_thread(add_device_metrics, registry, args)
@@ -115,6 +97,8 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 log.exception(
                     "%s worker %s could not load model %r", args.role.value, args.worker_id, args.model
                 )
+                # The gRPC server stops; /metrics lingers (``load_failure_linger_s``) so Prometheus
+                # scrapes pdserve_model_load_failed before the error ends the process.
                 # The linger's handlers replace the shell's before the gauge shows the failure: a
                 # SIGTERM sent once the failure is scraped must end the linger, not a spent drain.
                 stop = _linger_stop()
@@ -190,6 +174,9 @@ def vocab_digest(model_dir: Path) -> str:
 
 
 def startup_gauge(registry: CollectorRegistry, role: str) -> Gauge:
+    """Cold start by phase: ``process`` (exec to start-up: interpreter and imports), ``model_resolve``
+    (finding the model, converting a GGUF file on first use), the engine's own
+    (``ModelRunner.startup_seconds``), ``load`` (the pool's whole load), ``ready`` (exec to registered)."""
     return Gauge(
         "pdserve_worker_startup_seconds",
         "Seconds each phase of this worker's start-up took (ready: from exec until registered).",

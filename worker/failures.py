@@ -1,10 +1,5 @@
 """Failures in a row: when a worker's engine (or prefill forward) is broken rather than one batch unlucky.
-
-A failed step or forward fails its requests, which move to another worker; ``FailureStreak`` counts the
-failures with no success between them and none longer than ``window_s`` after the one before (failures
-hours apart on an idle worker are not a streak). ``LIMIT`` in a row: the worker fails what it holds, drains
-and exits, to be replaced (``decode_pool.engine_loop``, ``prefill_pool.loop``).
-"""
+``LIMIT`` in a row and the worker fails what it holds, drains and exits, to be replaced."""
 
 from __future__ import annotations
 
@@ -19,6 +14,9 @@ WINDOW_S = 60.0
 
 
 class FailureStreak:
+    """Failures with no success between them and none longer than ``window_s`` after the one before
+    (failures far apart on an idle worker are no streak)."""
+
     def __init__(self, limit: int = LIMIT, window_s: float = WINDOW_S) -> None:
         self.limit, self.window_s = limit, window_s
         self.count = 0

@@ -1,35 +1,5 @@
-"""The gRPC server every worker process runs (``worker.bringup`` starts it for both pools).
-
-A worker server's life:
-
-    STARTING (health NOT_SERVING; Generate/Prefill rejected)
-    -> SERVING (``set_serving`` once the model is loaded; the health service ``pdserve.worker.registered``
-       reads SERVING only once the router has registered it, ``set_registered``: what readiness asks)
-    -> DRAINING (``begin_drain``: SIGTERM, the router's drain, or a Drain RPC;
-       health NOT_SERVING, new Generate/Prefill rejected with UNAVAILABLE
-       and trailing metadata ``pdserve-rejected: draining`` so the router
-       does not take the worker for dead; in-flight calls run to their end,
-       bounded by ``drain_timeout_s``)
-    -> STOPPED (server stopped; ``wait_stopped`` returns)
-
-In-flight calls are counted by a server interceptor on Worker.Generate and
-Worker.Prefill, so a pool's servicer needs no bookkeeping of its own.
-
-What the router expects of a pool's ``serve(args: WorkerArgs)`` and servicer:
-- ``serve`` runs ``worker.bringup.run_pool``, which starts this shell with the
-  servicer, loads the model, sets SERVING and runs the agent until drained.
-  ``load()`` reports ``shell.state.proto``; the Drain RPC calls ``shell.begin_drain``.
-- Generate: every message sets ``first_index``; the message carrying
-  ``finish_reason`` also carries the last token. The router strips stop
-  strings from ``sampling`` (it applies them itself), so a worker's "stop"
-  means eos or a stop token id, whose text the router does not emit.
-  Remote mode: the first message holds only ``transfer_ticket``; later
-  messages may repeat output 0 (the router skips what it already sent).
-- A cancelled call (client cancel, stop string, deadline) frees the
-  request's blocks. UNAVAILABLE from a worker means "gone": the router
-  drops it from the registry. A prefill whose KV push fails should answer
-  ABORTED, not UNAVAILABLE, or the router takes the prefill worker for dead.
-"""
+"""The gRPC server every worker process runs: health and reflection, the cluster token, in-flight
+Generate/Prefill calls counted by an interceptor (so a pool's servicer keeps no count), and the drain."""
 
 from __future__ import annotations
 
@@ -58,6 +28,8 @@ WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # what a readiness probe asks (the overall "" service is SERVING from the model load on, before the
 # router knows the worker). Until registration it is NOT_SERVING; draining makes it NOT_SERVING again.
 REGISTERED_SERVICE = "pdserve.worker.registered"
+# Trailing metadata of a call rejected because the worker is not SERVING (e.g. draining): the router
+# then does not take the worker for dead, as it would for a bare UNAVAILABLE.
 REJECT_METADATA_KEY = "pdserve-rejected"
 # Trailing metadata of a call that failed on this worker for a reason of the worker's, not the request's (a
 # failed engine step or prefill forward): the router moves the request to another worker.
@@ -68,6 +40,9 @@ _TRACKED = frozenset({f"/{WORKER_SERVICE}/Generate", f"/{WORKER_SERVICE}/Prefill
 
 
 class ShellState(enum.Enum):
+    """STARTING (health NOT_SERVING, calls rejected) -> SERVING (model loaded) -> DRAINING (new calls
+    rejected, in-flight ones run to their end within ``drain_timeout_s``) -> STOPPED."""
+
     STARTING = "starting"
     SERVING = "serving"
     DRAINING = "draining"
@@ -381,9 +356,14 @@ class WorkerShell:
 
 
 class PoolServicer:
-    """``Worker.GetLoad`` and ``Worker.Drain``, the same on every pool; the pool provides ``load()``.
+    """``Worker.GetLoad`` and ``Worker.Drain``, the same on every pool; the pool provides ``load()``
+    (reporting ``shell.state.proto``).
 
     Put it before ``worker_pb2_grpc.WorkerServicer`` in the bases so these win over the defaults.
+    What the router expects of a pool's Generate: the message carrying ``finish_reason`` also carries the
+    last token, and a remote-mode call's first message holds only ``transfer_ticket``. A cancelled call
+    frees the request's blocks. UNAVAILABLE means the worker is gone, so a prefill whose KV push fails
+    answers ABORTED.
     """
 
     shell: WorkerShell

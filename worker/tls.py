@@ -1,21 +1,5 @@
-"""TLS on gRPC, an option: server certificates, and mutual TLS between the router and its workers.
-
-Plain gRPC on loopback stays the zero-configuration default. With ``--tls-cert``/``--tls-key`` a process
-serves its gRPC port over TLS; with ``--tls-ca`` as well, TLS is mutual: the server requires every client
-to present a certificate the CA signed, and every client checks the server against the CA and presents
-its own certificate. The router and the workers are each both: servers (their gRPC ports) and clients
-(workers call the router's Registry, the router calls the workers). The CLI is a client only: the CA
-alone checks the router; a certificate and key of its own are needed when the router requires them.
-
-gRPC's own credentials do the work (``grpc.ssl_server_credentials``, ``grpc.ssl_channel_credentials``),
-and gRPC checks the server's name: a certificate must carry the address its process is dialled at
-(``--host``, e.g. an IP SAN ``127.0.0.1``) among its subject alternative names. The OpenAI HTTP front
-takes the same certificate and key for HTTPS (server authentication only).
-
-TLS covers gRPC and HTTP. The KV cache between a prefill and a decode worker goes over UCX, outside it:
-its connections are authenticated by the cluster token's handshake (``kv_transfer.auth``), and the KV
-bytes cross the network unencrypted (on one host they do not leave it).
-"""
+"""TLS on gRPC, an option: server certificates, and mutual TLS between the router and its workers (each
+both a server and a client) when a CA is given; the OpenAI front takes the same certificate for HTTPS."""
 
 from __future__ import annotations
 
@@ -37,7 +21,8 @@ class TLSError(ValueError):
 
 @dataclass(frozen=True)
 class TLSConfig:
-    """PEM files and their contents. Nothing given: plain gRPC."""
+    """PEM files and their contents. Nothing given: plain gRPC. gRPC checks the server's name: a
+    certificate must name the address its process is dialled at among its subject alternative names."""
 
     cert_file: str = ""  # this process's certificate (chain)
     key_file: str = ""  # its private key
