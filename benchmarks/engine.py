@@ -3,57 +3,7 @@
     python -m benchmarks.engine [--out FILE] [--model smollm2-135m-instruct] [--engine runner|llm]
     python -m benchmarks.engine --device cuda [--random-model smollm2] [--out FILE]
 
-``--device cuda`` (or ``cuda:N``) runs the GPU suite instead, ``benchmarks.engine_cuda`` (its flags:
-``--device cuda --help``): runner, ``LLM.generate``, transformers eager and static-cache compiled, and a
-bandwidth bound, in bfloat16, checked against the GPU targets. What follows is the CPU suite.
-
-One run measures, for each dtype (float32, bfloat16), with ``--threads`` torch threads (default 2):
-
-- ``prefill``: one prompt of ``--prefill-len`` (1,024) random token ids. pdserve: ``ModelRunner.prefill``
-  plus the argmax of the last logits; transformers: ``generate(max_new_tokens=1)`` (its prefill forward and
-  first greedy pick). Best of ``--prefill-reps`` after a warm-up; tok/s = prompt tokens / time.
-- ``decode`` at batch 1, 8, 32: the same ``--prompt-len`` (128) random-token prompts for both, prefilled,
-  then ``--new-tokens`` (64) greedy tokens. Each decode step is timed on its own: pdserve's step is
-  ``ModelRunner.decode`` plus the argmax; transformers' is the interval between consecutive calls of a
-  logits processor inside ``generate`` (one forward plus its greedy pick), so prefill is excluded from both.
-  tok/s = batch * steps / sum of step times; ``*_median_tok_s`` uses the median step (robust to noise from
-  other processes). With ``--engine llm`` pdserve runs ``engine.LLM.generate`` instead, and its decode time
-  is ``t(generate N tokens) - t(generate 1 token)``.
-- ``floor``: the model's linear layers alone (fused qkv, o, fused gate_up, down per layer, plus the LM
-  head) as plain ``F.linear`` calls with random weights of the same shapes, batch and dtype; tok/s =
-  batch / time of one pass. ``ratio`` = pdserve decode / floor.
-- ``bound``: what the hardware allows a decode step at each batch: every weight read once at the measured
-  read bandwidth, every product at the measured peak, whichever is slower; ``ratio`` = pdserve / bound. No
-  stock matmul enters it. The peak (``bound_peak`` in the row): float32 FMA (``CpuKernels.fma_peak``:
-  independent FMA chains on the widest vectors the host has, all threads, ``f32_fma``), and for bfloat16
-  where the host has AVX512-BF16 its dot products (``CpuKernels.bf16_dot_peak``, ``bf16_dot``: twice the
-  products per instruction, which pdserve's bfloat16 linear rows use). Files written before
-  ``bound_peak`` used the float32 peak for bfloat16 too: no bound there (the batch-32 bf16 linear rows
-  in ``results/engine_avx512bf16.json`` passed it). AMX tiles are not measured: on a host with AMX
-  (``amx_bf16`` in ``flags``) oneDNN's bfloat16 products can pass the bf16 bound too.
-- ``linear``: pdserve's own product kernels (the runner's ``Linear`` objects, in the layout
-  ``choose_linear`` picked) over every layer and the head, weights streamed as in a step: tok/s,
-  ``gflops``, ``gbps`` (weight bytes / time) and ``ratio`` against the bound.
-- ``membw``: single-stream bound = read bandwidth (summing a 512 MiB tensor with 1 and with ``--threads``
-  threads, best of 5, the highest rate seen) / weight bytes one decode step reads (every layer and the
-  LM head). ``ratio`` = pdserve batch-1 decode / bound.
-
-``--quantizations none,int8`` repeats every pdserve row with weight-only int8 (``engine.quant``); rows
-carry ``quantization``, and int8 rows ``vs_unquantized`` (their tok/s over the same row unquantised, in
-the same run; transformers runs unquantised only). Each int8 dtype also gets a ``quality`` row: the
-unquantised runner's greedy continuations (``--quality-tokens``) of ``QUALITY_PROMPTS`` (chat-formatted)
-are teacher-forced through both models, and ``top1_agreement`` is the share of those positions where the
-int8 model's argmax is the same token, ``kl_from_unquantized`` the mean KL divergence of int8's next-token
-distribution from the unquantised one there (``exact_continuations``: prompts whose whole greedy
-continuation from int8 is identical).
-
-The ``machine`` block (``bench.machine``, as in every benchmark's JSON) names the CPU, its instruction set
-(``isa``, ``flags``: what ``-march=native`` and oneDNN dispatch on), the kernel build loaded
-(``kernel_isa``), cores and torch; this bench adds the read bandwidth and the FMA peak.
-
-Rows: ``phase``, ``batch``, ``dtype``, ``pdserve_tok_s``, ``transformers_tok_s``, ``ratio`` (pdserve /
-transformers for prefill and decode; pdserve / bound for floor, bound, linear and membw, whose bound is
-``bound_tok_s``).
+``--device cuda`` hands over to the GPU suite (``benchmarks.engine_cuda``). Rows: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -309,7 +259,7 @@ def machine_info(cfg: BenchConfig, bw: dict[str, float]) -> dict[str, Any]:
 
 
 def quality(model_dir: Path, dtype: torch.dtype, runners: dict[str, Any], new_tokens: int) -> dict[str, Any]:
-    """How close int8 stays to the unquantised model on ``QUALITY_PROMPTS`` (see the module doc)."""
+    """How close int8 stays to the unquantised model on ``QUALITY_PROMPTS`` (see benchmarks/README.md)."""
     from pdserve.engine.block_manager import BlockManager
     from pdserve.engine.model_runner import PrefillItem
     from pdserve.engine.tokenizer import Tokenizer
@@ -436,7 +386,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
             wbytes = runner.weights.decode_bytes()
             flops_per_token = 2 * matmul_params(c)
             # bfloat16 products run as AVX512-BF16 dot products where the host has them: twice the float32
-            # FMA rate, so the float32 peak would be no bound for them (pdserve's bf16 rows beat it).
+            # FMA rate, so the float32 peak would be no bound for them.
             dot = dtype == torch.bfloat16 and bf16_peak is not None
             compute, peak_kind = (bf16_peak, "bf16_dot") if dot else (peak, "f32_fma")
             for batch in cfg.batches:

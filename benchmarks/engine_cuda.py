@@ -3,35 +3,7 @@
     python -m benchmarks.engine --device cuda --random-model smollm2 --out engine_cuda.json
     python -m benchmarks.engine_cuda --device cpu --quick          # the same code on CPU, tiny model
 
-One run, in one dtype (``--dtype``, bfloat16 by default), on one device (``cuda``, ``cuda:N``; ``cpu`` runs
-the same functions, for tests):
-
-- ``prefill``: one prompt of ``--prefill-len`` (1,024) random token ids. ``runner``: ``ModelRunner.prefill``
-  plus the argmax of the last logits; ``llm``: ``LLM.generate`` of 1 greedy token (scheduler, sampler and
-  detokenizer included); ``transformers``: ``generate(max_new_tokens=1)``. Best of ``--reps`` after a
-  warm-up, in ms.
-- ``decode`` at each of ``--batches`` (1, 8, 32, 128, 256): ``batch`` prompts of ``--prompt-len`` (128)
-  random tokens, ``--new-tokens`` (64) greedy tokens each, eos ignored. ``runner``: the prompts prefilled
-  together, then each ``ModelRunner.decode`` + argmax step timed on its own (device synchronized);
-  tok/s = batch * steps / their sum (``runner_median_tok_s``: at the median step). ``llm``,
-  ``transformers`` (``generate``, dynamic cache) and ``transformers_static`` (static cache, the decode
-  forward under ``torch.compile(mode="reduce-overhead", fullgraph=True)``: CUDA graphs; by transformers'
-  ``CompileConfig`` where it has one, else ``model.forward = torch.compile(...)``; skipped on CPU unless
-  ``--compiled on``: ~10-40 s of compilation per batch there) all run whole ``generate`` calls:
-  decode seconds = t(generate N tokens) - t(generate 1 token) (best of ``--reps`` each), so prefill and
-  the first token are excluded; tok/s = batch * (N - 1) / decode seconds. Warm-up calls (compilation and
-  graph capture included) come first and are reported as ``*_warmup_s``, never counted.
-  The runner rows use the ``LLM``'s own runner (one model, one cache, one set of CUDA graphs), while the
-  ``LLM`` is idle. A baseline that raises leaves ``*_error`` in its row instead of ending the run.
-- ``bound``, in every decode row: bytes a decode step reads (every weight once, plus the K/V of the batch
-  at the mean context, ``prompt_len + new_tokens / 2``) over the device's measured read bandwidth (summing
-  a large float32 tensor, timed with CUDA events): the tok/s ceiling at that batch.
-
-``acceptance`` checks the GPU targets on the ``llm`` figures: decode batch 1 >= 1,000 tok/s,
-batch 32 >= 20,000, batch 256 >= 60,000, prefill of 1,024 tokens <= 3 ms, and every decode row >= 1.5x the
-compiled static-cache baseline. ``issue_setting`` says whether this run is the issue's (CUDA, bfloat16,
-1,024-token prefill, 128-token prompts, 64 new tokens). ``device`` names the GPU, torch, CUDA, Triton and
-transformers versions, and the runner's CUDA-graph capture time where it reports one.
+Rows, bounds and the GPU targets: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ VS_STATIC_TARGET = 1.5
 
 
 def acceptance(rows: list[dict[str, Any]], issue_setting: bool) -> dict[str, Any]:
-    """Pass/fail of each of the issue's targets on the LLM.generate figures (None: not measured)."""
+    """Pass/fail of each GPU target on the LLM.generate figures (None: not measured)."""
     checks: list[dict[str, Any]] = []
 
     def check(name: str, value: float | None, op: str, target: float) -> None:

@@ -1,89 +1,10 @@
-"""KV transfer benchmark: pdserve's layer-by-layer push against raw ucxx, same bytes, same run.
+"""KV transfer benchmark: pdserve's layer-by-layer KV push against raw ucxx sends of the same bytes.
 
-    python -m benchmarks.kv_transfer [--out FILE] [--reps N] [--transports tcp,shm] [--tokens 16,1024]
-                                [--modes rma,tagged] [--device cpu|cuda] [--ucx-env UCX_KEY=VALUE ...]
-                                [--burst N]
+    python -m benchmarks.kv_transfer [--out FILE] [--transports tcp,shm] [--modes rma,tagged]
+                                     [--tokens 16,1024] [--device cpu|cuda] [--burst N]
 
-Modes (wire protocol 5, ``kv_transfer.wire.PROTOCOL_VERSION``, which the JSON records as ``protocol``):
-``rma``, one-sided puts into the decode worker's registered KV tensor, flushed before Complete (the default
-when both sides offer it); ``tagged``, one tagged message per layer and contiguous run
-(``TransferConfig.rma`` off). Each mode gets its own pair of processes.
-
-For each transport a decode process and a prefill process are spawned (UCX
-settings apply per process, so each transport gets its own pair) and stopped
-at the end. Rows:
-- SmolLM2-135M bfloat16 KV (30 layers, 3 KV heads, head dim 64, block 16) for
-  requests of 16, 256, 1,024 and 4,096 tokens;
-- a 64 MiB payload: one layer of 512 blocks of 128 KiB (one message).
-
-What is timed, on the prefill process: pdserve from the call of ``open`` to
-the return of ``complete``, i.e. ``open`` (sends Open), a fake forward thread
-pushing all layers back to back (each ``push_layer`` sends that layer's data
-at once: the sender does not wait for an answer to Open), ``complete`` sending
-the first token and waiting for the decode side's CompleteAck. The decode side
-sends that ack only once every receive of every layer has completed (all bytes
-landed in its KV blocks) and Complete arrived; ``wait`` on the decode side
-returns at the same moment. The reservation (``reserve``) happens before, as
-it does when a decode worker hands out its ticket. Raw: one ucxx tagged send of
-the same number of bytes answered by a one-byte ack, over the same kind of
-endpoint, timed from the send to the ack, alternating with the pdserve runs.
-
-``landed`` times the other end, on the host's one monotonic clock: from the
-same starts to the decode side having every byte and knowing it (pdserve: its
-``wait`` resolves, i.e. Complete arrived after the writes; raw: its receive
-completes). It shows where a gap comes from: before the data and Complete are
-in, or on the way back.
-
-Every number is a median over ``--reps`` runs (``best``: the fastest runs, as
-noise on a shared machine only adds time); ``ratio`` is raw time / pdserve
-time, so 1.0 means pdserve moves the bytes as fast as plain ucxx.
-
-Also per row, for reading the ratio: ``messages``, the data messages pdserve
-sent per transfer (layers x contiguous runs of blocks; a request whose blocks
-wrap around the end of the free list has two runs per layer), and
-``raw_same_messages_ms``: plain ucxx moving the same bytes in that many
-messages (all posted at once, one ack), i.e. what the message count alone
-costs before any protocol.
-``--burst N``: the fake forward pushes N layers per call (``SenderHandle.push_layers``), as a prefill under
-a CUDA graph hands every layer over at once (N = 30: one call): the one-host writers then copy a group of
-layers in one call (cma.py: one system call; cuda_ipc.py: one 2D copy per run). The report says which.
-Per-layer message latency: a paced run where the fake forward pushes one layer
-every ``layer_interval_ms`` (longer than a layer's transfer, so the link is idle):
-push_layer call to the layer's messages completed on P.
-
-Transports: ``tcp`` is ``UCX_TLS=tcp`` with ``TransferConfig.same_host`` off
-(pdserve's RMA puts are UCX's, emulated over tcp); ``shm`` is
-``UCX_TLS=tcp,sm,self`` with ``same_host`` on: pdserve's RMA writes go by
-cross-memory attach (writers/cma.py; its tagged mode stays on the
-error-handled tcp endpoint), and the raw baseline moves its data on a UCX
-shared-memory endpoint without error handling (cma/sysv), the fastest UCX
-offers on one host and what pdserve gave up because a peer's death on it
-aborts the process. ``shm_map`` is ``shm`` with the decode process's KV tensor in shared memory (a
-memfd, as a ``--kv-shared-memory`` decode worker keeps it): pdserve's RMA writes are plain copies into
-its mapping (writers/shm.py). Not in the default set: it is an opt-in of the decode worker.
-``cuda`` (``--device cuda``, its default) is ``UCX_TLS=tcp,cuda_copy,cuda_ipc,sm,self``
-with ``same_host`` off: whatever UCX picks for device memory. ``cuda_ipc`` is the same with ``same_host``
-on: pdserve's RMA writes go by CUDA IPC (writers/cuda_ipc.py), and the raw baseline moves its data
-on an endpoint without error handling, as ``shm``'s.
-
-``--device cuda``: both processes hold the KV tensor and the raw buffers on GPU 0 (the report's ``device``
-names it), each making its CUDA context before ucxx starts. Each row's ``path`` says how pdserve's KV moved
-(``puts``, ``cross_memory``, ``tagged``): an ``rma`` row saying ``tagged`` got no one-sided writes. After a
-pair's rows, one transfer of seeded bytes (untimed) is compared byte for byte on the decode side
-(``bit_exact``). A pair that fails is reported (``errors``) and the others still run; exit status 1 if
-a pair failed or bytes differ.
-
-Both processes back their KV tensor with transparent huge pages
-(``engine.hugepages``, as the engine's KV cache is), as the raw baseline's numpy buffers are. Like
-the raw baseline's buffers, the KV blocks are written once at start-up, not
-before every transfer: the tests check bit-exactness, and a fresh fill of
-every byte right before the timed part (plus the decode side's digest of its
-blocks) slowed pdserve's timed part by ~2 ms per transfer on the reference
-machine, a cost the raw side never paid. The fake forward pushes layers back
-to back, so the fixed per-transfer costs (Open's trip to the decode side
-before its receives are posted, the completion ack, one message per layer)
-are fully exposed here, where a real prefill hides the first behind its first
-layer's compute.
+One decode and one prefill process per transport and mode; what is timed and what each key means:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -336,12 +257,12 @@ def run(
                     print(json.dumps({"failed": errors[-1]}), file=sys.stderr, flush=True)
     return {
         "machine": _machine(host),
-        "device": host["device"],  # also in machine; here too, where earlier files had it
+        "device": host["device"],  # also in machine; at the top level for the report's readers
         "transports": {
             name: {"UCX_TLS": TRANSPORTS[name][0], "shared_memory_data_endpoint": TRANSPORTS[name][1]}
             for name in transports
         },  # fmt: skip
-        "protocol": PROTOCOL_VERSION,  # the README names each run's; files before this key do not have it
+        "protocol": PROTOCOL_VERSION,  # the wire protocol the run spoke
         "ucx_env": dict(ucx_env),  # applied to both processes, pdserve and raw alike
         "burst": burst,
         "rows": rows,

