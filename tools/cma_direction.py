@@ -2,15 +2,8 @@
 
     python -m tools.cma_direction [--layers 30] [--layer-kib 768] [--reps 31] [--out FILE]
 
-pdserve's sender writes each layer into the decode worker's KV tensor (``process_vm_writev``,
-kv_transfer/writers/cma.py); the raw-ucxx baseline of ``benchmarks.kv_transfer`` moves its bytes by UCX's
-shared-memory rendezvous, where the receiver reads them (``process_vm_readv``). The kernel copies both
-ways a page at a time, and on some kernels one direction is much slower: when writing is, the copies
-alone can cost more than the benchmark's 0.8x target allows. This measures both on this machine, the
-same bytes, side by side: ``--layers`` copies of ``--layer-kib`` KiB (default: a 1,024-token SmolLM2
-request, 30 layers of 768 KiB, one call per layer, as pdserve pushes them), then one call of all of it.
-Both buffers are on transparent huge pages (``engine.hugepages``) and touched first, as the KV caches
-are. The child process is stopped at the end, whatever happens. Medians; ``ratio`` = read / write time.
+pdserve's one-host sender writes the decode worker's KV (``process_vm_writev``), UCX's shared-memory
+rendezvous reads (``process_vm_readv``), and some kernels copy one way much slower. ``ratio``: read / write.
 """
 
 from __future__ import annotations

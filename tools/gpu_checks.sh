@@ -36,8 +36,7 @@ run_stage() {  # name, limit seconds, command...
 }
 
 # With PDSERVE_GEMV_FUSE_NORMS=1 (the batch-1 gemvs taking the RMSNorms and residual adds; off by
-# default, slower on the H100): where the GPU tests show them failing, the stages after run with them off
-# and say so.
+# default): where the GPU tests show them failing, the stages after run with them off and say so.
 fused_norms_failed() {  # log
   grep -E "^(FAILED|ERROR) .*(batch_one|gemv|fused)" "$1" >/dev/null 2>&1 ||
     grep -E "_gemv_kernel|CompilationError" "$1" >/dev/null 2>&1
@@ -69,7 +68,7 @@ for stage in "${STAGES[@]}"; do
     fused_norms_failed "$OUT/tests.log" && fuse_off "a batch-1 / gemv GPU test failed"
     ;;
   engine)
-    # The issue's rows (batch 1, 32, 256; 1,024-token prefill) with both transformers baselines.
+    # The GPU targets' rows (batch 1, 32, 256; 1,024-token prefill) with both transformers baselines.
     run_stage engine 300 python3 -m benchmarks.engine --device cuda --random-model smollm2 \
       --batches 1,32,256 --reps 2 --out "$OUT/engine_cuda.json"
     tail -n 40 "$OUT/engine.log"

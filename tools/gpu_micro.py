@@ -2,18 +2,8 @@
 
     python -m tools.gpu_micro [--what products,argmax,attention,steps] [--out FILE]
 
-Each candidate is captured 30 times in one graph (30 layers: 30 distinct weight or cache tensors, so
-nothing stays in L2 that a model's step would not find there) and the graph replayed; a row is the
-device time per call, in microseconds. On SmolLM2-135M's shapes in bfloat16:
-- ``products``: decode's products at 1 and 4 rows, cuBLAS (``F.linear``) against ``triton_kernels.gemv``
-  over its tile sizes; the down product with ``silu_mul`` in front (two kernels) against ``gemv`` taking
-  it in its loads (one);
-- ``argmax``: greedy tokens of 1 and 32 rows of a 49,152 vocabulary, torch against ``argmax_rows``;
-- ``attention``: prefill attention of one 1,024-token prompt over tile sizes, warps and stages;
-- ``steps``: a random-weight model through ``LLM.generate`` (decode at batch 1 with ``gemv`` on and off,
-  and with the norms fused into it or not, per step) and ``ModelRunner.prefill`` of 1,024 tokens eager
-  and under a CUDA graph.
-Prints a table per part and writes the JSON (``--out``).
+Each candidate runs once per layer on distinct tensors in one graph, so nothing stays in L2 that a step would
+not find there; a row is device microseconds per call. The parts: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -170,7 +160,7 @@ def steps() -> dict[str, Any]:
             out[key] = min(ms)
             print(f"{key}: {min(ms):.3f} ms/step ({1e3 / min(ms):.0f} tok/s)", flush=True)
             runner = llm.engine.runner
-            if (gemv_rows, fuse_norms) != (rows, fuse):  # prefill (1,024 rows) runs no gemv: measured once
+            if (gemv_rows, fuse_norms) != (rows, fuse):  # prefill runs no gemv: measured once
                 del llm, runner
                 torch.cuda.empty_cache()
                 continue

@@ -2,14 +2,7 @@
 
     python -m tools.gpu_profile [--batches 1,32,256] [--prefill-len 1024] [--top 18]
 
-On a random-weight model of SmolLM2-135M's shape in bfloat16 (weights do not change speed), after a
-warm-up of every shape measured:
-- ``prefill``: ``ModelRunner.prefill`` of one prompt, and ``LLM.generate`` of it for one token: wall ms,
-  GPU kernel ms (the profiler's device total), the kernels by device time;
-- ``decode`` at each batch: ``LLM.generate`` of ``--new-tokens`` greedy tokens: wall ms per step, the
-  runner's step alone, and the host functions by own time (cProfile), which is what the scheduler,
-  sampler and input building cost on top of the graph replay.
-Prints text for a person; the engine benchmark (``benchmarks.engine --device cuda``) keeps the figures.
+Text for a person, on a random-weight model of SmolLM2-135M's shape; the engine benchmark keeps the figures.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Decode steps with the KV cache in shared memory against anonymous huge pages: the price of
-``--kv-shared-memory`` on this machine.
+"""Decode steps with the KV cache in shared memory (``--kv-shared-memory``) against anonymous huge pages.
 
     python -m tools.kv_shared_steps [--batch 32] [--prompt-len 600] [--dtype bfloat16] [--rounds 2]
 
-A decode worker with ``--kv-shared-memory`` keeps its KV cache in a memfd (``engine.hugepages.SharedTensor``)
-so that a prefill worker of its host can write it with plain copies (kv_transfer/writers/shm.py). Shared
-memory gets transparent huge pages only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
-allows them, and decode attention streams the cache every step. This times greedy decode steps of the
-default model (``--batch`` sequences of ``--prompt-len`` tokens, 24 steps, the first 3 dropped) on two
-runners, one with each cache, alternating ``--rounds`` times in one process; it reports the median step of
-each round, the best of each kind and their ratio (shared / anonymous: above 1 means the shared cache is
-slower), with the CPU, its ISA and whether shared memory had huge pages.
+Shared memory has huge pages only where ``shmem_enabled`` allows, and decode streams the cache every step;
+the ratio is shared / anonymous (above 1: shared is slower).
 """
 
 from __future__ import annotations
@@ -41,7 +34,7 @@ def measure(model: str, batch: int, prompt_len: int, dtype: torch.dtype, rounds:
                 path, dtype=dtype, num_blocks=blocks, block_size=16, kv_shared=kind == "shared"
             )
             prompts = [list(range(10 + i, 10 + i + prompt_len)) for i in range(batch)]
-            steps = runner_decode_steps(runner, prompts, STEPS)[3:]
+            steps = runner_decode_steps(runner, prompts, STEPS)[3:]  # the first steps warm up
             medians[kind].append(round(statistics.median(steps) * 1e3, 3))
             del runner
     best = {kind: min(ms) for kind, ms in medians.items()}

@@ -2,9 +2,8 @@
 
     ../shared/device/fetch-wheels.sh all && python tools/trim_ucx_wheel.py [.whl]
 
-``libucx_cu13``'s wheel (42 MB) carries static libraries, UCX's perftest plug-ins and C headers that
-nothing of pdserve loads (23 MB of it): they are dropped, and the wheel's RECORD with them, so pip installs
-the rest unchanged. A wheel trimmed before is left as it is.
+Static libraries, UCX's perftest plug-ins and C headers, which nothing of pdserve loads, are dropped with
+their RECORD lines, so pip installs the rest unchanged; a wheel trimmed before is left as it is.
 """
 
 from __future__ import annotations
