@@ -105,9 +105,9 @@ PROCESS = (WORKER_ID, STANDBY, DRAIN_TIMEOUT, LOAD_FAILURE_LINGER, METRICS_PORT)
 KV_SHARED_MEMORY = Flag(
     "--kv-shared-memory",
     "decode workers on CPU keep the KV cache in shared memory, which prefill workers of this host write with "
-    "plain copies (on a kernel whose cross-memory writes are slow: a 1,024-token transfer 1.25-1.41x faster "
-    "end to end, the copies alone 2.5x); shared memory has huge pages only where the kernel allows them for "
-    "it (transparent_hugepage/shmem_enabled), decode attention read 2-9%% slower without (default: off)",
+    "plain copies (faster where the kernel's cross-memory writes are slow); shared memory has huge pages "
+    "only where the kernel allows them for it (transparent_hugepage/shmem_enabled), and decode attention "
+    "is a little slower without them (default: off)",
     default=WorkerArgs.kv_shared_memory,
     switch=Switch.ON,
     field="kv_shared_memory",
@@ -152,8 +152,7 @@ TUNING = (
     Flag(
         "--mixed-steps",
         "one step decodes the running streams and prefills waiting prompts in the rest of the budget "
-        "(default: a step either prefills or decodes, prefill first; mixed steps measured slower on CPU, see "
-        "the README)",
+        "(default: a step either prefills or decodes, prefill first; mixed steps are no faster on CPU)",
         default=WorkerArgs.mixed_steps,
         switch=Switch.ON,
         field="mixed_steps",
@@ -190,7 +189,7 @@ TUNING = (
         "--kv-puts",
         "how KV reaches a decode worker: auto (one-sided writes: RDMA, CUDA IPC, cross-memory on one host; "
         "UCX puts over tcp while UCX_TCP_TX_SEG_SIZE is at least 64K, pdserve's default, else tagged "
-        "messages, measured faster with UCX's own 8K segments), always (UCX puts over tcp whatever the "
+        "messages, faster with UCX's own 8K segments), always (UCX puts over tcp whatever the "
         "segment size), never (tagged messages only, cross-memory writes off as well); both ends must allow "
         "puts for a transfer to use them (default %(default)s)",
         default=WorkerArgs.kv_puts,
