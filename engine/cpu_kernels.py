@@ -55,6 +55,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -185,6 +186,20 @@ def kernel_isas_to_check() -> list[str]:
     return isas
 
 
+def _run_compiler(argv: list[str]) -> None:
+    """Run one compiler command in a process group of its own, so a timeout kills all of it: killing the
+    ``cc`` driver alone (``subprocess.run``'s timeout) left its ``cc1`` compiling on, loading the host."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, argv, out, err)
+
+
 def _build(cc: str, out: Path, cflags: tuple[str, ...]) -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-kernel-") as tmp:
         # The unit includes the fragments where they are, so compiler messages name engine/csrc/*:line.
@@ -201,7 +216,7 @@ def _build(cc: str, out: Path, cflags: tuple[str, ...]) -> None:
             [cc, *compile_flags, "-c", "-o", str(obj), str(src)],
             [cc, "-shared", "-fopenmp", "-o", str(so), str(obj), "-lm"],
         ):
-            subprocess.run(argv, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
+            _run_compiler(argv)
         out.parent.mkdir(parents=True, exist_ok=True)
         staged = out.parent / f".{out.name}.{os.getpid()}.tmp"
         shutil.copyfile(so, staged)
