@@ -58,6 +58,8 @@ _REROUTE_WAIT_S = 10.0  # how long a migrating stream may wait for a worker with
 
 
 class Relay:
+    """Runs admitted requests to their end, moving each off failed workers (``run``)."""
+
     def __init__(
         self,
         tokenizer: RouterTokenizer,
