@@ -133,7 +133,7 @@ def test_a_router_metrics_body_cut_short_is_no_sample_not_a_crash(monkeypatch) -
 
 def test_a_standby_the_router_promoted_is_adopted_and_replaced(tmp_path) -> None:
     """The router promotes a standby worker itself when its pool's last serving worker dies
-    (``RouterService.cover_with_standby``): the driver records it as serving and starts a new standby."""
+    (``Membership.cover_with_standby``): the driver records it as serving and starts a new standby."""
     world = FakeControl()
     world.running = 0
     warm = _entry("decode-3", Role.DECODE, standby=True)

@@ -201,7 +201,7 @@ def adopt_promotions(
     state: ClusterState, status: worker_pb2.ClusterStatus
 ) -> tuple[ClusterState, list[ProcessEntry]]:
     """Standby workers the router promoted on its own (their pool's last serving worker died:
-    ``RouterService.cover_with_standby``) recorded as serving; returns (state, the promoted ones). The
+    ``Membership.cover_with_standby``) recorded as serving; returns (state, the promoted ones). The
     caller saves the state."""
     promoted = {e.info.worker_id for e in status.workers if not e.info.standby}
     adopted = [w for w in state.workers if w.standby and w.id in promoted]
