@@ -1,16 +1,7 @@
 """When each benchmark request is sent: a seeded arrival schedule (pure: numpy only).
 
-Inter-arrival gaps follow a gamma distribution with shape ``burstiness`` and mean
-``1 / request_rate`` (as ``vllm bench serve``): shape 1 is a Poisson process, a
-shape below 1 clusters arrivals into bursts, above 1 spreads them more evenly, and
-an infinite shape sends at a constant interval. An infinite rate sends every
-request at t = 0.
-
-The first request goes at t = 0 (the benchmark never idles before its first
-request). The cumulative gaps are then rescaled so the last request goes at
-exactly ``(n - 1) / request_rate``: the offered load of a run is the nominal rate
-whatever the seed, so a sweep over rates compares rates, not sampling noise
-(vLLM normalizes the same way). Only the order and spacing stay random.
+Gamma-distributed gaps of shape ``burstiness`` (1: Poisson; below 1: bursts) and mean ``1 / request_rate``,
+as ``vllm bench serve``; the first request goes at t = 0.
 """
 
 from __future__ import annotations
@@ -48,6 +39,8 @@ def arrival_times(n: int, config: ArrivalConfig, rng: np.random.Generator) -> li
         # Gamma(shape k, scale theta) has mean k * theta; theta = mean_gap / k keeps the rate.
         gaps = rng.gamma(shape=config.burstiness, scale=mean_gap / config.burstiness, size=n - 1)
     times = np.concatenate(([0.0], np.cumsum(gaps)))
+    # The last request at exactly (n - 1) / rate: the offered load is the nominal rate whatever the seed, so a
+    # sweep compares rates, not sampling noise (vLLM normalizes the same way).
     if times[-1] > 0:
         times *= (n - 1) * mean_gap / times[-1]
     return [float(t) for t in times]

@@ -1,24 +1,8 @@
 """Benchmark workloads: the prompts and output lengths a run sends (pure: numpy only).
 
-Three workloads:
-- ``random``: prompts of random token ids, sent as ``prompt_token_ids`` so their
-  length is exact (no decode/re-encode drift). Input and output lengths are drawn
-  uniformly from the integers in ``[floor(len * (1 - r)), ceil(len * (1 + r))]``
-  (at least 1), ``r`` being ``range_ratio`` (vLLM's semantics). ``ignore_eos`` is
-  set and ``max_tokens`` is the output length, so output lengths are exact too.
-  A non-zero ``prefix_len`` puts one random prefix of that many tokens in front
-  of every prompt (vLLM's random prefix).
-- ``shared-prefix``: the same with ``num_prefix_groups`` different prefixes;
-  requests are spread evenly over the groups in a shuffled order, so a prefix
-  cache (or its absence) shows.
-- ``jsonl``: one JSON object per line, ``{"prompt": str}`` or ``{"messages":
-  [{"role": ..., "content": ...}, ...]}``, with an optional positive int
-  ``"output_len"`` (default: the configured output length, as ``max_tokens``).
-  Entries are taken in a seeded shuffled order, cycling when the file holds
-  fewer than the requests asked for. ``ignore_eos`` follows the config.
-
-Every draw comes from the ``numpy.random.Generator`` passed in, so one seed gives
-one request stream.
+``random``: token-id prompts with vLLM's ``range_ratio`` and random prefix; ``shared-prefix``: the same over
+``num_prefix_groups`` prefixes, so a prefix cache shows; ``jsonl``: a file's prompts or chat messages. Every
+draw comes from the generator passed in, so one seed gives one request stream.
 """
 
 from __future__ import annotations
@@ -127,6 +111,8 @@ def sample_requests(
 def sample_random(
     config: WorkloadConfig, n: int, rng: np.random.Generator, token_space: TokenSpace, groups: int
 ) -> list[SampleRequest]:
+    """Token ids, so lengths are exact (no decode/re-encode drift), and ``ignore_eos`` with ``max_tokens``
+    the output length, so those are exact too; one random prefix per group."""
     allowed = token_space.allowed()
     prefixes = [allowed[rng.integers(0, len(allowed), size=config.prefix_len)] for _ in range(groups)]
     in_low, in_high = length_range(config.input_len, config.range_ratio)
@@ -159,6 +145,7 @@ def sample_jsonl(
     *,
     ignore_eos: bool,
 ) -> list[SampleRequest]:
+    """``n`` entries in a seeded shuffled order, cycling when the file holds fewer."""
     if not entries and n:
         raise ValueError("the dataset holds no requests")
     order: list[int] = []

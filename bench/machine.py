@@ -1,9 +1,7 @@
 """The machine a benchmark ran on: the ``machine`` block of every benchmark's JSON.
 
-A figure is only comparable with another from the same CPU, instruction set, kernel build and device, and
-these machines differ (AVX-512 with BF16 on some, AVX2 only on others), so each result file says which one
-produced it instead of leaving it to a session's notes. One helper, so every benchmark records the same
-keys; each adds its own (threads, load, bandwidth) beside them.
+A figure compares only with one from the same CPU, instruction set, kernel build and device, so each result
+says which produced it; every benchmark records these keys and adds its own beside them.
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """Per-request timings and the aggregate figures of a run (pure: numpy only).
 
-Times are seconds on one monotonic clock, relative to the benchmark start
-(t = 0: when the first measured request was due). Definitions:
-
-- TTFT: from sending the request to the first response message carrying at
-  least one token id (messages with text only, or none, do not count).
-- ITL: between consecutive token-bearing messages. A message carrying k tokens
-  contributes k intervals of (its time - the previous one's) / k, so a server
-  that batches tokens into one message is not credited with zero-latency
-  tokens. Tokens riding in the first message beyond the first one have no
-  measured gap and contribute nothing. Hence a request has
-  ``output_tokens - tokens_in_first_message`` ITL values summing to
-  ``last_token_time - first_token_time``.
-- E2EL: from sending the request to the end of its stream.
-- TPOT: ``(e2el - ttft) / (output_tokens - 1)``; undefined with one token.
-
-Aggregates follow ``vllm bench serve``: only successful requests enter the
-token totals and latency statistics; ``duration`` runs from t = 0 to the end of
-the last stream (successful or not); ``std`` is the population standard
-deviation; percentiles interpolate linearly (numpy's default). A statistic of
-an empty set is ``None`` (JSON null), never a misleading 0. Goodput counts the
-successful requests meeting every given SLO (a one-token request's TPOT counts
-as 0, as in vLLM) per second of ``duration``; ``slo_attainment`` is that count
-over all measured requests, failed ones counting as misses.
+Times are seconds on one monotonic clock from the benchmark start (t = 0: when the first measured request
+was due). Definitions and key names follow ``vllm bench serve``.
 """
 
 from __future__ import annotations
@@ -67,6 +46,7 @@ class RequestRecord:
 
     @property
     def ttft(self) -> float | None:
+        """Sending to the first message carrying a token id (text-only messages do not count)."""
         return self.token_times[0] - self.start_time if self.token_times else None
 
     @property
@@ -75,6 +55,9 @@ class RequestRecord:
 
     @property
     def itl(self) -> list[float]:
+        """Gaps between token-bearing messages; a message of k tokens gives k gaps of its gap / k, so a
+        server batching tokens is not credited with zero-latency ones. Tokens of the first message after
+        its first have no gap: the values sum to the last token's time minus the first's."""
         out: list[float] = []
         for i in range(1, len(self.token_times)):
             k = self.token_counts[i]
@@ -83,6 +66,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
+        """``(e2el - ttft) / (output_tokens - 1)``; None with one token."""
         ttft = self.ttft
         if ttft is None or self.output_tokens < 2:
             return None
@@ -171,7 +155,13 @@ def summarize(values_s: Sequence[float], name: str, percentiles: Sequence[float]
 def compute_metrics(
     records: Sequence[RequestRecord], slo: Slo | None = None, percentiles: Sequence[float] = PERCENTILES
 ) -> dict[str, Any]:
-    """The aggregate figures, under ``vllm bench serve``'s key names."""
+    """The aggregate figures, under ``vllm bench serve``'s key names.
+
+    Only successful requests enter token totals and latencies; ``duration`` runs from t = 0 to the end of
+    the last stream, failed or not; ``std`` is the population's; an empty set's statistic is None, never a
+    misleading 0. Goodput: successful requests meeting every SLO per second; ``slo_attainment``: their
+    share of all measured requests, failed ones counting as misses.
+    """
     ok = [r for r in records if r.ok]
     duration = max((r.end_time for r in records), default=0.0)
     total_in = sum(r.prompt_tokens for r in ok)

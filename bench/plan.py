@@ -1,10 +1,8 @@
 """The seeded request stream of one run: warmup requests, measured requests, send times (pure).
 
-One seed fixes everything a run sends. The seed is split into independent
-streams (``numpy.random.SeedSequence.spawn``) for the measured prompts, their
-send times and the warmup prompts, so changing ``warmup`` or the arrival rate
-leaves the measured prompts unchanged, and two shapes benchmarked with the same
-seed receive exactly the same requests at the same offsets.
+The seed is split into independent streams (``SeedSequence.spawn``) for the measured prompts, their send
+times and the warmup prompts: changing ``warmup`` or the rate leaves the measured prompts as they were,
+and two shapes benchmarked with one seed receive the same requests at the same offsets.
 """
 
 from __future__ import annotations

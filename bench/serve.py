@@ -1,23 +1,9 @@
 """``pdserve bench``: an async gRPC load generator against a running router.
 
-The stages of one run (``run_benchmark``), all on the caller's event loop:
-1. plan: the seeded request stream (``bench.plan``): warmup prompts, measured
-   prompts and their send times. Synthetic prompts draw token ids from the
-   model's tokenizer (loaded in a thread) unless a ``TokenSpace`` is passed in.
-2. connect: one ``grpc.aio`` channel to the router, ready within a bound.
-3. warmup: the warmup requests all at once under the concurrency bound; only
-   their failure count is kept.
-4. measure: each request is released at its send time, waits for a
-   concurrency slot (``--max-concurrency``), then streams (``bench.client``);
-   every request ends as one ``RequestRecord``. A gRPC error, an "abort" finish or a stream stuck past
-   ``--request-timeout`` (cancelled) is recorded on its request, never raised.
-5. aggregate: ``bench.metrics`` over the records -> ``BenchResult``.
-
-Nothing is global: the channel lives and dies inside one call, so a sweep can
-call ``run_benchmark`` many times in one process.
-
-Mounting in the ``pdserve`` CLI: ``add_arguments(subparser)`` (it adds
-``--router`` and ``--state-dir`` itself) and ``run_from_args(args)``.
+One run (``run_benchmark``): plan the seeded requests (``bench.plan``), connect, send the warmup, release each
+measured request at its send time under ``--max-concurrency`` (``bench.client``), aggregate
+(``bench.metrics``). Nothing is global, so a sweep runs many in one process; the ``pdserve`` CLI mounts it
+with ``add_arguments`` and ``run_from_args``.
 """
 
 from __future__ import annotations
@@ -57,7 +43,7 @@ class BenchError(RuntimeError):
     """A run that cannot start: no router, no cluster state."""
 
 
-# A week: longer request deadlines (1e10 s, inf) overflowed gRPC's and failed every request at once.
+# A week: far longer request deadlines (inf among them) overflow gRPC's and fail every request at once.
 MAX_REQUEST_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -240,6 +226,7 @@ async def run_benchmark(config: BenchConfig, *, token_space: TokenSpace | None =
                 f"router {config.router} not reachable within {config.connect_timeout_s:g} s"
             ) from None
         stub = generation_pb2_grpc.GenerationStub(channel)
+        # Warmup: all at once under the concurrency bound; only its failures are kept.
         warm = await _send_all(
             stub, plan.warmup, [0.0] * len(plan.warmup), config, f"bench-{run_id}-w", "warmup"
         )

@@ -1,21 +1,8 @@
-"""``pdserve bench soak``: minutes to hours of mixed traffic with one worker SIGKILLed a minute.
+"""``pdserve bench soak``: minutes to hours of mixed traffic while workers are SIGKILLed on a schedule.
 
 It answers: is any request lost that a healthy worker could have served, are KV blocks leaked, does any
-process's memory grow? The stages of one run (``run_soak``):
-1. cluster: attach to the cluster `pdserve up` runs in ``--state-dir``; without one, start one (2P+2D,
-   float32, the OpenAI front on) under the output folder and stop it at the end, whatever happens.
-2. load: ``--concurrency`` clients loop over ``bench.soak_load`` requests (short and long prompts, greedy
-   and seeded, gRPC and OpenAI streams, client cancels) until ``--minutes`` have passed.
-3. kills: at ``--first-kill`` s, then every ``--kill-interval`` s, SIGKILL the busiest worker of the next
-   role (decode, prefill, decode, ...) and bring every pool back to its shape with `pdserve scale`; the
-   next kill waits for the replacement, so a healthy worker of every role is always there. A worker that
-   dies without being killed is a crash: recorded (with its log's tail) and replaced at once.
-4. samples: every ``--sample-interval`` s the RSS of the router, every worker and this client
-   (``bench.soak_rss``).
-5. end: no new requests; those in flight finish. Every live worker is asked itself (``GetLoad``, no
-   heartbeat lag) until it holds 0 KV blocks (bounded); the router's migrations are read from /metrics.
-6. report: ``soak.json`` (figures, kills, lost requests, RSS flatness and series), ``soak_rss.png``,
-   ``requests.json.gz`` (one record per request), the summary on stdout and in ``summary.md``.
+process's memory grow? Load: ``bench.soak_load``; kills and leaks: ``bench.soak_cluster``; memory:
+``bench.soak_rss``.
 """
 
 from __future__ import annotations
@@ -323,7 +310,16 @@ def _document(
 
 
 def run_soak(cfg: SoakConfig, command: str = "") -> dict[str, Any]:
-    """One soak (see the module docstring); writes and returns its document."""
+    """One soak; writes ``soak.json``, ``soak_rss.png``, ``requests.json.gz``, ``summary.md`` and returns the
+    document.
+
+    Attach to the cluster in ``--state-dir``, else start one (stopped at the end, whatever happens); run
+    ``--concurrency`` clients for ``--minutes`` while the busiest worker of the next role is SIGKILLed every
+    ``--kill-interval`` s and the shape restored (the next kill waits for the replacement, so a healthy
+    worker of every role is always there; a worker dying unkilled is a crash, replaced at once) and RSS is
+    sampled; then let in-flight requests finish, ask every worker (``GetLoad``, no heartbeat lag) until it
+    holds no KV blocks, and read the router's migrations from /metrics.
+    """
     import uvloop
 
     cfg.out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,19 +1,8 @@
 """The soak's workload: a seeded, mixed stream of requests over gRPC and the OpenAI front, with cancels.
 
-A request's path through this module:
-1. ``make_spec`` draws it: a short prompt (prefilled by the decode worker) or a long one (prefilled
-   remotely), an output length, greedy or seeded sampling, the front (gRPC or OpenAI HTTP), and maybe
-   a client cancel (after k tokens, or before the first token after a short delay). A share of the
-   gRPC requests resend one of a small pool of fixed prompts, so their tokens can be compared.
-2. ``run_grpc`` / ``run_openai`` streams it (``ignore_eos``: a completed request has exactly
-   ``max_tokens`` tokens) and ends it as one ``SoakRecord``; nothing raises.
-3. ``Consistency`` checks every completed request's length, and every completion of a pooled prompt
-   against the first: a stream migrated with a gap, a duplicate or other tokens shows up there.
-
-Outcomes: ``completed``; ``cancelled`` (by this client, on purpose); ``refused`` (RESOURCE_EXHAUSTED /
-HTTP 429 before any token: the router said no at once, which is allowed); ``lost`` (everything else: an
-error, an "abort" finish, a timeout; with one worker killed at a time, a healthy worker of every role
-was always there to serve it).
+``make_spec`` draws a request, ``run_grpc`` / ``run_openai`` stream it into one ``SoakRecord`` (nothing
+raises), and ``Consistency`` checks every completion's length and that a pooled prompt always gives the same
+tokens, so a stream migrated with a gap, a duplicate or other tokens shows.
 """
 
 from __future__ import annotations
@@ -37,8 +26,10 @@ TOKEN_RANGE = (100, 40000)
 
 class Outcome(StrEnum):
     COMPLETED = "completed"
-    CANCELLED = "cancelled"
-    REFUSED = "refused"
+    CANCELLED = "cancelled"  # by this client, on purpose
+    REFUSED = "refused"  # RESOURCE_EXHAUSTED / HTTP 429 before any token: the router may say no at once
+    # Anything else (error, "abort" finish, timeout): with one worker killed at a time, a healthy worker of
+    # every role was there to serve it.
     LOST = "lost"
 
 

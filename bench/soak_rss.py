@@ -1,17 +1,7 @@
 """Each cluster process's resident memory over a soak: sampled with psutil, judged for flatness, plotted.
 
-A series is one process (name + pid): a worker killed and replaced starts a new series under its new
-id, so a replacement's start-up growth is never read as a leak of the one it replaced. Flatness is
-judged per series after its own warm-up, counted from when the process was ready (the load's start for
-the first processes, its `pdserve scale` returning for a replacement): ``drift`` is the largest distance
-of a post-warm-up sample from the series' post-warm-up baseline (the median of its first three samples
-after warm-up), as a fraction of that baseline; ``rise`` is the largest climb of a sample above the lowest
-sample before it (after warm-up), as a fraction of that low, on the series smoothed by a running median
-of three samples. ``rise`` is what is judged: a leak climbs and stays, while a one-time fall (the router
-returning memory when a worker's channel goes) would count in ``drift`` for the rest of the run, and one
-sample's spike (a prefill worker's activations for one large batch, freed by the next sample) is no
-level the process holds. ``max_rise_raw`` is the same on the unsmoothed samples, reported. A series
-with fewer than ``MIN_SAMPLES`` samples after warm-up is reported but not judged (all None).
+One series per process (name + pid), so a replacement's start-up growth is never read as a leak of the
+worker it replaced; how a series is judged: ``RssSeries.flatness``.
 """
 
 from __future__ import annotations
@@ -34,7 +24,16 @@ class RssSeries:
     samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, bytes)
 
     def flatness(self, warmup_s: float, ready_s: float = 0.0) -> dict[str, Any]:
-        """Baseline, extremes and drift after this series' own warm-up (see the module docstring)."""
+        """Baseline, extremes and drift after this series' own warm-up, counted from when it was ready.
+
+        ``max_drift``: the largest distance of a sample from the baseline (the median of the first three
+        after warm-up), as a fraction of it. ``max_rise``, the one judged: the largest climb above the
+        lowest sample before it, as a fraction of that low, on a running median of three. A leak climbs and
+        stays; a one-time fall (the router returning memory when a worker's channel goes) would count in
+        the drift for the rest of the run, and one sample's spike (a prefill's activations for one large
+        batch) is no level the process holds. ``max_rise_raw``: the same unsmoothed, reported only. With
+        fewer than ``MIN_SAMPLES`` samples after warm-up a series is reported, not judged.
+        """
         out: dict[str, Any] = {
             "name": self.name,
             "pid": self.pid,

@@ -1,43 +1,9 @@
 """``pdserve bench sweep`` and ``pdserve bench compare``: goodput of cluster shapes, side by side.
 
-A *shape* is a cluster layout: ``1P+1D`` (one prefill and one decode worker),
-``2C`` (two colocated workers, role ``both``), ``2P+1D``, ...
-
-``sweep`` brings up one shape, runs ``pdserve bench`` at each request rate and
-finds its goodput. ``compare`` does the same for several shapes in one run and
-writes the ratio of the first shape's goodput to the second's, the
-SLO-attainment curves and TTFT/ITL CDFs as PNG plots.
-
-Goodput (DistServe's definition): the highest request rate at which at least
-``--attainment`` (default 90%) of the requests meet both the TTFT and the TPOT
-SLO. Rates are swept upward; the goodput is the last rate before the first one
-that misses (``goodput_rps``), and ``goodput_interpolated_rps`` places the 90%
-crossing linearly between those two rates. A shape that meets the goal at the
-highest swept rate has its goodput reported as "at least" that rate
-(``saturated`` false means the sweep did not reach its limit). Once a shape's
-attainment falls below ``--stop-below`` the higher rates are skipped for it
-(counted as misses): past saturation queues only grow.
-
-Honesty of a comparison (every item recorded in the output JSON):
-- every shape is started by ``pdserve up`` with the same model, dtype, threads
-  per worker and worker flags; ``--pin-cpus`` (on by default) pins each worker
-  to its own cores, least used first, so shapes with the same worker count use
-  the same cores; ``compare`` refuses shapes with different worker counts unless
-  ``--allow-unequal`` is given;
-- every shape gets the same request stream: the same seed gives the same
-  prompts, output lengths and arrival times at each rate;
-- warmup requests (``--warmup``) go first in every run and are not measured;
-- all shapes are up for the whole run, idle unless measured, and the runs
-  alternate between shapes at each rate (ABBA order), so drift in the
-  machine's speed hits all shapes alike;
-- the machine's core count, CPU model, instruction set, kernel build, device and load are stated
-  (``bench.machine``).
-
-Outputs in ``--out-dir``: ``runs/<shape>_rate<r>.json.gz`` (the full
-``pdserve bench`` result of each run, one record per request), ``sweep.json``
-or ``compare.json`` (per-rate figures, goodput, ratio, machine, commands), and
-the plots ``slo_attainment.png``, ``ttft_cdf.png``, ``itl_cdf.png``. Every
-cluster is stopped when the run ends, whatever happens.
+A shape is a layout (``1P+1D``, ``2C``, ``2P+1D``, ...). ``sweep`` runs ``pdserve bench`` on one shape at
+rising request rates; ``compare`` runs several, alternating at each rate, and writes the ratio of their
+goodputs, SLO-attainment curves and TTFT/ITL CDFs. Goodput (DistServe's): the highest rate at which
+``--attainment`` of the requests meet both the TTFT and the TPOT SLO.
 """
 
 from __future__ import annotations
@@ -376,12 +342,12 @@ def _up_device(up_args: Sequence[str]) -> str:
 
 
 def _cores(machine: Mapping[str, Any]) -> Any:
-    """The core count; files written before bench.machine named it ``cpu_count``."""
+    """The core count, under ``cores`` or, in documents without a ``bench.machine`` block, ``cpu_count``."""
     return machine.get("cores", machine.get("cpu_count"))
 
 
 def _isa(machine: Mapping[str, Any]) -> str:
-    """ ", <isa>[, <GPU>]" for the summary line; empty for files written before bench.machine."""
+    """ ", <isa>[, <GPU>]" for the summary line; empty for a document that names no ISA."""
     dev = machine.get("device") or {}
     gpu = f", {dev.get('name') or dev['type']}" if dev.get("type", "cpu") != "cpu" else ""
     return f", {machine['isa']}{gpu}" if "isa" in machine else gpu
@@ -447,6 +413,17 @@ def run_sweep(
     cfg: SweepConfig, command: str = "", start_cluster: ClusterFactory | None = None
 ) -> dict[str, Any]:
     """Bring every shape up, sweep the rates over all of them, write the outputs; returns the document.
+
+    A fair comparison, every item recorded in the document: every shape started by ``pdserve up`` with the
+    same model, dtype, threads and worker flags (pinned to their own cores, least used first, unless
+    ``--no-pin-cpus``; shapes of different worker counts refused unless ``--allow-unequal``); the same
+    seeded request stream at each rate; warmup requests first, unmeasured; every shape up for the whole
+    run, idle unless measured; the machine stated. Once a shape's attainment falls below ``--stop-below``
+    its higher rates are skipped (misses): past saturation queues only grow.
+
+    Outputs in ``out_dir``: ``runs/<shape>_rate<r>.json.gz`` (each run's full result),
+    ``sweep.json`` or ``compare.json`` and the plots ``slo_attainment.png``, ``ttft_cdf.png``,
+    ``itl_cdf.png``. Every cluster is stopped when the run ends, whatever happens.
 
     ``start_cluster`` (default ``local_cluster``) yields a running cluster's
     description, at least ``{"router": "host:port"}``, and stops it on exit.
@@ -520,7 +497,7 @@ def build_document(
 
 
 def _bound_note(ratio: Mapping[str, Any]) -> str:
-    """What a ratio of goodputs is when a shape never missed (older documents have ``lower_bound`` only)."""
+    """What a ratio of goodputs is when a shape never missed (a document may have ``lower_bound`` only)."""
     if ratio.get("undetermined"):
         return " (undetermined: neither shape missed at the swept rates; sweep higher)"
     if ratio.get("upper_bound"):
