@@ -3,8 +3,7 @@
     python -m benchmarks.kv_transfer [--out FILE] [--transports tcp,shm] [--modes rma,tagged]
                                      [--tokens 16,1024] [--device cpu|cuda] [--burst N]
 
-One decode and one prefill process per transport and mode; what is timed and what each key means:
-benchmarks/README.md.
+One decode and one prefill process per transport and mode; what is timed, each key: benchmarks/README.md.
 """
 
 from __future__ import annotations

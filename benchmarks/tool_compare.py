@@ -3,8 +3,7 @@
     python -m benchmarks.tool_compare --state-dir DIR [--input-len 128 --output-len 32 --num-prompts 16
                                  --concurrency 1 --rounds 2] [--save-result FILE]
 
-Runs against a cluster ``pdserve up --http-port PORT`` started (``make bench-openai`` does it all); what
-is compared and how agreement is judged: benchmarks/README.md.
+Needs a cluster ``pdserve up --http-port PORT`` started (``make bench-openai`` does it all); see the README.
 """
 
 from __future__ import annotations

