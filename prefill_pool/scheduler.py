@@ -1,12 +1,11 @@
 """Prefill scheduler: batch queued prompts under a token budget. Pure: no torch, no grpc.
 
-A request's stages on a prefill worker:
+A job's queue stages (``Stage``; the request's whole walk is ``request.ReqState``):
 
     QUEUED (waiting for KV blocks and a batch slot)
-    -> SCHEDULED (blocks allocated to the job, in the next forward)
-    -> PUSHING (its KV streams to the decode worker layer by layer during the forward)
-    -> DONE (first token sampled, transfer completed; its blocks are freed)
-    or CANCELLED at any stage (its blocks, if any, are freed at once)
+    -> SCHEDULED (blocks allocated to the job: its forward, its KV streaming to the decode worker)
+    -> DONE (its transfer ended; its blocks are freed)
+    or CANCELLED (dropped from the queue, or given up: its blocks, if any, are freed)
 
 ``schedule()`` takes queued requests in arrival order while their prompt
 tokens fit ``max_batched_tokens`` (a prompt longer than the budget runs alone)
