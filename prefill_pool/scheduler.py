@@ -5,7 +5,7 @@ A job's queue stages (``Stage``; the request's whole walk is ``request.ReqState`
     QUEUED (waiting for KV blocks and a batch slot)
     -> SCHEDULED (blocks allocated to the job: its forward, its KV streaming to the decode worker)
     -> DONE (its transfer ended; its blocks are freed)
-    or CANCELLED (dropped from the queue, or given up: its blocks, if any, are freed)
+    or CANCELLED (``cancel``, ``pop_queued``: its blocks, if any, are freed)
 
 ``schedule()`` takes queued requests in arrival order while their prompt
 tokens fit ``max_batched_tokens`` (a prompt longer than the budget runs alone)
