@@ -38,27 +38,54 @@ def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-single"))
 
 
+# Which C kernel builds the kernel-vs-torch unit tests check (``kernels_every_isa``): a comma-separated list
+# of engine.env.KERNEL_ISAS, e.g. ``native`` alone for a quick run; unset or ``all``: every build whose code
+# paths differ on this host.
+TEST_KERNEL_ISAS_VAR = "PDSERVE_TEST_KERNEL_ISAS"
+
+
 def _kernel_isas() -> list[str]:
     from pdserve.engine.cpu_kernels import kernel_isas_to_check
+    from pdserve.engine.env import KERNEL_ISAS as builds
 
-    return kernel_isas_to_check()
+    raw = os.environ.get(TEST_KERNEL_ISAS_VAR, "").strip().lower()
+    if raw in ("", "all"):
+        return kernel_isas_to_check()
+    isas = list(dict.fromkeys(i.strip() for i in raw.split(",") if i.strip()))
+    unknown = [i for i in isas if i not in builds]
+    if unknown or not isas:
+        raise ValueError(f"{TEST_KERNEL_ISAS_VAR}={raw!r}: name builds of {', '.join(builds)}, or all")
+    return isas
 
 
 KERNEL_ISAS = _kernel_isas()
 
 
-@pytest.fixture(scope="session", params=KERNEL_ISAS)
-def kernels(request):
-    """The C kernel library, once per build whose code paths differ on this host
-    (``engine.cpu_kernels.kernel_isas_to_check``: native, then e.g. the generic build and SIMDe's AVX-512 on
-    an AVX2 CPU, or the AVX2 and generic builds on an AVX-512 one), so every ISA path meets the torch oracle
-    on every host; skips where none can be built."""
+def _load_kernels(isa: str):
     from pdserve.engine.cpu_kernels import kernel_cache_dir, load_cpu_kernels
 
-    k = load_cpu_kernels(kernel_cache_dir(), request.param)
+    k = load_cpu_kernels(kernel_cache_dir(), isa)
     if k is None:
         pytest.skip("no C compiler here: the engine runs its torch path and oneDNN or F.linear")
     return k
+
+
+@pytest.fixture(scope="session", params=KERNEL_ISAS)
+def kernels_every_isa(request):
+    """The C kernel library once per build whose code paths differ on this host
+    (``engine.cpu_kernels.kernel_isas_to_check``: native, then e.g. the generic build and SIMDe's AVX-512 on
+    an AVX2 CPU, or the AVX2 and generic builds on an AVX-512 one; ``PDSERVE_TEST_KERNEL_ISAS`` narrows it),
+    so every ISA path meets the torch oracle on every host. For kernel-vs-torch unit tests; skips where none
+    can be built."""
+    return _load_kernels(request.param)
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """The native C kernel build, the one the engine serves with: for tests that run a whole model through
+    the kernels (parity with transformers), whose other builds are checked op by op (``kernels_every_isa``);
+    skips where it cannot be built."""
+    return _load_kernels("native")
 
 
 def pytest_report_header(config):

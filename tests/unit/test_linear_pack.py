@@ -1,9 +1,9 @@
 """The matmul paths of ``engine.weights`` (``LinearKind``) against the torch oracle, on every ISA path.
 
 The C kernels are built with ``-march=native`` (8-float vectors on AVX2/NEON, 16 on AVX-512) and, through
-the ``kernels`` fixture, once more per other build whose paths differ here (``kernel_isas_to_check``: the
-AVX2 and generic builds on an AVX-512 host; the generic build and SIMDe's AVX-512 on an AVX2 one). oneDNN
-dispatches on the CPU it finds.
+the ``kernels_every_isa`` fixture, once more per other build whose paths differ here
+(``kernel_isas_to_check``: the AVX2 and generic builds on an AVX-512 host; the generic build and SIMDe's
+AVX-512 on an AVX2 one). oneDNN dispatches on the CPU it finds.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 16, 33, 257])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panels_match_f_linear(kernels, dtype: torch.dtype, rows: int, bias: bool) -> None:
+def test_panels_match_f_linear(kernels_every_isa, dtype: torch.dtype, rows: int, bias: bool) -> None:
     # 200 outputs: not a multiple of any panel width, so the partial last panel is exercised.
     w, b, x = _case(200, 96, rows, dtype, bias)
-    lin = Linear.build(w, b, LinearKind.PANELS, kernels)
+    lin = Linear.build(w, b, LinearKind.PANELS, kernels_every_isa)
     assert lin.packed and lin.out_features == 200
     got = lin(x)
     assert got.shape == (rows, 200) and got.dtype == dtype
@@ -55,10 +55,10 @@ def test_panels_match_f_linear(kernels, dtype: torch.dtype, rows: int, bias: boo
     _close(got, want, dtype)
 
 
-def test_panels_on_model_sized_shapes(kernels) -> None:
+def test_panels_on_model_sized_shapes(kernels_every_isa) -> None:
     for n, k in ((960, 576), (576, 1536), (49152 + 5, 64)):
         w, b, x = _case(n, k, 8, torch.float32, bias=False, seed=n)
-        _close(Linear.build(w, b, LinearKind.PANELS, kernels)(x), F.linear(x, w), torch.float32)
+        _close(Linear.build(w, b, LinearKind.PANELS, kernels_every_isa)(x), F.linear(x, w), torch.float32)
 
 
 def _panels(w: torch.Tensor, p: int, pairs: bool) -> torch.Tensor:
@@ -72,32 +72,32 @@ def _panels(w: torch.Tensor, p: int, pairs: bool) -> torch.Tensor:
     return panels.transpose(1, 2).contiguous()
 
 
-def test_bfloat16_pair_layout_where_the_build_has_bf16_dot_products(kernels) -> None:
+def test_bfloat16_pair_layout_where_the_build_has_bf16_dot_products(kernels_every_isa) -> None:
     """AVX512-BF16 builds pack bfloat16 of even K in pairs (the dot-product kernel reads them); odd K, other
     dtypes and other builds keep the plain panels. Either way the layout is exactly the promised one, and
     the products match F.linear on model-sized shapes and on an odd K."""
-    pairs = kernels.bf16_pairs(96)
-    if kernels.isa == "native":
+    pairs = kernels_every_isa.bf16_pairs(96)
+    if kernels_every_isa.isa == "native":
         assert pairs == ("avx512_bf16" in cpu_isa()["flags"])  # type: ignore[operator]
     else:  # the emulated build compiles the BF16 paths; the capped ones never do
-        assert pairs == (kernels.isa == "simde-avx512")
-    assert not kernels.bf16_pairs(95)
-    p = kernels.panel_width()
+        assert pairs == (kernels_every_isa.isa == "simde-avx512")
+    assert not kernels_every_isa.bf16_pairs(95)
+    p = kernels_every_isa.panel_width()
     for n, k, dtype in ((200, 96, torch.bfloat16), (200, 95, torch.bfloat16), (200, 96, torch.float16)):
         w = torch.randn(n, k).to(dtype)
         want = _panels(w, p, pairs and dtype == torch.bfloat16 and k % 2 == 0)
-        assert torch.equal(kernels.pack_linear_weight(w), want), (n, k, dtype)
+        assert torch.equal(kernels_every_isa.pack_linear_weight(w), want), (n, k, dtype)
     for n, k in ((960, 576), (576, 1536), (49152 + 5, 64), (40, 95)):
         w, b, x = _case(n, k, 16, torch.bfloat16, bias=True, seed=n)
-        got = Linear.build(w, b, LinearKind.PANELS, kernels)(x)
+        got = Linear.build(w, b, LinearKind.PANELS, kernels_every_isa)(x)
         _close(got, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16), torch.bfloat16)
 
 
-def test_panels_take_strided_inputs(kernels) -> None:
+def test_panels_take_strided_inputs(kernels_every_isa) -> None:
     w, _, x = _case(40, 32, 6, torch.float32, bias=False)
     wide = torch.randn(6, 64)
     wide[:, :32] = x
-    lin = Linear.build(w, None, LinearKind.PANELS, kernels)
+    lin = Linear.build(w, None, LinearKind.PANELS, kernels_every_isa)
     _close(lin(wide[:, :32]), F.linear(x, w), torch.float32)
     with pytest.raises(ValueError, match="linear"):
         lin(torch.randn(6, 31))
@@ -116,18 +116,18 @@ def test_onednn_bfloat16_is_bitwise_f_linear() -> None:
     assert torch.equal(Linear.pack(w)(x), F.linear(x, w))
 
 
-def test_choose_linear(kernels) -> None:
+def test_choose_linear(kernels_every_isa) -> None:
     auto = EngineEnv()
-    assert choose_linear(torch.float32, CPU, kernels, auto) is LinearKind.PANELS
-    half = choose_linear(torch.bfloat16, CPU, kernels, auto)
-    if kernels.bf16_pairs(2):  # AVX512-BF16 dot products in the build: its own pair-layout panels
+    assert choose_linear(torch.float32, CPU, kernels_every_isa, auto) is LinearKind.PANELS
+    half = choose_linear(torch.bfloat16, CPU, kernels_every_isa, auto)
+    if kernels_every_isa.bf16_pairs(2):  # AVX512-BF16 dot products in the build: its own pair-layout panels
         assert half is LinearKind.PANELS
     else:
         assert half is (LinearKind.ONEDNN if onednn_runs(torch.bfloat16, CPU) else LinearKind.PANELS)
     assert choose_linear(torch.bfloat16, CPU, None, auto) in (LinearKind.ONEDNN, LinearKind.PLAIN)
     assert choose_linear(torch.float32, CPU, None, auto) in (LinearKind.ONEDNN, LinearKind.PLAIN)
-    assert choose_linear(torch.float32, torch.device("meta"), kernels, auto) is LinearKind.PLAIN
-    assert choose_linear(torch.float32, CPU, kernels, EngineEnv(linear="plain")) is LinearKind.PLAIN
+    assert choose_linear(torch.float32, torch.device("meta"), kernels_every_isa, auto) is LinearKind.PLAIN
+    assert choose_linear(torch.float32, CPU, kernels_every_isa, EngineEnv(linear="plain")) is LinearKind.PLAIN
     with pytest.raises(ValueError, match="panels"):
         choose_linear(torch.float32, CPU, None, EngineEnv(linear="panels"))
 
@@ -139,10 +139,12 @@ def test_linear_env_switch() -> None:
         EngineEnv.from_environ({"PDSERVE_LINEAR": "fast"})
 
 
-def test_kernel_builds_run_the_vector_width_they_stand_for(kernels) -> None:
+def test_kernel_builds_run_the_vector_width_they_stand_for(kernels_every_isa) -> None:
     """Panels are two vectors wide: 16-float vectors (P = 32) in native AVX-512 builds and SIMDe's, else 8."""
-    wide = kernels.isa == "simde-avx512" or (kernels.isa == "native" and "avx512f" in cpu_isa()["flags"])
-    assert kernels.panel_width() == (32 if wide else 16)
+    wide = kernels_every_isa.isa == "simde-avx512" or (
+        kernels_every_isa.isa == "native" and "avx512f" in cpu_isa()["flags"]
+    )
+    assert kernels_every_isa.panel_width() == (32 if wide else 16)
 
 
 def test_kernel_isas_to_check_follow_the_host(monkeypatch) -> None:
@@ -175,18 +177,18 @@ def test_kernel_isa_switch(monkeypatch) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 33])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_gate_up_with_silu_mul_in_the_epilogue_equals_the_product_then_silu_mul(
-    kernels, dtype: torch.dtype, rows: int, quantization: str
+    kernels_every_isa, dtype: torch.dtype, rows: int, quantization: str
 ) -> None:
     """A fused [gate; up] built with gate_up=True returns silu(gate) * up from the product's epilogue: what
     the plain-order product followed by the silu_mul kernel gives (bit for bit but for the product's ulp)."""
-    inter = 3 * kernels.panel_width()  # a multiple of half a panel: the fused path
+    inter = 3 * kernels_every_isa.panel_width()  # a multiple of half a panel: the fused path
     w, b, x = _case(2 * inter, 96, rows, dtype, bias=True)
-    fused = Linear.build(w, b, LinearKind.PANELS, kernels, quantization, gate_up=True)
-    plain = Linear.build(w, b, LinearKind.PANELS, kernels, quantization)
+    fused = Linear.build(w, b, LinearKind.PANELS, kernels_every_isa, quantization, gate_up=True)
+    plain = Linear.build(w, b, LinearKind.PANELS, kernels_every_isa, quantization)
     assert fused.silu_mul and not plain.silu_mul
     got = fused(x)
     assert got.shape == (rows, inter) and got.dtype == dtype
-    unfused = kernels.silu_mul(plain(x))
+    unfused = kernels_every_isa.silu_mul(plain(x))
     # Tiles of 1-3 rows split k over several accumulators, and -ffast-math may sum the splits in a different
     # order for the two halves of a panel: a column's float32 product can move by an ulp with its position in
     # the panel, which the gate/up order changes. Everything after the product is the same arithmetic.
@@ -197,9 +199,9 @@ def test_gate_up_with_silu_mul_in_the_epilogue_equals_the_product_then_silu_mul(
         _close(got, (F.silu(gu[:, :inter]) * gu[:, inter:]).to(dtype), dtype)
 
 
-def test_gate_up_order_and_its_limits(kernels) -> None:
-    half = kernels.panel_width() // 2
-    order = kernels.gate_up_panel_order(2 * half)
+def test_gate_up_order_and_its_limits(kernels_every_isa) -> None:
+    half = kernels_every_isa.panel_width() // 2
+    order = kernels_every_isa.gate_up_panel_order(2 * half)
     assert order is not None
     assert order.tolist() == [
         *range(half),
@@ -207,12 +209,12 @@ def test_gate_up_order_and_its_limits(kernels) -> None:
         *range(half, 2 * half),
         *range(3 * half, 4 * half),
     ]
-    assert kernels.gate_up_panel_order(half + 1) is None
+    assert kernels_every_isa.gate_up_panel_order(half + 1) is None
     w, _, x = _case(2 * (half + 1), 32, 4, torch.float32, bias=False)
     lin = Linear.build(
-        w, None, LinearKind.PANELS, kernels, gate_up=True
+        w, None, LinearKind.PANELS, kernels_every_isa, gate_up=True
     )  # falls back: product, then silu_mul
     assert not lin.silu_mul and lin(x).shape == (4, 2 * (half + 1))
-    packed = kernels.pack_linear_weight(w)
+    packed = kernels_every_isa.pack_linear_weight(w)
     with pytest.raises(ValueError, match="silu_mul needs n a multiple"):
-        kernels.linear(x, packed, w.shape[0], None, silu_mul=True)
+        kernels_every_isa.linear(x, packed, w.shape[0], None, silu_mul=True)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.cpu_kernels import kernel_cache_dir, kernel_isas_to_check, load_cpu_kernels
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from tests.tiny_models import load_reference
 
@@ -30,19 +29,13 @@ def _interpreted(backend: str, runner: ModelRunner) -> bool:
     return backend == "triton" and runner.device.type == "cpu"
 
 
-# The C kernels once per build whose code paths differ here ("cpu_kernels" is the native one; e.g.
-# "cpu_kernels/simde-avx512" runs the AVX-512 paths through SIMDe on a CPU without them).
-_CPU_KERNEL_BUILDS = [
-    "cpu_kernels" if isa == "native" else f"cpu_kernels/{isa}" for isa in kernel_isas_to_check()
-]
-
-
-@pytest.fixture(scope="session", params=["torch", *_CPU_KERNEL_BUILDS, "triton"])
+@pytest.fixture(scope="session", params=["torch", "cpu_kernels", "triton"])
 def backend(request) -> str:
-    """Every implementation of the non-matmul ops: portable torch, the C kernels (each ISA build), and the
-    CUDA backend's Triton kernels (on the GPU when there is one, else in Triton's interpreter on CPU)."""
-    if request.param.startswith("cpu_kernels") and load_cpu_kernels(kernel_cache_dir()) is None:
-        pytest.skip("no C compiler here: the engine runs its torch path")
+    """Every implementation of the non-matmul ops: portable torch, the C kernels (their native build: the
+    other ISA builds meet the torch oracle op by op in test_cpu_kernels and test_linear_pack), and the CUDA
+    backend's Triton kernels (on the GPU when there is one, else in Triton's interpreter on CPU)."""
+    if request.param == "cpu_kernels":
+        request.getfixturevalue("native_kernels")  # skips where the kernels cannot be built
     if request.param == "triton":
         pytest.importorskip("triton", reason="Triton is not installed")
     return request.param
@@ -50,8 +43,7 @@ def backend(request) -> str:
 
 def make_runner(model_dir, backend: str, **kw) -> ModelRunner:
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
-    backend, _, isa = backend.partition("/")
-    return ModelRunner(model_dir, backend=backend, device=device, kernel_isa=isa or None, **kw)
+    return ModelRunner(model_dir, backend=backend, device=device, kernel_isa="native", **kw)
 
 
 def _prompts(lens: tuple[int, ...], seed: int, vocab: int = 512) -> list[list[int]]:

@@ -69,10 +69,10 @@ def _reference(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 257])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_panels_match_the_dequantised_product(kernels, dtype, rows, bias) -> None:
+def test_int8_panels_match_the_dequantised_product(kernels_every_isa, dtype, rows, bias) -> None:
     # 200 outputs: the last panel is partial on every panel width (16 and 32 columns).
     w, b, x = _case(200, 96, rows, dtype, bias)
-    lin = Linear.build(w, b, LinearKind.PANELS, kernels, "int8")
+    lin = Linear.build(w, b, LinearKind.PANELS, kernels_every_isa, "int8")
     assert lin.weight.dtype == torch.int8 and lin.out_features == 200
     got = lin(x)
     assert got.shape == (rows, 200) and got.dtype == dtype
@@ -80,10 +80,14 @@ def test_int8_panels_match_the_dequantised_product(kernels, dtype, rows, bias) -
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7])
-def test_int8_panels_with_a_ragged_last_group(kernels, rows) -> None:
+def test_int8_panels_with_a_ragged_last_group(kernels_every_isa, rows) -> None:
     # k = 131: groups of 64, 64 and 3, none a multiple of the k-splits of small row counts.
     w, b, x = _case(45, 131, rows, torch.float32, bias=True)
-    _close(Linear.build(w, b, LinearKind.PANELS, kernels, "int8")(x), _reference(w, b, x), torch.float32)
+    _close(
+        Linear.build(w, b, LinearKind.PANELS, kernels_every_isa, "int8")(x),
+        _reference(w, b, x),
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,21 +98,21 @@ def test_int8_portable_path_matches_the_dequantised_product(dtype) -> None:
     _close(lin(x), _reference(w, b, x), dtype)
 
 
-def test_int8_weights_take_a_byte_each_plus_a_scale_per_group(kernels) -> None:
+def test_int8_weights_take_a_byte_each_plus_a_scale_per_group(kernels_every_isa) -> None:
     w, b, _ = _case(960, 576, 1, torch.float32, bias=False)
-    fp = Linear.build(w, b, LinearKind.PANELS, kernels)
-    q8 = Linear.build(w, b, LinearKind.PANELS, kernels, "int8")
+    fp = Linear.build(w, b, LinearKind.PANELS, kernels_every_isa)
+    q8 = Linear.build(w, b, LinearKind.PANELS, kernels_every_isa, "int8")
     assert fp.num_bytes() == 960 * 576 * 4
     assert q8.num_bytes() == 960 * 576 + 960 * (576 // INT8_GROUP) * 4  # 3.76x fewer bytes
 
 
-def test_choose_linear_for_int8(kernels) -> None:
+def test_choose_linear_for_int8(kernels_every_isa) -> None:
     env = EngineEnv.from_environ()
     for dtype in (torch.float32, torch.bfloat16):
-        assert choose_linear(dtype, CPU, kernels, env, "int8") is LinearKind.PANELS
+        assert choose_linear(dtype, CPU, kernels_every_isa, env, "int8") is LinearKind.PANELS
         assert choose_linear(dtype, CPU, None, env, "int8") is LinearKind.PLAIN
     with pytest.raises(ValueError, match="onednn cannot run --quantization int8"):
-        choose_linear(torch.float32, CPU, kernels, EngineEnv(linear="onednn"), "int8")
+        choose_linear(torch.float32, CPU, kernels_every_isa, EngineEnv(linear="onednn"), "int8")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +126,7 @@ DECODE_STEPS = 64
 
 @pytest.mark.parametrize("backend", ["torch", "cpu_kernels"])
 def test_int8_runner_matches_transformers_on_dequantised_weights(
-    tiny_model_dir, int8_reference, backend, kernels
+    tiny_model_dir, int8_reference, backend, native_kernels
 ) -> None:
     """Prefill logits within 1e-4, then >= 64 greedy steps of a mixed-length batch token for token."""
     runner = ModelRunner(
@@ -131,7 +135,7 @@ def test_int8_runner_matches_transformers_on_dequantised_weights(
         block_size=4,
         num_blocks=256,
         quantization="int8",
-        kernel_isa=kernels.isa,
+        kernel_isa=native_kernels.isa,
     )
     assert runner.quantization == "int8" and runner.weights.lm_head.weight.dtype == torch.int8
     g = torch.Generator().manual_seed(5)
