@@ -213,7 +213,7 @@ class Attempt:
 
     def _drop_prefill(self, p: Worker, request_id: str, key: str) -> None:
         """Tell P to free the KV of a prefill that will get no ticket (fire and forget: P also drops it
-        after ``TICKET_WAIT_S``)."""
+        after ``prefill_pool.tickets.TICKET_WAIT_S``)."""
         call = self._channels.stub(p.address).AttachTicket(
             worker_pb2.AttachTicketRequest(request_id=request_id, attach_key=key),
             timeout=5.0,

@@ -1,28 +1,5 @@
-"""Autoscaling policy: each pool's signals in, scale decisions out. Pure logic: no grpc, no torch.
-
-A pool's life under the policy, every tick (``Autoscaler.decide``):
-
-    size = serving + starting workers (draining and standby ones do not count)
-    size < min                 -> UP at once (below_min: a worker died), no cooldown
-    size > max                 -> DOWN at once (above_max)
-    pressure HIGH for ``up_after`` ticks in a row, size < max, ``up_cooldown_s`` since the
-        pool last changed                       -> UP (the reason of the last HIGH tick)
-    pressure LOW for ``down_after`` ticks in a row, size > min, nothing draining in the pool,
-        ``down_cooldown_s`` since the pool last changed  -> DOWN (idle)
-
-Hysteresis: HIGH needs one signal over its high mark; LOW needs every signal under its low mark
-*as if the pool had one worker less* (the load of n workers spread on n - 1), so a scale-down does
-not itself push the pool back over a high mark. Anything between resets both streaks. The driver
-drains one worker per DOWN and reports it in ``draining`` until it has left; a worker that dies while
-draining simply leaves ``draining`` and one that dies while serving shrinks ``size`` (below min: UP).
-
-Signals, per pool (what the router and workers already measure):
-- prefill: queued prefill tokens per serving worker; TTFT (a window quantile) against its SLO, which
-  counts only while prefill work is queued (a request waiting for decode room has a long TTFT too,
-  but more prefill workers would not help it).
-- decode: KV-cache usage, running batch against ``max_running``, requests waiting at the router for
-  decode room, ITL (a window quantile) against its SLO.
-"""
+"""Autoscaling policy: each pool's signals in, at most one scale decision per pool a tick out.
+Pure logic: no grpc, no torch."""
 
 from __future__ import annotations
 
@@ -164,7 +141,10 @@ def _share(total: float, workers: int) -> float:
 
 
 def pressure(config: AutoscaleConfig, pool: Pool, s: PoolSignals) -> tuple[Pressure, Reason | None, str]:
-    """HIGH (and why), LOW, or OK for one pool's signals."""
+    """HIGH (and why), LOW, or OK for one pool's signals.
+
+    HIGH needs one signal over its high mark; LOW needs every signal under its low mark as if the pool had
+    one worker less, so that a scale-down does not itself push the pool back over a high mark."""
     n = max(s.serving, 1)
     fewer = max(s.serving - 1, 1)  # LOW is judged as if one worker had left
     lat = s.latency_s
@@ -175,6 +155,8 @@ def pressure(config: AutoscaleConfig, pool: Pool, s: PoolSignals) -> tuple[Press
         detail = f"queued prefill tokens {s.queued_prefill_tokens} on {s.serving}, ttft {_fmt(lat)}"
         if per >= config.prefill_tokens_high:
             return Pressure.HIGH, Reason.QUEUED_PREFILL_TOKENS, detail
+        # TTFT counts only while prefill work queues: a request waiting for decode room has a long TTFT
+        # too, but more prefill workers would not help it.
         if lat is not None and lat > slo and per >= config.prefill_tokens_low:
             return Pressure.HIGH, Reason.TTFT_SLO, detail
         if _share(s.queued_prefill_tokens, fewer) <= config.prefill_tokens_low and lat_low:
@@ -240,6 +222,10 @@ class Autoscaler:
         return out
 
     def _decide_pool(self, now: float, pool: Pool, s: PoolSignals) -> Decision | None:
+        """Below min or above max: a change at once, with no cooldown. Otherwise UP after ``up_after``
+        HIGH ticks in a row and DOWN after ``down_after`` LOW ones, each past its cooldown since the pool
+        last changed; an OK tick resets both streaks. DOWN drains one worker, and waits while one
+        still drains."""
         c, st, b = self.config, self._pools[pool], self.config.bounds(pool)
         if s.size < b.min:
             return self._changed(now, pool, Direction.UP, Reason.BELOW_MIN, s.size + 1, f"size {s.size}")

@@ -1,10 +1,6 @@
-"""The router's control plane: ``pdserve.internal.v1.Registry`` for workers and the CLI.
-
-Register/Heartbeat/Deregister keep ``router.registry.Registry`` current (a
-worker is READY once a heartbeat says so, or STANDBY when it registered as a warm-pool worker, until
-PromoteWorker); HeartbeatResponse.drain carries a drain the CLI asked for with DrainWorker. Every change
-that may free capacity wakes the requests waiting in admission.
-"""
+"""The router's control plane: ``pdserve.internal.v1.Registry`` for workers and the CLI (register,
+heartbeat, drain, promote, cluster status). Every change that may free capacity wakes the requests
+waiting in admission."""
 
 from __future__ import annotations
 

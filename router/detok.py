@@ -1,11 +1,4 @@
-"""Incremental detokenization with stop strings for one request. Pure: no grpc, no torch.
-
-Token ids arrive one worker message at a time. Each id goes through the
-tokenizer's ``TextStream`` (tokenizers' DecodeStream: correct for multi-byte
-characters split across tokens) and then through the engine's
-``StopStringMatcher``, which holds back text that could still become a stop
-string, so a stop string never reaches the client.
-"""
+"""Incremental detokenization with stop strings for one request. Pure: no grpc, no torch."""
 
 from __future__ import annotations
 
@@ -17,6 +10,10 @@ from pdserve.router.validate import TextStream
 
 
 class Detokenizer:
+    """Each token id goes through the tokenizer's ``TextStream`` (right for characters split across tokens),
+    then the engine's ``StopStringMatcher``, which holds back text that could still become a stop string:
+    a stop string never reaches the client."""
+
     __slots__ = ("_stream", "_stop", "_min_tokens", "count")
 
     def __init__(self, stream: TextStream, params: SamplingParams) -> None:

@@ -1,16 +1,5 @@
-"""Router-side bookkeeping of admitted requests. Pure: no grpc, no torch.
-
-``Job`` is one admitted request: its route and the worker calls it has open,
-so that something other than the request's own task (the heartbeat sweep,
-a worker's death seen by another request) can fail it.
-
-``Ledger`` owns the router-side load figures the routing policy reads
-(``Worker.assigned``, ``Worker.assigned_prefill_tokens`` and ``Worker.assigned_kv_blocks``). Counts are kept
-per worker id, not on the ``Worker`` objects, because a worker that
-re-registers gets a new object while its old requests are still running; the
-ledger writes the current count onto whichever object the registry holds.
-Invariant: when no request is in flight every count is zero.
-"""
+"""Router-side bookkeeping of admitted requests: each ``Job`` and the ``Ledger`` of the load they put on
+workers. Pure: no grpc, no torch."""
 
 from __future__ import annotations
 
@@ -50,6 +39,9 @@ class NoRoute:
 
 
 class Job:
+    """One admitted request: its route and its open worker calls, so that something other than its own task
+    (the heartbeat sweep, a worker's death seen by another request) can fail it."""
+
     __slots__ = (
         "request_id",
         "prompt_len",
@@ -98,6 +90,11 @@ class Job:
 
 
 class Ledger:
+    """The router-side load figures routing reads (``Worker.assigned``, ``assigned_prefill_tokens``,
+    ``assigned_kv_blocks``). Kept per worker id, since a re-registered worker is a new object while its old
+    requests still run, and written onto whichever object the registry holds. With no request in flight,
+    every count is zero."""
+
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self._assigned: dict[str, int] = {}

@@ -1,21 +1,4 @@
-"""The router's Prometheus metrics: latency as the client sees it, request outcomes, cluster state.
-
-Every series carries ``role="router"`` (the ecosystem's convention, shared
-with the workers' ``prefill``/``decode``/``both``), except
-``pdserve_workers{role,state}`` whose ``role`` is the counted worker's role.
-
-Timing points (``time.monotonic``), all on the router:
-
-    arrival (the front door got the request; ``Job.arrival``)
-    -> admission found room                     request_queue_time = time spent in ``Router.admit``
-    -> first token handed to the client         time_to_first_token = that - arrival
-    -> every later message with tokens          inter_token_latency = gap since the previous one
-    -> the message carrying finish_reason       e2e_request_latency = that - arrival
-
-``RequestRecord.wrap`` observes the messages on their way to the client, so
-the figures are the client's view whatever path (local or remote prefill) the
-request took. Bucket boundaries include the SLO thresholds (``telemetry.slo``).
-"""
+"""The router's Prometheus metrics: latency as the client sees it, request outcomes, cluster state."""
 
 from __future__ import annotations
 
@@ -40,7 +23,12 @@ from pdserve.telemetry.slo import (
 )
 from pdserve.worker.auth import refusal_counter
 
+# Every series carries role="router", as the workers' carry their own role, except ``pdserve_workers``,
+# whose role is the counted worker's.
 ROLE = "router"
+# Latencies count on the router's monotonic clock from the request's arrival (``Job.arrival``): queue time
+# is the wait in ``Router.admit``, TTFT ends at the first token handed to the client, ITL is the gap between
+# token messages, e2e ends at the finish. Their buckets include the SLO thresholds (``telemetry.slo``).
 TTFT = "pdserve_time_to_first_token_seconds"
 ITL = "pdserve_inter_token_latency_seconds"
 E2E = "pdserve_e2e_request_latency_seconds"
@@ -64,7 +52,7 @@ MIGRATION_REASONS = (
     "step_failed",
 )
 # Heartbeat sweeps that found the router's own event loop had stood still past a heartbeat interval
-# (the workers' deadlines were moved by as long; router/membership.py sweep_forever).
+# (the workers' deadlines were moved by as long; ``Membership.sweep_forever``).
 LOOP_STALLS = "pdserve_router_event_loop_stalls_total"
 PROMPT_TOKENS = "pdserve_prompt_tokens_total"
 GENERATION_TOKENS = "pdserve_generation_tokens_total"
@@ -249,7 +237,8 @@ M = TypeVar("M", bound=_Message)
 
 
 class RequestRecord:
-    """One request's timing state; ``wrap`` observes what is written to the client."""
+    """One request's timing state; ``wrap`` observes what is written to the client, so the figures are the
+    client's view whichever route the request took."""
 
     __slots__ = ("_m", "arrival", "last_token", "finish_reason")
 

@@ -1,20 +1,5 @@
-"""Routing policy and admission control. Pure logic: no grpc, no torch.
-
-Routing a request of ``prompt_len`` tokens:
-1. Decode side: READY workers that decode (role decode or both) with room
-   (router-assigned requests below ``max_running`` and free KV blocks for the
-   prompt). Least loaded first: fewest assigned requests, then most free
-   blocks, then id (deterministic).
-2. Prefill side: a colocated (``both``) decode worker always prefills
-   locally. A ``decode`` worker prefills locally when the prompt is shorter
-   than ``local_prefill_threshold`` (conditional disaggregation: the transfer
-   does not pay for short prompts) or when no prefill worker is READY;
-   otherwise the prefill worker with the fewest queued prefill tokens
-   (heartbeat figure plus tokens the router dispatched since) is chosen.
-
-Admission: at most ``max_waiting`` requests wait at the router for a worker
-with room; beyond that new requests are rejected (RESOURCE_EXHAUSTED).
-"""
+"""Routing policy (which workers serve a request) and admission control (the bounded wait for room).
+Pure logic: no grpc, no torch."""
 
 from __future__ import annotations
 
@@ -79,8 +64,10 @@ def choose_route(
             decoders.append(w)
     if not decoders:
         return None
+    # Least loaded first: fewest assigned requests, then most free blocks, then id (deterministic).
     decoders.sort(key=lambda w: (w.assigned, -w.kv_blocks_free, w.worker_id))
     d = decoders[0]
+    # A colocated worker prefills its own; a short prompt is not worth a transfer.
     if d.role is Role.BOTH or prompt_len < config.local_prefill_threshold:
         return Route(decode=d, prefill=None)
     prefillers = [w for w in ready if w.role.prefills_remote]
@@ -90,6 +77,7 @@ def choose_route(
 
 
 def _least_queued(prefillers: list[Worker]) -> Worker:
+    """Fewest queued prefill tokens: the last heartbeat's figure plus what the router dispatched since."""
     return min(prefillers, key=lambda w: (w.queued_prefill_tokens + w.assigned_prefill_tokens, w.worker_id))
 
 
@@ -102,7 +90,7 @@ def can_ever_serve(workers: list[Worker], prompt_len: int) -> bool:
 
 
 class QueueFullError(Exception):
-    pass
+    """A queue is full: the router's own (``max_waiting``) or the chosen prefill worker's."""
 
 
 class AdmissionClosed(Exception):
@@ -146,11 +134,10 @@ class Admission:
             raise QueueFullError(f"the router queue is full ({self.max_waiting} requests waiting)")
         self.waiting += 1
         try:
-            # The timeout in this task, not ``asyncio.wait_for``'s inner one: a client's deadline cancels
-            # this task at about the time the wait times out, and the inner task then took the condition's
-            # lock back after this one had left it: every later notify blocked on it (the router stopped
-            # finishing requests and reading heartbeats). ``Condition.wait`` re-takes the lock in the
-            # cancelled task itself, and ``async with`` gives it back.
+            # The timeout in this task, not ``asyncio.wait_for``'s inner one: a cancel racing the timeout
+            # could leave that inner task holding the condition's lock, and every later notify would block
+            # on it. ``Condition.wait`` re-takes the lock in the cancelled task itself, and ``async with``
+            # gives it back.
             async with asyncio.timeout(timeout_s), self._changed:
                 route = await self._changed.wait_for(lambda: self.closed or try_route())
                 if route is True:  # (closed: no route was tried, so none was claimed)

@@ -1,18 +1,5 @@
 """Worker registry: who is in the cluster, in what state, under what load.
-
-Pure logic (no grpc, no torch), driven by the router's gRPC handlers and a
-periodic sweep. A worker's life at the router:
-
-    register -> READY (or LOADING until its first heartbeat says READY)
-    register(standby) -> STANDBY once loaded (a warm-pool worker) --promote(id)--> READY
-    READY --drain(id)--> DRAINING --deregister / heartbeat STOPPED--> removed
-    any --missed heartbeats or a failed RPC (mark_dead)--> removed
-
-Invariant: only READY workers are offered to the routing policy: a STANDBY worker is loaded, its KV
-cache allocated and it heartbeats, but takes no request until the autoscaler promotes it. The router
-also counts requests it has dispatched to each worker (``assigned``) so that
-routing sees load between heartbeats.
-"""
+Pure logic (no grpc, no torch), driven by the router's gRPC handlers and a periodic sweep."""
 
 from __future__ import annotations
 
@@ -26,6 +13,10 @@ from pdserve.worker.role import Role
 
 
 class State(enum.Enum):
+    """A worker at the router: registered LOADING (or READY), READY on a heartbeat that says so; a standby
+    worker STANDBY once loaded, until promoted to READY; READY -> DRAINING on a drain, removed when it
+    deregisters or reports STOPPED; any state -> removed on missed heartbeats or a failed call."""
+
     LOADING = "loading"
     READY = "ready"
     DRAINING = "draining"
@@ -248,6 +239,7 @@ class Registry:
         return dead
 
     def ready(self) -> list[Worker]:
+        """The workers routing may use: a STANDBY worker is loaded and heartbeats, but waits for promotion."""
         return [w for w in self._workers.values() if w.state is State.READY]
 
     def counts(self) -> dict[tuple[Role, State], int]:

@@ -1,36 +1,5 @@
-"""Running one admitted request on its workers and relaying tokens to the client.
-
-Stages of a request here (after validation and admission, see ``service``):
-
-A worker failing under a request (its call breaks, its KV transfer is aborted, it misses heartbeats)
-does not end the request: ``run`` moves it to a healthy worker (``reroute``) with the prompt plus every
-token already sent as input, what is left of max_tokens / min_tokens, and ``output_offset`` = tokens
-sent, up to ``max_migrations`` times. Before token 0 the move is an ordinary route (another prefill
-worker when one is READY, else local prefill); after it, the new decode worker prefills the prompt and
-the tokens sent itself. Greedy and seeded sampling continue
-with exactly the tokens an undisturbed run gives (token i depends on (seed, i) only), and the client's
-stream goes on with no gap and no duplicate.
-
-local route (the decode or colocated worker prefills):
-    D.Generate(mode=LOCAL) -> relay D's messages
-remote route:
-    D.Generate(mode=REMOTE) and P.Prefill (no ticket) at once -> D's first message
-    (the KV transfer ticket) to P by P.AttachTicket -> P's first token goes to the
-    client at once (TTFT waits neither for decode nor for D's ticket) -> relay D's
-    messages, skipping tokens already sent (D's messages carry ``first_index``).
-
-Every token goes through the request's ``Detokenizer``; a stop string ends the
-client stream with "stop" and cancels the worker calls. Whatever ends the
-request (finish, stop string, client cancel, deadline, a worker failure, the
-sweep failing the job), ``run`` leaves no worker call open.
-
-The relay loop is the router's added inter-token latency: per worker message
-it does one read, one detokenizer step and one write, and never logs.
-
-Here: the migration loop. One try on a route is ``attempt``; the stream relay and its read-ahead
-flow control ``stream``; the worker channels ``channels``; what a failed call means ``errors``; what
-the relay tells the router goes through one ``ops.RouterOps``.
-"""
+"""The migration loop: runs an admitted request to its end, moving it to a healthy worker when one
+fails under it. One try on a route is ``attempt``; relaying the decode stream is ``stream``."""
 
 from __future__ import annotations
 
@@ -58,7 +27,10 @@ _REROUTE_WAIT_S = 10.0  # how long a migrating stream may wait for a worker with
 
 
 class Relay:
-    """Runs admitted requests to their end, moving each off failed workers (``run``)."""
+    """Runs admitted requests to their end, moving each off failed workers (``run``).
+
+    A moved request resends the prompt plus every token already sent, with what is left of max_tokens and
+    min_tokens, so the client's stream goes on with no gap and no duplicate (``Attempt.run``)."""
 
     def __init__(
         self,
@@ -179,6 +151,7 @@ class Relay:
                     migrations,
                 )
         finally:
+            # Whatever ended the request (finish, stop string, cancel, deadline, failure), no call stays open.
             for c in job.calls:
                 c.cancel()  # a no-op on a call that has already ended
             self._ops.release_prefill(job)

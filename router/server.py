@@ -1,19 +1,5 @@
-"""The router process: a grpc.aio server on uvloop.
-
-Serves ``pdserve.v1.Generation`` (clients), ``pdserve.internal.v1.Registry``
-(workers and the CLI), ``grpc.health.v1.Health`` and server reflection.
-With ``http_port`` set, the OpenAI-compatible HTTP API (``openai_server``) runs
-on the same event loop and maps onto the same request path as ``Generate``.
-
-Life of the router:
-
-    start: bind, serve; health NOT_SERVING for "" and Generation (Registry
-           is SERVING at once, so workers can register while the router loads)
-    load:  resolve the model, load its tokenizer and limits; SERVING
-    run:   a sweep every heartbeat interval drops workers that missed heartbeats
-    stop (SIGTERM/SIGINT): NOT_SERVING, new requests UNAVAILABLE, in-flight
-           requests get ``shutdown_grace_s``, then the server stops.
-"""
+"""The router process: a grpc.aio server on uvloop serving Generation, Registry, health and reflection,
+with the metrics endpoint and the OpenAI HTTP front (``openai.server``) on the same event loop."""
 
 from __future__ import annotations
 
@@ -59,6 +45,9 @@ def load_frontend(model: str, cache_dir=None) -> tuple[RouterTokenizer, ModelLim
 
 
 class RouterServer:
+    """Start (bind, serve), load (tokenizer and limits, then SERVING), run (a heartbeat sweep), and stop on
+    SIGTERM/SIGINT (NOT_SERVING, new requests refused, in-flight ones get ``shutdown_grace_s``)."""
+
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.router = Router(config)
@@ -95,6 +84,7 @@ class RouterServer:
         )
         for name in ("", GENERATION_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # Registry serves at once: workers register while the router still loads.
         await self.health.set(REGISTRY_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         try:
             self.port = add_port(server, self.config.bind_address, self.config.tls)

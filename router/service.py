@@ -1,23 +1,5 @@
-"""The router's request path: ``pdserve.v1.Generation/Generate``.
-
-Stages of a request at the router:
-
-1. validate and prepare (``validate.prepare``): INVALID_ARGUMENT naming the field;
-2. admit (``Router.admit``): route now, or wait in the bounded queue
-   (RESOURCE_EXHAUSTED when full, or at once when the prefill worker it would
-   go to has ``max_prefill_queue_tokens`` queued already: what the router has
-   dispatched there and not had answered; UNAVAILABLE when no worker can ever
-   take the prompt or none has room before the wait ends). The chosen route is
-   counted against its workers (``jobs.Ledger``) in the same step. An admitted
-   request is not refused later: a move off a failed worker (``reroute``)
-   ignores the prefill queue bound;
-3. run (``relay.Relay``): worker calls, first token, token relay;
-4. finish: on every exit path the ledger releases the route and waiting
-   requests are woken, since capacity may have freed.
-
-``Router`` holds the cluster state the Generation and Registry services share; the worker set and its
-upkeep (deaths, missed heartbeats, standby promotion) are ``membership.Membership``.
-"""
+"""The Generation service and the ``Router`` behind it: admission, rerouting and route claims.
+``generate`` is the one entry every front (gRPC, the OpenAI HTTP front) calls."""
 
 from __future__ import annotations
 
@@ -81,7 +63,7 @@ class Router:
         self.closing = False
         self.inflight_ids: set[str] = set()  # request ids admitted and not finished: unique at a time
         self.metrics_url = ""  # set once the router's /metrics endpoint serves
-        self.http_url = ""  # set once the OpenAI HTTP front serves (``openai_server``); empty: off
+        self.http_url = ""  # set once the OpenAI HTTP front serves (``OpenAIFront``); empty: off
         self.metrics.watch(
             running=lambda: len(self.ledger.jobs),
             waiting=lambda: self.admission.waiting,
@@ -150,6 +132,7 @@ class Router:
                 )
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, why)
 
+        # Claimed in the step that chose it, so the next routing decision sees it.
         def try_route() -> Route | None:
             route = choose_route(self.registry.ready(), n, self.routing, job.total_tokens, job.one_token)
             if route is not None:
@@ -216,6 +199,7 @@ class Router:
             )
         routing = self.routing if remote else RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL)
 
+        # No prefill queue bound here: an admitted request is not refused later.
         def try_route() -> Route | None:
             ready = [w for w in self.registry.ready() if w.worker_id != avoid]
             route = choose_route(ready, prompt_len, routing, job.total_tokens, job.one_token and remote)
@@ -259,7 +243,7 @@ class Router:
         self.membership.worker_failed(w, dead, reason)
 
 
-# Prompts up to this many characters are tokenized inline (well under a millisecond).
+# Prompts up to this many characters are tokenized inline: too short to hold the event loop up.
 _INLINE_PREPARE_CHARS = 4096
 
 
@@ -307,7 +291,7 @@ async def generate(router: Router, request, write: Write, time_remaining: float 
             raise failed from None
         raise
     finally:
-        await router.finish(job)
+        await router.finish(job)  # every exit path: the route is released and waiting requests woken
 
 
 async def _admit(
@@ -375,7 +359,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 await context.abort(e.code, e.details)
             except Exception as exc:
                 # The call ended on its own meanwhile (its deadline, a cancel): the status cannot be sent
-                # and nobody waits for it (grpc.aio logged this as an ERROR traceback).
+                # and nobody waits for it.
                 if is_batch_error(exc):
                     return
                 raise

@@ -19,10 +19,10 @@ from pdserve.router.registry import Worker
 from pdserve.router.validate import Prepared
 
 _EOF = grpc.aio.EOF
-# Worker messages (~0.5 kB each) a stream reads ahead of a slow client: beyond them the worker waits (and
-# its claim stays), which bounds what a stalled client costs the router.
+# Worker messages a stream reads ahead of a slow client: beyond them the worker waits (and its claim
+# stays), which bounds what a stalled client costs the router.
 _READ_AHEAD = 4096
-# ... and router-wide (~64 MB): many stalled clients together make every stream past its first
+# ... and router-wide: many stalled clients together make every stream past its first
 # ``_READ_AHEAD_OWN`` messages wait, so the router's memory stays bounded whatever clients do (their workers
 # then hold their claims, and admission refuses what no worker can take).
 _READ_AHEAD_TOTAL = 1 << 17

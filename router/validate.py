@@ -1,11 +1,7 @@
 """Request validation and preparation at the router. Pure: no grpc, no torch.
 
-A ``GenerateRequest`` becomes a ``Prepared`` request (prompt token ids,
-checked sampling parameters, an id) or raises ``InvalidRequest`` whose message
-names the offending field; the router answers that with INVALID_ARGUMENT.
-The rules are the engine's own (``engine.params``), so a request the router
-accepts is one the workers accept.
-"""
+The rules are the engine's own (``engine.params``), so a request the router accepts is one the workers
+accept; ``InvalidRequest`` names the offending field."""
 
 from __future__ import annotations
 
@@ -136,7 +132,7 @@ def _prompt_ids(
 ) -> tuple[str, list[int]]:
     """The prompt's token ids and the name of the field they came from. A prompt known to be longer than
     the context before it is tokenized (its characters, by ``max_token_chars``) or copied (its ids) is
-    refused at once: megabytes of text cost seconds of tokenizing."""
+    refused at once: tokenizing a long text holds up the event loop."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("prompt is empty: set one of prompt, prompt_token_ids or messages")
@@ -156,8 +152,8 @@ def _prompt_ids(
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
     if context_length > 0 and len(request.messages.messages) > context_length:
-        # Each message takes at least a token: refused before rendering (480k empty messages rendered
-        # for 8 s, on the event loop, since their content counts no characters).
+        # Each message takes at least a token: refused before rendering, since empty messages count no
+        # characters yet still take the event loop's time to render.
         raise InvalidRequest(
             f"messages has {len(request.messages.messages)} messages: more than the model's context of "
             f"{context_length} tokens could hold"
@@ -166,7 +162,7 @@ def _prompt_ids(
     try:
         # The tokenizer checks roles against what the model's chat template allows. Rendering is cheap;
         # a chat known to pass the context by its rendered characters (as a text prompt) is refused
-        # before it is tokenized, which takes seconds a megabyte on the event loop.
+        # before it is tokenized, which holds up the event loop.
         text = tokenizer.render_chat(messages)
     except ValueError as e:
         text = str(e)
