@@ -119,21 +119,75 @@ def _transfers_by_path(c) -> dict[str, float]:  # type: ignore[no-untyped-def]
     }
 
 
-@pytest.mark.parametrize("kv", ["cross_memory", "shared_memory"])
-def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(tmp_path, kv, offline):
-    reqs = _requests()
-    want = offline
-    # Threshold 1: every prompt is prefilled remotely, so all 8 cross the KV transfer.
-    extra = ("--local-prefill-threshold", "1", *(["--kv-shared-memory"] if kv == "shared_memory" else []))
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+REMOTE_PREFILL = ("--local-prefill-threshold", "1")  # every prompt prefilled remotely
+
+
+@pytest.fixture(scope="class")
+def remote_prefill_cluster(tmp_path_factory):
+    """1P+1D with every prompt prefilled remotely, its KV written across processes (cross-memory)."""
+    dest = tmp_path_factory.mktemp("remote-prefill")
+    with running_cluster(dest, prefill=1, decode=1, extra=REMOTE_PREFILL) as c:
+        yield c
+
+
+class TestRemotePrefill:
+    """1P+1D, threshold 1: all 8 prompts cross the KV transfer. The cross-memory run and the death of the
+    decode worker share one cluster (the death last: it ends the cluster's decode pool)."""
+
+    # shared_memory first: its own cluster is down before the class's starts.
+    @pytest.mark.parametrize("kv", ["shared_memory", "cross_memory"])
+    def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(
+        self, tmp_path, kv, offline, request
+    ):
+        if kv == "cross_memory":
+            self._check_disaggregated(request.getfixturevalue("remote_prefill_cluster"), kv, offline)
+            return
+        extra = (*REMOTE_PREFILL, "--kv-shared-memory")
+        with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+            self._check_disaggregated(c, kv, offline)
+
+    @staticmethod
+    def _check_disaggregated(c, kv: str, offline) -> None:  # type: ignore[no-untyped-def]
+        reqs = _requests()
         got = run_all(c.address, reqs)
-        for rid, (ids, text) in want.items():
+        for rid, (ids, text) in offline.items():
             assert got[rid][0] == ids, rid
             assert got[rid][1] == text, rid
         _first_token_before_admission(c)
         # One host: every transfer (the 8 and the trace's) written by the prefill worker itself.
         assert _transfers_by_path(c) == {kv: len(reqs) + 1}
         c.assert_no_leaks()
+
+    def test_kill_decode_worker_mid_stream(self, remote_prefill_cluster):
+        from pdserve.proto import generation_pb2_grpc
+
+        c = remote_prefill_cluster
+
+        decode = next(w for w in c.workers() if w["role"] == "decode")
+        prefill = next(w for w in c.workers() if w["role"] == "prefill")
+        with grpc.insecure_channel(c.address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            r = generation_pb2.GenerateRequest(
+                prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 700)))
+            )
+            r.sampling.max_tokens = 5000
+            r.sampling.ignore_eos = True
+            call = stub.Generate(r, timeout=120)
+            next(call)
+            next(call)
+            os.kill(c.worker_pid(decode["id"]), signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in call:
+                    pass
+            # No other decoding worker to move to: the stream fails at once, saying so.
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no other decode or colocated worker is left" in e.value.details()
+            assert time.monotonic() - t0 < 3.0
+        # The router stopped routing to it, and the prefill side holds nothing.
+        ws = c.workers()
+        assert decode["id"] not in {w["id"] for w in ws}
+        c.assert_no_leaks(workers=[prefill["id"]])
 
 
 def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(tmp_path):
@@ -248,37 +302,6 @@ def _first_token_before_admission(c) -> None:
     # The prefill worker answered with token 0 before the decode worker admitted the request.
     assert 0 < resp.first_token_unix < admitted, (resp.first_token_unix, admitted)
     assert rest[-1].finish_reason == "length"
-
-
-def test_kill_decode_worker_mid_stream(tmp_path):
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "1")) as c:
-        from pdserve.proto import generation_pb2_grpc
-
-        decode = next(w for w in c.workers() if w["role"] == "decode")
-        prefill = next(w for w in c.workers() if w["role"] == "prefill")
-        with grpc.insecure_channel(c.address) as ch:
-            stub = generation_pb2_grpc.GenerationStub(ch)
-            r = generation_pb2.GenerateRequest(
-                prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 700)))
-            )
-            r.sampling.max_tokens = 5000
-            r.sampling.ignore_eos = True
-            call = stub.Generate(r, timeout=120)
-            next(call)
-            next(call)
-            os.kill(c.worker_pid(decode["id"]), signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(grpc.RpcError) as e:
-                for _ in call:
-                    pass
-            # No other decoding worker to move to: the stream fails at once, saying so.
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "no other decode or colocated worker is left" in e.value.details()
-            assert time.monotonic() - t0 < 3.0
-        # The router stopped routing to it, and the prefill side holds nothing.
-        ws = c.workers()
-        assert decode["id"] not in {w["id"] for w in ws}
-        c.assert_no_leaks(workers=[prefill["id"]])
 
 
 def _migration_requests(n: int, max_tokens: int) -> list[generation_pb2.GenerateRequest]:
