@@ -23,7 +23,7 @@ from pdserve.worker.shell import WorkerShell
 
 log = logging.getLogger(__name__)
 
-# 1 GiB: ~23k tokens of SmolLM2 in float32, ~46k in bfloat16. On a GPU: --gpu-memory-utilization.
+# The KV cache's size on a CPU; on a GPU, --gpu-memory-utilization sizes it.
 DEFAULT_DECODE_KV_BYTES = 1 << 30
 
 
@@ -40,7 +40,7 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         threads=args.threads,
-        detokenize=False,
+        detokenize=False,  # the router applies stop strings; a worker stops on token ids and lengths
         kv_shared_memory=args.kv_shared_memory,
     )
 

@@ -1,26 +1,6 @@
-"""The bridge between a worker's asyncio side (gRPC, KV receiver) and its engine thread.
-
-The engine (``LLMEngine``) is not thread-safe and its ``step()`` blocks for a
-whole forward, so one dedicated thread owns it. The asyncio side never touches
-the engine directly: it submits commands (add, add-prefilled, abort, call) that
-the thread runs between steps, and reads each request's deltas from an
-``asyncio.Queue`` the thread feeds with ``loop.call_soon_threadsafe``.
-
-Blocks: the KV receiver reserves in the engine's ``BlockManager`` on the
-event loop thread while this thread steps (safe under the rules of the
-block-ownership contract in ``kv_transfer/__init__.py``); an adopted request's
-blocks are the engine's from ``submit_prefilled`` on; ``abort`` frees whatever
-the engine holds for the id.
-
-Stages of a request here: submitted -> (engine) waiting -> running -> finished;
-or aborted at any stage (client cancel, deadline, drain timeout).
-
-The thread never ends silently. A failed step fails the requests of the engine (they may succeed
-elsewhere: ``StepFailed``); ``MAX_FAILED_STEPS`` failed steps in a row (``worker.failures``), or any
-error outside a step, is the engine's death (``EngineDied``): every request and pending call gets it,
-later ones get it at once, and ``on_fatal`` runs on the event loop (the worker drains and exits, to be
-replaced).
-"""
+"""The bridge between a decode worker's asyncio side (gRPC, KV receiver) and the one thread that owns and
+steps its engine: commands run on that thread between steps, and each request's deltas come back through
+an ``asyncio.Queue``. Which thread may touch the engine's blocks: ``kv_transfer/__init__.py``."""
 
 from __future__ import annotations
 
@@ -78,6 +58,10 @@ QueueItem = RequestOutputDelta | BaseException | None
 
 
 class EngineLoop:
+    """``LLMEngine`` is not thread-safe and its ``step()`` blocks for a whole forward, so one thread owns it
+    and the asyncio side never touches it: it queues commands (add, add-prefilled, abort, call) and reads
+    deltas fed with ``call_soon_threadsafe``."""
+
     def __init__(
         self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, idle_wait_s: float = 0.05
     ) -> None:
@@ -107,7 +91,7 @@ class EngineLoop:
     ) -> EngineLoop:
         """Build the engine with ``factory()`` on the loop's own thread, then start stepping there. Use this
         rather than building the engine elsewhere: the CPU kernels' OpenMP pools belong to the thread that
-        calls them, and a second calling thread halves their speed (``engine.cpu_kernels``, "One thread")."""
+        calls them (``engine.cpu_kernels``, "One thread")."""
         loop = asyncio.get_running_loop()
         built: asyncio.Future[EngineLoop] = loop.create_future()
 
@@ -306,6 +290,9 @@ class EngineLoop:
         return True
 
     def _run(self) -> None:
+        """The thread never ends silently: ``MAX_FAILED_STEPS`` failed steps in a row, or any error outside
+        a step, is the engine's death: every request and pending call gets ``EngineDied``, later ones at
+        once, and ``on_fatal`` runs on the event loop (the worker drains and exits, to be replaced)."""
         try:
             self._serve()
         except BaseException as e:  # noqa: BLE001 - the thread must not end silently

@@ -1,23 +1,6 @@
-"""A decode (or colocated) worker's Prometheus metrics: KV cache pressure, batch size, step time.
-
-The worker creates one ``DecodeMetrics`` on its process registry
-(``telemetry.exporter.process_registry``) and calls:
-
-- ``observe_batch(seconds, batch)`` after every engine step (from the
-  engine thread: prometheus_client's objects are thread-safe): a step that
-  decodes (alone or mixed with prefill chunks) is a decode step of its decode
-  batch size; one that only prefills (a local prefill) goes to the prefill
-  forward time and tokens (``telemetry.prefill``) under this worker's role;
-- ``set_kv_usage(used_blocks, total_blocks)`` whenever it reads its block
-  manager (every heartbeat's load report is often enough for a gauge scraped
-  every few seconds, and it also covers an idle worker whose blocks were freed
-  by an abort with no step after it);
-- ``set_preemptions(total)`` with the scheduler's running count of
-  preemptions (a sequence whose blocks were taken back to make room: it is
-  recomputed later), at the same times.
-
-Series carry ``role`` = the worker's role (``decode``, or ``both`` colocated).
-"""
+"""A decode (or colocated) worker's Prometheus metrics, labelled with its role (``decode`` or ``both``): KV
+cache usage, decode batch size and step time, preemptions, and its local prefills' forward time and
+tokens."""
 
 from __future__ import annotations
 
@@ -35,6 +18,8 @@ DECODE_ROLES = ("decode", "both")
 
 
 class DecodeMetrics:
+    """One per worker, on its process registry (``telemetry.exporter.process_registry``)."""
+
     def __init__(self, registry: CollectorRegistry, role: str = "decode") -> None:
         if role not in DECODE_ROLES:
             raise ValueError(f"role must be one of {DECODE_ROLES}, got {role!r}")
@@ -73,7 +58,9 @@ class DecodeMetrics:
         self.batch_size.observe(batch_size)
 
     def observe_batch(self, seconds: float, batch: Batch) -> None:
-        """One engine step that ran ``batch``."""
+        """One engine step that ran ``batch``, called on the engine thread (prometheus_client's metrics are
+        thread-safe). A step that decodes, alone or mixed with prefill chunks, counts at its decode batch
+        size; one that only prefills goes to the prefill forward metrics."""
         if batch.kind is BatchKind.PREFILL:
             self.prefill.observe_prefill(seconds, batch.num_tokens)
             return
@@ -83,10 +70,12 @@ class DecodeMetrics:
             self.prefill.tokens.inc(batch.num_tokens - decodes)
 
     def set_kv_usage(self, used_blocks: int, total_blocks: int) -> None:
+        """Set at every load report: that also covers an idle worker whose blocks an abort freed after its
+        last step."""
         self.kv_usage.set(used_blocks / total_blocks if total_blocks > 0 else 0.0)
 
     def set_preemptions(self, total: int) -> None:
-        """Advance the counter to the scheduler's running total (which only grows)."""
+        """Advance the counter to the scheduler's running total (which only grows), at every load report."""
         if total > self._preemptions_seen:
             self.preemptions.inc(total - self._preemptions_seen)
             self._preemptions_seen = total

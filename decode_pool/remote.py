@@ -1,29 +1,6 @@
-"""Remote prefill on a decode worker: reserve blocks, hand out a ticket, adopt when the KV is complete.
-
-Stages (one ``Worker.Generate`` stream in REMOTE mode):
-
-    RESERVING  blocks for the prompt taken in the engine's BlockManager under the
-               request id, on the event loop thread while the engine steps on its
-               own (why that is safe: the contract in ``kv_transfer/__init__.py``)
-    WAITING    the ticket went out as the stream's first message; the prefill
-               worker pushes every layer into those blocks, then the completion
-               with token 0. While the prompt queues on the prefill worker the
-               reservation lives as long as the request (its deadline, or the
-               router's cancel): queueing never expires it. Once the transfer has
-               started, ``stall_timeout_s`` without a landed layer fails it (a
-               prefill worker that hangs mid-transfer, when the router's heartbeat
-               sweep has not already moved the request; one that dies is seen at
-               once by the receiver's connection). One-sided (RMA) puts leave no
-               trace here before completion: the sender reports them (a Progress
-               frame at most every half second while it puts), so a long forward
-               is not taken for a stall.
-    ADOPTED    ``add_prefilled_request``: the engine owns the blocks from here on
-    (then the engine's own stages: running -> finished)
-
-Who frees follows the contract in ``kv_transfer/__init__.py``: until adoption
-the receiver (on a client cancel this module asks it to abort), after it the
-engine (this module aborts the engine's request, idempotent).
-"""
+"""Remote prefill on a decode worker: reserve KV blocks, hand out the transfer ticket, fail a stalled
+transfer, and adopt the request into the engine once its KV is complete. Who frees the blocks at each
+step is the contract in ``kv_transfer/__init__.py``."""
 
 from __future__ import annotations
 
@@ -42,6 +19,9 @@ from pdserve.proto import worker_pb2
 
 
 class RemotePrefill:
+    """``run`` serves one ``Worker.Generate`` stream in REMOTE mode. A reservation lives as long as its
+    request (queueing on a busy prefill worker never expires it); only a started transfer can stall."""
+
     def __init__(
         self,
         loop: EngineLoop,
@@ -106,7 +86,9 @@ class RemotePrefill:
 
     async def _watch(self, rid: str, adoption: asyncio.Future):
         """Wait for ``adoption``; fail the transfer when it started and then made no progress for
-        ``stall_timeout_s`` (measured from Open, then from each landed layer)."""
+        ``stall_timeout_s`` (counted from Open, then from each landed layer): a prefill worker that hangs
+        mid-transfer (one that dies is seen at once by the receiver's connection). One-sided puts land
+        unseen here, so the sender reports them with Progress frames: a long forward is no stall."""
         tick = min(self.stall_timeout_s / 4, 0.5)
         clock = asyncio.get_running_loop().time
         progress, since = (None, 0), clock()

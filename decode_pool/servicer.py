@@ -1,25 +1,6 @@
-"""Decode worker (roles ``decode`` and ``both``): continuous batching over a paged KV cache.
-
-The gRPC face of a decode worker: ``Worker.Generate`` and ``GetLoad`` translated into calls on the engine
-loop and ``RemotePrefill`` (``app.py`` builds them and wires them here).
-
-Stages of a request on this worker (``Worker.Generate``, one stream per request):
-
-LOCAL mode (short prompts, and every request on a colocated ``both`` worker)
-    submitted -> engine waiting -> prefill step(s) -> running (decode steps)
-    -> finished; tokens stream back as the engine produces them.
-REMOTE mode (a prefill worker computes the prompt's KV)
-    reserve blocks with the KV receiver -> first message: the transfer ticket
-    -> every layer + the completion (carrying token 0) arrive -> adopted into
-    the running batch (``add_prefilled_request``) -> decode steps -> finished.
-Every exit (finish, client cancel, deadline, transfer failure, drain timeout)
-frees the request's blocks, by their owner of the moment (the contract is in
-``kv_transfer/__init__.py``).
-
-Stop strings are the router's job (it detokenizes); this worker stops on
-token ids, max_tokens and the context limit, so it runs without
-detokenizing.
-"""
+"""The decode worker's gRPC face (roles ``decode`` and ``both``): ``Worker.Generate`` and load reports over
+the engine loop and ``RemotePrefill``, which ``app.py`` builds and wires here. A request is prefilled by
+the engine itself (LOCAL mode) or by a prefill worker (REMOTE mode, ``remote.py``)."""
 
 from __future__ import annotations
 

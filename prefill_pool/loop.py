@@ -1,37 +1,6 @@
-"""The prefill worker's forward loop: schedule -> open transfers -> forward with per-layer push -> sample
--> answer -> finish.
-
-A request's stages here (``request.ReqState``; ``scheduler.Stage`` names the queue states):
-
-    submitted (``PrefillLoop.submit``: prompt, sampling, the decode worker's transfer ticket
-    or none yet)
-    -> QUEUED -> scheduled into a forward under the token budget (blocks allocated)
-    -> OPENING: its transfer opened (endpoint cached per decode worker; the handshake checks
-       protocol version and compatibility hash before any data moves)
-    -> FORWARD: after each layer, that layer's K/V for every request in the batch is handed
-       to its transfer (sent while later layers compute)
-    -> first token sampled -> the request's future resolves AT ONCE (TTFT does not wait for
-       decode) -> CLOSING: completion (carrying the first token) sent to the decode worker
-    -> FINISHED: blocks freed when the transfer ends.
-    Without a ticket when its batch opens transfers (the router starts the prefill while the decode
-    worker is still handing one out, so that its round trip is off TTFT's path): FORWARD runs and the
-    first token is answered all the same. When the ticket comes (``attach``) the request goes LATE
-    (``tickets.py``) and its transfer opens at once: the layers the forward has written by then are
-    pushed in one go, under the same lock the layer hook takes, and the later ones by the hook as they
-    come (so a ticket that arrives mid-forward still streams), or, after the forward, every layer at
-    once; the completion follows the forward. (The two may push out of order: each layer is a message or
-    a write of its own.) No ticket within ``tickets.TICKET_WAIT_S`` (or the request's deadline), or
-    ``attach(None)`` (the router gave the request up): the blocks are freed once the forward is done
-    with them.
-    ``give_up`` (the router's RPC cancelled, deadline) or a failed transfer at any stage: GIVEN_UP
-    (LATE_GIVEN_UP), the transfer is aborted (the decode worker frees its reservation) and this
-    worker's blocks are freed.
-
-Threads: one thread runs forwards (the worker's ``forward_thread``, which also built the
-runner: the CPU kernels want one calling thread per process) and calls only the layer
-hook; the event loop owns the queue, the transfers and this worker's
-``BlockManager`` (P's blocks; the rules are in ``kv_transfer``'s docstring).
-"""
+"""The prefill worker's forward loop: batch queued prompts, open their transfers, run the forward with a
+per-layer push, answer token 0, then complete each transfer. A request's stages are ``request.ReqState``;
+a prompt sent before its ticket finishes on the late path (``tickets.py``)."""
 
 from __future__ import annotations
 
@@ -71,7 +40,9 @@ class ForwardFailed(RuntimeError):
 
 
 class PrefillLoop:
-    """Create and ``start`` inside the running event loop; every method runs on that loop's thread."""
+    """Create and ``start`` inside the running event loop; every method runs on that loop's thread, which
+    owns the queue, the transfers and this worker's ``BlockManager``. The forward thread runs forwards and
+    calls only the layer hook (``push.PushHook``)."""
 
     def __init__(
         self,
@@ -160,7 +131,7 @@ class PrefillLoop:
         attach_key: str = "",
     ) -> tuple[PrefillJob, asyncio.Future[tuple[int, float]]]:
         """Queue a prompt; the future gives (first token, forward seconds) or the error that ended it.
-        ``ticket`` None: it comes later by ``attach`` with the same ``attach_key`` (module docstring);
+        ``ticket`` None: it comes later by ``attach`` with the same ``attach_key`` (``tickets.py``);
         ``deadline`` (loop time) bounds that wait.
 
         Raises ValueError (nothing queued) when the prompt can never fit this worker's cache.

@@ -1,17 +1,6 @@
-"""A prefill worker's Prometheus metrics: prefill forward time, tokens prefilled, queued tokens.
-
-The worker creates one ``PrefillMetrics`` on its process registry
-(``telemetry.exporter.process_registry``) and calls:
-
-- ``observe_prefill(seconds, tokens)`` after every batched prefill forward
-  (its wall time and the prompt tokens it covered);
-- ``set_queue_tokens(n)`` whenever it computes its queued prefill tokens
-  (every heartbeat's load report).
-
-The KV transfer's own metrics (bytes, seconds, failures) are made by
-``kv_transfer`` on the same registry. Series carry ``role="prefill"``. The forward time and tokens
-are ``telemetry.prefill``'s, which decode and colocated workers use for their local prefills.
-"""
+"""A prefill worker's Prometheus metrics (``role="prefill"``): forward time and prompt tokens
+(``telemetry.prefill``'s, shared with decode workers' local prefills) and queued prompt tokens. The KV
+transfer's own metrics come from ``kv_transfer``, on the same registry."""
 
 from __future__ import annotations
 
@@ -26,6 +15,9 @@ ROLE = "prefill"
 
 
 class PrefillMetrics(PrefillForwardMetrics):
+    """One per worker, on its process registry (``telemetry.exporter.process_registry``); the loop calls
+    ``observe_prefill`` after every batched forward."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry, ROLE)
         self.queue_tokens = Gauge(
@@ -36,4 +28,5 @@ class PrefillMetrics(PrefillForwardMetrics):
         ).labels(ROLE)
 
     def set_queue_tokens(self, n: int) -> None:
+        """Set at every load report (each heartbeat), when the worker counts its queued tokens."""
         self.queue_tokens.set(n)

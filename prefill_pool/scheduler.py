@@ -1,21 +1,5 @@
-"""Prefill scheduler: batch queued prompts under a token budget. Pure: no torch, no grpc.
-
-A job's queue stages (``Stage``; the request's whole walk is ``request.ReqState``):
-
-    QUEUED (waiting for KV blocks and a batch slot)
-    -> SCHEDULED (blocks allocated to the job: its forward, its KV streaming to the decode worker)
-    -> DONE (its transfer ended; its blocks are freed)
-    or CANCELLED (``cancel``, ``pop_queued``: its blocks, if any, are freed)
-
-``schedule()`` takes queued requests in arrival order while their prompt
-tokens fit ``max_batched_tokens`` (a prompt longer than the budget runs alone)
-and while the block manager can hold them. It allocates their blocks and
-returns them; the caller frees each request's blocks when its transfer ends.
-
-Blocks are owned by the job object, not its request id: the router may send a
-request again (a retry after its decode worker died) while this worker is
-still aborting the first attempt's transfer, whose blocks it still holds.
-"""
+"""Prefill scheduler: batches queued prompts in arrival order under a token budget and allocates their KV
+blocks. Pure: no torch, no grpc."""
 
 from __future__ import annotations
 
@@ -29,10 +13,12 @@ from pdserve.engine.block_manager import BlockManager
 
 
 class Stage(enum.Enum):
-    QUEUED = "queued"
-    SCHEDULED = "scheduled"
-    DONE = "done"
-    CANCELLED = "cancelled"
+    """A job's queue stage (the request's whole walk is ``request.ReqState``)."""
+
+    QUEUED = "queued"  # waiting for KV blocks and a batch slot
+    SCHEDULED = "scheduled"  # blocks allocated: its forward runs, its KV streams to the decode worker
+    DONE = "done"  # its transfer ended (``finish``): its blocks are freed
+    CANCELLED = "cancelled"  # dropped by ``cancel`` or ``pop_queued``: its blocks, if any, are freed
 
 
 @dataclass(eq=False)
@@ -97,6 +83,9 @@ class PrefillScheduler:
         return job
 
     def schedule(self) -> list[PrefillJob]:
+        """Take queued jobs in arrival order while their prompt tokens fit ``max_batched_tokens`` (a prompt
+        longer than the budget runs alone) and their blocks fit the cache; allocate those blocks. The
+        caller frees each job's blocks (``finish``) when its transfer ends."""
         batch: list[PrefillJob] = []
         tokens = 0
         bm = self.block_manager
@@ -107,6 +96,8 @@ class PrefillScheduler:
             if not bm.can_allocate(job.num_tokens):
                 break  # FIFO: a big prompt waits for blocks rather than being overtaken forever
             self._queue.popleft()
+            # Owned by the job, not its request id: a retry of the id may come while this attempt's
+            # transfer still aborts, holding these blocks.
             job.block_table = bm.allocate(job, job.num_tokens)
             job.stage = Stage.SCHEDULED
             batch.append(job)

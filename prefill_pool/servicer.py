@@ -1,12 +1,5 @@
-"""Prefill worker (role ``prefill``): the gRPC face of ``loop.PrefillLoop`` (``app.py`` builds the loop
-and wires it here).
-
-A ``Worker.Prefill`` call: validate (sampling, prompt, ticket) -> ``PrefillLoop.submit`` -> wait for the
-first token under the request's deadline -> answer. What happens in between is ``loop.py``'s docstring.
-Status codes: INVALID_ARGUMENT for a bad request or an incompatible ticket, DEADLINE_EXCEEDED, ABORTED
-when the KV transfer failed (this worker is alive: UNAVAILABLE would make the router take it for dead),
-INTERNAL when the forward failed.
-"""
+"""The prefill worker's gRPC face: ``Worker.Prefill``, ``AttachTicket`` and load reports over
+``loop.PrefillLoop``, which ``app.py`` builds and wires here."""
 
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ class LateTickets:
 
             def catch_up(h: SenderHandle = handle) -> None:
                 # Off the loop (a same-host writer copies on the calling thread: cma.py, cuda_ipc.py).
-                with self._push_lock:  # (held only to split the layers: pushes can take milliseconds)
+                with self._push_lock:  # (held only to split the layers: the pushes run outside it)
                     req.handle = h  # the hook pushes every later layer from here on
                     written = req.layers_done
                 if written:  # in any order with the hook's: each layer is its own
