@@ -75,7 +75,9 @@ MYPY_MODULES := engine.block_manager engine.params engine.scheduler engine.devic
 	kv_transfer.errors kv_transfer.auth kv_transfer.config prefill_pool.scheduler worker.role worker.auth \
 	router.policy router.registry router.jobs router.validate router.metrics router.relay \
 	router.attempt router.stream router.errors router.ops router.channels \
-	router.openai.protocol router.openai.tokenize router.autoscale kv_transfer.writers.cma
+	router.openai.protocol router.openai.tokenize router.autoscale kv_transfer.writers.cma \
+	router.membership prefill_pool.request prefill_pool.push prefill_pool.tickets worker.flagspec worker.flags \
+	kv_transfer.writers.select
 # The folders that install as pdserve.* (pyproject.toml [tool.setuptools.package-dir]).
 PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router cli bench deploy
 lint: $(STAMP)
