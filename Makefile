@@ -54,9 +54,10 @@ dashboards: $(STAMP)
 test: lint prometheus alertmanager
 	$(PY) -m pytest tests/unit tests/e2e
 
-# The in-process tests alone, against the host's native C kernel build only: a few minutes.
+# The in-process tests alone, less the slow ones (the real model, Triton's interpreter), against the host's
+# native C kernel build only: the loop for day-to-day work, under three minutes on 2 cores.
 test-fast: $(STAMP)
-	PDSERVE_TEST_KERNEL_ISAS=native $(PY) -m pytest tests/unit
+	PDSERVE_TEST_KERNEL_ISAS=native $(PY) -m pytest tests/unit -m "not slow"
 
 # guidellm (a third-party OpenAI-API load tool, over HTTP) and `pdserve bench` (gRPC) on one workload
 # against one colocated cluster, alternating: TTFT and ITL of each, and whether they agree within the

@@ -170,6 +170,7 @@ def test_prefill_buckets_pad_by_less_than_half():
     assert prefill_buckets(1000)[-2:] == [768, 1000]
 
 
+@pytest.mark.slow  # Triton's interpreter: `make test` runs it, `make test-fast` skips it
 @pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu test below covers it")
 def test_interpreted_prefill_graph_inputs_give_the_eager_prefill(tiny_llama_dir):
     """The graph path's static buffers run eagerly (no graphs off CUDA): padded to a bucket, a chunk
@@ -199,6 +200,7 @@ def test_interpreted_prefill_graph_inputs_give_the_eager_prefill(tiny_llama_dir)
     assert not graphs.fits(65, 0) and graphs.fits(64, 0)
 
 
+@pytest.mark.slow  # Triton's interpreter: `make test` runs it, `make test-fast` skips it
 @pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu tests below cover it")
 def test_interpreted_triton_engine_matches_the_torch_engine(tiny_llama_dir):
     """Whole engine (scheduler, chunked prefill, decode, sampler) on the Triton backend equals the torch
@@ -234,6 +236,7 @@ def _count_fused_gemv(monkeypatch) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.slow  # Triton's interpreter: `make test` runs it, `make test-fast` skips it
 @pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu test below covers it")
 @pytest.mark.parametrize(
     ("kind", "fuse"), [("llama", True), ("qwen2", True), ("llama", False)],
@@ -372,6 +375,7 @@ def test_gpu_prefill_graph_gives_the_eager_prefill_and_calls_every_layer_hook(ti
 SPLIT_PROMPTS = [list(range(3, 53)), [7] + list(range(200, 309)), list(range(10, 250))]
 
 
+@pytest.mark.slow  # Triton's interpreter: `make test` runs it, `make test-fast` skips it
 @pytest.mark.skipif(CUDA, reason="the interpreter path; on a GPU the gpu test below covers it")
 def test_interpreted_decode_across_split_counts_matches_transformers(tiny_llama_dir):
     from pdserve.engine.triton_kernels import decode_splits

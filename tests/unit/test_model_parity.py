@@ -29,7 +29,11 @@ def _interpreted(backend: str, runner: ModelRunner) -> bool:
     return backend == "triton" and runner.device.type == "cpu"
 
 
-@pytest.fixture(scope="session", params=["torch", "cpu_kernels", "triton"])
+# Triton in its interpreter is this file's slow part: `make test` runs it, `make test-fast` skips it.
+BACKENDS = ["torch", "cpu_kernels", pytest.param("triton", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
 def backend(request) -> str:
     """Every implementation of the non-matmul ops: portable torch, the C kernels (their native build: the
     other ISA builds meet the torch oracle op by op in test_cpu_kernels and test_linear_pack), and the CUDA

@@ -42,6 +42,10 @@ CHATS = [
 ]
 
 
+# Loading transformers' tokenizer from the GGUF is the slow part: `make test-fast` skips the comparisons.
+slow_reference = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory) -> Path:
     return resolve_model(DEFAULT_MODEL, tmp_path_factory.mktemp("cache"), progress=False)
@@ -60,16 +64,19 @@ def reference():
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
+@slow_reference
 def test_tokenizer_json_equals_transformers(ours, reference):
     assert json.loads(ours.backend.to_str()) == json.loads(reference.backend_tokenizer.to_str())
 
 
+@slow_reference
 def test_attributes(ours, reference):
     assert ours.vocab_size == len(reference) == 49152
     assert ours.bos_token_id == reference.bos_token_id == 1
     assert ours.eos_token_ids == (reference.eos_token_id,) == (2,)
 
 
+@slow_reference
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_encode_equals_transformers(ours, reference, add_special_tokens):
     for text in TEXTS:
@@ -77,6 +84,7 @@ def test_encode_equals_transformers(ours, reference, add_special_tokens):
         assert ours.encode(text, add_special_tokens=add_special_tokens) == expected, text
 
 
+@slow_reference
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_decode_equals_transformers(ours, reference, skip_special_tokens):
     import random
@@ -90,6 +98,7 @@ def test_decode_equals_transformers(ours, reference, skip_special_tokens):
         )
 
 
+@slow_reference
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_equals_transformers(ours, reference, add_generation_prompt):
     for chat in CHATS:
@@ -244,6 +253,7 @@ def test_missing_chat_template_is_a_value_error(tiny_tok_dir):
         Tokenizer.from_dir(tiny_tok_dir).apply_chat_template([{"role": "user", "content": "x"}])
 
 
+@slow_reference
 def test_vocab_digest_names_the_vocabulary_not_the_files(ours, reference, smollm2_dir, tmp_path):
     """What the router compares at registration (``Tokenizer.vocab_digest``): the same for the same model
     however it was loaded or saved, different once one token differs."""
