@@ -91,7 +91,7 @@ class EngineLoop:
     ) -> EngineLoop:
         """Build the engine with ``factory()`` on the loop's own thread, then start stepping there. Use this
         rather than building the engine elsewhere: the CPU kernels' OpenMP pools belong to the thread that
-        calls them (``engine.cpu_kernels``, "One thread")."""
+        calls them (docs/engine.md, "One thread")."""
         loop = asyncio.get_running_loop()
         built: asyncio.Future[EngineLoop] = loop.create_future()
 

@@ -1,51 +1,7 @@
-"""C kernels for the CPU decode path, built on first use with the system C compiler.
-
-Why: a batch-32 decode step of SmolLM2 runs 30 layers of small ops, so what
-is not a matmul decides the step time:
-- attention: torch has no paged kernel, so the portable path
-  (``engine.attention``) first copies every sequence's blocks into a dense
-  tensor, then runs SDPA, whose CPU kernel is tuned for long queries.
-  ``paged_decode_attention`` reads K/V in place from the paged cache, once,
-  in float32 registers: about 3x faster per layer on SmolLM2 shapes. At
-  batch 32 the cache a layer reads (~4 MB) is cold, so the kernel is
-  memory-latency bound: it prefetches the group of rows it reads next (also
-  across into the thread's next sequence) and, towards the last-level cache,
-  the same rows of the next layer, which the matmuls in between leave time
-  to arrive. With AVX512-BF16, bfloat16 q.k and p.V run as bf16 dot products
-  (p split into two bf16 halves, so results stay float32-accurate).
-- prefill attention of fresh prompts: torch's SDPA ran ~75 GFLOP/s on SmolLM2's
-  64-wide heads (a third of a bf16 prefill of 256-token prompts);
-  ``prefill_attention`` is causal attention by broadcast-FMA tiles in float32.
-- the elementwise ops around the matmuls (residual add + RMSNorm, RoPE + the
-  K/V store, SiLU * up) are 2-7 torch ops each, ~10 us apiece; each is one
-  call here.
-
-Everything is optional. ``load_cpu_kernels`` returns None (and the engine
-uses the torch path) when there is no C compiler or the build fails (GCC is
-needed: vector extensions, ``_Float16``); ``supports`` says which model shapes
-the kernels handle (head_dim a multiple of 16). The C source is ``engine/csrc/``
-(package data; its README lists the kernels): one translation unit made of the
-fragments ``SOURCE_FILES`` names, in order. The shared object is cached under
-``<cache>/kernels``, keyed by a hash of the fragments' text, flags, compiler
-version and CPU flags (``-march=native``), and written by atomic rename so
-concurrent processes never see a partial file.
-
-Numerics: float32 arithmetic for every dtype, rounded once on store, so
-results differ from torch's by rounding only (the tests bound it). Loading the
-library leaves the process's floating-point environment as it was (no
-flush-to-zero: see ``_build``). OpenMP
-comes from the same ``libgomp`` torch loads; the thread count is passed per
-call (``torch.get_num_threads()``).
-
-One thread: in a process, make every call into these kernels (and torch's
-parallel ops) from one thread. libgomp keeps a pool per calling thread, and
-once the threads it manages outnumber the CPUs its idle workers stop spinning
-and sleep, so each parallel region (~150 a decode step) pays a wake-up: on a
-2-core host the kernels then ran at half speed. Workers keep the rule: the
-decode/colocated engine is built and stepped on its ``EngineLoop`` thread, a
-prefill worker builds its runner and runs every forward on one executor
-thread (``tests/unit/test_kernel_thread.py``).
-"""
+"""C kernels for the CPU path (paged decode attention, prefill attention, fused elementwise ops, packed
+products), built on first use with the system C compiler and cached; ``load_cpu_kernels`` returns None
+(the engine then takes the torch path) where no compiler can build them. How they are built, cached and
+called, and the one-thread rule: docs/engine.md, "C kernels for the CPU"."""
 
 from __future__ import annotations
 

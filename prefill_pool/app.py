@@ -41,7 +41,7 @@ class PrefillPool:
         self.loop: PrefillLoop | None = None
         self.sender: KVSender | None = None
         # Builds the runner and runs every forward: one thread makes this process's CPU-kernel calls (the
-        # kernels' OpenMP pools belong to their calling thread: ``engine.cpu_kernels``, "One thread").
+        # kernels' OpenMP pools belong to their calling thread: docs/engine.md, "One thread").
         self.forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
 
     async def load(self, model_dir: Path) -> Capacity:

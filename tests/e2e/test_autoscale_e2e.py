@@ -1,4 +1,4 @@
-"""Autoscaling end to end (#16): a 1P+1D cluster under `pdserve up --autoscale` (min 1, max 2 per pool,
+"""Autoscaling end to end: a 1P+1D cluster under `pdserve up --autoscale` (min 1, max 2 per pool,
 one warm worker per pool) and a load ramp on each pool in turn.
 
 Long prompts grow the prefill pool (and only it); once their load stops, it shrinks back by draining.

@@ -1,4 +1,4 @@
-"""The fault matrix (#15): a worker killed, hung or flooded, the router restarted; no admitted request lost.
+"""The fault matrix: a worker killed, hung or flooded, the router restarted; no admitted request lost.
 
 Each case runs on a real local cluster (SmolLM2, float32, UCX on loopback) and ends with a leak check
 (0 KV blocks on every surviving worker) and a follow-up request that succeeds. Greedy outputs of the

@@ -1,5 +1,5 @@
-"""KV transfer over real UCX between processes on loopback (issue 3, acceptance 1-3; issue 14:
-one-sided puts, which every transfer here uses unless its transport is ``tcp-tagged``).
+"""KV transfer over real UCX between processes on loopback (one-sided puts, which every
+transfer here uses unless its transport is ``tcp-tagged``).
 
 Peers are separate processes (kv_transfer.testing.PeerProcess) running uvloop,
 with SmolLM2-135M's KV layout (30 layers, 3 KV heads, head dim 64, block 16).

@@ -1,4 +1,4 @@
-"""A default `pdserve up` listens on loopback only (#20, acceptance 1).
+"""A default `pdserve up` listens on loopback only.
 
 The router, both workers' gRPC and /metrics, the OpenAI front and the KV transfer: UCX gets no listener
 (peers connect to a worker address from the ticket), and its TCP transport listens only on the

@@ -1,5 +1,5 @@
 """TLS on gRPC (``worker.tls``): a cluster with the cluster token and mutual TLS serves requests end to
-end, and a client without a certificate the cluster's CA signed is refused (#20, acceptance 2).
+end, and a client without a certificate the cluster's CA signed is refused.
 
 A throwaway CA and certificates are made with the ``openssl`` command in a temporary directory: one
 certificate for the cluster's processes (server and client use, IP SAN 127.0.0.1), one for the CLI

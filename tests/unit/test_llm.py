@@ -52,7 +52,7 @@ def assert_no_leak(llm_or_engine) -> None:
     engine.block_manager.check_invariants()
 
 
-# -- acceptance 1: parity with transformers ------------------------------------------------------------------
+# -- parity with transformers ------------------------------------------------------------------------------
 def test_greedy_batch_equals_transformers(tiny_model_dir):
     llm = LLM(tiny_model_dir, dtype="float32")
     prompts = prompts_of([1, 5, 17, 33, 70])
@@ -68,7 +68,7 @@ def test_greedy_batch_equals_transformers(tiny_model_dir):
     assert_no_leak(llm)
 
 
-# -- acceptance 3: batch invariance ------------------------------------------------------------------------
+# -- batch invariance ------------------------------------------------------------------------------------
 def test_batch_invariance_greedy_and_seeded(tiny_model_dir):
     llm = LLM(tiny_model_dir, dtype="float32")
     batch = prompts_of([9, 2, 31, 4, 57, 13, 1, 22], seed=1)
@@ -257,7 +257,7 @@ def test_stop_strings_cut_the_text_and_never_leak(tiny_with_tokenizer):
     assert_no_leak(llm)
 
 
-# -- acceptance 5: validation before any work --------------------------------------------------------------
+# -- validation before any work --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def strict_llm(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32", num_blocks=64, block_size=16)

@@ -1,6 +1,6 @@
 """Parity of the engine's model with transformers on tiny random-weight models (llama, qwen2, llama3).
 
-Acceptance (issue 2, item 1): float32 prefill logits of every position within 1e-4 of transformers'
+What holds: float32 prefill logits of every position within 1e-4 of transformers'
 forward, for >= 4 different-length prompts in ONE prefill; a greedy loop over the runner (>= 4 prompts
 decoded together, >= 64 decode steps) gives exactly transformers' ``generate`` tokens, batch 1 each.
 """

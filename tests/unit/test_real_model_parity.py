@@ -1,4 +1,4 @@
-"""Issue 2, acceptance item 2: SmolLM2-135M-Instruct (the packaged Q4_1 GGUF) in float32 gives exactly
+"""SmolLM2-135M-Instruct (the packaged Q4_1 GGUF) in float32 gives exactly
 transformers' greedy output for 4 chat prompts, 32 tokens each.
 
 transformers loads the same GGUF (``from_pretrained(pkgdir, gguf_file=...)``, dequantized to float32);
