@@ -20,19 +20,26 @@ from pdserve.worker.role import Role
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
+    # Before the lock too: a running autoscaler takes the lock on its ticks, and its owner should hear that
+    # the autoscaler sizes the pools rather than that the state is busy.
+    _refuse_while_autoscaled(cluster.load_state(args.state_dir))
     with cluster.state_lock(args.state_dir):
         return _scale(args)
+
+
+def _refuse_while_autoscaled(state: cluster.ClusterState | None) -> None:
+    if state is not None and state.autoscaler is not None and cluster.alive(state.autoscaler):
+        raise cluster.ClusterError(
+            f"the autoscaler (pid {state.autoscaler.pid}) sizes this cluster's pools (`up --autoscale` or "
+            "`pdserve autoscale`): stop it to scale by hand, or restart it with other bounds"
+        )
 
 
 def _scale(args: argparse.Namespace) -> int:
     state = cluster.load_state(args.state_dir)
     if state is None:
         raise cluster.ClusterError(f"no cluster in {args.state_dir}")
-    if state.autoscaler is not None and cluster.alive(state.autoscaler):
-        raise cluster.ClusterError(
-            f"the autoscaler (pid {state.autoscaler.pid}) sizes this cluster's pools (`up --autoscale` or "
-            "`pdserve autoscale`): stop it to scale by hand, or restart it with other bounds"
-        )
+    _refuse_while_autoscaled(state)
     if not cluster.alive(state.router):
         raise cluster.ClusterError(
             f"the router of the cluster in {args.state_dir} (pid {state.router.pid}) has exited: "
