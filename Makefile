@@ -72,7 +72,7 @@ bench-openai: $(STAMP)
 		rc=$$?; $(VENV)/bin/pdserve down --state-dir $(BENCH_OPENAI_DIR); exit $$rc
 
 # Type-checked by `make lint`: the pure modules (the team's design rule 7: mypy-clean) and the router's request path.
-MYPY_MODULES := engine.block_manager engine.params engine.scheduler engine.device kv_transfer.wire kv_transfer.plan \
+MYPY_MODULES := engine.block_manager engine.prefix_hash engine.params engine.scheduler engine.device kv_transfer.wire kv_transfer.plan \
 	kv_transfer.errors kv_transfer.auth kv_transfer.config prefill_pool.scheduler worker.role worker.auth \
 	router.policy router.registry router.jobs router.validate router.metrics router.relay \
 	router.attempt router.stream router.errors router.ops router.channels \
