@@ -2,7 +2,8 @@
 
 ``schedule()`` returns plain data (a prefill, decode or mixed batch) and ``postprocess()`` applies the
 sampled tokens, nano-vllm style. The policy is ``schedule``'s docstring; block ownership follows the
-contract in ``kv_transfer/__init__.py``.
+contract in ``kv_transfer/__init__.py``. With a block manager that caches prefixes, a sequence starts past
+its longest cached prefix, and each full block is committed to the cache once a step computed it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.prefix_hash import BlockHash, block_hashes
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 _by_arrival = operator.attrgetter("arrival")
@@ -30,6 +32,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     eos_token_ids: tuple[int, ...] = ()
     mixed_steps: bool = False  # decode and prefill in one step (see ``Scheduler.schedule``)
+    # Prefix caching (on when the block manager's is): the salt of the block hashes, which names what
+    # the K/V of the same tokens depends on (``prefix_hash.model_cache_salt``).
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -103,6 +108,8 @@ class Scheduler:
         self._seqs: dict[Hashable, Sequence] = {}
         self._arrivals = 0
         self.num_preemptions = 0  # since start, for metrics
+        # The block size when prefix caching is on, else 0: one test in the decode loop.
+        self._cache_bs = block_manager.block_size if block_manager.enable_prefix_caching else 0
 
     # -- requests ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -202,6 +209,10 @@ class Scheduler:
           alone (``check_fits``).
         - Another thread may reserve in the same ``BlockManager`` (a decode worker), so no earlier reading
           of it is trusted: the scheduler allocates, and "out of blocks" means "no room yet".
+        - Prefix caching: a waiting sequence that holds no blocks (new or preempted) reuses the longest
+          cached run of its full blocks, short of its last token (which is computed, so a fully cached
+          prompt recomputes its last block into a fresh one), and computes from there; the budget counts
+          computed tokens only. Reused blocks are shared read-only: a step writes only past them.
         """
         if self.config.mixed_steps:
             decodes = self._schedule_decode() if self.running else []
@@ -225,10 +236,16 @@ class Scheduler:
         num_seqs = len(self.running)
         while self.waiting and budget > 0 and num_seqs < cfg.max_num_seqs:
             seq = self.waiting[0]
-            start = seq.num_computed_tokens
-            n = min(seq.num_tokens - start, budget)
-            if not self._reserve(seq, start + n):
-                break  # FIFO: later requests do not overtake one that waits for blocks
+            if self._cache_bs and seq.seq_id not in self.block_manager:
+                span = self._allocate_cached(seq, budget)
+                if span is None:
+                    break  # FIFO, as below
+                start, n = span
+            else:
+                start = seq.num_computed_tokens
+                n = min(seq.num_tokens - start, budget)
+                if not self._reserve(seq, start + n):
+                    break  # FIFO: later requests do not overtake one that waits for blocks
             done = start + n == seq.num_tokens
             items.append(ScheduledSeq(seq, start, n, sample=done))
             budget -= n
@@ -279,6 +296,47 @@ class Scheduler:
             return False
         return True
 
+    def _allocate_cached(self, seq: Sequence, budget: int) -> tuple[int, int] | None:
+        """Allocate a sequence that holds no blocks, reusing its longest cached prefix: the span
+        ``(start, num_tokens)`` of its first step, or None (nothing changed) when out of blocks."""
+        bm, bs = self.block_manager, self._cache_bs
+        total = seq.num_tokens
+        hashes = self._hashes(seq, (total - 1) // bs)  # the last token is always computed
+        hit = bm.cached_prefix_blocks(hashes)
+        n = min(total - hit * bs, budget)
+        try:
+            reused = bm.allocate_prefixed(seq.seq_id, hit * bs + n, hashes[:hit])
+        except OutOfBlocksError:
+            return None
+        start = reused * bs
+        if reused < hit:  # another thread evicted some since the lookup: a longer span, still covered
+            n = min(total - start, budget)
+        seq.num_computed_tokens = start
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = start
+        return start, n
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the sequence's first ``num_blocks`` full blocks, extending ``seq.block_hashes``."""
+        hashes = seq.block_hashes
+        have = len(hashes)
+        if have < num_blocks:
+            bs = self._cache_bs
+            hashes += block_hashes(
+                seq.token_ids(have * bs, num_blocks * bs),
+                bs,
+                self.config.cache_salt,
+                parent=hashes[-1] if hashes else None,
+            )
+        return hashes if len(hashes) == num_blocks else hashes[:num_blocks]
+
+    def _commit(self, seq: Sequence, start: int, end: int) -> None:
+        """A step computed positions ``[start, end)``: commit the blocks it filled to the prefix cache (with
+        any full block before it that was never committed: an adopted prompt's)."""
+        first = min(len(seq.block_hashes), start // self._cache_bs)
+        hashes = self._hashes(seq, end // self._cache_bs)
+        self.block_manager.commit(seq.seq_id, hashes, start=first)
+
     def _newest_holder_after(self, seq: Sequence) -> Sequence | None:
         """The newest sequence newer than ``seq`` holding blocks: running ones or a partial prefill."""
         cands = [s for s in self.running if s.arrival > seq.arrival]
@@ -312,13 +370,16 @@ class Scheduler:
             return self._postprocess_decode(batch.items, token_ids)
         tokens = iter(token_ids)
         out: list[Sequence] = []
+        bs = self._cache_bs
         for it in batch.items:
             seq = it.seq
             if seq.is_finished:  # aborted between schedule and postprocess
                 if it.sample:
                     next(tokens)
                 continue
-            seq.num_computed_tokens = it.start + it.num_tokens
+            end = seq.num_computed_tokens = it.start + it.num_tokens
+            if bs and end // bs > it.start // bs:  # filled a block: before a finish frees them
+                self._commit(seq, it.start, end)
             if it.sample:
                 self._append(seq, next(tokens))
                 out.append(seq)
@@ -328,12 +389,15 @@ class Scheduler:
         """``postprocess`` of a DECODE batch: one token per item, every item samples."""
         eos, max_len, finish = self.config.eos_token_ids, self.config.max_model_len, self.finish
         finished = SequenceStatus.FINISHED
+        bs = self._cache_bs
         out: list[Sequence] = []
         for it, token in zip(items, token_ids, strict=True):
             seq = it.seq
             if seq.status is finished:  # aborted between schedule and postprocess
                 continue
-            seq.num_computed_tokens = it.start + 1
+            end = seq.num_computed_tokens = it.start + 1
+            if bs and end % bs == 0:  # filled a block
+                self._commit(seq, it.start, end)
             seq.output_token_ids.append(token)
             reason = check_stop(seq, eos, max_len)
             if reason is not None:

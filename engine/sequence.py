@@ -35,6 +35,11 @@ class Sequence:
         # Tokens whose K/V are in the cache: always a prefix of token_ids.
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Prefix caching: the hashes of the sequence's first full blocks (``engine.prefix_hash``); they
+        # depend on its tokens alone, so they outlive preemption. May run ahead of what is computed.
+        self.block_hashes: list[bytes] = []
+        # Prompt tokens reused from the cache when it was first scheduled (not recounted on preemption).
+        self.num_cached_tokens = 0
         # Output tokens this request produced before it came here (a stream migrated from a failed
         # worker: they are the prompt's tail now). Seeded sampling and reported counts continue from it.
         self.output_offset = 0

@@ -5,7 +5,7 @@ the engine's exactness against caching off and transformers."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -19,6 +19,8 @@ from hypothesis.stateful import (
 
 from pdserve.engine.block_manager import BlockManager, BlockState, OutOfBlocksError
 from pdserve.engine.prefix_hash import RemovedBlock, StoredBlock, block_hashes
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from tests.unit.test_scheduler import EOS, FakeRunner, V, ignore_eos, next_token, reference
 
 
 def snapshot(bm: BlockManager) -> tuple:
@@ -321,3 +323,211 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+# -- scheduler over a fake model that reads back its cache --------------------------------------------------
+def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, mixed=True, max_model_len=1000):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    cfg = SchedulerConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        eos_token_ids=(EOS,),
+        mixed_steps=mixed,
+        cache_salt="fake-model",
+    )
+    return Scheduler(cfg, bm), bm, FakeRunner(bm)
+
+
+def run_step(sched: Scheduler, runner: FakeRunner, batch) -> list:
+    """One step; first checks that every position it writes lies in a block its sequence holds alone and
+    that has no hash (a cached block is shared read-only)."""
+    bm, bs = sched.block_manager, sched.block_manager.block_size
+    for it in batch.items:
+        table = bm.block_table(it.seq.seq_id)
+        for b in {table[p // bs] for p in range(it.start, it.start + it.num_tokens)}:
+            assert bm._ref[b] == 1 and bm._hash[b] is None, f"{it.seq.seq_id} writes shared block {b}"
+    return sched.postprocess(batch, runner.run(sched, batch))
+
+
+def drive_cached(sched: Scheduler, runner: FakeRunner, max_steps: int = 5000, on_step=None) -> dict:
+    done: dict = {}
+    for step in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        batch = sched.schedule()
+        assert batch is not None, "work is pending but nothing can be scheduled (deadlock)"
+        for seq in run_step(sched, runner, batch):
+            if seq.is_finished:
+                done[seq.seq_id] = seq
+        sched.block_manager.check_invariants()
+        if on_step:
+            on_step(step)
+    else:
+        pytest.fail("did not finish within the step bound")
+    return done
+
+
+def first_span(sched: Scheduler, runner: FakeRunner, seq_id) -> tuple[int, int]:
+    """Run to ``seq_id``'s first prefill step; its (start, num_tokens)."""
+    while True:
+        batch = sched.schedule()
+        spans = [(it.start, it.num_tokens) for it in batch.items if it.seq.seq_id == seq_id]
+        run_step(sched, runner, batch)
+        if spans:
+            return spans[0]
+
+
+PREFIX = list(range(10, 30))  # 20 tokens: 5 blocks of 4
+
+
+@pytest.mark.parametrize(
+    ("shared", "tail", "reused_blocks"),
+    [
+        (3, [1, 2, 3], 0),  # shorter than a block: nothing to reuse
+        (8, [], 1),  # exactly 2 blocks, all of the prompt: the last block is recomputed
+        (8, [1], 2),  # 2 blocks + 1: both reused
+        (9, [1, 2, 3, 4], 2),
+    ],
+)
+def test_a_later_prompt_reuses_the_full_blocks_it_shares(shared, tail, reused_blocks):
+    sched, bm, runner = make_sched()
+    sched.add("a", PREFIX, ignore_eos(3))
+    drive_cached(sched, runner)
+    assert "a" not in bm and bm.num_cached == len(PREFIX) // 4  # a's prompt blocks, kept
+    prompt = PREFIX[:shared] + tail
+    seq = sched.add("b", prompt, ignore_eos(5))
+    assert first_span(sched, runner, "b") == (4 * reused_blocks, len(prompt) - 4 * reused_blocks)
+    assert seq.num_cached_tokens == 4 * reused_blocks
+    done = drive_cached(sched, runner)
+    assert done["b"].output_token_ids == reference(prompt, 5)
+    assert bm.num_used == 0 and bm.num_free == bm.num_blocks
+
+
+def test_decoded_blocks_are_cached_too_and_hashes_survive_preemption():
+    sched, bm, runner = make_sched(budget=64)
+    sched.add("a", PREFIX[:6], ignore_eos(10))  # 16 tokens: 4 full blocks once decoded
+    done = drive_cached(sched, runner)
+    full = PREFIX[:6] + done["a"].output_token_ids
+    assert len(done["a"].block_hashes) == 3  # the 4th block filled with the last token, never computed
+    seq = sched.add("b", full[:13], ignore_eos(2))
+    assert first_span(sched, runner, "b") == (12, 1)  # 3 blocks, two of them decoded by a
+    assert seq.num_cached_tokens == 12
+    drive_cached(sched, runner)
+
+
+def test_chunked_prefill_hits_the_blocks_an_earlier_prompt_just_committed():
+    # Both arrive at once. a's chunks of 8 commit its blocks as they go; b's first step shares a's last
+    # (4 tokens left of the budget) and starts past the 4 blocks committed by then.
+    sched, bm, runner = make_sched(budget=8, mixed=False)
+    sched.add("a", PREFIX, ignore_eos(2))
+    sched.add("b", PREFIX + [1, 2], ignore_eos(2))
+    assert first_span(sched, runner, "b") == (16, 4)
+    done = drive_cached(sched, runner)
+    assert done["b"].output_token_ids == reference(PREFIX + [1, 2], 2)
+    assert done["a"].num_cached_tokens == 0 and done["b"].num_cached_tokens == 16
+
+
+def test_preempted_sequence_keeps_its_first_cached_count():
+    sched, bm, runner = make_sched(num_blocks=12, budget=64, max_num_seqs=4)
+    sched.add("warm", PREFIX[:8], ignore_eos(1))
+    drive_cached(sched, runner)
+    prompts = {i: PREFIX[:8] + [40 + i] * 3 for i in range(3)}
+    for i, p in prompts.items():
+        sched.add(i, p, ignore_eos(16))  # 27 tokens each, 7 blocks: they cannot all fit
+    done = drive_cached(sched, runner)
+    assert sched.num_preemptions > 0
+    for i, p in prompts.items():
+        assert done[i].output_token_ids == reference(p, 16)
+        assert done[i].num_cached_tokens == 8
+    assert bm.num_used == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 40),
+    mixed=st.booleans(),
+)
+def test_random_shared_prefix_workloads_are_exact_and_leak_nothing(
+    data, num_blocks, block_size, max_num_seqs, budget, mixed
+):
+    sched, bm, runner = make_sched(num_blocks, block_size, max_num_seqs, budget, mixed, max_model_len=64)
+    cap = num_blocks * block_size
+    stems = [[7] * 20, list(range(1, 21))]
+    expect = {}
+    rounds = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=2), label="round sizes")
+    rid = 0
+    for size in rounds:  # a later round hits what the earlier left in the cache
+        for _ in range(size):
+            stem = stems[data.draw(st.integers(0, 1), label="stem")][: data.draw(st.integers(0, 20))]
+            tail = data.draw(st.lists(st.integers(1, V - 1), max_size=6), label="tail")
+            prompt = (stem + tail)[: min(40, cap - 1)] or [3]
+            max_tokens = data.draw(st.integers(1, max(1, min(cap, 64) - len(prompt))), label="max_tokens")
+            sched.add(rid, prompt, ignore_eos(max_tokens))
+            expect[rid] = reference(prompt, max_tokens, max_model_len=64)
+            rid += 1
+        aborts = data.draw(st.dictionaries(st.sampled_from(list(expect)), st.integers(0, 20), max_size=1))
+
+        def maybe_abort(step, aborts=aborts):
+            for r, at in aborts.items():
+                if at == step and sched.abort(r):
+                    expect.pop(r)
+
+        done = drive_cached(sched, runner, on_step=maybe_abort)
+        for r, toks in done.items():
+            if r in expect:
+                assert toks.output_token_ids == expect.pop(r)
+        assert not expect
+        assert bm.num_used == 0 and bm.num_free == bm.num_blocks and len(bm) == 0
+
+
+class RacingBlockManager(BlockManager):
+    """Another thread acts right after each lookup: evicts every cached block, or commits one more block
+    (seen as a lookup one block short)."""
+
+    race = "evict"
+
+    def cached_prefix_blocks(self, block_hashes):
+        hit = super().cached_prefix_blocks(block_hashes)
+        if self.race == "evict" and self.num_cached:
+            self.allocate("other thread", self.num_free * self.block_size)
+            self.free("other thread")
+        return max(0, hit - 1) if self.race == "stale" else hit
+
+
+@pytest.mark.parametrize("race", ["evict", "stale"])
+def test_a_lookup_gone_stale_before_the_allocation_stays_exact(race):
+    sched, _, runner = make_sched(budget=12)
+    bm = sched.block_manager = RacingBlockManager(64, 4, enable_prefix_caching=True)
+    runner.bm = bm
+    sched.add("a", PREFIX, ignore_eos(1))
+    drive_cached(sched, runner)
+    bm.race = race
+    seq = sched.add("b", PREFIX + [1], ignore_eos(3))
+    # evict: nothing is left to reuse, so b computes from 0 within the budget it planned for 20 tokens.
+    # stale: b reuses the 4 blocks the lookup saw, not the 5th it missed, and computes from there.
+    assert first_span(sched, runner, "b") == ((0, 12) if race == "evict" else (16, 5))
+    assert seq.num_cached_tokens == (0 if race == "evict" else 16)
+    done = drive_cached(sched, runner)
+    assert done["b"].output_token_ids == reference(PREFIX + [1], 3)
+
+
+def test_an_adopted_prompt_is_committed_when_its_first_decoded_block_fills():
+    sched, bm, runner = make_sched()
+    prompt = PREFIX[:10]
+    bm.allocate("p", len(prompt))
+    table = bm.block_table("p")
+    for pos, t in enumerate(prompt):  # the prompt K/V "arrived over the network"
+        runner.cache[table[pos // 4] * 4 + pos % 4] = (t, pos)
+    sched.add_prefilled("p", prompt, next_token(prompt), ignore_eos(4))
+    hs = block_hashes(prompt, 4, "fake-model")
+    assert bm.cached_prefix_blocks(hs) == 0  # adopted as is
+    drive_cached(sched, runner)  # decodes positions 10..12: block 2 fills, blocks 0-1 committed with it
+    assert bm.cached_prefix_blocks(hs) == 2
+    seq = sched.add("q", prompt, ignore_eos(2))
+    drive_cached(sched, runner)
+    assert seq.num_cached_tokens == 8 and seq.output_token_ids == reference(prompt, 2)
