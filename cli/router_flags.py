@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.policy import RoutingPolicy
 from pdserve.worker.flagspec import Flag, int_in, nonneg, seconds
 
 _D = RouterConfig()
@@ -39,6 +40,14 @@ ROUTER_FLAGS = (
         default=_D.local_prefill_threshold,
         type=nonneg,
         field="local_prefill_threshold",
+    ),
+    Flag(
+        "--routing-policy",
+        "kv-aware: score workers by the prompt prefix each caches (from their KV events) against load; "
+        "load: least loaded only (default %(default)s)",
+        default=_D.routing_policy,
+        choices=tuple(p.value for p in RoutingPolicy),
+        field="routing_policy",
     ),
     Flag(
         "--heartbeat-interval",

@@ -32,6 +32,7 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
         max_num_seqs=args.max_running,
         max_num_batched_tokens=args.max_batched_tokens,
         mixed_steps=args.mixed_steps,
+        enable_prefix_caching=args.enable_prefix_caching,
         block_size=args.block_size,
         num_blocks=args.kv_blocks or None,
         kv_cache_bytes=args.kv_cache_bytes_or(DEFAULT_DECODE_KV_BYTES),
@@ -91,6 +92,8 @@ class DecodePool:
             engine.device,
             engine.runner.startup_seconds,
             compat.describe(),
+            engine.block_manager if engine.block_manager.enable_prefix_caching else None,
+            engine.cache_salt,
         )
 
     async def close(self) -> None:

@@ -13,6 +13,7 @@ from pdserve.decode_pool.engine_loop import EngineLoop
 from pdserve.decode_pool.stream import relay_deltas
 from pdserve.engine.block_manager import OutOfBlocksError
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.prefix_hash import block_hashes
 from pdserve.kv_transfer import KVCompat, KVReceiver, TransferConfig, TransferError
 from pdserve.kv_transfer.reservation import RxState
 from pdserve.proto import worker_pb2
@@ -57,8 +58,12 @@ class RemotePrefill:
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         # Validate before reserving anything: a bad request must not cost blocks.
         await self.loop.call(lambda e: e.validate_request(prompt, params))
+        eng = self.loop.engine
+        bm = eng.block_manager
+        # The prompt's cached prefix is held, not received: the ticket tells P to send only the rest.
+        hashes = block_hashes(prompt, bm.block_size, eng.cache_salt) if bm.enable_prefix_caching else []
         try:
-            ticket = self.receiver.reserve(rid, len(prompt), deadline_s)
+            ticket = self.receiver.reserve(rid, len(prompt), deadline_s, hashes)
         except OutOfBlocksError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker has no room: {e}")
         self.pending += 1

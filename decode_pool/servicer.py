@@ -57,6 +57,7 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             queued_prefill_tokens=sum(len(q.prompt_token_ids) for q in list(s.waiting)),
             kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_blocks,
+            kv_blocks_cached=bm.num_cached,
         )
 
     async def Prefill(self, request, context):  # noqa: N802

@@ -55,6 +55,13 @@ class _Families:
             ["role"],
             registry=registry,
         )
+        self.skipped = Counter(
+            "pdserve_kv_transfer_bytes_not_sent_total",
+            "KV bytes of completed transfers that did not move because the decode worker already held "
+            "them (its prefix cache), counted by the decode side.",
+            ["role"],
+            registry=registry,
+        )
         self.seconds = Histogram(
             "pdserve_kv_transfer_seconds",
             "Duration of successful transfers (prefill: open to acknowledged completion; "
@@ -109,6 +116,7 @@ class TransferMetrics:
             if fam is None:
                 fam = _families[self.registry] = _Families(self.registry)
         self._bytes = fam.bytes.labels(role=role.value)
+        self._skipped = fam.skipped.labels(role=role.value)
         self._seconds = fam.seconds.labels(role=role.value)
         self._failures = fam.failures
         self._layer = fam.layer.labels(role=role.value)
@@ -120,6 +128,9 @@ class TransferMetrics:
 
     def add_bytes(self, n: int) -> None:
         self._bytes.inc(n)
+
+    def add_not_sent(self, n: int) -> None:
+        self._skipped.inc(n)
 
     def transfer_done(self, seconds: float) -> None:
         self._seconds.observe(seconds)

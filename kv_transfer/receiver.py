@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -122,12 +123,18 @@ class KVReceiver:
 
     # -- decode engine API -------------------------------------------------
     def reserve(
-        self, request_id: str, num_tokens: int, deadline_s: float | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        deadline_s: float | None = None,
+        prefix_hashes: Sequence[bytes] = (),
     ) -> wire.TransferTicket:
         """Allocate blocks under ``request_id`` and describe them in a ticket.
 
-        The pool's error when it has no room (``OutOfBlocksError`` from a ``BlockManager``) passes
-        through with nothing reserved.
+        ``prefix_hashes``: the prompt's full-block hashes (``engine.prefix_hash``); the blocks the pool
+        has cached for a leading run of them are held instead of reserved anew, and the ticket's
+        ``cached_tokens`` tells the prefill worker not to send them. The pool's error when it has no room
+        (``OutOfBlocksError`` from a ``BlockManager``) passes through with nothing reserved.
         """
         assert self._transport is not None, "start() first"
         if request_id in self._by_request:
@@ -137,7 +144,14 @@ class KVReceiver:
         deadline_s = self._config.deadline_s if deadline_s is None else deadline_s
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        blocks = self._blocks.allocate(request_id, num_tokens)
+        # At least the block of the last prompt token comes from P: a transfer always writes something,
+        # and its Complete carries the first token.
+        prefix_hashes = prefix_hashes[: (num_tokens - 1) // self._blocks.block_size]
+        if prefix_hashes:
+            reused = self._blocks.allocate_prefixed(request_id, num_tokens, prefix_hashes)
+            blocks = self._blocks.block_table(request_id)
+        else:
+            reused, blocks = 0, self._blocks.allocate(request_id, num_tokens)
         loop = asyncio.get_running_loop()
         xid = self._transport.next_transfer_id()
         self._seq += 1
@@ -148,6 +162,7 @@ class KVReceiver:
             blocks,
             num_tokens,
             loop.create_future(),
+            reused=reused,
             seq=self._seq,
             deadline_unix=deadline_unix,
         )
@@ -161,12 +176,13 @@ class KVReceiver:
             address=self._transport.address,
             request_id=request_id,
             transfer_id=rx.transfer_id,
-            block_ids=tuple(blocks),
+            block_ids=tuple(rx.targets),
             num_tokens=num_tokens,
             protocol_version=self._compat.protocol_version,
             compat_hash=self._hash,
             deadline_unix=deadline_unix,
             seq=rx.seq,
+            cached_tokens=reused * self._blocks.block_size,
         )
 
     async def wait(self, request_id: str) -> TransferResult:
@@ -382,7 +398,7 @@ class KVReceiver:
         if rx.state is not RxState.RESERVED:
             return self._refuse(peer, msg, FailureReason.REJECTED, f"transfer already {rx.state.value}")
         try:
-            segments = build_segments(msg.segments, None, rx.blocks)
+            segments = build_segments(msg.segments, None, rx.targets)
         except ValueError as exc:
             self._fail(rx, RejectedError(f"malformed Open: {exc}"), notify=False)
             return self._refuse(peer, msg, FailureReason.REJECTED, str(exc))
@@ -474,7 +490,7 @@ class KVReceiver:
     # -- data --------------------------------------------------------------
     def _rma_landed(self, rx: Reservation) -> None:
         """The sender's flush covered every put of ``rx``: all layers are in."""
-        nbytes = len(rx.blocks) * self._spans.block_bytes * self._compat.num_layers
+        nbytes = len(rx.targets) * self._spans.block_bytes * self._compat.num_layers
         rx.bytes += nbytes
         self.metrics.add_bytes(nbytes)
         rx.layers_done = self._compat.num_layers
@@ -502,6 +518,7 @@ class KVReceiver:
         self._end(rx, None)
         seconds = time.perf_counter() - rx.opened_at
         self.metrics.transfer_done(seconds)
+        self.metrics.add_not_sent(rx.reused * self._spans.block_bytes * self._compat.num_layers)
         self.metrics.closed()
         rx.result.set_result(
             TransferResult(

@@ -4,7 +4,7 @@ receiver.py and drain.py act on them)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -27,6 +27,13 @@ class BlockPool(Protocol):
     def allocate(self, owner: Hashable, num_tokens: int) -> list[int]:
         """Blocks for ``num_tokens`` tokens under ``owner``; raise, holding nothing, when there is no room."""
         ...
+
+    def allocate_prefixed(self, owner: Hashable, num_tokens: int, block_hashes: Sequence[bytes]) -> int:
+        """As ``allocate``, holding the longest run of ``block_hashes`` the pool has cached as the table's
+        first blocks; returns how many blocks it reused (their KV is already there)."""
+        ...
+
+    def block_table(self, owner: Hashable) -> list[int]: ...
 
     def free(self, owner: Hashable) -> bool:
         """Return ``owner``'s blocks; idempotent (False when it held none)."""
@@ -59,9 +66,10 @@ class Reservation:
 
     request_id: str
     transfer_id: int
-    blocks: list[int]
+    blocks: list[int]  # the request's whole table: the engine adopts all of it
     num_tokens: int
     result: asyncio.Future[TransferResult]
+    reused: int = 0  # leading blocks D already held (prefix cache): never written by the transfer
     timer: asyncio.TimerHandle | None = None
     state: RxState = RxState.RESERVED
     conn: Connection | None = None
@@ -86,6 +94,11 @@ class Reservation:
     # (Loop time.) A connection that could put into the blocks was closed by this side, whose sender
     # may live on and still be writing: once failed, the blocks are freed no sooner than this.
     hold_until: float = 0.0
+
+    @property
+    def targets(self) -> list[int]:
+        """The blocks the transfer writes: the table past the reused prefix."""
+        return self.blocks[self.reused :]
 
 
 @dataclass(eq=False)

@@ -102,7 +102,9 @@ class KVSender:
         self._peers: dict[str, _Peer] = {}
 
     async def open(self, ticket: wire.TransferTicket | bytes, src_block_ids: Sequence[int]) -> SenderHandle:
-        """Start a transfer of P's blocks ``src_block_ids`` (token order) into the ticket's blocks.
+        """Start a transfer of P's blocks ``src_block_ids`` (the prompt's whole table, token order) into the
+        ticket's blocks; the leading blocks the decode worker already holds (``ticket.cached_tokens``) are
+        not sent.
 
         Returns once ``Open`` is sent; a refusal by the receiver (expired or
         aborted reservation) surfaces as the handle's error, raised by ``complete``.
@@ -115,6 +117,9 @@ class KVSender:
         remaining = ticket.deadline_unix - time.time()
         if not ticket.block_ids:
             raise ValueError("ticket reserves no blocks")
+        if ticket.cached_tokens % self.compat.block_size:
+            raise ValueError(f"cached_tokens {ticket.cached_tokens} is not a whole number of blocks")
+        src_block_ids = src_block_ids[ticket.cached_tokens // self.compat.block_size :]
         if len(src_block_ids) != len(ticket.block_ids):
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for {len(ticket.block_ids)} reserved blocks"

@@ -13,7 +13,7 @@ from pdserve.kv_transfer.errors import IncompatibleError
 
 # Bump on any change to these messages or to the tag layout (plan.py): it is part of the compatibility
 # hash, so peers of different versions refuse each other at the handshake, before any data moves.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -47,7 +47,10 @@ class KVCompat(msgspec.Struct, frozen=True):
 class TransferTicket(msgspec.Struct, frozen=True):
     """A decode worker's reservation, as the prefill worker needs it.
 
-    ``block_ids``: D's blocks, in token order (token p -> block_ids[p // block_size]).
+    ``cached_tokens``: leading prompt tokens whose KV D already holds (from its prefix cache; a multiple of
+    ``block_size``): P writes none of them.
+    ``block_ids``: D's blocks for the rest, in token order (token p -> block_ids[(p - cached_tokens) //
+    block_size]).
     ``deadline_unix``: wall-clock time after which D frees the blocks.
     """
 
@@ -62,6 +65,7 @@ class TransferTicket(msgspec.Struct, frozen=True):
     # The receiver's count of reservations when it made this one: a connection whose handshake
     # came earlier (HelloReply.seq < seq) may put into the blocks without waiting for Accept.
     seq: int = 0
+    cached_tokens: int = 0
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

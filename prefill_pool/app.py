@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.llm_engine import DTYPES
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import kv_model_id
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kv_transfer import KVSender, compat_for
@@ -80,8 +81,16 @@ class PrefillPool:
             self.registry,
             name=args.worker_id,
         )
+        salt = model_cache_salt(runner.model_dir, dtype, runner.quantization)
         self.loop = PrefillLoop(
-            runner, sampler, self.sender, args.max_batched_tokens, self.metrics, self.forward_thread
+            runner,
+            sampler,
+            self.sender,
+            args.max_batched_tokens,
+            self.metrics,
+            self.forward_thread,
+            prefix_caching=args.enable_prefix_caching,
+            cache_salt=salt,
         )
         self.loop.on_fatal(self._fatal)
         self.loop.on_forward_failed(self.metrics.failed_steps.inc)
@@ -94,6 +103,8 @@ class PrefillPool:
             device,
             runner.startup_seconds,
             compat.describe(),
+            self.loop.sched.block_manager if args.enable_prefix_caching else None,
+            salt,
         )
 
     def _fatal(self, err: PrefillLoopStopped) -> None:

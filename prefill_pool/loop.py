@@ -52,12 +52,16 @@ class PrefillLoop:
         max_batched_tokens: int,
         metrics: PrefillMetrics,
         forward_thread: Executor | None = None,
+        prefix_caching: bool = True,
+        cache_salt: str = "",
     ) -> None:
         """``forward_thread``: a one-thread executor that runs every forward (the one that built
-        ``runner``, so one thread makes this process's CPU-kernel calls); None: asyncio's default."""
+        ``runner``, so one thread makes this process's CPU-kernel calls); None: asyncio's default.
+        ``prefix_caching``: reuse the KV of prompts' cached prefixes (``cache_salt``: the engine's)."""
         self.runner, self.sampler, self.sender, self.metrics = runner, sampler, sender, metrics
         self._forward_thread = forward_thread
-        self.sched = PrefillScheduler(BlockManager(runner.num_blocks, runner.block_size), max_batched_tokens)
+        blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
+        self.sched = PrefillScheduler(blocks, max_batched_tokens, cache_salt)
         self._wake = asyncio.Event()
         self.running_tokens = 0  # prompt tokens of the forward in progress
         self.running = 0  # requests in the forward in progress
@@ -280,10 +284,14 @@ class PrefillLoop:
             self._inflight = live
             if not live:
                 continue
-            items = [PrefillItem(j.prompt_token_ids, j.block_table) for j in live]
+            # A prompt's cached prefix is read from its blocks, not computed.
+            items = [
+                PrefillItem(j.prompt_token_ids[j.cached_tokens :], j.block_table, j.cached_tokens)
+                for j in live
+            ]
 
             hook = PushHook(live, self._push_lock)
-            self.running, self.running_tokens = len(live), sum(j.num_tokens for j in live)
+            self.running, self.running_tokens = len(live), sum(j.new_tokens for j in live)
             t0 = time.perf_counter()
             try:
                 rows = [SampleRow(j.payload.params, 0) for j in live]
@@ -311,7 +319,9 @@ class PrefillLoop:
                 self.running, self.running_tokens = 0, 0
             self._failures.succeeded()
             dt = time.perf_counter() - t0
-            self._observe(dt, sum(j.num_tokens for j in live))
+            self._observe(dt, sum(j.new_tokens for j in live))
+            for j in live:  # every prompt's KV is whole now (a cancelled one's too): later prompts reuse it
+                self.sched.computed(j)
             for j, tok in zip(live, tokens, strict=True):
                 req = j.payload
                 if req.given_up or req.result.done():

@@ -46,6 +46,7 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             queued_prefill_tokens=queued_tokens,
             kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_blocks,
+            kv_blocks_cached=bm.num_cached,
         )
 
     async def Generate(self, request, context):  # noqa: N802
@@ -112,7 +113,10 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         # When the token was sampled: the answer itself may go out after the decode worker has the KV.
         sampled_at = job.payload.first_token_unix or time.time()
         return worker_pb2.PrefillResponse(
-            first_token_id=first, prefill_seconds=forward_s, first_token_unix=sampled_at
+            first_token_id=first,
+            prefill_seconds=forward_s,
+            first_token_unix=sampled_at,
+            cached_tokens=job.cached_tokens,
         )
 
     async def AttachTicket(self, request: worker_pb2.AttachTicketRequest, context) -> worker_pb2.Empty:  # noqa: N802

@@ -119,6 +119,7 @@ class Attempt:
                                 f"decode worker {d.worker_id} ended without a ticket",
                             )
                         if m.finish_reason:  # D ended the request before any prefill (e.g. aborted)
+                            out.prefilled(m.cached_tokens)
                             await deliver(out, m.token_ids, m.first_index, m.finish_reason, write)
                             return True, None
                         if not m.transfer_ticket:
@@ -139,6 +140,7 @@ class Attempt:
                                 grpc.StatusCode.INTERNAL,
                                 f"decode worker {d.worker_id} ended without a finish",
                             )
+                        out.prefilled(m.cached_tokens)
                         if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
                             return True, None
                 if attach is not None and not attached and attach.done():
@@ -157,6 +159,7 @@ class Attempt:
                         log.info("request %s: prefill failed after decode started; ignored", prep.request_id)
                     else:
                         # Output index 0: sent only when D has not already delivered it.
+                        out.prefilled(resp.cached_tokens)
                         tok = resp.first_token_id
                         if await deliver(out, (tok,), 0, self._first_token_finish(prep, tok), write):
                             return True, None
@@ -208,6 +211,7 @@ class Attempt:
         finally:
             task.cancel()  # (a no-op once it ended)
             self._drop_prefill(p, prep.request_id, key)
+        out.prefilled(resp.cached_tokens)
         tok = resp.first_token_id
         await deliver(out, (tok,), 0, self._first_token_finish(prep, tok) or "length", write)
 

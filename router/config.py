@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.router.policy import RoutingConfig
+from pdserve.router.policy import RoutingConfig, RoutingPolicy
 from pdserve.router.registry import RegistryConfig
 from pdserve.worker.address import host_port
 from pdserve.worker.tls import NO_TLS, TLSConfig
@@ -31,6 +31,9 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     # Prompts shorter than this are prefilled by the decode worker itself.
     local_prefill_threshold: int = 256
+    # kv-aware: both legs scored by the prefix each worker caches (the KV index) against load; load: least
+    # loaded only.
+    routing_policy: str = "kv-aware"
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.5
     # Deadline given to requests whose client set none (0: none). Bounds every worker RPC.
@@ -89,4 +92,6 @@ class RouterConfig:
         )
 
     def routing_config(self) -> RoutingConfig:
-        return RoutingConfig(local_prefill_threshold=self.local_prefill_threshold)
+        return RoutingConfig(
+            local_prefill_threshold=self.local_prefill_threshold, policy=RoutingPolicy(self.routing_policy)
+        )

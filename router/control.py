@@ -115,6 +115,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             pid=info.pid,
             instance=info.instance,
             standby=info.standby,
+            prefix_cache_salt=info.prefix_cache_salt,
         )
         now = time.monotonic()
         holder = router.registry.held_by_another(w, now)
@@ -158,11 +159,19 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             return worker_pb2.HeartbeatResponse(known=False)
         if load.kv_blocks_total:
             w.kv_blocks_total = load.kv_blocks_total
+        w.kv_blocks_cached = load.kv_blocks_cached
+        snapshot = False
+        if load.HasField("kv_events") and not router.kv_index.apply(w.worker_id, load.kv_events):
+            router.metrics.kv_index_gaps.inc()
+            snapshot = True
         if router.registry.get(load.worker_id) is None:
             router.membership.infos.pop(load.worker_id, None)  # it reported STOPPED
+            router.kv_index.drop(load.worker_id)
             log.info("worker %s stopped", load.worker_id)
         await router.admission.notify()
-        return worker_pb2.HeartbeatResponse(known=True, drain=w.drain_requested, standby=w.standby)
+        return worker_pb2.HeartbeatResponse(
+            known=True, drain=w.drain_requested, standby=w.standby, kv_snapshot=snapshot
+        )
 
     async def Deregister(self, info: worker_pb2.WorkerInfo, context: grpc.aio.ServicerContext):
         router = self._router
@@ -172,6 +181,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             router.registry.remove(info.worker_id)
             # Its calls are not failed here: a worker deregisters after its in-flight calls ended.
             router.membership.infos.pop(info.worker_id, None)
+            router.kv_index.drop(info.worker_id)
             log.info("worker %s left (deregistered)", info.worker_id)
         return worker_pb2.Empty()
 
@@ -191,6 +201,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
                 queued_prefill_tokens=w.queued_prefill_tokens,
                 kv_blocks_used=w.kv_blocks_used,
                 kv_blocks_total=w.kv_blocks_total,
+                kv_blocks_cached=w.kv_blocks_cached,
             )
             last = now_unix - (now_mono - w.last_heartbeat)
             entries.append(worker_pb2.WorkerEntry(info=info, load=load, last_heartbeat_unix=last))

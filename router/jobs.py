@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.router.policy import Route, blocks_needed
+from pdserve.router.policy import PrefixProbe, Route, blocks_needed
 from pdserve.router.registry import Registry, Worker
 
 
@@ -54,6 +54,7 @@ class Job:
         "one_token",
         "calls",
         "failure",
+        "probe",
     )
 
     def __init__(self, request_id: str, prompt_len: int, arrival: float | None = None) -> None:
@@ -73,6 +74,7 @@ class Job:
         self.one_token = False  # its only token is the first (max_tokens 1): a prefill worker's answer
         self.calls: list[Cancellable] = []
         self.failure: Failure | None = None
+        self.probe: PrefixProbe | None = None  # what each worker caches of its prompt (the KV index)
 
     def uses(self, worker_id: str) -> bool:
         r = self.route

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.router.policy import Route, RouteReason
 from pdserve.telemetry.exporter import process_registry
 from pdserve.telemetry.slo import (
     DEFAULT_SLO,
@@ -187,6 +188,27 @@ class RouterMetrics:
         )
         for reason in MIGRATION_REASONS:
             self._migrations.labels(ROLE, reason)
+        self._routes = Counter(
+            "pdserve_router_routes_total",
+            "Routing decisions, by where the prompt is prefilled and why (policy.RouteReason).",
+            ["role", "reason"],
+            registry=reg,
+        )
+        for why in RouteReason:
+            self._routes.labels(ROLE, why.value)
+        self._predicted_cached = Counter(
+            "pdserve_router_predicted_cached_tokens_total",
+            "Prompt tokens the KV index said the chosen worker held, by leg (decode, prefill).",
+            ["role", "leg"],
+            registry=reg,
+        )
+        self.kv_index_gaps = Counter(
+            "pdserve_router_kv_index_gaps_total",
+            "Worker event batches the KV index could not apply (a gap or an unknown epoch): it dropped "
+            "that worker's entries and asked for a snapshot.",
+            ["role"],
+            registry=reg,
+        ).labels(ROLE)
         self.loop_stalls = Counter(
             LOOP_STALLS,
             "Times the router's event loop stood still past a heartbeat interval (deadlines moved).",
@@ -202,6 +224,13 @@ class RouterMetrics:
     ) -> None:
         """Export the running/waiting/workers gauges from these readers (called once, at startup)."""
         self.registry.register(_StateCollector(running, waiting, workers))
+
+    def routed(self, route: Route) -> None:
+        self._routes.labels(ROLE, route.reason.value).inc()
+        if route.decode_cached_tokens and not route.decode_unused:
+            self._predicted_cached.labels(ROLE, "decode").inc(route.decode_cached_tokens)
+        if route.prefill_cached_tokens and route.prefill is not None:
+            self._predicted_cached.labels(ROLE, "prefill").inc(route.prefill_cached_tokens)
 
     def finished(self, reason: str) -> None:
         self._requests.labels(ROLE, reason).inc()

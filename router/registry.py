@@ -50,6 +50,8 @@ class Worker:
     full_until: float = 0.0  # monotonic: it refused a reservation for room (``refused_for_room``)
     drain_requested: bool = False
     standby: bool = False  # held out of routing (the warm pool) until promoted
+    prefix_cache_salt: str = ""  # its block hashes' salt (WorkerInfo.prefix_cache_salt); "": no prefix cache
+    kv_blocks_cached: int = 0  # held by its prefix cache only (free to evict): by the last heartbeat
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

@@ -14,6 +14,7 @@ from pdserve.router.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import ClientGone, is_batch_error, worker_failure
 from pdserve.router.jobs import Job, Ledger, NoRoute
+from pdserve.router.kv_index import KvIndex, PromptProbe
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policy import (
@@ -46,6 +47,7 @@ class Router:
         self.routing = config.routing_config()
         self.admission = Admission(config.max_waiting)
         self.ledger = Ledger(self.registry)
+        self.kv_index = KvIndex()  # fed by the workers' heartbeats (control.RegistryService.Heartbeat)
         self.channels = WorkerChannels(config.cluster_token, config.tls)
         self.metrics = RouterMetrics()
         self.membership = Membership(
@@ -134,10 +136,13 @@ class Router:
 
         # Claimed in the step that chose it, so the next routing decision sees it.
         def try_route() -> Route | None:
-            route = choose_route(self.registry.ready(), n, self.routing, job.total_tokens, job.one_token)
+            route = choose_route(
+                self.registry.ready(), n, self.routing, job.total_tokens, job.one_token, job.probe
+            )
             if route is not None:
                 self._check_prefill_queue(route, n)
                 self.ledger.claim(job, route)
+                self.metrics.routed(route)
             return route
 
         wait = (
@@ -202,9 +207,12 @@ class Router:
         # No prefill queue bound here: an admitted request is not refused later.
         def try_route() -> Route | None:
             ready = [w for w in self.registry.ready() if w.worker_id != avoid]
-            route = choose_route(ready, prompt_len, routing, job.total_tokens, job.one_token and remote)
+            route = choose_route(
+                ready, prompt_len, routing, job.total_tokens, job.one_token and remote, job.probe
+            )
             if route is not None:
                 self.ledger.claim(job, route)
+                self.metrics.routed(route)
             return route
 
         try:
@@ -327,6 +335,7 @@ async def _admit(
             grpc.StatusCode.INVALID_ARGUMENT, f"request_id {prep.request_id!r} is already in flight"
         )
     job = Job(prep.request_id, len(prep.prompt_token_ids), arrival)
+    job.probe = PromptProbe(router.kv_index, prep.prompt_token_ids)
     router.inflight_ids.add(job.request_id)
     try:
         await router.admit(job, remaining, prep.params.max_tokens)

@@ -59,13 +59,20 @@ class ReadAheadBudget:
 class Output:
     """What has been sent to the client for one request."""
 
-    __slots__ = ("request_id", "prompt_tokens", "detok", "sent")
+    __slots__ = ("request_id", "prompt_tokens", "detok", "sent", "cached_tokens")
 
     def __init__(self, prep: Prepared, detok: Detokenizer) -> None:
         self.request_id = prep.request_id
         self.prompt_tokens = len(prep.prompt_token_ids)
         self.detok = detok
         self.sent: list[int] = []  # output token ids sent so far: a migrated stream's input tail
+        # Prompt tokens the worker that prefilled reused from its prefix cache: the first report (P's
+        # answer, or a local prefill's first message) stands.
+        self.cached_tokens = 0
+
+    def prefilled(self, cached_tokens: int) -> None:
+        if cached_tokens and not self.cached_tokens:
+            self.cached_tokens = min(cached_tokens, self.prompt_tokens)
 
 
 async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str, write: Write) -> bool:
@@ -95,7 +102,11 @@ async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str
             token_ids=ids,
             text=text + detok.flush(),
             finish_reason=finish,
-            usage=generation_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=detok.count),
+            usage=generation_pb2.Usage(
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=detok.count,
+                cached_tokens=out.cached_tokens,
+            ),
         )
     )
     return True
@@ -128,6 +139,7 @@ async def relay_stream(
                 raise RelayError(
                     grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
                 )
+            out.prefilled(m.cached_tokens)
             if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
                 return
             m = ahead.get_nowait() if not ahead.empty() else await ahead.get()

@@ -15,6 +15,7 @@ import grpc
 
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.auth import token_metadata
+from pdserve.worker.kv_events import KvEventPublisher
 from pdserve.worker.shell import WorkerShell
 from pdserve.worker.tls import NO_TLS, TLSConfig, aio_channel
 
@@ -84,6 +85,8 @@ class RouterAgent:
         # ``_FAILED_BEATS`` beats in a row, or forgot it; or it answers again after registering again).
         self.on_known: Callable[[bool], Awaitable[None]] | None = None
         self._known = True
+        # This worker's prefix-cache changes ride on each heartbeat (None: it has no prefix cache).
+        self.kv_events: KvEventPublisher | None = None
 
     def _registry(self) -> worker_pb2_grpc.RegistryStub:
         if self._stub is None:
@@ -163,7 +166,11 @@ class RouterAgent:
     async def _heartbeat_once(self) -> None:
         load = self._load()
         load.worker_id = self.info.worker_id
+        if self.kv_events is not None:
+            load.kv_events.CopyFrom(self.kv_events.batch())
         resp = await self._registry().Heartbeat(load, timeout=self.config.rpc_timeout_s, metadata=self._meta)
+        if self.kv_events is not None and resp.known:
+            self.kv_events.answered(resp)
         if not resp.known:
             log.info("router does not know %s; registering again", self.info.worker_id)
             await self._register_once()

@@ -57,6 +57,9 @@ class WorkerArgs:
     max_running: int = 64  # decode batch bound (EngineConfig.max_num_seqs)
     max_batched_tokens: int = 2048  # token budget per step (EngineConfig.max_num_batched_tokens)
     mixed_steps: bool = False  # decode and prefill in one step (EngineConfig.mixed_steps)
+    enable_prefix_caching: bool = (
+        True  # reuse cached prompt prefixes' KV (EngineConfig.enable_prefix_caching)
+    )
     cache_dir: Path | None = None  # where model names resolve (None: the engine's default)
     drain_timeout_s: float = 300.0
     # A model that fails to load: keep /metrics up this long before exiting, so the failure is scraped.

@@ -25,6 +25,7 @@ from pdserve.telemetry.gpu import add_gpu_metrics
 from pdserve.worker.agent import RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.auth import refusal_counter
+from pdserve.worker.kv_events import EventSource, KvEventPublisher
 from pdserve.worker.shell import PoolServicer, ShellState, WorkerShell
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ class Capacity:
     # The KV cache's compatibility record in words (``KVCompat.describe``): every worker of a cluster
     # must register the same one.
     kv_layout: str = ""
+    # The block pool whose prefix-cache changes the router's KV index follows, and the salt of its block
+    # hashes (``engine.prefix_hash``); None: no prefix cache.
+    prefix_cache: EventSource | None = None
+    prefix_cache_salt: str = ""
 
 
 class WorkerFailed(RuntimeError):
@@ -129,22 +134,23 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 await shell.stop()
                 return
             await shell.set_serving()
-            agent = RouterAgent(
-                args.agent_config(),
-                args.worker_info(
-                    address,
-                    kv_blocks_total=capacity.kv_blocks_total,
-                    context_length=capacity.context_length,
-                    pid=os.getpid(),
-                    dtype=capacity.dtype,
-                    device=capacity.device,
-                    metrics_url=endpoint.url,
-                    kv_layout=capacity.kv_layout,
-                    tokenizer_digest=digest,
-                ),
-                load=pool.servicer.load,
-                on_drain=shell.begin_drain,
+            info = args.worker_info(
+                address,
+                kv_blocks_total=capacity.kv_blocks_total,
+                context_length=capacity.context_length,
+                pid=os.getpid(),
+                dtype=capacity.dtype,
+                device=capacity.device,
+                metrics_url=endpoint.url,
+                kv_layout=capacity.kv_layout,
+                tokenizer_digest=digest,
             )
+            agent = RouterAgent(
+                args.agent_config(), info, load=pool.servicer.load, on_drain=shell.begin_drain
+            )
+            if capacity.prefix_cache is not None:
+                info.prefix_cache_salt = capacity.prefix_cache_salt
+                agent.kv_events = KvEventPublisher(capacity.prefix_cache)
             await run_worker(shell, agent, on_registered=lambda: _ready(startup, args, phases))
             failure = pool.failure
             if failure is not None:

@@ -158,6 +158,14 @@ TUNING = (
         field="mixed_steps",
     ),
     Flag(
+        "--enable-prefix-caching",
+        "reuse the KV of prompt prefixes this worker computed before (full blocks, evicted least recently "
+        "used when room is needed); --no-enable-prefix-caching computes every prompt whole (default: on)",
+        default=WorkerArgs.enable_prefix_caching,
+        switch=Switch.BOTH,
+        field="enable_prefix_caching",
+    ),
+    Flag(
         "--kv-stall-timeout",
         "seconds a started KV transfer may make no progress before the decode worker fails it: no layer "
         "landed, or with one-sided writes (puts, cross-memory, shared memory) none reported put by the "

@@ -19,6 +19,7 @@ class Switch(enum.Enum):
     VALUE = "value"
     ON = "on"
     OFF = "off"
+    BOTH = "both"  # ``--x`` sets True, ``--no-x`` False (vLLM's spelling of its switches)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Flag:
             kwargs["action"] = "store_true"
         elif self.switch is Switch.OFF:
             kwargs["action"] = "store_false"
+        elif self.switch is Switch.BOTH:
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=self.type, choices=self.choices, metavar=self.metavar)
             if self.required:
@@ -60,6 +63,8 @@ class Flag:
         """The arguments that give a started process ``value`` (none for the default: it has the same)."""
         if value == self.default:
             return []
+        if self.switch is Switch.BOTH:
+            return [self.option if value else "--no-" + self.option.removeprefix("--")]
         if self.switch is not Switch.VALUE:
             return [self.option]
         return [self.option, str(value)]

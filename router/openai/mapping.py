@@ -309,7 +309,7 @@ def sse_error(err: OpenAIError) -> bytes:
 
 
 def _usage(msg: g.GenerateResponse) -> Usage:
-    return Usage.of(msg.usage.prompt_tokens, msg.usage.completion_tokens)
+    return Usage.of(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
 
 
 class EventStream:

@@ -118,14 +118,24 @@ class ChatCompletionRequest(_GenerationFields, frozen=True, kw_only=True):
 # ---- responses ----------------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int  # prompt tokens reused from the prefilling worker's prefix cache
+
+
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+        return cls(
+            prompt_tokens,
+            completion_tokens,
+            prompt_tokens + completion_tokens,
+            PromptTokensDetails(cached_tokens),
+        )
 
 
 class CompletionChoice(msgspec.Struct, frozen=True):

@@ -309,7 +309,12 @@ def test_what_vllm_bench_serve_sends_meets_no_404(model_dir):
                         lines = [ln for ln in (await resp.text()).splitlines() if ln.startswith("data: ")]
                     assert lines[-1] == "data: [DONE]"
                     usage = json.loads(lines[-2][6:])["usage"]
-                    assert usage == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+                    assert usage == {
+                        "prompt_tokens": 3,
+                        "completion_tokens": 4,
+                        "total_tokens": 7,
+                        "prompt_tokens_details": {"cached_tokens": 0},
+                    }
 
     run(main())
 

@@ -339,7 +339,12 @@ def test_completion_stream_chunks_then_usage_chunk_last_then_done():
     assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["hello", " world"]  # no empty-text chunk
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "length"]
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
@@ -368,7 +373,12 @@ def test_non_streaming_bodies_and_error_events():
             "finish_reason": "stop",
         }
     ]
-    assert doc["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert doc["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     c = Collected(Kind.COMPLETION, "cmpl-1", 1700, "smol")
     c.feed(msg("abc", [1, 2], "length", (1, 2)))
     doc = json.loads(c.response())

@@ -443,8 +443,9 @@ def test_giving_up_the_queues_blocked_head_lets_the_next_job_run(tiny_llama_dir)
         p = SamplingParams(temperature=0.0, max_tokens=4)
         _, ra = loop.submit("a", list(range(5, 53)), p, None)  # 12 blocks, no ticket yet
         await asyncio.wait_for(ra, 30)  # answered; its KV waits for the ticket, holding 12 blocks
-        head, _ = loop.submit("h", list(range(5, 45)), p, None)  # 10 blocks: does not fit now
-        _, rj = loop.submit("j", list(range(5, 13)), p, None)  # 2 blocks: fits, but behind h
+        # (Other tokens than a's: no cached prefix to share.)
+        head, _ = loop.submit("h", list(range(105, 145)), p, None)  # 10 blocks: does not fit now
+        _, rj = loop.submit("j", list(range(205, 213)), p, None)  # 2 blocks: fits, but behind h
         await asyncio.sleep(0.2)
         assert not rj.done()
         loop.give_up(head, "cancelled by the router")
