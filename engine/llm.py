@@ -33,13 +33,15 @@ class RequestOutput:
     token_ids: list[int]
     text: str  # "" when the model has no tokenizer
     finish_reason: str  # "stop" | "length"
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class LLM:
     """An engine for offline generation. ``dtype="auto"`` runs bfloat16 on CUDA and on CPUs with native
     bf16 dot products, float32 elsewhere; ``device`` is ``cpu``, ``cuda`` or ``cuda:N``, and on a GPU
     ``gpu_memory_utilization`` bounds the memory the engine takes. ``llm.engine.device`` and
-    ``llm.engine.dtype`` say what it picked."""
+    ``llm.engine.dtype`` say what it picked. ``enable_prefix_caching`` (default True) reuses the K/V of
+    full blocks prompts share; ``RequestOutput.num_cached_tokens`` counts the prompt tokens it saved."""
 
     def __init__(
         self,
@@ -237,6 +239,7 @@ class _Collector:
             self.pieces.append(d.new_text)
         if d.finish_reason is not None:
             out.finish_reason = d.finish_reason
+            out.num_cached_tokens = d.num_cached_tokens
             self.open.discard(out.request_id)
             if self.bar is not None:
                 self.bar.update(1)

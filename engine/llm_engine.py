@@ -2,7 +2,8 @@
 
 A decode worker's ``add_prefilled_request`` adopts blocks its KV receiver filled under the request id (the
 hand-over is the contract in ``kv_transfer/__init__.py``). Not thread-safe: one thread drives ``add_*``,
-``abort`` and ``step``.
+``abort`` and ``step``. Prefix caching (on by default) reuses the K/V of full blocks a prompt shares with
+earlier sequences; ``cache_salt`` names what those blocks' hashes depend on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pdserve.engine.device import (
 )
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import check_quantization
 from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
@@ -80,6 +82,9 @@ class EngineConfig:
     # CPU: the KV cache in shared memory (``ModelRunner(kv_shared=True)``), which a prefill worker of this
     # host writes with plain copies (a decode worker's ``--kv-shared-memory``). Ignored elsewhere.
     kv_shared_memory: bool = False
+    # Reuse the K/V of full blocks a prompt shares with earlier sequences (vLLM's automatic prefix
+    # caching): finished sequences' blocks stay cached until their room is needed.
+    enable_prefix_caching: bool = True
     # Resolved on this host when the config is made (``engine.device``): the device and dtype the engine
     # runs on, which it reports. A device this host lacks fails here, before anything loads.
     resolved_device: str = dataclasses.field(init=False)
@@ -97,6 +102,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
         for name in ("num_blocks", "kv_cache_bytes", "threads", "max_model_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -124,15 +133,17 @@ class RequestOutputDelta(NamedTuple):
     finish_reason: str | None  # "stop" | "length" on the last delta, else None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not computed
 
 
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
-    num_free_blocks: int
+    num_free_blocks: int  # free or holding cached K/V that can be evicted
     num_blocks: int
     num_preemptions: int  # since start
+    num_cached_blocks: int = 0  # of the free ones, those holding cached K/V
 
 
 @dataclass(slots=True)
@@ -177,7 +188,12 @@ class LLMEngine:
         if tokenizer is not None:
             eos += [t for t in tokenizer.eos_token_ids if t not in eos]
         self.eos_token_ids = tuple(eos)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        # What the K/V of the same tokens depends on: the weights, the dtype, the quantization. Workers
+        # report it with their cached block hashes.
+        self.cache_salt = model_cache_salt(self.runner.model_dir, self.dtype, self.runner.quantization)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.runner.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,
@@ -185,6 +201,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 eos_token_ids=self.eos_token_ids,
                 mixed_steps=config.mixed_steps,
+                cache_salt=self.cache_salt,
             ),
             self.block_manager,
         )
@@ -195,7 +212,7 @@ class LLMEngine:
         self.num_steps = 0  # batches run since start
         self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
-            "engine: %s on %s in %s (dtype %s asked)%s, %d KV blocks of %d tokens",
+            "engine: %s on %s in %s (dtype %s asked)%s, %d KV blocks of %d tokens, prefix caching %s",
             self.runner.model_dir.name,
             self.device,
             self.dtype,
@@ -203,6 +220,7 @@ class LLMEngine:
             "" if config.quantization == "none" else f", {config.quantization} weights",
             self.runner.num_blocks,
             self.runner.block_size,
+            "on" if config.enable_prefix_caching else "off",
         )
 
     @property
@@ -296,7 +314,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler
         bm = self.block_manager
-        return EngineStats(len(s.running), len(s.waiting), bm.num_free, bm.num_blocks, s.num_preemptions)
+        return EngineStats(
+            len(s.running), len(s.waiting), bm.num_free, bm.num_blocks, s.num_preemptions, bm.num_cached
+        )
 
     # -- stepping ------------------------------------------------------------
     def step(self) -> list[RequestOutputDelta]:
@@ -380,7 +400,9 @@ class LLMEngine:
                 del texts[sid]
                 why = reason.value
             offset = seq.output_offset
-            add(delta(sid, (token,), text, why, len(seq.prompt_token_ids) - offset, offset + len(outputs)))
+            prompt = len(seq.prompt_token_ids) - offset
+            cached = seq.num_cached_tokens
+            add(delta(sid, (token,), text, why, prompt, offset + len(outputs), min(cached, prompt)))
         return deltas
 
 

@@ -4,6 +4,8 @@ the engine's exactness against caching off and transformers."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,9 +19,11 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.block_manager import BlockManager, BlockState, OutOfBlocksError
 from pdserve.engine.prefix_hash import RemovedBlock, StoredBlock, block_hashes
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from tests.unit.test_llm import assert_no_leak, hf_greedy, prompts_of
 from tests.unit.test_scheduler import EOS, FakeRunner, V, ignore_eos, next_token, reference
 
 
@@ -531,3 +535,106 @@ def test_an_adopted_prompt_is_committed_when_its_first_decoded_block_fills():
     seq = sched.add("q", prompt, ignore_eos(2))
     drive_cached(sched, runner)
     assert seq.num_cached_tokens == 8 and seq.output_token_ids == reference(prompt, 2)
+
+
+# -- the engine: exact with caching on ---------------------------------------------------------------------
+BS = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def shared_prefix_prompts(seed: int) -> list[list[int]]:
+    """Prompts sharing one prefix at every alignment to blocks of 4: shorter than a block, exactly 2 and 3
+    blocks, 2 blocks + 1, and longer, plus one that shares nothing."""
+    stem, tails = prompts_of([14], seed=seed)[0], prompts_of([3, 1, 5, 6], seed=seed + 1)
+    return [
+        stem[:3] + tails[0],
+        stem[:8],
+        stem[:12],
+        stem[:8] + tails[1],
+        stem + tails[2],
+        stem[:13] + tails[3],
+        tails[3],
+    ]
+
+
+def generate_with_logits(llm: LLM, prompts, params=GREEDY):
+    """``llm.generate``'s outputs and, per prompt, the logits each output token was picked from."""
+    engine, rows = llm.engine, collections.defaultdict(list)
+    forward = engine._forward
+
+    def recording(batch):
+        logits = forward(batch)
+        for it, row in zip(batch.sample_items, logits, strict=True):
+            rows[it.seq.seq_id].append(row.float().cpu())
+        return logits
+
+    engine._forward = recording
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        del engine._forward
+    return outs, [rows[o.request_id] for o in outs]
+
+
+def compared_steps(got_logits, want_logits) -> int:
+    """The exactness rule: summing cached and computed K/V in another order may move a logit by rounding,
+    so a sequence is compared up to the first step whose top-2 reference logits are within 1e-5 (a near
+    tie may flip); up to there the logits agree within 1e-4. Returns how many steps to compare tokens at."""
+    for k, (g, w) in enumerate(zip(got_logits, want_logits, strict=True)):
+        top2 = w.topk(2).values
+        if (top2[0] - top2[1]).item() < 1e-5:
+            return k
+        assert (g - w).abs().max().item() <= 1e-4, f"step {k}: logits differ"
+    return len(want_logits)
+
+
+def assert_exact(model_dir, prompts, outs, logits, ref_outs, ref_logits) -> None:
+    """Caching on (outs) against caching off (ref_outs) and transformers' greedy tokens."""
+    for p, o, lg, r, rlg in zip(prompts, outs, logits, ref_outs, ref_logits, strict=True):
+        n = compared_steps(lg, rlg)
+        assert n > len(rlg) // 2, "too many near ties to compare: pick other prompts"
+        assert o.token_ids[:n] == r.token_ids[:n] == hf_greedy(model_dir, p, len(rlg))[:n]
+
+
+@pytest.mark.parametrize("tiny_model_dir", ["llama", "qwen2"], indirect=True)
+def test_shared_prefixes_at_every_alignment_are_exact(tiny_model_dir):
+    opts = dict(dtype="float32", block_size=BS, max_num_batched_tokens=16)
+    on, off = LLM(tiny_model_dir, **opts), LLM(tiny_model_dir, enable_prefix_caching=False, **opts)
+    assert on.engine.cache_salt == off.engine.cache_salt  # the weights, dtype and quantization
+    assert on.engine.cache_salt.startswith("pdserve-kv1:") and on.engine.cache_salt.endswith(":float32:none")
+    prompts = shared_prefix_prompts(seed=10)
+    ref_outs, ref_logits = generate_with_logits(off, prompts)
+    assert all(o.num_cached_tokens == 0 for o in ref_outs)
+    # Round 1, chunked 16 tokens a step: later prompts hit blocks earlier ones committed in the round.
+    outs, logits = generate_with_logits(on, prompts)
+    assert_exact(tiny_model_dir, prompts, outs, logits, ref_outs, ref_logits)
+    assert any(o.num_cached_tokens > 0 for o in outs)
+    # Round 2: every full block is cached by now (from sequences that finished), short of the last token.
+    outs, logits = generate_with_logits(on, prompts)
+    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // BS * BS for p in prompts]
+    assert outs[3].num_cached_tokens == 2 * BS  # 2 shared blocks + 1 token
+    assert_exact(tiny_model_dir, prompts, outs, logits, ref_outs, ref_logits)
+    assert_no_leak(on)
+    assert on.engine.block_manager.num_cached > 0 and off.engine.block_manager.num_cached == 0
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed_steps"])
+def test_preemption_and_eviction_in_a_tiny_cache_stay_exact(tiny_llama_dir, mixed):
+    # 12 blocks of 4 tokens: the batch cannot all fit, so sequences are preempted and recomputed over
+    # their cached blocks, and each round evicts blocks the last one cached.
+    opts = dict(dtype="float32", block_size=BS, num_blocks=12, max_num_batched_tokens=8, mixed_steps=mixed)
+    on, off = LLM(tiny_llama_dir, **opts), LLM(tiny_llama_dir, enable_prefix_caching=False, **opts)
+    prompts = shared_prefix_prompts(seed=20)
+    ref_outs, ref_logits = generate_with_logits(off, prompts)
+    bm = on.engine.block_manager
+    outs, logits = generate_with_logits(on, prompts)
+    assert on.engine.stats().num_preemptions > 0
+    assert_exact(tiny_llama_dir, prompts, outs, logits, ref_outs, ref_logits)
+    other = prompts_of([20], seed=21)
+    bm.drain_events()
+    other_outs, other_logits = generate_with_logits(on, other)  # needs most of the cache: evicts
+    assert any(isinstance(e, RemovedBlock) for e in bm.drain_events()[0])
+    assert_exact(tiny_llama_dir, other, other_outs, other_logits, *generate_with_logits(off, other))
+    outs, logits = generate_with_logits(on, prompts)  # what is left of the cache, and recompute
+    assert_exact(tiny_llama_dir, prompts, outs, logits, ref_outs, ref_logits)
+    assert_no_leak(on)
