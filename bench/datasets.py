@@ -1,8 +1,10 @@
 """Benchmark workloads: the prompts and output lengths a run sends (pure: numpy only).
 
 ``random``: token-id prompts with vLLM's ``range_ratio`` and random prefix; ``shared-prefix``: the same over
-``num_prefix_groups`` prefixes, so a prefix cache shows; ``jsonl``: a file's prompts or chat messages. Every
-draw comes from the generator passed in, so one seed gives one request stream.
+``num_prefix_groups`` prefixes, so a prefix cache shows; ``multi-turn``: conversations that resend their
+history, each turn's prompt the previous one's plus a stand-in answer and a new user message; ``jsonl``: a
+file's prompts or chat messages. Every draw comes from the generator passed in, so one seed gives one request
+stream.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 class DatasetName(enum.StrEnum):
     RANDOM = "random"
     SHARED_PREFIX = "shared-prefix"
+    MULTI_TURN = "multi-turn"
     JSONL = "jsonl"
 
 
@@ -50,6 +53,7 @@ class WorkloadConfig:
     range_ratio: float = 0.0
     prefix_len: int = 0
     num_prefix_groups: int = 8  # shared-prefix only
+    turns: int = 4  # multi-turn only: requests per conversation (the request count sets how many)
     dataset_path: Path | None = None  # jsonl only
     ignore_eos: bool = False  # jsonl only: the synthetic workloads always ignore EOS
 
@@ -67,6 +71,8 @@ class WorkloadConfig:
                 raise ValueError("the shared-prefix workload needs prefix_len >= 1")
             if self.num_prefix_groups < 1:
                 raise ValueError(f"num_prefix_groups must be >= 1, got {self.num_prefix_groups}")
+        if self.turns < 1:
+            raise ValueError(f"turns must be >= 1, got {self.turns}")
         if (self.dataset == DatasetName.JSONL) != (self.dataset_path is not None):
             raise ValueError("dataset_path is required by the jsonl workload and only used by it")
 
@@ -82,6 +88,10 @@ class SampleRequest:
     output_len: int | None = None  # sent as max_tokens
     ignore_eos: bool = False
     group: int | None = None  # the shared prefix's group
+    # multi-turn: the conversation and the request's turn in it (0 first); a turn is sent once the one
+    # before it finished.
+    conversation: int | None = None
+    turn: int | None = None
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
@@ -104,6 +114,8 @@ def sample_requests(
         )
     if token_space is None:
         raise ValueError(f"the {config.dataset} workload needs the model's token space (vocab size)")
+    if config.dataset == DatasetName.MULTI_TURN:
+        return sample_multi_turn(config, n, rng, token_space)
     groups = config.num_prefix_groups if config.dataset == DatasetName.SHARED_PREFIX else 1
     return sample_random(config, n, rng, token_space, groups)
 
@@ -134,6 +146,47 @@ def sample_random(
                 group=int(group_of[i]) if groups > 1 else None,
             )
         )
+    return out
+
+
+def sample_multi_turn(
+    config: WorkloadConfig, n: int, rng: np.random.Generator, token_space: TokenSpace
+) -> list[SampleRequest]:
+    """``n`` requests of conversations of ``config.turns`` turns, conversation by conversation (the last one
+    cut short when ``n`` is not a multiple). Turn 0's prompt: a ``prefix_len`` prefix all conversations
+    share, then a user message of ``input_len`` tokens (``range_ratio`` applies); turn k's: turn k-1's
+    prompt, a stand-in for its answer (random tokens, as many as turn k-1 asked for: ``ignore_eos`` makes
+    the real answer that long), then a new user message."""
+    allowed = token_space.allowed()
+
+    def tokens(k: int) -> np.ndarray:
+        return allowed[rng.integers(0, len(allowed), size=k)]
+
+    prefix = tokens(config.prefix_len)
+    in_low, in_high = length_range(config.input_len, config.range_ratio)
+    out_low, out_high = length_range(config.output_len, config.range_ratio)
+    out: list[SampleRequest] = []
+    conversation = 0
+    while len(out) < n:
+        history = prefix
+        previous_output = 0
+        for turn in range(min(config.turns, n - len(out))):
+            answer = tokens(previous_output)
+            user = tokens(int(rng.integers(in_low, in_high + 1)))
+            history = np.concatenate((history, answer, user))
+            previous_output = int(rng.integers(out_low, out_high + 1))
+            ids = tuple(int(t) for t in history)
+            out.append(
+                SampleRequest(
+                    prompt_token_ids=ids,
+                    prompt_len=len(ids),
+                    output_len=previous_output,
+                    ignore_eos=True,
+                    conversation=conversation,
+                    turn=turn,
+                )
+            )
+        conversation += 1
     return out
 
 

@@ -1,7 +1,8 @@
 """``pdserve bench``: an async gRPC load generator against a running router.
 
 One run (``run_benchmark``): plan the seeded requests (``bench.plan``), connect, send the warmup, release each
-measured request at its send time under ``--max-concurrency`` (``bench.client``), aggregate
+measured request at its send time under ``--max-concurrency`` (``bench.client``; a multi-turn conversation's
+turns one after the other, the conversation holding one slot), aggregate
 (``bench.metrics``). Nothing is global, so a sweep runs many in one process; the ``pdserve`` CLI mounts it
 with ``add_arguments`` and ``run_from_args``.
 """
@@ -80,6 +81,7 @@ class BenchConfig:
 
     def as_dict(self) -> dict[str, Any]:
         w, a = self.workload, self.arrivals
+        multi_turn = w.dataset == DatasetName.MULTI_TURN
         return {
             "router": self.router,
             "dataset_name": str(w.dataset),
@@ -89,6 +91,8 @@ class BenchConfig:
             "range_ratio": w.range_ratio,
             "prefix_len": w.prefix_len,
             "num_prefix_groups": w.num_prefix_groups,
+            "turns": w.turns if multi_turn else None,
+            "num_conversations": -(-self.num_prompts // w.turns) if multi_turn else None,
             "ignore_eos": w.ignore_eos,
             "num_prompts": self.num_prompts,
             "warmup": self.warmup,
@@ -161,6 +165,19 @@ def _progress_bar(enabled: bool, total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, file=sys.stderr, disable=not (enabled and sys.stderr.isatty()))
 
 
+def send_chains(samples: Sequence[SampleRequest]) -> list[list[int]]:
+    """The order requests go in: chains of indices, each sent one after the other (a multi-turn
+    conversation's turns), chains side by side. A request outside any conversation is a chain of its own;
+    chains are listed by their first index."""
+    chains: dict[tuple[str, int], list[int]] = {}
+    for i, sample in enumerate(samples):
+        key = ("conversation", sample.conversation) if sample.conversation is not None else ("request", i)
+        chains.setdefault(key, []).append(i)
+    for chain in chains.values():
+        chain.sort(key=lambda i: samples[i].turn or 0)
+    return sorted(chains.values(), key=lambda c: c[0])
+
+
 async def _send_all(
     stub: generation_pb2_grpc.GenerationStub,
     samples: Sequence[SampleRequest],
@@ -169,7 +186,9 @@ async def _send_all(
     id_prefix: str,
     desc: str,
 ) -> list[RequestRecord]:
-    """Release each request at its send time (seconds from now); one record each, in order."""
+    """Release each chain (``send_chains``) at its first request's send time (seconds from now), then each
+    next request of it once the one before finished; one record per request, in order. A chain holds one
+    ``max_concurrency`` slot from its first request to its last: a conversation is one client."""
     t0 = time.perf_counter()
 
     def clock() -> float:
@@ -177,29 +196,35 @@ async def _send_all(
 
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     bar = _progress_bar(config.progress, len(samples), desc)
+    records: list[RequestRecord | None] = [None] * len(samples)
 
-    async def one(i: int, sample: SampleRequest, at: float) -> RequestRecord:
+    async def chain_of(indices: list[int]) -> None:
         async with slots if slots is not None else contextlib.nullcontext():
-            record = await stream_request(
-                stub,
-                to_proto(sample, f"{id_prefix}-{i}", config.temperature),
-                index=i,
-                scheduled_time=at,
-                prompt_len=sample.prompt_len,
-                timeout_s=config.request_timeout_s,
-                clock=clock,
-            )
-        bar.update(1)
-        return record
+            for k, i in enumerate(indices):
+                sample = samples[i]
+                # A later turn is due when the one before it finished.
+                at = send_times[i] if k == 0 else clock()
+                records[i] = await stream_request(
+                    stub,
+                    to_proto(sample, f"{id_prefix}-{i}", config.temperature),
+                    index=i,
+                    scheduled_time=at,
+                    prompt_len=sample.prompt_len,
+                    timeout_s=config.request_timeout_s,
+                    clock=clock,
+                )
+                bar.update(1)
 
-    tasks: list[asyncio.Task[RequestRecord]] = []
+    tasks: list[asyncio.Task[None]] = []
     try:
-        for i, (sample, at) in enumerate(zip(samples, send_times, strict=True)):
-            delay = at - clock()
+        for chain in sorted(send_chains(samples), key=lambda c: send_times[c[0]]):
+            delay = send_times[chain[0]] - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, sample, at)))
-        return list(await asyncio.gather(*tasks))
+            tasks.append(asyncio.create_task(chain_of(chain)))
+        await asyncio.gather(*tasks)
+        assert all(r is not None for r in records)
+        return [r for r in records if r is not None]
     finally:
         # Reached early only when the run itself is cancelled: stop every stream still open.
         pending = [t for t in tasks if not t.done()]
@@ -293,7 +318,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset-name",
         choices=[d.value for d in DatasetName],
         default=None,
-        help="random (default), shared-prefix, or jsonl (implied by --dataset-path)",
+        help="random (default), shared-prefix, multi-turn, or jsonl (implied by --dataset-path)",
     )
     data.add_argument(
         "--dataset-path", type=Path, default=None, help='JSONL: {"prompt"|"messages", "output_len"?}'
@@ -306,6 +331,18 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--prefix-len", type=_nonneg_int, default=0, help="shared prefix tokens per prompt")
     data.add_argument(
         "--num-prefix-groups", type=_positive_int, default=8, help="distinct prefixes (shared-prefix)"
+    )
+    data.add_argument(
+        "--num-conversations",
+        type=_positive_int,
+        default=None,
+        help="multi-turn: conversations (requests: this x --turns; default: --num-prompts / --turns)",
+    )
+    data.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=4,
+        help="multi-turn: requests per conversation, each resending the history, sent in order",
     )
     data.add_argument("--ignore-eos", action="store_true", help="jsonl: generate max_tokens whatever the EOS")
     data.add_argument("--temperature", type=float, default=None, help="default: the server's")
@@ -363,6 +400,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
         range_ratio=args.range_ratio,
         prefix_len=args.prefix_len,
         num_prefix_groups=args.num_prefix_groups,
+        turns=args.turns,
         dataset_path=args.dataset_path,
         ignore_eos=args.ignore_eos,
     )
@@ -378,13 +416,17 @@ def config_from_args(
         model = args.model or cluster_model
     if getattr(args, "tls_cert", None) or getattr(args, "tls_ca", None):
         tls = TLSConfig.load(args.tls_cert, args.tls_key, args.tls_ca)
+    workload = workload_from_args(args)
+    num_prompts = args.num_prompts
+    if workload.dataset == DatasetName.MULTI_TURN and args.num_conversations is not None:
+        num_prompts = args.num_conversations * workload.turns
     return BenchConfig(
         router=router,
-        workload=workload_from_args(args),
+        workload=workload,
         arrivals=ArrivalConfig(
             request_rate=getattr(args, "request_rate", math.inf), burstiness=args.burstiness
         ),
-        num_prompts=args.num_prompts,
+        num_prompts=num_prompts,
         warmup=args.warmup,
         seed=args.seed,
         max_concurrency=args.max_concurrency,

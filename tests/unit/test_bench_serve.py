@@ -232,3 +232,123 @@ def test_request_timeouts_past_what_grpc_can_hold_are_refused():
         with pytest.raises(ValueError, match="request_timeout_s"):
             _config("unset", request_timeout_s=bad)
     assert _config("unset", request_timeout_s=86400.0).request_timeout_s == 86400.0
+
+
+# ---- multi-turn ---------------------------------------------------------------------------------------
+
+
+def _multi_turn(**kw) -> WorkloadConfig:
+    base = dict(dataset=DatasetName.MULTI_TURN, input_len=5, output_len=3, turns=4)
+    base.update(kw)
+    return WorkloadConfig(**base)
+
+
+def test_multi_turn_prompts_resend_the_history():
+    from pdserve.bench.datasets import sample_requests
+
+    reqs = sample_requests(_multi_turn(prefix_len=6), 10, np.random.default_rng(3), SPACE)
+    # Conversation by conversation; the last one is cut short at 10 requests.
+    assert [(r.conversation, r.turn) for r in reqs] == [(c, t) for c in range(3) for t in range(4)][:10]
+    for prev, cur in zip(reqs, reqs[1:], strict=False):
+        assert cur.prompt_token_ids is not None and prev.prompt_token_ids is not None
+        assert cur.prompt_len == len(cur.prompt_token_ids) and cur.output_len == 3 and cur.ignore_eos
+        if cur.turn == 0:
+            assert cur.prompt_len == 6 + 5
+            continue
+        # Turn k = turn k-1's prompt + a stand-in answer of turn k-1's output length + a new user message.
+        assert cur.prompt_token_ids[: prev.prompt_len] == prev.prompt_token_ids
+        assert cur.prompt_len == prev.prompt_len + prev.output_len + 5
+    firsts = [r.prompt_token_ids for r in reqs if r.turn == 0]
+    assert len({p[:6] for p in firsts}) == 1  # the prefix every conversation shares
+    assert len({p[6:] for p in firsts}) == 3  # each its own first message
+    assert all(3 <= t < 500 for r in reqs for t in r.prompt_token_ids)
+
+
+def test_multi_turn_lengths_follow_the_range_ratio():
+    from pdserve.bench.datasets import sample_requests
+
+    reqs = sample_requests(
+        _multi_turn(input_len=10, output_len=8, range_ratio=0.5, turns=3), 30, np.random.default_rng(0), SPACE
+    )
+    for prev, cur in zip(reqs, reqs[1:], strict=False):
+        assert 4 <= cur.output_len <= 12
+        if cur.turn:
+            assert 5 <= cur.prompt_len - prev.prompt_len - prev.output_len <= 15
+    with pytest.raises(ValueError):
+        _multi_turn(turns=0)
+
+
+def test_send_chains_keep_each_conversation_in_turn_order():
+    from pdserve.bench.datasets import SampleRequest
+    from pdserve.bench.serve import send_chains
+
+    s = [
+        SampleRequest(prompt="a", conversation=1, turn=1),
+        SampleRequest(prompt="b"),
+        SampleRequest(prompt="c", conversation=1, turn=0),
+        SampleRequest(prompt="d", conversation=0, turn=0),
+    ]
+    assert send_chains(s) == [[1], [2, 0], [3]]  # by the index of each chain's first request
+
+
+class _OrderedStub:
+    """A ``Generation`` stub without a server: each call yields to the loop a few times, then streams its
+    tokens; it logs when each request started and ended."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.open = self.most_open = 0
+
+    def Generate(self, req, timeout=None):  # noqa: N802 - the gRPC method's name
+        async def stream():
+            self.log.append(("start", req.request_id))
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            yield g.GenerateResponse(token_ids=[7] * req.sampling.max_tokens, finish_reason="length")
+            self.open -= 1
+            self.log.append(("end", req.request_id))
+
+        return stream()
+
+
+def test_multi_turn_turns_go_one_after_the_other_and_conversations_share_the_slots():
+    from pdserve.bench.serve import _send_all
+
+    plan = plan_run(_multi_turn(turns=3), ArrivalConfig(), 12, 0, 0, SPACE)  # 4 conversations of 3
+    stub = _OrderedStub()
+    config = _config("unset", workload=_multi_turn(turns=3), num_prompts=12, max_concurrency=2)
+    records = asyncio.run(_send_all(stub, plan.requests, plan.send_times, config, "r", "bench"))
+    assert [r.index for r in records] == list(range(12)) and all(r.ok for r in records)
+    position = {event: k for k, event in enumerate(stub.log)}
+    for i, sample in enumerate(plan.requests):
+        if sample.turn:
+            assert position[("end", f"r-{i - 1}")] < position[("start", f"r-{i}")]
+    assert stub.most_open == 2  # two conversations at a time, never more
+    first_turns = [position[("start", f"r-{i}")] for i, s in enumerate(plan.requests) if s.turn == 0]
+    assert first_turns == sorted(first_turns)  # conversations start in order
+    # The third conversation waits for a slot: one of the first two has finished all its turns.
+    done = min(position[("end", "r-2")], position[("end", "r-5")])
+    assert first_turns[2] > done
+
+
+def test_multi_turn_arguments_set_the_request_count():
+    import argparse
+
+    from pdserve.bench.serve import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--dataset-name", "multi-turn", "--num-conversations", "5", "--turns", "3", "--input-len", "8"]
+    )
+    cfg = config_from_args(args, router="unset", model="m")
+    assert cfg.num_prompts == 15 and cfg.workload.turns == 3
+    assert cfg.workload.dataset == DatasetName.MULTI_TURN
+    doc = cfg.as_dict()
+    assert doc["turns"] == 3 and doc["num_conversations"] == 5 and doc["dataset_name"] == "multi-turn"
+    args = parser.parse_args(["--dataset-name", "multi-turn", "--num-prompts", "7", "--turns", "3"])
+    assert config_from_args(args, router="unset", model="m").as_dict()["num_conversations"] == 3
+    plain = config_from_args(parser.parse_args([]), router="unset", model="m").as_dict()
+    assert plain["turns"] is None and plain["num_conversations"] is None
