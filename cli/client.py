@@ -40,7 +40,8 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "state": STATE_NAMES.get(load.state, "unknown"),
                 "running": load.running,
                 "queued": load.queued,
-                "kv_blocks_used": load.kv_blocks_used,
+                "kv_blocks_used": load.kv_blocks_used,  # referenced by requests: 0 when idle
+                "kv_blocks_cached": load.kv_blocks_cached,  # the prefix cache's alone (evictable)
                 "kv_blocks_total": load.kv_blocks_total,
                 "metrics_url": info.metrics_url,
                 "queued_prefill_tokens": load.queued_prefill_tokens,
@@ -75,10 +76,13 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
     return {"router": router, "workers": workers, "totals": totals}
 
 
+_SUMMED = ("running", "queued", "kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")
+
+
 def _sums(workers: list[dict[str, Any]]) -> dict[str, int]:
     return {
         "ready": sum(w["state"] == "ready" for w in workers),
-        **{k: sum(w[k] for w in workers) for k in ("running", "queued", "kv_blocks_used", "kv_blocks_total")},
+        **{k: sum(w.get(k, 0) for w in workers) for k in _SUMMED},
     }
 
 
@@ -138,9 +142,7 @@ def status_table(doc: dict[str, Any]) -> str:
     pools = dict(t.get("pools", {}))
     counts = dict(t.get("by_role", {}))
     for w in [*unregistered, *exited]:
-        pools.setdefault(
-            w["role"], {"ready": 0, "running": 0, "queued": 0, "kv_blocks_used": 0, "kv_blocks_total": 0}
-        )
+        pools.setdefault(w["role"], {"ready": 0, **dict.fromkeys(_SUMMED, 0)})
         counts[w["role"]] = counts.get(w["role"], 0) + 1
     for role, p in sorted(pools.items()):
         rows.append(

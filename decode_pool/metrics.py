@@ -1,6 +1,6 @@
 """A decode (or colocated) worker's Prometheus metrics, labelled with its role (``decode`` or ``both``): KV
-cache usage, decode batch size and step time, preemptions, and its local prefills' forward time and
-tokens."""
+cache usage, decode batch size and step time, preemptions, its local prefills' forward time and tokens, and
+its prefix cache."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.scheduler import Batch, BatchKind
 from pdserve.telemetry.prefill import PrefillForwardMetrics
+from pdserve.telemetry.prefix_cache import PrefixCacheMetrics
 from pdserve.telemetry.slo import BATCH_SIZE_BUCKETS, STEP_BUCKETS
 
 KV_CACHE_USAGE = "pdserve_kv_cache_usage_ratio"
@@ -52,6 +53,7 @@ class DecodeMetrics:
         ).labels(role)
         self._preemptions_seen = 0
         self.prefill = PrefillForwardMetrics(registry, role)
+        self.prefix_cache = PrefixCacheMetrics(registry, role)
 
     def observe_step(self, seconds: float, batch_size: int) -> None:
         self.step_seconds.observe(seconds)

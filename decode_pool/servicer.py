@@ -50,6 +50,10 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         s = eng.scheduler
         self.metrics.set_kv_usage(bm.num_used, bm.num_blocks)
         self.metrics.set_preemptions(s.num_preemptions)
+        self.metrics.prefix_cache.update(
+            s.prefix_query_tokens, s.prefix_hit_tokens, bm.num_evictions, bm.num_cached
+        )
+        self.metrics.prefix_cache.check(bm)
         return worker_pb2.WorkerLoad(
             state=self.shell.state.proto,
             running=len(s.running),

@@ -45,6 +45,7 @@ async def relay_deltas(q: asyncio.Queue[QueueItem]) -> AsyncIterator[worker_pb2.
                 token_ids=ids,
                 finish_reason=last.finish_reason or "",
                 admitted_unix=admitted_unix,
+                cached_tokens=last.num_cached_tokens,  # a local prefill's reuse (0 for an adopted one)
             )
             if last.finish_reason is not None:
                 return

@@ -58,6 +58,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_evictions = 0  # cached blocks evicted since start (a metric)
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._tables: dict[Hashable, list[int]] = {}
@@ -181,6 +182,7 @@ class BlockManager:
             del self._by_hash[h]
             self._hash[b] = self._parent[b] = None
             self._record(RemovedBlock(h))
+            self.num_evictions += 1
             blocks.append(b)
         for b in blocks:
             self._ref[b] = 1

@@ -108,6 +108,9 @@ class Scheduler:
         self._seqs: dict[Hashable, Sequence] = {}
         self._arrivals = 0
         self.num_preemptions = 0  # since start, for metrics
+        # Prompt tokens looked up in the prefix cache and those reused, since start (metrics).
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         # The block size when prefix caching is on, else 0: one test in the decode loop.
         self._cache_bs = block_manager.block_size if block_manager.enable_prefix_caching else 0
 
@@ -156,6 +159,8 @@ class Scheduler:
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if self._cache_bs:  # the received prompt is whole: its full blocks are cache hits from now on
+            self._commit(seq, 0, len(prompt_token_ids))
         self._append(seq, first_token_id)
         return seq
 
@@ -314,6 +319,8 @@ class Scheduler:
         seq.num_computed_tokens = start
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = start
+            self.prefix_query_tokens += seq.num_prompt_tokens
+            self.prefix_hit_tokens += start
         return start, n
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:

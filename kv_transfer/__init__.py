@@ -37,6 +37,13 @@ only while, these three rules hold:
        room yet" (the engine preempts or waits; the receiver's caller answers RESOURCE_EXHAUSTED);
     c. an id's blocks are freed only by its owner above, so the two threads never free, grow or
        read the table of the same id at once (the engine copies a table under the lock).
+Prefix caching (``engine.block_manager``): a block may also be shared read-only, by several ids
+(reference counted) and, once its last holder frees it, by the pool's cache (unowned, evictable by any
+allocation); ``free`` drops only the caller's references. A block is written only by an id that holds it
+alone and unhashed: a reservation's blocks past its reused prefix (``allocate_prefixed``; the ticket's
+``cached_tokens``) are always fresh, and only those are written by the transfer. A block becomes a cache hit
+(``commit``) only once its K/V is complete: on D, a received prompt's blocks at step 3, when the engine
+adopts them; on P, after the forward that wrote them. ``cached_prefix_blocks`` is a reading (rule b).
 P's pool is touched on its event loop thread alone. ``tests/unit/test_block_ownership.py`` checks a and c
 with reservations and frees from the event loop while the engine steps.
 """

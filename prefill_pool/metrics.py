@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge
 
 from pdserve.telemetry.prefill import PREFILL_TIME, PREFILL_TOKENS, PrefillForwardMetrics
+from pdserve.telemetry.prefix_cache import PrefixCacheMetrics
 
 __all__ = ["PREFILL_QUEUE_TOKENS", "PREFILL_TIME", "PREFILL_TOKENS", "PrefillMetrics"]
 
@@ -26,6 +27,7 @@ class PrefillMetrics(PrefillForwardMetrics):
             ["role"],
             registry=registry,
         ).labels(ROLE)
+        self.prefix_cache = PrefixCacheMetrics(registry, ROLE)
 
     def set_queue_tokens(self, n: int) -> None:
         """Set at every load report (each heartbeat), when the worker counts its queued tokens."""

@@ -39,6 +39,10 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         bm = sched.block_manager
         queued_tokens = sched.queued_tokens + self.loop.running_tokens
         self.metrics.set_queue_tokens(queued_tokens)
+        self.metrics.prefix_cache.update(
+            sched.prefix_query_tokens, sched.prefix_hit_tokens, bm.num_evictions, bm.num_cached
+        )
+        self.metrics.prefix_cache.check(bm)
         return worker_pb2.WorkerLoad(
             state=self.shell.state.proto,
             running=self.loop.running,

@@ -161,12 +161,15 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             w.kv_blocks_total = load.kv_blocks_total
         w.kv_blocks_cached = load.kv_blocks_cached
         snapshot = False
-        if load.HasField("kv_events") and not router.kv_index.apply(w.worker_id, load.kv_events):
-            router.metrics.kv_index_gaps.inc()
-            snapshot = True
+        if load.HasField("kv_events"):
+            if not router.kv_index.apply(w.worker_id, load.kv_events):
+                router.metrics.kv_index_gaps.inc()
+                snapshot = True
+            router.metrics.kv_index_size(w.worker_id, router.kv_index.num_blocks(w.worker_id))
         if router.registry.get(load.worker_id) is None:
             router.membership.infos.pop(load.worker_id, None)  # it reported STOPPED
             router.kv_index.drop(load.worker_id)
+            router.metrics.kv_index_size(load.worker_id, None)
             log.info("worker %s stopped", load.worker_id)
         await router.admission.notify()
         return worker_pb2.HeartbeatResponse(
@@ -182,6 +185,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             # Its calls are not failed here: a worker deregisters after its in-flight calls ended.
             router.membership.infos.pop(info.worker_id, None)
             router.kv_index.drop(info.worker_id)
+            router.metrics.kv_index_size(info.worker_id, None)
             log.info("worker %s left (deregistered)", info.worker_id)
         return worker_pb2.Empty()
 

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -202,6 +202,12 @@ class RouterMetrics:
             ["role", "leg"],
             registry=reg,
         )
+        self.kv_index_blocks = Gauge(
+            "pdserve_router_kv_index_blocks",
+            "Prefix-cache blocks the router's KV index holds for each worker (from the worker's events).",
+            ["role", "worker"],
+            registry=reg,
+        )
         self.kv_index_gaps = Counter(
             "pdserve_router_kv_index_gaps_total",
             "Worker event batches the KV index could not apply (a gap or an unknown epoch): it dropped "
@@ -224,6 +230,16 @@ class RouterMetrics:
     ) -> None:
         """Export the running/waiting/workers gauges from these readers (called once, at startup)."""
         self.registry.register(_StateCollector(running, waiting, workers))
+
+    def kv_index_size(self, worker_id: str, blocks: int | None) -> None:
+        """The index's block count for a worker (None: it left; its series goes)."""
+        if blocks is not None:
+            self.kv_index_blocks.labels(ROLE, worker_id).set(blocks)
+        else:
+            try:
+                self.kv_index_blocks.remove(ROLE, worker_id)
+            except KeyError:
+                pass
 
     def routed(self, route: Route) -> None:
         self._routes.labels(ROLE, route.reason.value).inc()

@@ -6,6 +6,7 @@ is not decided by float32 rounding noise.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 KINDS = ("llama", "qwen2", "llama3")
@@ -94,3 +95,31 @@ def load_int8_reference(path: Path):
     ref.load_state_dict(sd, strict=True)
     ref.eval()
     return ref
+
+
+def make_tiny_served_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """A tiny random-weight model a cluster can serve: ``kind``'s config with the default model's vocabulary
+    and its tokenizer files beside the weights, so the router tokenizes and checks workers as for a real
+    model, while every forward costs what a tiny one does."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.registry import resolve_model
+
+    if (path / "config.json").exists():
+        return path
+    real = resolve_model("smollm2-135m-instruct", progress=False)
+    real_config = json.loads((real / "config.json").read_text())
+    config = hf_config(kind)
+    config.vocab_size = real_config["vocab_size"]
+    config.bos_token_id = real_config.get("bos_token_id", config.bos_token_id)
+    config.eos_token_id = real_config.get("eos_token_id", config.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(real / name, path / name)
+    return path

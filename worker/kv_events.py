@@ -30,7 +30,8 @@ class KvEventPublisher:
         self.epoch = secrets.token_hex(8)
         self._seq = 0
         self._snapshot = True  # the first batch of a process tells a router everything
-        self._pending: dict[BlockHash, BlockHash | None | bool] = {}  # hash -> parent when stored, False
+        # hash -> (stored, parent): each hash's latest state since the last batch the router took
+        self._pending: dict[BlockHash, tuple[bool, BlockHash | None]] = {}
         self._lock = threading.Lock()  # the load callback and the heartbeat answer may be on two threads
 
     def batch(self) -> worker_pb2.KvEvents:
@@ -39,18 +40,22 @@ class KvEventPublisher:
             if overflowed:
                 self._snapshot = True
             if self._snapshot:
-                self._pending = {h: parent for h, parent in self._source.cached_hashes()}
+                self._pending = {h: (True, parent) for h, parent in self._source.cached_hashes()}
             else:
                 for e in events:
-                    self._pending[e.block_hash] = e.parent_hash if isinstance(e, StoredBlock) else False
-            stored = [(h, p) for h, p in self._pending.items() if p is not False]
+                    stored = isinstance(e, StoredBlock)
+                    self._pending[e.block_hash] = (
+                        stored,
+                        e.parent_hash if isinstance(e, StoredBlock) else None,
+                    )
+            kept = [(h, parent) for h, (stored, parent) in self._pending.items() if stored]
             return worker_pb2.KvEvents(
                 epoch=self.epoch,
                 seq=self._seq,
                 snapshot=self._snapshot,
-                stored=[h for h, _ in stored],
-                stored_parents=[p or b"" for _, p in stored],
-                removed=[h for h, p in self._pending.items() if p is False],
+                stored=[h for h, _ in kept],
+                stored_parents=[parent or b"" for _, parent in kept],
+                removed=[h for h, (stored, _) in self._pending.items() if not stored],
             )
 
     def answered(self, resp: worker_pb2.HeartbeatResponse) -> None:

@@ -14,11 +14,13 @@ from pdserve.decode_pool import metrics as dm
 from pdserve.prefill_pool import metrics as pm
 from pdserve.router import metrics as rm
 from pdserve.telemetry import gpu as gm
+from pdserve.telemetry import prefix_cache as pc
 from pdserve.telemetry.prefill import FAILED_STEPS
 from pdserve.telemetry.slo import DEFAULT_SLO
 
 # Made by kv_transfer on the prefill and decode workers' registries (``role`` label: which side).
 KV_TRANSFER_BYTES = "pdserve_kv_transfer_bytes_total"
+KV_TRANSFER_NOT_SENT = "pdserve_kv_transfer_bytes_not_sent_total"
 KV_TRANSFER_SECONDS = "pdserve_kv_transfer_seconds"
 KV_TRANSFER_FAILURES = "pdserve_kv_transfer_failures_total"
 KV_TRANSFER_LAYER_SECONDS = "pdserve_kv_transfer_layer_seconds"
@@ -228,6 +230,28 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                     "Prompt tokens queued or being prefilled, per prefill worker.",
                     "short",
                     (Query(f"{pm.PREFILL_QUEUE_TOKENS}{{{SEL}}}", PER_PROCESS),),
+                ),
+                PanelSpec(
+                    "Prefix cache hit rate",
+                    "Prompt tokens reused from a worker's prefix cache over prompt tokens looked up, by "
+                    "role: prefill workers, and the local prefills of decode and colocated workers.",
+                    "percentunit",
+                    (
+                        Query(
+                            f"{rate(pc.PREFIX_HITS, 'role')} / {rate(pc.PREFIX_QUERIES, 'role')}", "{{role}}"
+                        ),
+                    ),
+                    max=1.0,
+                ),
+                PanelSpec(
+                    "KV bytes not sent",
+                    "KV bytes of completed transfers that stayed home because the decode worker already "
+                    "cached them, next to the bytes moved.",
+                    "Bps",
+                    (
+                        Query(rate(KV_TRANSFER_NOT_SENT), "not sent"),
+                        Query(rate(KV_TRANSFER_BYTES, "role"), "moved ({{role}})"),
+                    ),
                 ),
                 PanelSpec(
                     "KV transfer throughput",
