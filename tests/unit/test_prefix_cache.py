@@ -520,7 +520,7 @@ def test_a_lookup_gone_stale_before_the_allocation_stays_exact(race):
     assert done["b"].output_token_ids == reference(PREFIX + [1], 3)
 
 
-def test_an_adopted_prompt_is_committed_when_its_first_decoded_block_fills():
+def test_an_adopted_prompt_is_committed_when_the_engine_adopts_it():
     sched, bm, runner = make_sched()
     prompt = PREFIX[:10]
     bm.allocate("p", len(prompt))
@@ -529,9 +529,8 @@ def test_an_adopted_prompt_is_committed_when_its_first_decoded_block_fills():
         runner.cache[table[pos // 4] * 4 + pos % 4] = (t, pos)
     sched.add_prefilled("p", prompt, next_token(prompt), ignore_eos(4))
     hs = block_hashes(prompt, 4, "fake-model")
-    assert bm.cached_prefix_blocks(hs) == 0  # adopted as is
-    drive_cached(sched, runner)  # decodes positions 10..12: block 2 fills, blocks 0-1 committed with it
-    assert bm.cached_prefix_blocks(hs) == 2
+    assert bm.cached_prefix_blocks(hs) == 2  # the received K/V is whole: its full blocks are hits at once
+    drive_cached(sched, runner)  # decodes positions 10..12: block 2 fills and is committed too
     seq = sched.add("q", prompt, ignore_eos(2))
     drive_cached(sched, runner)
     assert seq.num_cached_tokens == 8 and seq.output_token_ids == reference(prompt, 2)
