@@ -45,6 +45,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "kv_blocks_total": load.kv_blocks_total,
                 "metrics_url": info.metrics_url,
                 "queued_prefill_tokens": load.queued_prefill_tokens,
+                "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 1),  # measured; 0: not yet
                 "model": info.model,
                 "device": info.device or "cpu",  # a worker that leaves the field empty runs on the CPU
                 "dtype": info.dtype,

@@ -35,6 +35,16 @@ ROUTER_FLAGS = (
         field="queue_timeout_s",
     ),
     Flag(
+        "--admission-ttft-s",
+        "refuse at once (RESOURCE_EXHAUSTED, HTTP 429, with a retry hint) a request whose predicted time to "
+        "first token is over this many seconds: the prefill tokens queued ahead of it on the worker that "
+        "would prefill it, plus its own, over that worker's measured rate; a request's deadline tightens "
+        "it (0: off, every request waits its turn; default %(default)s)",
+        default=_D.admission_ttft_s,
+        type=seconds(False),
+        field="admission_ttft_s",
+    ),
+    Flag(
         "--local-prefill-threshold",
         "prompts shorter than this many tokens prefill on the decode worker",
         default=_D.local_prefill_threshold,

@@ -62,6 +62,7 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_blocks,
             kv_blocks_cached=bm.num_cached,
+            prefill_tokens_per_s=self.metrics.prefill.rate.tokens_per_s,
         )
 
     async def Prefill(self, request, context):  # noqa: N802

@@ -51,6 +51,7 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             kv_blocks_used=bm.num_used,
             kv_blocks_total=bm.num_blocks,
             kv_blocks_cached=bm.num_cached,
+            prefill_tokens_per_s=self.metrics.rate.tokens_per_s,
         )
 
     async def Generate(self, request, context):  # noqa: N802

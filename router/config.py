@@ -31,6 +31,9 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     # Prompts shorter than this are prefilled by the decode worker itself.
     local_prefill_threshold: int = 256
+    # Refuse at once (RESOURCE_EXHAUSTED, HTTP 429) a request whose predicted time to first token is over
+    # this many seconds (router/budget.py); a request's own deadline tightens it. 0: off (no prediction).
+    admission_ttft_s: float = 0.0
     # kv-aware: both legs scored by the prefix each worker caches (the KV index) against load; load: least
     # loaded only.
     routing_policy: str = "kv-aware"

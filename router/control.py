@@ -160,6 +160,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         if load.kv_blocks_total:
             w.kv_blocks_total = load.kv_blocks_total
         w.kv_blocks_cached = load.kv_blocks_cached
+        w.prefill_tokens_per_s = load.prefill_tokens_per_s
         snapshot = False
         if load.HasField("kv_events"):
             if not router.kv_index.apply(w.worker_id, load.kv_events):
@@ -206,6 +207,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
                 kv_blocks_used=w.kv_blocks_used,
                 kv_blocks_total=w.kv_blocks_total,
                 kv_blocks_cached=w.kv_blocks_cached,
+                prefill_tokens_per_s=w.prefill_tokens_per_s,
             )
             last = now_unix - (now_mono - w.last_heartbeat)
             entries.append(worker_pb2.WorkerEntry(info=info, load=load, last_heartbeat_unix=last))

@@ -26,6 +26,7 @@ class RelayError(Exception):
         migrate: str = "",
         worker_id: str = "",
         rejected: bool = False,
+        retry_after_s: int = 0,
     ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
@@ -34,6 +35,8 @@ class RelayError(Exception):
         self.worker_id = worker_id  # the worker that failed, not to be routed to again (when migrating)
         # Refused for want of room, as the admission queue refuses: counted as a rejection, not an error.
         self.rejected = rejected
+        # A refusal for load that knows when the request would fit (the TTFT budget's): seconds, 0: unknown.
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def of(cls, failure: Failure) -> RelayError:

@@ -55,6 +55,8 @@ class Job:
         "calls",
         "failure",
         "probe",
+        "prefill_tokens",
+        "predicted_ttft_s",
     )
 
     def __init__(self, request_id: str, prompt_len: int, arrival: float | None = None) -> None:
@@ -75,6 +77,8 @@ class Job:
         self.calls: list[Cancellable] = []
         self.failure: Failure | None = None
         self.probe: PrefixProbe | None = None  # what each worker caches of its prompt (the KV index)
+        self.prefill_tokens = 0  # counted against the worker that prefills it, while prefill_claimed
+        self.predicted_ttft_s = 0.0  # admission's prediction (0: none was made)
 
     def uses(self, worker_id: str) -> bool:
         r = self.route
@@ -116,9 +120,17 @@ class Ledger:
             job.kv_blocks = blocks_needed(route.decode, job.prompt_len)
             self._bump(self._kv_blocks, route.decode, job.kv_blocks, "assigned_kv_blocks")
         job.prefill_pending = route.prefill is not None
-        if route.prefill is not None:
+        # The tokens its prefill computes queue on the worker that prefills (a prefill worker, or the decode
+        # worker itself) until the first token: what the next route and the TTFT budget see ahead of them.
+        prefiller, cached = (
+            (route.prefill, route.prefill_cached_tokens)
+            if route.prefill is not None
+            else (route.decode, route.decode_cached_tokens)
+        )
+        if route.prefill is not None or not route.decode_unused:
             job.prefill_claimed = True
-            self._bump(self._prefill_tokens, route.prefill, job.prompt_len, "assigned_prefill_tokens")
+            job.prefill_tokens = max(job.prompt_len - cached, 1)
+            self._bump(self._prefill_tokens, prefiller, job.prefill_tokens, "assigned_prefill_tokens")
 
     def grow(self, job: Job, seq_len: int) -> None:
         """The job's sequence on its decode worker is ``seq_len`` tokens now (prompt + outputs): count the
@@ -134,9 +146,11 @@ class Ledger:
 
     def release_prefill(self, job: Job) -> None:
         """The prefill call ended (either way): its tokens no longer queue on that worker. Idempotent."""
-        if job.prefill_claimed and job.route is not None and job.route.prefill is not None:
+        route = job.route
+        if job.prefill_claimed and route is not None:
             job.prefill_claimed = False
-            self._bump(self._prefill_tokens, job.route.prefill, -job.prompt_len, "assigned_prefill_tokens")
+            prefiller = route.prefill if route.prefill is not None else route.decode
+            self._bump(self._prefill_tokens, prefiller, -job.prefill_tokens, "assigned_prefill_tokens")
 
     def release(self, job: Job) -> None:
         """The request ended (any way). Idempotent."""

@@ -27,6 +27,7 @@ from pdserve.worker.auth import refusal_counter
 # Every series carries role="router", as the workers' carry their own role, except ``pdserve_workers``,
 # whose role is the counted worker's.
 ROLE = "router"
+REFUSAL_REASONS = ("ttft_budget", "queue_full", "prefill_queue_full")
 # Latencies count on the router's monotonic clock from the request's arrival (``Job.arrival``): queue time
 # is the wait in ``Router.admit``, TTFT ends at the first token handed to the client, ITL is the gap between
 # token messages, e2e ends at the finish. Their buckets include the SLO thresholds (``telemetry.slo``).
@@ -202,6 +203,24 @@ class RouterMetrics:
             ["role", "leg"],
             registry=reg,
         )
+        self._refused = Counter(
+            "pdserve_router_admission_refused_total",
+            "Requests refused at admission for load, by reason: ttft_budget (its predicted time to first "
+            "token was over --admission-ttft-s or its deadline), queue_full (the router's queue), "
+            "prefill_queue_full (--max-prefill-queue-tokens).",
+            ["role", "reason"],
+            registry=reg,
+        )
+        for refusal in REFUSAL_REASONS:
+            self._refused.labels(ROLE, refusal)
+        self.ttft_prediction = Histogram(
+            "pdserve_router_ttft_prediction_ratio",
+            "Actual over predicted time to first token of requests admitted under --admission-ttft-s (1: "
+            "exact; above 1: the prediction was low).",
+            ["role"],
+            buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0),
+            registry=reg,
+        ).labels(ROLE)
         self.kv_index_blocks = Gauge(
             "pdserve_router_kv_index_blocks",
             "Prefix-cache blocks the router's KV index holds for each worker (from the worker's events).",
@@ -230,6 +249,10 @@ class RouterMetrics:
     ) -> None:
         """Export the running/waiting/workers gauges from these readers (called once, at startup)."""
         self.registry.register(_StateCollector(running, waiting, workers))
+
+    def refused(self, reason: str) -> None:
+        """One request refused at admission for load (``reason``: one of ``REFUSAL_REASONS``)."""
+        self._refused.labels(ROLE, reason).inc()
 
     def kv_index_size(self, worker_id: str, blocks: int | None) -> None:
         """The index's block count for a worker (None: it left; its series goes)."""
@@ -261,9 +284,12 @@ class RouterMetrics:
         self._rejected.labels(ROLE, code_name).inc()
 
     @contextmanager
-    def request(self, arrival: float, prompt_tokens: int) -> Iterator[RequestRecord]:
-        """Record one admitted request from here to its end; exactly one ``requests_total`` count."""
-        rec = RequestRecord(self, arrival)
+    def request(
+        self, arrival: float, prompt_tokens: int, predicted_ttft_s: float = 0.0
+    ) -> Iterator[RequestRecord]:
+        """Record one admitted request from here to its end; exactly one ``requests_total`` count.
+        ``predicted_ttft_s``: admission's prediction, checked against the TTFT it gets (0: none)."""
+        rec = RequestRecord(self, arrival, predicted_ttft_s)
         self.prompt_tokens.inc(prompt_tokens)
         try:
             yield rec
@@ -285,11 +311,12 @@ class RequestRecord:
     """One request's timing state; ``wrap`` observes what is written to the client, so the figures are the
     client's view whichever route the request took."""
 
-    __slots__ = ("_m", "arrival", "last_token", "finish_reason")
+    __slots__ = ("_m", "arrival", "last_token", "finish_reason", "predicted_ttft_s")
 
-    def __init__(self, metrics: RouterMetrics, arrival: float) -> None:
+    def __init__(self, metrics: RouterMetrics, arrival: float, predicted_ttft_s: float = 0.0) -> None:
         self._m = metrics
         self.arrival = arrival
+        self.predicted_ttft_s = predicted_ttft_s
         self.last_token: float | None = None
         self.finish_reason = ""
 
@@ -298,6 +325,8 @@ class RequestRecord:
         if n_tokens:
             if self.last_token is None:
                 m.ttft.observe(now - self.arrival)
+                if self.predicted_ttft_s > 0:
+                    m.ttft_prediction.observe((now - self.arrival) / self.predicted_ttft_s)
             else:
                 m.itl.observe(now - self.last_token)
             self.last_token = now

@@ -175,7 +175,13 @@ def can_ever_serve(workers: list[Worker], prompt_len: int) -> bool:
 
 
 class QueueFullError(Exception):
-    """A queue is full: the router's own (``max_waiting``) or the chosen prefill worker's."""
+    """A queue is full: the router's own (``max_waiting``) or the chosen prefill worker's (``reason``
+    names which, as ``metrics.REFUSAL_REASONS`` does)."""
+
+    def __init__(self, message: str, reason: str = "queue_full", retry_after_s: int = 0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s  # when it would fit (0: unknown)
 
 
 class AdmissionClosed(Exception):

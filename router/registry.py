@@ -52,6 +52,7 @@ class Worker:
     standby: bool = False  # held out of routing (the warm pool) until promoted
     prefix_cache_salt: str = ""  # its block hashes' salt (WorkerInfo.prefix_cache_salt); "": no prefix cache
     kv_blocks_cached: int = 0  # held by its prefix cache only (free to evict): by the last heartbeat
+    prefill_tokens_per_s: float = 0.0  # its measured prefill rate, by the last heartbeat (0: not yet)
     extra: dict[str, str] = field(default_factory=dict)
 
     @property

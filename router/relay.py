@@ -63,7 +63,7 @@ class Relay:
         """
         if self._metrics is None:
             return await self._run(job, prep, write, timeout, deadline_unix)
-        with self._metrics.request(job.arrival, len(prep.prompt_token_ids)) as rec:
+        with self._metrics.request(job.arrival, len(prep.prompt_token_ids), job.predicted_ttft_s) as rec:
             await self._run(job, prep, rec.wrap(write), timeout, deadline_unix)
 
     async def _run(

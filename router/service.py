@@ -10,6 +10,7 @@ import time
 import grpc
 
 from pdserve.proto import generation_pb2, generation_pb2_grpc
+from pdserve.router.budget import predict_ttft, retry_after_s
 from pdserve.router.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import ClientGone, is_batch_error, worker_failure
@@ -134,6 +135,11 @@ class Router:
                 )
             raise RelayError(grpc.StatusCode.INVALID_ARGUMENT, why)
 
+        # The TTFT budget (off: 0), tightened by the request's own deadline.
+        budget = self.config.admission_ttft_s
+        if budget and timeout_s is not None:
+            budget = min(budget, timeout_s)
+
         # Claimed in the step that chose it, so the next routing decision sees it.
         def try_route() -> Route | None:
             route = choose_route(
@@ -141,6 +147,8 @@ class Router:
             )
             if route is not None:
                 self._check_prefill_queue(route, n)
+                if budget:
+                    self._check_ttft_budget(job, route, n, budget)
                 self.ledger.claim(job, route)
                 self.metrics.routed(route)
             return route
@@ -148,10 +156,15 @@ class Router:
         wait = (
             self.config.queue_timeout_s if timeout_s is None else min(self.config.queue_timeout_s, timeout_s)
         )
+        if budget:  # waiting for room longer than the budget would miss it anyway
+            wait = min(wait, budget)
         try:
             route = await self.admission.wait_for_route(try_route, max(wait, 0.0))
         except QueueFullError as e:
-            raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            self.metrics.refused(e.reason)
+            raise RelayError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=e.retry_after_s
+            ) from None
         except AdmissionClosed:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down") from None
         if route is None:
@@ -166,6 +179,23 @@ class Router:
         self.metrics.queue_time.observe(time.monotonic() - entered)
         return route
 
+    def _check_ttft_budget(self, job: Job, route: Route, prompt_len: int, budget_s: float) -> None:
+        """Refuse (QueueFullError, at once) a request whose predicted time to first token on ``route`` is
+        over ``budget_s``; else remember the prediction (checked against its actual TTFT in a metric)."""
+        pred = predict_ttft(route, prompt_len)
+        if pred is None:
+            return
+        if pred.seconds > budget_s:
+            w = route.prefill if route.prefill is not None else route.decode
+            raise QueueFullError(
+                f"the predicted time to first token is {pred.seconds:.3g}s, over the budget of "
+                f"{budget_s:.3g}s ({pred.tokens_ahead} prompt tokens queued on {w.worker_id} before its "
+                f"{pred.own_tokens}, at {pred.tokens_per_s:.0f} tokens/s)",
+                "ttft_budget",
+                retry_after_s(pred, budget_s),
+            )
+        job.predicted_ttft_s = pred.seconds
+
     def _check_prefill_queue(self, route: Route, prompt_len: int) -> None:
         """Refuse (QueueFullError) a prompt that would queue behind ``max_prefill_queue_tokens`` on the
         least loaded prefill worker (the one ``choose_route`` picked): it would wait longer than the
@@ -178,7 +208,8 @@ class Router:
         if queued and queued + prompt_len > bound:
             raise QueueFullError(
                 f"the prefill queue is full ({queued} prompt tokens queued on {p.worker_id}, "
-                f"the bound is {bound})"
+                f"the bound is {bound})",
+                "prefill_queue_full",
             )
 
     async def reroute(
@@ -364,6 +395,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             await generate(self._router, request, write, context.time_remaining())
         except RelayError as e:
+            if e.retry_after_s:  # gRPC's server pushback: when the refused request would fit
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(e.retry_after_s * 1000)),))
             try:
                 await context.abort(e.code, e.details)
             except Exception as exc:

@@ -132,6 +132,7 @@ async def relay_stream(
         m = await ahead.get()
         budget.give(1)
         job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
+        ops.release_prefill(job)  # a local prefill's tokens no longer queue on D
         while True:
             if isinstance(m, BaseException):
                 raise m

@@ -39,6 +39,32 @@ class PrefillForwardMetrics:
             registry=registry,
         ).labels(role)
 
+        self.rate = PrefillRate()
+
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         self.prefill_time.observe(seconds)
         self.tokens.inc(tokens)
+        self.rate.observe(seconds, tokens)
+
+
+class PrefillRate:
+    """Prompt tokens per second of recent prefill forwards: decayed sums of tokens and seconds, so a
+    forward counts by its length and old ones fade (each forward keeps ``DECAY`` of the past). Reported in
+    every heartbeat (``WorkerLoad.prefill_tokens_per_s``); the router predicts queue waits with it."""
+
+    DECAY = 0.8
+
+    def __init__(self) -> None:
+        self._tokens = 0.0
+        self._seconds = 0.0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        if seconds <= 0 or tokens <= 0:
+            return
+        self._tokens = self._tokens * self.DECAY + tokens
+        self._seconds = self._seconds * self.DECAY + seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        """0 until a forward was measured."""
+        return self._tokens / self._seconds if self._seconds > 0 else 0.0

@@ -137,6 +137,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.release = asyncio.Event()
         self.decode_gate: asyncio.Event | None = None  # remote mode: streaming waits for this too
         self.prefill_gate: asyncio.Event | None = None
+        self.prefill_rate = 0.0  # prefill tokens/s its heartbeats report (0: not measured)
         self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
         self.refuse_room = 0  # Generate calls still to refuse for room (as a full decode worker)
         self.fail_steps = 0  # Generate calls still to fail as a failed engine step (the worker lives on)
@@ -304,6 +305,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             state=state,
             running=len(self.active),
             kv_blocks_total=self.kv_blocks_total,
+            prefill_tokens_per_s=self.prefill_rate,
         )
 
     async def start(self, router_address: str, **agent_kw) -> None:

@@ -148,8 +148,11 @@ def alerts(slo: SloThresholds = DEFAULT_SLO) -> tuple[Alert, ...]:
             "page",
             f"the router has refused over {REFUSED_FRACTION:.0%} of requests (RESOURCE_EXHAUSTED or "
             "UNAVAILABLE) for 5 minutes",
-            "RESOURCE_EXHAUSTED: the router's queue is full (--max-waiting): add workers; UNAVAILABLE: "
-            "no worker can take requests: see PdserveWorkersBelowExpected and `pdserve status`.",
+            "RESOURCE_EXHAUSTED: pdserve_router_admission_refused_total{reason} says which bound refused "
+            "them: the router's queue (--max-waiting), a prefill worker's queue (--max-prefill-queue-tokens) "
+            "or the time-to-first-token budget (--admission-ttft-s): the pool that prefills is short, add "
+            "prefill workers; UNAVAILABLE: no worker can take requests: see PdserveWorkersBelowExpected and "
+            "`pdserve status`.",
         ),
     )
 

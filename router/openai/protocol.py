@@ -293,6 +293,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.retry_after_s = 0  # a refusal's Retry-After, when the router knows it (0: the default)
 
     def body(self) -> bytes:
         return encode(ErrorBody(self.info))

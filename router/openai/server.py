@@ -74,8 +74,15 @@ RETRY_AFTER_S = 1
 
 def _error_response(err: OpenAIError, headers: Mapping[str, str] | None = None) -> web.Response:
     if err.status in _REFUSAL_CODES:
-        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
+        headers = {"Retry-After": str(err.retry_after_s or RETRY_AFTER_S), **(headers or {})}
     return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=headers)
+
+
+def _refusal(e: RelayError, req: CompletionRequest | ChatCompletionRequest) -> OpenAIError:
+    """The HTTP error of a request the router ended, with its retry hint when it has one."""
+    err = error_from_status(e.code.name, e.details, client_field_names(req))
+    err.retry_after_s = e.retry_after_s
+    return err
 
 
 @web.middleware
@@ -335,7 +342,7 @@ class OpenAIFront:
         try:
             await generate(self.router, greq, collect, None)
         except RelayError as e:
-            raise error_from_status(e.code.name, e.details, client_field_names(req)) from None
+            raise _refusal(e, req) from None
         return web.Response(
             body=collected.response(), content_type="application/json", headers={REQUEST_ID_HEADER: rid}
         )
@@ -368,7 +375,7 @@ class OpenAIFront:
             # nothing for aiohttp to log as a server error.
             return resp
         except RelayError as e:
-            err = error_from_status(e.code.name, e.details, client_field_names(req))
+            err = _refusal(e, req)
             if not resp.prepared:
                 raise err from None
             await resp.write(sse_error(err))
