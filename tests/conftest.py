@@ -38,6 +38,16 @@ def tiny_llama_dir(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama-single"))
 
 
+@pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory):
+    """A tiny random Llama that `pdserve up --model` serves like the default model (its vocabulary and
+    tokenizer files; ``tests.tiny_models.make_tiny_served_model``): for tests of serving mechanics, where
+    the real model's every forward costs ~100x more. Its context is 2,048 tokens."""
+    from tests.tiny_models import make_tiny_served_model
+
+    return make_tiny_served_model("llama", tmp_path_factory.mktemp("tiny-served"))
+
+
 # Which C kernel builds the kernel-vs-torch unit tests check (``kernels_every_isa``): a comma-separated list
 # of engine.env.KERNEL_ISAS, e.g. ``native`` alone for a quick run; unset or ``all``: every build whose code
 # paths differ on this host.

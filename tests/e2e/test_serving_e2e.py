@@ -1,9 +1,12 @@
 """The serving path end to end: real router, real prefill/decode/colocated workers, UCX on loopback.
 
-Acceptance of the serving-path issue: exact output through 1P+1D, through a
-colocated worker and offline; the first token from the prefill result before
-decode admits; bad input; kill -9 of a decode worker (cancels: ``test_faults``' burst of 200).
-Every test ends with a leak check (every worker reports zero KV blocks used).
+Exact output through 1P+1D, through a colocated worker and offline; the first token from the prefill
+result before decode admits; bad input; kill -9 of a decode worker (cancels: ``test_faults``' burst of
+200). Every test ends with a leak check (every worker reports zero KV blocks used).
+
+The clusters serve the tiny random model with the default model's tokenizer (``tiny_served_model``): what
+is checked is the serving path against the same engine offline, not the real model's output, which
+``tests/unit/test_real_model_parity.py`` and ``test_llm.py`` check.
 """
 
 from __future__ import annotations
@@ -61,10 +64,10 @@ def _requests() -> list[generation_pb2.GenerateRequest]:
     return reqs
 
 
-def _offline(reqs, quantization: str = "none") -> dict[str, tuple[list[int], str]]:
+def _offline(reqs, model, quantization: str = "none") -> dict[str, tuple[list[int], str]]:
     from pdserve.engine import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", kv_cache_bytes=256 << 20, threads=2, quantization=quantization)
+    llm = LLM(model, dtype="float32", kv_cache_bytes=256 << 20, threads=2, quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     out = {}
     for r in reqs:
@@ -85,14 +88,14 @@ def _offline(reqs, quantization: str = "none") -> dict[str, tuple[list[int], str
 
 
 @pytest.fixture(scope="module")
-def offline() -> dict[str, tuple[list[int], str]]:
-    """Offline float32 ``LLM``'s tokens and text for ``_requests()`` (once: ~16 s on a 2-core CPU)."""
-    return _offline(_requests())
+def offline(tiny_served_model) -> dict[str, tuple[list[int], str]]:
+    """Offline float32 ``LLM``'s tokens and text for ``_requests()``."""
+    return _offline(_requests(), tiny_served_model)
 
 
-def test_colocated_equals_offline(tmp_path, offline):
+def test_colocated_equals_offline(tmp_path, offline, tiny_served_model):
     reqs = _requests()
-    with running_cluster(tmp_path, colocated=1) as c:
+    with running_cluster(tmp_path, colocated=1, model=tiny_served_model) as c:
         got = run_all(c.address, reqs)
         c.assert_no_leaks()
     want = offline
@@ -123,10 +126,10 @@ REMOTE_PREFILL = ("--local-prefill-threshold", "1")  # every prompt prefilled re
 
 
 @pytest.fixture(scope="class")
-def remote_prefill_cluster(tmp_path_factory):
+def remote_prefill_cluster(tmp_path_factory, tiny_served_model):
     """1P+1D with every prompt prefilled remotely, its KV written across processes (cross-memory)."""
     dest = tmp_path_factory.mktemp("remote-prefill")
-    with running_cluster(dest, prefill=1, decode=1, extra=REMOTE_PREFILL) as c:
+    with running_cluster(dest, prefill=1, decode=1, model=tiny_served_model, extra=REMOTE_PREFILL) as c:
         yield c
 
 
@@ -137,13 +140,13 @@ class TestRemotePrefill:
     # shared_memory first: its own cluster is down before the class's starts.
     @pytest.mark.parametrize("kv", ["shared_memory", "cross_memory"])
     def test_disaggregated_equals_offline_and_first_token_comes_from_prefill(
-        self, tmp_path, kv, offline, request
+        self, tmp_path, kv, offline, tiny_served_model, request
     ):
         if kv == "cross_memory":
             self._check_disaggregated(request.getfixturevalue("remote_prefill_cluster"), kv, offline)
             return
         extra = (*REMOTE_PREFILL, "--kv-shared-memory")
-        with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+        with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
             self._check_disaggregated(c, kv, offline)
 
     @staticmethod
@@ -170,7 +173,7 @@ class TestRemotePrefill:
             r = generation_pb2.GenerateRequest(
                 prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 700)))
             )
-            r.sampling.max_tokens = 5000
+            r.sampling.max_tokens = 1500  # (the tiny model's context is 2,048 tokens)
             r.sampling.ignore_eos = True
             call = stub.Generate(r, timeout=120)
             next(call)
@@ -190,7 +193,7 @@ class TestRemotePrefill:
         c.assert_no_leaks(workers=[prefill["id"]])
 
 
-def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(tmp_path):
+def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(tmp_path, tiny_served_model):
     """`up --quantization int8`, 1P+1D: every request crosses the KV transfer and gives offline int8's
     tokens and text. A decode worker started by hand without --quantization is refused by the router at
     registration (its KV record differs) and exits, saying which flag to match; so is one whose KV record
@@ -198,9 +201,9 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
     from pdserve.deploy.local import cluster as local
 
     reqs = _requests()
-    want = _offline(reqs, quantization="int8")
+    want = _offline(reqs, tiny_served_model, quantization="int8")
     extra = ("--local-prefill-threshold", "1", "--quantization", "int8")
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         got = run_all(c.address, reqs)
         for rid, (ids, text) in want.items():
             assert got[rid][0] == ids, rid
@@ -218,7 +221,7 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
 
         # The same model directory name, shape and flags (so the same KV record), another vocabulary: the
         # KV check cannot tell; the router's vocabulary check refuses it.
-        other = _other_vocabulary_copy(tmp_path / "other-vocab")
+        other = _other_vocabulary_copy(tiny_served_model, tmp_path / "other-vocab")
         stranger = _decode_worker_by_hand(
             state, "--worker-id", "other-vocab", "--quantization", "int8", "--model", str(other)
         )
@@ -231,11 +234,13 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
 
 
 def _decode_worker_by_hand(state, *flags: str) -> subprocess.CompletedProcess:
-    """`pdserve worker --role decode` joining the cluster of ``state`` as an operator would start one (one
-    thread, a small cache, float32), run to its exit (bounded)."""
+    """`pdserve worker --role decode` joining the cluster of ``state`` as an operator would start one (its
+    model, one thread, a small cache, float32; ``flags`` may name another model), run to its exit
+    (bounded)."""
     return subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "worker", "--role", "decode", "--router", state.router_address]
-        + ["--cluster-token-file", state.token_file, "--dtype", "float32", "--kv-cache-mib", "32"]
+        + ["--model", state.model, "--cluster-token-file", state.token_file, "--dtype", "float32"]
+        + ["--kv-cache-mib", "32"]
         + ["--threads", "1", *flags],
         capture_output=True,
         text=True,
@@ -244,14 +249,11 @@ def _decode_worker_by_hand(state, *flags: str) -> subprocess.CompletedProcess:
     )
 
 
-def _other_vocabulary_copy(parent):
-    """The default model's converted directory, same name, weights linked, with one token added to its
+def _other_vocabulary_copy(src, parent):
+    """The model directory ``src`` under the same name, weights linked, with one token added to its
     vocabulary."""
     from tokenizers import Tokenizer as Backend
 
-    from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
-
-    src = resolve_model(DEFAULT_MODEL, progress=False)
     dst = parent / src.name
     dst.mkdir(parents=True)
     for f in src.iterdir():
@@ -325,22 +327,23 @@ def _migration_requests(n: int, max_tokens: int) -> list[generation_pb2.Generate
     return reqs
 
 
-def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_path):
+def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_path, tiny_served_model):
     """1 prefill + 2 decode, 8 streams (greedy and seeded), SIGKILL of a decode worker mid-stream: every
     stream completes with exactly the tokens of an undisturbed run, each migration is counted, and the
     survivors hold no KV blocks."""
-    reqs = _migration_requests(8, max_tokens=40)
+    # 300 tokens: the tiny model decodes a token in milliseconds; the streams must outlast the kill.
+    reqs = _migration_requests(8, max_tokens=300)
     extra = ("--local-prefill-threshold", "1", "--max-running", "8")
-    with running_cluster(tmp_path, prefill=1, decode=2, extra=extra) as c:
+    with running_cluster(tmp_path, prefill=1, decode=2, model=tiny_served_model, extra=extra) as c:
         want = run_all(c.address, reqs)  # undisturbed, on the same cluster
         decoders = [w for w in c.workers() if w["role"] == "decode"]
         assert len(decoders) == 2
         with streaming(c, reqs, after=3) as streams:
             assert streams.wait_streaming(120)
             # The victim is the decode worker running most streams, asked of the workers themselves
-            # (milliseconds): a fixed one may have ended all of its 40-token streams already (one was
-            # seen to end before the last had its 3 tokens), and then nothing migrates. The last
-            # stream to get its 3 tokens has most of its 40 to go: some worker still runs it.
+            # (milliseconds): a fixed one may have ended all of its streams already (one was seen to
+            # end before the last had its 3 tokens), and then nothing migrates. The last stream to get
+            # its 3 tokens has most of its 300 to go: some worker still runs it.
             busy = {w["id"]: worker_load(w["address"], c.token_metadata()).running for w in decoders}
             victim = max(decoders, key=lambda w: busy[w["id"]])
             assert busy[victim["id"]] > 0, busy
@@ -356,7 +359,7 @@ def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_pat
 # A prefill worker killed while prompts queue or prefill on it: tests/e2e/test_faults.py (the fault matrix).
 
 
-def test_scale_decode_up_and_down_under_traffic(tmp_path):
+def test_scale_decode_up_and_down_under_traffic(tmp_path, tiny_served_model):
     """`pdserve scale --decode 2` then `--decode 1` with requests flowing: none fails; the removed worker
     drains."""
     import threading
@@ -364,7 +367,8 @@ def test_scale_decode_up_and_down_under_traffic(tmp_path):
     from pdserve.proto import generation_pb2_grpc
     from tests.e2e.cluster_harness import pdserve
 
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "32")) as c:
+    extra = ("--local-prefill-threshold", "32")
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         errors: list[str] = []
         done: list[str] = []
         stop = threading.Event()
