@@ -637,3 +637,32 @@ def test_preemption_and_eviction_in_a_tiny_cache_stay_exact(tiny_llama_dir, mixe
     outs, logits = generate_with_logits(on, prompts)  # what is left of the cache, and recompute
     assert_exact(tiny_llama_dir, prompts, outs, logits, ref_outs, ref_logits)
     assert_no_leak(on)
+
+
+@pytest.mark.slow
+def test_smollm2_chats_sharing_a_system_prompt_are_exact_with_the_cache():
+    """The real model, colocated (in process): chats that share the chat template's system prompt and a
+    first turn, cache on against cache off, under the exactness rule above."""
+    opts = dict(dtype="float32", threads=2, kv_cache_bytes=128 << 20)
+    on, off = LLM(**opts), LLM(enable_prefix_caching=False, **opts)
+    tok = on.tokenizer
+    assert tok is not None
+    history = [{"role": "user", "content": "Name three rivers of Europe."}]
+    chats = [
+        history + [{"role": "assistant", "content": "The Danube, the Rhine and the Seine."}, turn]
+        for turn in (
+            {"role": "user", "content": "Which is the longest?"},
+            {"role": "user", "content": "Which flows through Paris?"},
+            {"role": "user", "content": "Name a fourth one."},
+        )
+    ]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref_outs, ref_logits = generate_with_logits(off, prompts, params)
+    for _ in range(2):  # the second round from the cache of the first
+        outs, logits = generate_with_logits(on, prompts, params)
+        for o, lg, r, rlg in zip(outs, logits, ref_outs, ref_logits, strict=True):
+            n = compared_steps(lg, rlg)
+            assert n > len(rlg) // 2 and o.token_ids[:n] == r.token_ids[:n]
+    assert all(o.num_cached_tokens >= on.engine.block_manager.block_size for o in outs)
+    assert_no_leak(on)
