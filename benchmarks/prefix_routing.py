@@ -209,11 +209,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def stream(stub: Any, prompt: Prompt, result: RequestResult, output_len: int, timeout_s: float) -> None:
+def stream(
+    stub: Any, prompt: Prompt, result: RequestResult, output_len: int, timeout_s: float, request_id: str
+) -> None:
     """One request through the router, timed; every failure ends up in ``result.error``."""
     from pdserve.proto import generation_pb2
 
-    req = generation_pb2.GenerateRequest(request_id=f"prefix-routing-{result.index}-{os.getpid()}")
+    req = generation_pb2.GenerateRequest(request_id=request_id)
     req.prompt_token_ids.ids.extend(prompt.token_ids)
     req.sampling.max_tokens, req.sampling.ignore_eos, req.sampling.temperature = output_len, True, 0.0
     t0 = time.perf_counter()
@@ -243,7 +245,7 @@ def _settle(
         idle = all(value(p, *INFLIGHT) == 0 for p in after.values())
         if (idle and attribute(before, after).worker is not None) or time.monotonic() > deadline:
             return after
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 def send_all(
@@ -252,6 +254,7 @@ def send_all(
     prompts: Sequence[Prompt],
     cfg: argparse.Namespace,
     per_token: int,
+    tag: str,
 ) -> list[RequestResult]:
     """Send ``prompts`` in order, at most ``cfg.concurrency`` in flight, each released once every request
     in flight has its first token; attribute each one's KV to its decode worker (module docstring)."""
@@ -268,7 +271,8 @@ def send_all(
             if len(running) >= cfg.concurrency:
                 _, running = wait(running, return_when=FIRST_COMPLETED)
             before = {w: scrape(url) for w, url in decoders.items()}
-            running.add(pool.submit(stream, stub, prompt, result, cfg.output_len, cfg.request_timeout))
+            rid = f"prefix-routing-{tag}-{result.index}"
+            running.add(pool.submit(stream, stub, prompt, result, cfg.output_len, cfg.request_timeout, rid))
             result.first_token.wait()
             got = attribute(before, _settle(decoders, before))
             result.decode_worker, result.kv_bytes, result.not_sent_bytes = (
@@ -314,11 +318,11 @@ def run_policy(
         # Warm both decode workers and the transfer path (first forward, endpoints) with prompts that share
         # nothing with the workload; the counters are read after it.
         warm_cfg = argparse.Namespace(**{**vars(cfg), "concurrency": 2})
-        warm_results = send_all(address, decoders, warm, warm_cfg, per_token)
+        warm_results = send_all(address, decoders, warm, warm_cfg, per_token, "warmup")
         router0 = scrape(router_metrics)
         decode0 = {w: scrape(url) for w, url in decoders.items()}
         t0 = time.perf_counter()
-        results = send_all(address, decoders, prompts, cfg, per_token)
+        results = send_all(address, decoders, prompts, cfg, per_token, "run")
         duration = time.perf_counter() - t0
         router1 = scrape(router_metrics)
         decode1 = {w: scrape(url) for w, url in decoders.items()}
