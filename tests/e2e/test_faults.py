@@ -1,9 +1,13 @@
 """The fault matrix: a worker killed, hung or flooded, the router restarted; no admitted request lost.
 
-Each case runs on a real local cluster (SmolLM2, float32, UCX on loopback) and ends with a leak check
+Each case runs on a real local cluster (float32, UCX on loopback) and ends with a leak check
 (0 KV blocks on every surviving worker) and a follow-up request that succeeds. Greedy outputs of the
 requests that were moved or retried equal, token for token, an undisturbed run on the same cluster.
 The SIGKILL of a decode worker mid-stream is ``test_serving_e2e``'s migration test.
+
+Clusters serve the tiny served model (``tiny_served_model``) where the fault's timing does not hang on
+the model's speed (a transfer held back by a fault delay, cancels, a router restart); SmolLM2 where a
+worker must be caught mid-prefill or a prefill queue must build (a tiny forward takes milliseconds).
 """
 
 from __future__ import annotations
@@ -99,14 +103,14 @@ def _check_exact(streams: ThreadedStreams, want: dict) -> None:
         assert streams.got[rid] == tokens, rid
 
 
-def test_prefill_killed_mid_transfer_moves_at_once(tmp_path):
+def test_prefill_killed_mid_transfer_moves_at_once(tmp_path, tiny_served_model):
     """2P+1D with every KV layer sent 3 s late: token 0 reached the clients, the transfers are in flight,
     a prefill worker is SIGKILLed. The decode worker sees its peer die and the router moves the streams
     at once (the decode worker prefills prompt + token 0): the same tokens, and they continue within
     seconds of the kill, not at a transfer deadline."""
     reqs = _prompts(4, 200, seed=2)
     extra = (*REMOTE, "--kv-fault-delay", "3")
-    with running_cluster(tmp_path, prefill=2, decode=1, extra=extra) as c:
+    with running_cluster(tmp_path, prefill=2, decode=1, model=tiny_served_model, extra=extra) as c:
         want = run_all(c.address, reqs)
         prefills = [w for w in c.workers() if w["role"] == "prefill"]
         with streaming(c, reqs, after=1) as streams:
@@ -128,8 +132,9 @@ def test_prefill_killed_mid_transfer_moves_at_once(tmp_path):
         _follow_up(c)
 
 
-def test_a_burst_of_200_cancels_frees_every_block(tmp_path):
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=("--local-prefill-threshold", "64")) as c:
+def test_a_burst_of_200_cancels_frees_every_block(tmp_path, tiny_served_model):
+    extra = ("--local-prefill-threshold", "64")
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         with c.channel() as ch:
             stub = c.stub(ch)
             calls = []
@@ -139,12 +144,12 @@ def test_a_burst_of_200_cancels_frees_every_block(tmp_path):
                     request_id=f"c{i}",
                     prompt_token_ids=generation_pb2.TokenIds(ids=list(range(300, 300 + n))),
                 )
-                r.sampling.max_tokens = 2000
+                r.sampling.max_tokens = 1800  # (the tiny model's context is 2,048 tokens)
                 r.sampling.ignore_eos = True
                 calls.append(stub.Generate(r, timeout=120))
                 if i == 1:
                     # Two streams under way before the burst: sent all at once, the router may admit
-                    # others ahead of these two, and each holds its room for 2,000 tokens.
+                    # others ahead of these two, and each holds its room for 1,800 tokens.
                     next(calls[0])
                     next(calls[1])
             for call in calls:
@@ -157,7 +162,9 @@ def test_a_burst_of_200_cancels_frees_every_block(tmp_path):
 def test_overload_burst_past_the_prefill_queue_bound_is_refused_at_once(tmp_path):
     """1P+1D, a prefill queue bound of 1,000 tokens, 16 prompts of 250 tokens at once: the excess is
     RESOURCE_EXHAUSTED at once, every admitted request completes (the same tokens as a lone run)."""
-    extra = (*REMOTE, "--max-prefill-queue-tokens", "1000")
+    # Prefix caching off: after the lone run the prompt is cached, and its repeats would queue no prompt
+    # tokens on the prefill worker.
+    extra = (*REMOTE, "--max-prefill-queue-tokens", "1000", "--no-enable-prefix-caching")
     reqs = _prompts(16, 250, seed=4)
     for r in reqs[1:]:
         r.prompt_token_ids.CopyFrom(reqs[0].prompt_token_ids)  # one prompt: every output is the same
@@ -193,11 +200,11 @@ def test_overload_burst_past_the_prefill_queue_bound_is_refused_at_once(tmp_path
         _follow_up(c)
 
 
-def test_router_restart_workers_register_again(tmp_path):
+def test_router_restart_workers_register_again(tmp_path, tiny_served_model):
     """SIGKILL of the router with a stream in flight: the workers free its blocks; a new router on the
     same port gets their registrations and serves."""
-    [r] = _prompts(1, 300, seed=5, max_tokens=5000)
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=REMOTE) as c:
+    [r] = _prompts(1, 300, seed=5, max_tokens=1700)  # (the tiny model's context is 2,048 tokens)
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=REMOTE) as c:
         state = cluster.load_state(c.state_dir)
         assert state is not None
         with open(f"/proc/{state.router.pid}/cmdline", "rb") as f:
