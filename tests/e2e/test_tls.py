@@ -3,7 +3,8 @@ end, and a client without a certificate the cluster's CA signed is refused.
 
 A throwaway CA and certificates are made with the ``openssl`` command in a temporary directory: one
 certificate for the cluster's processes (server and client use, IP SAN 127.0.0.1), one for the CLI
-(client use), and one signed by another CA. The cluster ends with a leak check.
+(client use), and one signed by another CA. The cluster serves the tiny served model (what is checked is
+the transport, not the model) and ends with a leak check.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def test_a_key_of_another_certificate_and_a_key_others_can_read_are_caught(pki, 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_cluster_with_token_and_mutual_tls_serves_and_refuses_clients_without_a_valid_cert(tmp_path, pki):
+def test_a_cluster_with_token_and_mutual_tls_serves_and_refuses_clients_without_a_valid_cert(
+    tmp_path, pki, tiny_served_model
+):
     files = (
         "--tls-cert",
         str(pki / "node.pem"),
@@ -124,7 +127,7 @@ def test_a_cluster_with_token_and_mutual_tls_serves_and_refuses_clients_without_
     http_port = free_port()
     # Threshold 1: the request takes the disaggregated path (router -> decode -> prefill -> KV transfer).
     extra = ("--local-prefill-threshold", "1", "--http-port", str(http_port), *files)
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         state = json.loads((c.state_dir / "cluster.json").read_text())
         assert state["tls_ca"] == str(pki / "ca.pem") and state["token_file"]
 
