@@ -50,13 +50,14 @@ def _router_gone(address: str) -> bool:
 
 
 @pytest.mark.slow
-def test_live_compare_1p1d_vs_2c(tmp_path):
+def test_live_compare_1p1d_vs_2c(tmp_path, tiny_served_model):
     """``pdserve bench compare`` with real clusters: pinned cores, results, plots, everything stopped.
 
     Every prompt prefills remotely in 1P+1D (--local-prefill-threshold 1), so
     its runs are ``pdserve bench`` against a live 1P+1D cluster: each saved
     result holds every vLLM key and a record per request, and its figures equal
-    those recomputed from the requests' own timestamps.
+    those recomputed from the requests' own timestamps. The clusters serve the tiny
+    served model: the bench's mechanics are checked, not the model's speed.
     """
     out_dir = tmp_path / "cmp"
     try:
@@ -72,6 +73,7 @@ def test_live_compare_1p1d_vs_2c(tmp_path):
             "--seed", "3",
             "--dtype", "float32",
             "--threads", "1",
+            "--model", str(tiny_served_model),
             "--goodput", "ttft:60000", "tpot:60000",
             "--up-arg=--local-prefill-threshold=1",
             "--up-arg=--kv-cache-mib=64",
