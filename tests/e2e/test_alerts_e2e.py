@@ -1,7 +1,7 @@
 """Acceptance: the worker-count alert fires at a real Alertmanager when a worker dies, and resolves.
 
 ``pdserve up --alertmanager`` starts a 1 prefill + 1 decode cluster (the real
-pools, SmolLM2), Debian's Prometheus loading ``deploy/prometheus/alerts.yml``
+pools, serving the tiny served model), Debian's Prometheus loading ``deploy/prometheus/alerts.yml``
 (every ``for`` shortened to 2 s with ``--alert-for``; scrape and evaluation
 every second) and Debian's Alertmanager, all on loopback. Then:
 
@@ -80,6 +80,7 @@ def test_killing_a_worker_fires_the_worker_count_alert_at_alertmanager_and_it_re
     tmp_path,
     prometheus_binary,  # noqa: F811 - the fixture imported above
     alertmanager_binary,
+    tiny_served_model,
 ):
     prom_port, am_port = free_port(), free_port()
     extra = (
@@ -88,7 +89,7 @@ def test_killing_a_worker_fires_the_worker_count_alert_at_alertmanager_and_it_re
         "--heartbeat-interval", "0.5", "--heartbeat-timeout", "3",
     )  # fmt: skip
     t0 = time.monotonic()
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         state = cluster.load_state(c.state_dir)
         assert state is not None and state.alertmanager is not None and state.prometheus is not None
         started = [state.router, *state.workers, *cluster.monitoring(state)]
