@@ -91,14 +91,27 @@ def fp32() -> Iterator[tuple[PeerProcess, PeerProcess]]:
         yield peers[0], peers[1]
 
 
-@pytest.fixture(params=list(TRANSPORTS))
-def fresh(request: pytest.FixtureRequest) -> Iterator[tuple[PeerProcess, PeerProcess]]:
-    """A decode and a prefill process of their own, for tests that kill one; TCP or shared memory."""
-    peer_spec = spec(num_blocks=96, transport=request.param)
+def _transport_pair(transport: str) -> Iterator[tuple[PeerProcess, PeerProcess]]:
+    """A decode and a prefill process on ``transport``, its data path checked before it is handed out."""
+    peer_spec = spec(num_blocks=96, transport=transport)
     with running_peers([(n, peer_spec) for n in ("decode-x", "prefill-x")]) as peers:
         # The data path of this transport works before we break it.
         transfer(peers[0], peers[1], "warm", 1000, seed=21)
         yield peers[0], peers[1]
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def fresh(request: pytest.FixtureRequest) -> Iterator[tuple[PeerProcess, PeerProcess]]:
+    """A decode and a prefill process of their own, for tests that kill one; TCP or shared memory."""
+    yield from _transport_pair(request.param)
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[PeerProcess, PeerProcess]]:
+    """A decode and a prefill process per transport, shared by the tests that abort, refuse or revoke
+    transfers but kill nothing; each of them ends with both sides' leak check, so the next one starts
+    with every block free."""
+    yield from _transport_pair(request.param)
 
 
 def transfer(
@@ -156,10 +169,10 @@ def test_1000_tokens_bit_exact_fp32(fp32: tuple[PeerProcess, PeerProcess], layou
     assert_no_leak(decode, prefill)
 
 
-def test_layers_pushed_together_land_bit_exact(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+def test_layers_pushed_together_land_bit_exact(pair: tuple[PeerProcess, PeerProcess]) -> None:
     """``push_layers`` (a prefill under a CUDA graph pushes every layer at once): one call per group of
     layers on each path (UCX puts, cross-memory writes, tagged messages), scattered blocks on both sides."""
-    decode, prefill = fresh
+    decode, prefill = pair
     for burst in (30, 7):  # all at once; groups of 7 and the 2 left
         transfer(
             decode, prefill, f"burst-{burst}", 600, seed=31 + burst, decode_keep=3, keep_every=2, burst=burst
@@ -170,7 +183,7 @@ def test_layers_pushed_together_land_bit_exact(fresh: tuple[PeerProcess, PeerPro
 def test_a_shared_kv_cache_is_written_by_plain_copies() -> None:
     """A decode side whose KV is in shared memory (``--kv-shared-memory``) is written by plain copies into
     its memfd, bit-exact, scattered blocks included; a host-memory decode side without it by cross-memory
-    attach. (Kills, aborts and revokes run on this path too: the ``fresh`` fixture's "shm".)"""
+    attach. (Kills, aborts and revokes run on this path too: the ``fresh`` and ``pair`` fixtures' "shm".)"""
     peers = [("decode-shm", spec(num_blocks=160, transport="shm")), ("prefill-shm", spec(transport="cma"))]
     with running_peers(peers) as (decode, prefill):
         for rid, kw in (("c", {}), ("s", {"keep_every": 2})):
@@ -390,7 +403,7 @@ def test_abort_from_prefill(bf16: tuple[PeerProcess, ...]) -> None:
 
 
 def test_refused_open_with_data_already_pushed(
-    fresh: tuple[PeerProcess, PeerProcess], request: pytest.FixtureRequest
+    pair: tuple[PeerProcess, PeerProcess], request: pytest.FixtureRequest
 ) -> None:
     """Tagged: the sender pushes right after Open (no round trip): when the reservation is
     already gone, its messages wait in UCX until the receiver refuses and drains them into
@@ -399,7 +412,7 @@ def test_refused_open_with_data_already_pushed(
     sender's AbortAck (after its flush), so whatever landed landed in blocks nobody else had
     (test_aborted_blocks_reused_at_once_hold_none_of_the_old_kv checks the reuse).
     Either way the sender learns at once (no settle timeout)."""
-    decode, prefill = fresh
+    decode, prefill = pair
     ticket = decode.call("reserve", request_id="refused", num_tokens=600)
     assert decode.call("abort", request_id="refused", reason="client cancelled")
     t0 = time.monotonic()
@@ -407,7 +420,7 @@ def test_refused_open_with_data_already_pushed(
         prefill.call("transfer", ticket=ticket, seed=8, timeout=CALL_S)
     assert err.value.kind == "AbortedError" and "client cancelled" in str(err.value)
     assert time.monotonic() - t0 < CONFIG.settle_timeout_s, "the refused sends waited for a timeout"
-    if not TRANSPORTS[request.node.callspec.params["fresh"]][2]:
+    if not TRANSPORTS[request.node.callspec.params["pair"]][2]:
         assert decode.call("untouched", request_id="refused")
     wait_free(decode, within_s=CONFIG.settle_timeout_s)
     wait_drained(decode)
@@ -434,14 +447,14 @@ def test_second_sender_of_a_ticket_never_writes(bf16: tuple[PeerProcess, ...]) -
 
 
 def test_aborted_blocks_reused_at_once_hold_none_of_the_old_kv(
-    fresh: tuple[PeerProcess, PeerProcess],
+    pair: tuple[PeerProcess, PeerProcess],
 ) -> None:
     """One-sided writes' danger: a put still in flight after an abort lands in blocks that
     already belong to the next request. The receiver frees an aborted transfer's blocks only
     once the sender flushed and said it stopped; the next request, which takes every block
     (the aborted one's included) at once, then holds its own bytes and nothing else, also
     after the old sender's forward has gone on pushing layers."""
-    decode, prefill = fresh
+    decode, prefill = pair
     total = decode.call("blocks")["total"]
     ticket = decode.call("reserve", request_id="old", num_tokens=500)
     old = prefill.submit("transfer", ticket=ticket, seed=31, layer_interval_s=0.02)
@@ -484,13 +497,13 @@ def test_revoke_waits_for_a_sender_that_does_not_answer(bf16: tuple[PeerProcess,
     assert_every_block_holds_only_new_bytes(decode, prefill, "rv-new", total, seed=42)
 
 
-@pytest.mark.parametrize("fresh", ["tcp", "cma", "shm"], indirect=True)
-def test_revoked_while_eager_puts_land_then_reused_at_once(fresh: tuple[PeerProcess, PeerProcess]) -> None:
+@pytest.mark.parametrize("pair", ["tcp", "cma", "shm"], indirect=True)
+def test_revoked_while_eager_puts_land_then_reused_at_once(pair: tuple[PeerProcess, PeerProcess]) -> None:
     """The race eager puts open: the sender is putting into a reservation whose Open has not
     reached the receiver (delayed here) when the receiver aborts it. The revoke reaches the
     sender, which stops, flushes and acks; only then are the blocks freed, so a request that
     takes every block at once holds its own bytes only, also after the old forward pushed on."""
-    decode, prefill = fresh
+    decode, prefill = pair
     total = decode.call("blocks")["total"]
     address = TransferTicket.decode(decode.call("reserve", request_id="race-probe", num_tokens=16)).address
     assert decode.call("abort", request_id="race-probe")
