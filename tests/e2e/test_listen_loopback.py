@@ -3,7 +3,7 @@
 The router, both workers' gRPC and /metrics, the OpenAI front and the KV transfer: UCX gets no listener
 (peers connect to a worker address from the ticket), and its TCP transport listens only on the
 interface of the worker's ``--host`` (``UCX_NET_DEVICES=lo``). The sockets are listed after a request
-crossed the KV transfer, so both workers' UCX is up.
+crossed the KV transfer, so both workers' UCX is up. The cluster serves the tiny served model.
 """
 
 from __future__ import annotations
@@ -46,10 +46,11 @@ def metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith(name + "{"))
 
 
-def test_a_default_cluster_listens_on_loopback_only(tmp_path):
+def test_a_default_cluster_listens_on_loopback_only(tmp_path, tiny_served_model):
     # Threshold 1: the prompt crosses the KV transfer (the prefill side starts UCX on its first one).
     extra = ("--local-prefill-threshold", "1", "--http-port", str(free_port()))
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c, c.channel() as ch:
+    cluster_up = running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra)
+    with cluster_up as c, c.channel() as ch:
         req = generation_pb2.GenerateRequest(
             prompt="Why is the sky blue? " * 20, sampling=generation_pb2.SamplingParams(max_tokens=4)
         )
