@@ -9,6 +9,8 @@ the other is given --kv-interface); and a decode worker whose link goes down mid
 a dead one: its streams move to the other decode worker and finish with exactly the undisturbed tokens.
 Once the link is back, the cut-off worker holds no KV blocks either.
 
+The workers serve the tiny served model: what crosses the "network" is checked, not the model.
+
 It skips, saying why, where namespaces cannot be made (not root, no `ip`, no netns support). The
 fixture removes every namespace, veth and the bridge, and kills whatever still runs in the namespaces,
 whatever happens in the test.
@@ -40,9 +42,9 @@ HOSTS = ("router", "prefill", "decode_a", "decode_b")
 ROUTER_PORT = 50051
 MAX_TOKENS = 48
 # The run whose link is cut streams longer, so that the cut lands mid-stream on a fast machine too (the
-# victim is picked by asking the workers at once); greedy, so all its tokens are the undisturbed run's
-# (which streams as many).
-CUT_RUN_TOKENS = 128
+# victim is picked by asking the workers at once; a tiny-model token takes milliseconds); greedy, so all
+# its tokens are the undisturbed run's (which streams as many).
+CUT_RUN_TOKENS = 512
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -131,7 +133,7 @@ def _spawn(net: Net, state_dir: Path, name: str, args: list[str], role: Role | N
     return cluster.spawn(name, argv, state_dir / "logs" / f"{name}.log", env, role)
 
 
-def _start(net: Net, state_dir: Path) -> cluster.ClusterState:
+def _start(net: Net, state_dir: Path, model: Path) -> cluster.ClusterState:
     r = net.hosts["router"].address
     router_addr = f"{r}:{ROUTER_PORT}"
     router = _spawn(
@@ -151,6 +153,8 @@ def _start(net: Net, state_dir: Path) -> cluster.ClusterState:
         "1",
         "--kv-cache-mib",
         "64",
+        "--model",
+        str(model),
     ]
     workers = []
     for name, role in (("prefill", Role.PREFILL), ("decode_a", Role.DECODE), ("decode_b", Role.DECODE)):
@@ -171,7 +175,7 @@ def _start(net: Net, state_dir: Path) -> cluster.ClusterState:
             args += ["--kv-interface", h.iface]  # the other one derives it from --host
         workers.append(_spawn(net, state_dir, name, args, role))
     state = cluster.ClusterState(
-        router_address=router_addr, router=router, model="smollm2-135m-instruct", dtype="float32",
+        router_address=router_addr, router=router, model=str(model), dtype="float32",
         threads=1, host=r, workers=tuple(workers),
     )  # fmt: skip
     cluster.save_state(state_dir, state)  # the harness's Cluster (status, leak check) reads it
@@ -202,9 +206,9 @@ def _blocks_used(address: str) -> int:
     return worker_load(address).kv_blocks_used
 
 
-def test_router_and_workers_in_separate_namespaces(tmp_path, netns):
+def test_router_and_workers_in_separate_namespaces(tmp_path, netns, tiny_served_model):
     state_dir = tmp_path / "cluster"
-    state = _start(netns, state_dir)
+    state = _start(netns, state_dir, tiny_served_model)
     try:
         cluster.wait_ready(state, {"prefill", "decode_a", "decode_b"}, timeout_s=120)
         c = Cluster(state_dir, state.router_address)
