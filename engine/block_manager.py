@@ -150,6 +150,10 @@ class BlockManager:
         with self._lock:
             return [(h, self._parent[b]) for h, b in self._by_hash.items()]
 
+    def has_events(self) -> bool:
+        """Events recorded (or dropped) since the last drain: a reading, without the lock."""
+        return bool(self._events) or self._overflowed
+
     def drain_events(self) -> tuple[list[KVEvent], bool]:
         """The events since the last drain, oldest first, and whether some were dropped (see the module
         docstring); clears both."""

@@ -48,12 +48,18 @@ class RoutingConfig:
     # The guard: a worker already assigned more than this many times the least assigned worker's requests
     # (plus one) gets no prefix credit-based pick over the less busy ones.
     balance: float = 1.25
+    # What one prompt block a decode worker must receive (or compute) costs against one block in use on it:
+    # moving and computing a block costs more than holding one, so a worker that caches the prefix keeps it
+    # while it runs a request or so more than the others (the guard bounds how many more).
+    prefix_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
         if self.balance < 1:
             raise ValueError(f"balance must be >= 1, got {self.balance}")
+        if self.prefix_weight <= 0:
+            raise ValueError(f"prefix_weight must be > 0, got {self.prefix_weight}")
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,7 @@ def _best_decode(
 ) -> tuple[Worker, int]:
     """Least loaded first (fewest assigned requests, then most free blocks, then id: deterministic);
     with prefix credit, the lowest cost among the workers the balance guard leaves: blocks it would have
-    to receive or compute for the prompt plus blocks in use on it."""
+    to receive or compute for the prompt (weighted) plus blocks in use on it."""
     hits = {w.worker_id: cached(w) for w in decoders}
     if not any(hits.values()):
         d = min(decoders, key=lambda w: (w.assigned, -w.kv_blocks_free, w.worker_id))
@@ -147,7 +153,7 @@ def _best_decode(
     def cost(w: Worker) -> tuple[float, int, str]:
         new_blocks = blocks_needed(w, prompt_len) - hits[w.worker_id] // max(w.block_size, 1)
         in_use = w.kv_blocks_total - w.kv_blocks_free
-        return (new_blocks + in_use, w.assigned, w.worker_id)
+        return (new_blocks * config.prefix_weight + in_use, w.assigned, w.worker_id)
 
     d = min(guarded, key=cost)
     return d, hits[d.worker_id]

@@ -49,6 +49,9 @@ class AgentConfig:
             raise ValueError("register_timeout_s, retry_interval_s and rpc_timeout_s must be > 0")
 
 
+# A heartbeat goes this soon after the last while the prefix cache has events to publish (not later than
+# the interval): the routers' KV index lags a worker's cache by about this much.
+EVENTS_BEAT_S = 0.05
 _FAILED_BEATS = 3  # heartbeats failing in a row before the worker counts itself unknown to the router
 
 
@@ -192,11 +195,24 @@ class RouterAgent:
             if self.on_known is not None:
                 await self.on_known(known)
 
+    async def _next_beat(self, early: bool) -> None:
+        """Until the next heartbeat is due: the interval, or (``early``: the router answers) sooner, at most
+        every ``EVENTS_BEAT_S``, once the prefix cache has changes to publish, so the routers' KV index
+        follows it closely."""
+        if not early or self.kv_events is None:
+            await asyncio.sleep(self.interval_s)
+            return
+        due = time.monotonic() + self.interval_s
+        while (left := due - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, EVENTS_BEAT_S))
+            if self.kv_events.pending():
+                return
+
     async def _heartbeat_loop(self) -> None:
         failing = False
         failed = 0
         while True:
-            await asyncio.sleep(self.interval_s)
+            await self._next_beat(early=not failing)
             try:
                 await self._heartbeat_once()
                 failing, failed = False, 0

@@ -17,6 +17,8 @@ class EventSource(Protocol):
 
     def drain_events(self) -> tuple[list[KVEvent], bool]: ...
 
+    def has_events(self) -> bool: ...
+
     def cached_hashes(self) -> list[tuple[BlockHash, BlockHash | None]]: ...
 
 
@@ -57,6 +59,10 @@ class KvEventPublisher:
                 stored_parents=[parent or b"" for _, parent in kept],
                 removed=[h for h, (stored, _) in self._pending.items() if not stored],
             )
+
+    def pending(self) -> bool:
+        """The cache changed since the last batch was built."""
+        return self._source.has_events()
 
     def answered(self, resp: worker_pb2.HeartbeatResponse) -> None:
         """The router took the last batch (``kv_snapshot``: and wants a snapshot next)."""
