@@ -1,5 +1,6 @@
-"""The OpenAI HTTP front on a real cluster (``pdserve up --http-port``, SmolLM2, float32), driven by
-the official ``openai`` SDK and by guidellm, a third-party load tool.
+"""The OpenAI HTTP front on a real cluster (``pdserve up --http-port``, float32), driven by the official
+``openai`` SDK and by guidellm, a third-party load tool. The clusters serve the tiny served model (the
+default model's tokenizer; every forward far cheaper): what is checked is the front, not the model.
 
 Acceptance of the HTTP-front issue: greedy output through the SDK (chat and
 completions, streaming and not) equals gRPC ``Generate`` with the right usage;
@@ -19,7 +20,6 @@ import pytest
 
 from benchmarks.tool_compare import Target, Workload, compare, find_guidellm, format_report
 from pdserve.deploy.local import cluster
-from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.proto import generation_pb2 as g
 from tests.e2e.cluster_harness import free_port, generate, running_cluster, worker_load
@@ -32,27 +32,35 @@ CHAT = [{"role": "user", "content": "Name a large ocean."}]
 
 
 @pytest.fixture(scope="module")
-def http_cluster(tmp_path_factory):
+def http_cluster(tmp_path_factory, tiny_served_model):
     """One colocated worker for the module, its HTTP front on a free port."""
     extra = ("--http-port", str(free_port()))
-    with running_cluster(tmp_path_factory.mktemp("openai-e2e"), colocated=1, extra=extra) as c:
+    dest = tmp_path_factory.mktemp("openai-e2e")
+    with running_cluster(dest, colocated=1, model=tiny_served_model, extra=extra) as c:
         c.http_url = c.status()["router"]["http_url"]
         assert c.http_url.startswith("http://127.0.0.1:")
         yield c
 
 
 @pytest.fixture(scope="module")
-def pd_http_cluster(tmp_path_factory):
+def pd_http_cluster(tmp_path_factory, tiny_served_model):
     """1P+1D, every prompt prefilled on the prefill worker (its KV pushed to the decode worker)."""
     extra = ("--http-port", str(free_port()), "--local-prefill-threshold", "1")
-    with running_cluster(tmp_path_factory.mktemp("openai-e2e-pd"), prefill=1, decode=1, extra=extra) as c:
+    dest = tmp_path_factory.mktemp("openai-e2e-pd")
+    with running_cluster(dest, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         c.http_url = c.status()["router"]["http_url"]
         yield c
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(resolve_model(DEFAULT_MODEL, progress=False))
+def served(tiny_served_model) -> str:
+    """The name the clusters serve their model under (the ``--model`` given: its directory)."""
+    return str(tiny_served_model)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_served_model) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_served_model)
 
 
 def grpc_generate(c, req: g.GenerateRequest) -> tuple[str, int, int, str]:
@@ -65,7 +73,7 @@ def grpc_generate(c, req: g.GenerateRequest) -> tuple[str, int, int, str]:
     return text, usage.prompt_tokens, usage.completion_tokens, finish
 
 
-def test_sdk_greedy_output_equals_grpc_generate_with_right_usage(http_cluster, tokenizer):
+def test_sdk_greedy_output_equals_grpc_generate_with_right_usage(http_cluster, tokenizer, served):
     c = http_cluster
     want = {p: grpc_generate(c, g.GenerateRequest(prompt=p)) for p in PROMPTS}
     chat_req = g.GenerateRequest(
@@ -78,7 +86,7 @@ def test_sdk_greedy_output_equals_grpc_generate_with_right_usage(http_cluster, t
 
     async def main():
         client = openai.AsyncOpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=120)
-        kw = {"model": DEFAULT_MODEL, "max_tokens": MAX_TOKENS, "temperature": 0}
+        kw = {"model": served, "max_tokens": MAX_TOKENS, "temperature": 0}
 
         async def completion(p: str):
             return await client.completions.create(prompt=p, **kw)
@@ -119,15 +127,16 @@ def test_sdk_greedy_output_equals_grpc_generate_with_right_usage(http_cluster, t
 
 
 @pytest.mark.parametrize("topology", ["colocated", "1P+1D"])
-def test_disconnected_http_clients_free_their_kv_blocks_on_every_worker(topology, request):
+def test_disconnected_http_clients_free_their_kv_blocks_on_every_worker(topology, served, request):
     """Streaming and non-streaming clients that go mid-generation free every KV block, on a colocated
     worker and on both workers of a disaggregated pair (the prefill worker's blocks after their push)."""
     c = request.getfixturevalue("http_cluster" if topology == "colocated" else "pd_http_cluster")
     streams = 4
-    # Long enough that none ends before its client goes, however fast the CPU (with 400, a CPU ~8x this
-    # host's decode speed finished them during the status calls below: "never saw 5 requests running").
-    # Every one is cut mid-generation, so the length costs nothing; 5 x 1,500 tokens fit the default KV.
-    kw = {"model": DEFAULT_MODEL, "max_tokens": 1500, "extra_body": {"ignore_eos": True}}
+    # Long enough that none ends before its client goes, however fast the CPU (with 400 tokens of SmolLM2,
+    # a CPU ~8x this host's decode speed finished them during the status calls below: "never saw 5
+    # requests running"; a tiny model's token takes milliseconds). Every one is cut mid-generation, so the
+    # length costs nothing; 5 x 1,900 tokens fit the KV cache, each within the 2,048-token context.
+    kw = {"model": served, "max_tokens": 1900, "extra_body": {"ignore_eos": True}}
     state = cluster.load_state(c.state_dir)
     assert state is not None
     token = cluster.state_token(state)
@@ -176,7 +185,7 @@ def test_disconnected_http_clients_free_their_kv_blocks_on_every_worker(topology
     assert c.status()["router"]["requests_running"] == 0
 
 
-def test_guidellm_runs_against_pdserve_on_the_pdserve_bench_workload(http_cluster):
+def test_guidellm_runs_against_pdserve_on_the_pdserve_bench_workload(http_cluster, served, tiny_served_model):
     """The third-party tool completes every request with exact lengths; its figures sit beside bench's.
 
     Agreement of the numbers is measured by ``make bench-openai`` (more requests, several rounds);
@@ -184,7 +193,7 @@ def test_guidellm_runs_against_pdserve_on_the_pdserve_bench_workload(http_cluste
     """
     c = http_cluster
     w = Workload(input_len=64, output_len=8, num_prompts=3, concurrency=2, rounds=1)
-    target = Target(c.address, c.http_url, DEFAULT_MODEL, resolve_model(DEFAULT_MODEL, progress=False))
+    target = Target(c.address, c.http_url, served, tiny_served_model)
     started = time.monotonic()
     doc = compare(target, w, find_guidellm(), timeout_s=300)
     print(format_report(doc), f"({time.monotonic() - started:.0f}s)")
@@ -198,12 +207,12 @@ def test_guidellm_runs_against_pdserve_on_the_pdserve_bench_workload(http_cluste
     c.assert_no_leaks()
 
 
-def test_http_and_grpc_errors_match_on_the_real_model(http_cluster):
+def test_http_and_grpc_errors_match_on_a_served_model(http_cluster, served):
     c = http_cluster
     client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=60)
-    too_long = "hello " * 9000  # over SmolLM2's 8,192-token context
+    too_long = "hello " * 9000  # over the served model's context (2,048 tokens; SmolLM2's is 8,192)
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=DEFAULT_MODEL, prompt=too_long, max_tokens=4)
+        client.completions.create(model=served, prompt=too_long, max_tokens=4)
     assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
     with c.channel() as channel, pytest.raises(grpc.RpcError) as rpc:
         generate(c.stub(channel), g.GenerateRequest(prompt=too_long))
