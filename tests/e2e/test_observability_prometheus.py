@@ -1,7 +1,7 @@
 """Acceptance: a real Prometheus scrapes a real 1 prefill + 1 decode cluster under load.
 
 ``pdserve up --prometheus --autoscale`` starts the router, the two workers (the real pools,
-SmolLM2 in float32) and Debian's Prometheus (``make prometheus`` unpacks it into
+serving the tiny served model in float32) and Debian's Prometheus (``make prometheus`` unpacks it into
 the virtualenv; the fixture does the same when it is missing, and skips saying
 why only when it cannot). After a load of short prompts (prefilled locally by
 the decode worker) and long ones (prefilled remotely, KV over the transfer):
@@ -48,7 +48,9 @@ SCRAPE_S = 1.0
 # Grafana's $__rate_interval: max(4 x scrape interval, step + scrape interval), with a 1 s step here.
 RATE_INTERVAL = "4s"
 LOCAL_PREFILL_THRESHOLD = 32  # prompts shorter than this many tokens prefill on the decode worker
-MAX_TOKENS = 12
+# A tiny-model token takes milliseconds: answers long enough that the load spans several scrapes, so that
+# every rate sees it rise.
+MAX_TOKENS = 200
 BLOCK_SIZE = 16  # tokens per KV block (the workers' default)
 WAVES = 3
 _POLL_S = 0.5
@@ -137,18 +139,16 @@ def generate(address: str, req: g.GenerateRequest) -> tuple[int, int]:
     return usage.prompt_tokens, streamed
 
 
-def kv_bytes_per_token(dtype_bytes: int = 4) -> int:
-    """SmolLM2-135M: K and V of every layer, KV heads x head dim, float32."""
-    from pdserve.engine.registry import resolve_model
-
-    cfg = json.loads(
-        (Path(resolve_model("smollm2-135m-instruct", None, progress=False)) / "config.json").read_text()
-    )
+def kv_bytes_per_token(model: Path, dtype_bytes: int = 4) -> int:
+    """The model's K and V of every layer, KV heads x head dim, float32."""
+    cfg = json.loads((model / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
-def test_every_dashboard_query_returns_data_from_a_real_cluster(tmp_path, prometheus_binary):
+def test_every_dashboard_query_returns_data_from_a_real_cluster(
+    tmp_path, prometheus_binary, tiny_served_model
+):
     prom_port = free_port()
     extra = (
         "--local-prefill-threshold", str(LOCAL_PREFILL_THRESHOLD), "--block-size", str(BLOCK_SIZE),
@@ -159,7 +159,7 @@ def test_every_dashboard_query_returns_data_from_a_real_cluster(tmp_path, promet
         # repeated one on the decode worker that caches it), so the bytes below add up per prompt.
         "--routing-policy", "load",
     )  # fmt: skip
-    with running_cluster(tmp_path, prefill=1, decode=1, extra=extra) as c:
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         prom = f"http://127.0.0.1:{prom_port}"
         status = c.status()
         urls = [status["router"]["metrics_url"]] + [w["metrics_url"] for w in status["workers"]]
@@ -185,7 +185,7 @@ def test_every_dashboard_query_returns_data_from_a_real_cluster(tmp_path, promet
         wait_equal(prom, "sum(pdserve_time_to_first_token_seconds_count)", n)
         wait_equal(prom, "sum(pdserve_generation_tokens_total)", streamed)
         wait_equal(prom, 'sum(pdserve_requests_total{finish_reason=~"stop|length"})', n)
-        kv_bytes = remote_tokens * kv_bytes_per_token()
+        kv_bytes = remote_tokens * kv_bytes_per_token(tiny_served_model)
         # Bytes sent, and bytes landed: with the blocks the decode worker already cached (and so were not
         # sent: the waves repeat their prompts), every remote prompt's KV.
         not_sent = "sum(pdserve_kv_transfer_bytes_not_sent_total)"
