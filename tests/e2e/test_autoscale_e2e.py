@@ -190,7 +190,8 @@ def test_each_pool_grows_under_its_load_and_shrinks_back_by_draining(tmp_path):
         status = c.status()
         assert status["autoscaler"]["pools"]["decode"]["serving"] == 1
         assert any(w["state"] == "standby" for w in status["workers"])
-        c.assert_no_leaks()
+        # (Bounded wait: a refilled standby may still be registering on a loaded machine.)
+        c.assert_no_leaks(timeout_s=30)
 
 
 def test_an_autoscaler_run_by_hand_owns_the_pools_like_a_background_one(tmp_path):
