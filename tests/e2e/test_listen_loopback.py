@@ -48,7 +48,9 @@ def metric(url: str, name: str) -> float:
 
 def test_a_default_cluster_listens_on_loopback_only(tmp_path, tiny_served_model):
     # Threshold 1: the prompt crosses the KV transfer (the prefill side starts UCX on its first one).
-    extra = ("--local-prefill-threshold", "1", "--http-port", str(free_port()))
+    # A generous heartbeat timeout: on a starved machine a prefill worker dropped for missed heartbeats
+    # sends the prompt to the decode worker, and nothing crosses the KV transfer.
+    extra = ("--local-prefill-threshold", "1", "--http-port", str(free_port()), "--heartbeat-timeout", "15")
     cluster_up = running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra)
     with cluster_up as c, c.channel() as ch:
         req = generation_pb2.GenerateRequest(

@@ -159,6 +159,9 @@ def test_every_dashboard_query_returns_data_from_a_real_cluster(
         # Every prompt at or above the threshold prefilled remotely (the KV-aware policy would prefill a
         # repeated one on the decode worker that caches it), so the bytes below add up per prompt.
         "--routing-policy", "load",
+        # A generous heartbeat timeout: on a starved machine a prefill worker dropped for missed
+        # heartbeats sends its prompts to the decode worker, and the KV bytes do not add up.
+        "--heartbeat-timeout", "15",
     )  # fmt: skip
     with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         prom = f"http://127.0.0.1:{prom_port}"
