@@ -48,6 +48,29 @@ def tiny_served_model(tmp_path_factory):
     return make_tiny_served_model("llama", tmp_path_factory.mktemp("tiny-served"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory):
+    """A model cache holding the packaged SmolLM2 GGUF converted (seconds), made once for the tests that
+    check the conversion and the tokenizer against transformers."""
+    from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
+
+    cache = tmp_path_factory.mktemp("smollm2-cache")
+    resolve_model(DEFAULT_MODEL, cache, progress=False)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer():
+    """transformers' tokenizer read from the packaged SmolLM2 GGUF (seconds: it parses the file), the
+    reference of the tokenizer and real-model parity tests; read once."""
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.registry import DEFAULT_MODEL, KNOWN_MODELS, packaged_gguf_path
+
+    gguf = packaged_gguf_path(DEFAULT_MODEL, KNOWN_MODELS[DEFAULT_MODEL])
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 # Which C kernel builds the kernel-vs-torch unit tests check (``kernels_every_isa``): a comma-separated list
 # of engine.env.KERNEL_ISAS, e.g. ``native`` alone for a quick run; unset or ``all``: every build whose code
 # paths differ on this host.

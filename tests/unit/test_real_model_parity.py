@@ -2,7 +2,8 @@
 transformers' greedy output for 4 chat prompts, 32 tokens each.
 
 transformers loads the same GGUF (``from_pretrained(pkgdir, gguf_file=...)``, dequantized to float32);
-pdserve converts it into a temporary cache and runs it. Each side loads once per module. The pieces
+pdserve converts it into a temporary cache and runs it. Each side loads once per module (the conversion
+and transformers' tokenizer once per run: ``tests/conftest.py``, shared with the tokenizer tests). The pieces
 (weights, config, prompt ids, our runner's greedy loop) are checked on their own too, so a failure of
 the end-to-end test points at its cause.
 """
@@ -35,8 +36,8 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("smollm2-cache")
+def cache_dir(smollm2_cache) -> Path:
+    return smollm2_cache
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,8 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+def hf_tokenizer(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @pytest.fixture(scope="module")

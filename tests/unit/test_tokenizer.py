@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine.registry import DEFAULT_MODEL, KNOWN_MODELS, packaged_gguf_path, resolve_model
+from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from tests.tiny_gguf import write_tiny_gguf
 from tests.tiny_models import make_tiny_model
@@ -47,8 +47,8 @@ slow_reference = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory) -> Path:
-    return resolve_model(DEFAULT_MODEL, tmp_path_factory.mktemp("cache"), progress=False)
+def smollm2_dir(smollm2_cache) -> Path:
+    return resolve_model(DEFAULT_MODEL, smollm2_cache, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +57,8 @@ def ours(smollm2_dir) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoTokenizer
-
-    gguf = packaged_gguf_path(DEFAULT_MODEL, KNOWN_MODELS[DEFAULT_MODEL])
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+def reference(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 @slow_reference
