@@ -11,6 +11,7 @@ is checked is the serving path against the same engine offline, not the real mod
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import random
 import signal
@@ -213,18 +214,20 @@ def test_int8_disaggregated_equals_offline_int8_and_a_float_worker_cannot_join(t
 
         state = local.load_state(c.state_dir)
         assert state is not None
-        stray = _decode_worker_by_hand(state, "--worker-id", "float-decode")
+        # The same model directory name, shape and flags (so the same KV record), another vocabulary: the
+        # KV check cannot tell; the router's vocabulary check refuses it. (The two strays start together.)
+        other = _other_vocabulary_copy(tiny_served_model, tmp_path / "other-vocab")
+        with cf.ThreadPoolExecutor(2) as pool:
+            float_worker = pool.submit(_decode_worker_by_hand, state, "--worker-id", "float-decode")
+            other_vocab = pool.submit(
+                _decode_worker_by_hand,
+                *(state, "--worker-id", "other-vocab", "--quantization", "int8", "--model", str(other)),
+            )
+            stray, stranger = float_worker.result(), other_vocab.result()
         assert stray.returncode != 0, stray.stderr[-2000:]
         assert "FAILED_PRECONDITION" in stray.stderr and "--quantization" in stray.stderr, stray.stderr[
             -2000:
         ]
-
-        # The same model directory name, shape and flags (so the same KV record), another vocabulary: the
-        # KV check cannot tell; the router's vocabulary check refuses it.
-        other = _other_vocabulary_copy(tiny_served_model, tmp_path / "other-vocab")
-        stranger = _decode_worker_by_hand(
-            state, "--worker-id", "other-vocab", "--quantization", "int8", "--model", str(other)
-        )
         assert stranger.returncode != 0, stranger.stderr[-2000:]
         assert "FAILED_PRECONDITION" in stranger.stderr and "vocabulary" in stranger.stderr, stranger.stderr[
             -2000:
