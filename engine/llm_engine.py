@@ -330,7 +330,12 @@ class LLMEngine:
         if all(s.params.argmax_only for s in seqs):  # (greedy batches: no per-row sampler work)
             tokens = self.sampler.argmax_tokens(logits)
         else:
-            rows = [SampleRow(s.params, len(s.output_token_ids), s.output_offset) for s in seqs]
+            rows = [
+                SampleRow(
+                    s.params, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids
+                )
+                for s in seqs
+            ]
             tokens = self.sampler(logits, rows)
         return self._emit(self.scheduler.postprocess(batch, tokens))
 

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing
 # logits by a tiny temperature would only amplify float noise.
 GREEDY_EPS = 1e-5
+
+# Bounds of the penalties and biases (OpenAI's for presence, frequency and logit_bias values); a request's
+# logit_bias holds at most this many tokens.
+MAX_ABS_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 def _is_int(v: object) -> bool:
@@ -31,6 +37,13 @@ class SamplingParams:
     ``temperature`` 0 means greedy; ``top_k`` -1 means off; ``seed`` makes the
     draw for output token ``i`` depend only on ``(seed, i)``, whatever else is
     in the batch and whichever worker samples it.
+
+    Penalties and biases, as vLLM defines them (0, 0, 1 and none: off): ``presence_penalty`` and
+    ``frequency_penalty`` in [-2, 2] subtract ``presence * (count > 0) + frequency * count`` from each
+    token's logit, ``count`` its occurrences among the OUTPUT tokens; ``repetition_penalty`` > 0 divides
+    the positive logits (multiplies the negative ones) of every token seen in the prompt or the outputs;
+    ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits. It is given as a
+    mapping (or (id, bias) pairs) and stored as (id, bias) pairs sorted by id.
     """
 
     max_tokens: int = 16
@@ -42,6 +55,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -76,6 +93,27 @@ class SamplingParams:
             raise ValueError("stop must not contain an empty string")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -MAX_ABS_PENALTY <= v <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+
+    @functools.cached_property
+    def adjusts_logits(self) -> bool:
+        """The sampler changes this request's logits before it samples: a penalty or a logit_bias."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+        )
 
     @property
     def greedy(self) -> bool:
@@ -84,8 +122,36 @@ class SamplingParams:
     @functools.cached_property
     def argmax_only(self) -> bool:
         """Every token is the argmax of the logits (greedy, or top_k 1: ties to the first index), with no
-        min_tokens masking: what the sampler's fast path checks for every sequence every step."""
-        return (self.greedy or self.top_k == 1) and self.min_tokens == 0
+        min_tokens masking and no penalty or bias: what the sampler's fast path checks for every sequence
+        every step."""
+        return (self.greedy or self.top_k == 1) and self.min_tokens == 0 and not self.adjusts_logits
+
+
+def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (id, bias) pairs sorted by id; ValueError naming the field."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        items: Iterable[object] = bias.items()
+    elif isinstance(bias, Sequence) and not isinstance(bias, str | bytes):
+        items = bias
+    else:
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias has {len(bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not (isinstance(item, Sequence) and len(item) == 2):
+            raise ValueError(f"logit_bias must map token ids to biases, got the item {item!r}")
+        t, v = item
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"logit_bias has the key {t!r}; keys must be token ids (integers >= 0)")
+        if not _is_real(v) or not -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS:
+            raise ValueError(f"logit_bias of token {t} must be in [-100, 100], got {v!r}")
+        if t in pairs:
+            raise ValueError(f"logit_bias has token id {t} twice")
+        pairs[t] = float(v)
+    return tuple(sorted(pairs.items()))
 
 
 def check_prompt_length(tokens: int, max_model_len: int, name: str = "prompt", what: str = "") -> None:
@@ -115,13 +181,18 @@ def validate_prompt_token_ids(
 
 
 def validate_params_for_model(params: SamplingParams, *, vocab_size: int, can_detokenize: bool) -> None:
-    """Checks that need the model: stop ids inside the vocabulary, stop strings need a tokenizer."""
+    """Checks that need the model: stop and logit_bias ids inside the vocabulary, stop strings need a
+    tokenizer."""
     if params.top_k > vocab_size:
         # Refused, not clipped: a top_k above the vocabulary is a client's mistake worth hearing about.
         raise ValueError(f"top_k must be at most the vocabulary size {vocab_size}, got {params.top_k}")
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise ValueError(f"stop_token_ids has id {t} outside the vocabulary [0, {vocab_size})")
+    if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # (sorted: the largest id is last)
+        raise ValueError(
+            f"logit_bias has token id {params.logit_bias[-1][0]} outside the vocabulary [0, {vocab_size})"
+        )
     if params.stop and not can_detokenize:
         raise ValueError(
             "stop strings need a tokenizer (this model directory has none, or detokenize is off)"

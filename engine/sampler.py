@@ -1,4 +1,5 @@
 """Batched token sampler: greedy, temperature, top-k, top-p, min_tokens, per-request seed; one call a step.
+Penalties and logit_bias (``engine.penalties``) apply first, to the rows that ask for them.
 
 Seeded rows draw by the exponential race with counter-based noise of (seed, output index, vocabulary
 index) alone, so a seeded request samples the same tokens alone or in any batch, on any device and on any
@@ -13,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.penalties import adjust_logits
 
 _MASK64 = (1 << 64) - 1
 
@@ -75,6 +77,10 @@ class SampleRow(NamedTuple):
     # Outputs the request made elsewhere before (a migrated stream): its seeded noise continues at
     # ``output_offset + output_index``; min_tokens counts ``output_index`` only (the caller lowered it).
     output_offset: int = 0
+    # The request's tokens, read only for params that ``adjusts_logits`` (penalties): the prompt (whose
+    # last ``output_offset`` tokens are earlier outputs) and the outputs made here so far.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 class Sampler:
@@ -102,19 +108,26 @@ class Sampler:
             raise ValueError(f"logits has {n} rows but {len(rows)} sample rows were given")
         if n == 0:
             return []
-        # One pass over the rows, every step: those still short of min_tokens, and those not greedy.
+        # One pass over the rows, every step: those still short of min_tokens, those with penalties or
+        # biases, and those not greedy.
         short: list[int] = []
         idx: list[int] = []
+        adjust: list[int] = []
         for i, r in enumerate(rows):
             p = r.params
             if r.output_index < p.min_tokens:
                 short.append(i)
+            if p.adjusts_logits:
+                adjust.append(i)
             # top_k 1 is argmax, ties to the first index as greedy: a draw among exactly tied logits (bf16
             # rounding makes them) would let a top_k=1 request leave greedy's tokens.
             if not p.greedy and p.top_k != 1:
                 idx.append(i)
         if short:
             logits = self._mask_min_tokens(logits, rows, short, vocab)
+        if adjust:
+            # vLLM's order: min_tokens and logit_bias, then the penalties, then temperature, top-k, top-p.
+            logits = adjust_logits(logits, rows, adjust)
         tokens = self.argmax(logits)  # [n]
         if idx:
             sub = logits if len(idx) == n else logits[idx]

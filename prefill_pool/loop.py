@@ -294,7 +294,8 @@ class PrefillLoop:
             self.running, self.running_tokens = len(live), sum(j.new_tokens for j in live)
             t0 = time.perf_counter()
             try:
-                rows = [SampleRow(j.payload.params, 0) for j in live]
+                # The first token's penalties see the prompt (a prefill worker has no earlier outputs).
+                rows = [SampleRow(j.payload.params, 0, 0, j.prompt_token_ids) for j in live]
                 tokens = await asyncio.get_running_loop().run_in_executor(
                     self._forward_thread, self._forward, items, hook, rows
                 )

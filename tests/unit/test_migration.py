@@ -41,8 +41,18 @@ def _first_new_token(tokens: list[int], k: int) -> tuple[int, int]:
         SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=N, ignore_eos=True),
         # Its stop token is set below: one the unconstrained run samples, which min_tokens must suppress.
         SamplingParams(temperature=1.0, seed=7, max_tokens=N, min_tokens=N, ignore_eos=False),
+        # The earlier outputs (the prompt's tail now) still count as outputs: negative presence and
+        # frequency penalties favour them again, which a continuation that missed them would not.
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=N,
+            ignore_eos=True,
+            presence_penalty=-1.0,
+            frequency_penalty=-1.0,
+            repetition_penalty=1.3,
+        ),
     ],
-    ids=["greedy", "seeded", "seeded-min-tokens"],
+    ids=["greedy", "seeded", "seeded-min-tokens", "greedy-penalties"],
 )
 @pytest.mark.parametrize("k", [1, 5, N - 1])
 def test_continuing_from_an_offset_gives_the_undisturbed_tokens(tiny_llama_dir, params, k):

@@ -13,8 +13,37 @@ def test_defaults_match_vllm():
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (16, 1.0, 1.0, -1, None)
     assert (p.stop, p.stop_token_ids, p.min_tokens, p.ignore_eos) == ((), (), 0, False)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (
+        0.0,
+        0.0,
+        1.0,
+        (),
+    )
     assert not p.greedy
     assert SamplingParams(temperature=0).greedy
+
+
+def test_penalties_and_bias_leave_the_argmax_fast_path():
+    assert SamplingParams(temperature=0).argmax_only and not SamplingParams(temperature=0).adjusts_logits
+    for kw in (
+        {"presence_penalty": 0.1},
+        {"frequency_penalty": -0.1},
+        {"repetition_penalty": 1.1},
+        {"logit_bias": {3: -1.0}},
+    ):
+        p = SamplingParams(temperature=0, **kw)
+        assert p.adjusts_logits and not p.argmax_only, kw
+    neutral = SamplingParams(temperature=0, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1)
+    assert neutral.argmax_only and SamplingParams(temperature=0, logit_bias={}).argmax_only
+
+
+def test_logit_bias_is_stored_as_sorted_pairs():
+    p = SamplingParams(logit_bias={9: 1, 2: -100.0})
+    assert p.logit_bias == ((2, -100.0), (9, 1.0))
+    assert SamplingParams(logit_bias=[(9, 1), (2, -100)]) == p and hash(p) == hash(
+        SamplingParams(logit_bias=p.logit_bias)
+    )
+    assert SamplingParams(logit_bias=None).logit_bias == ()
 
 
 def test_lists_become_tuples_and_a_bare_stop_string_is_one_string():
@@ -54,6 +83,22 @@ def test_frozen():
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": ["a"]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"presence_penalty": 2.01}, "presence_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias"),
+        ({"logit_bias": [(1, 1.0), (1, 2.0)]}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": 5}, "logit_bias"),
+        ({"logit_bias": dict.fromkeys(range(301), 1.0)}, "logit_bias"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, field):
@@ -64,6 +109,8 @@ def test_bad_values_name_the_field(kwargs, field):
 def test_edge_values_are_valid():
     SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=1, min_tokens=1, seed=-3)
     SamplingParams(top_p=1e-9, top_k=-1, temperature=100.0, seed=2**80)
+    SamplingParams(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1e-3)
+    SamplingParams(logit_bias={i: (-100, 100)[i % 2] for i in range(300)})
 
 
 def test_prompt_validation_names_the_problem():
@@ -91,3 +138,8 @@ def test_params_against_the_model():
     validate_params_for_model(
         SamplingParams(stop=["x"], stop_token_ids=[9]), vocab_size=10, can_detokenize=True
     )
+    with pytest.raises(ValueError, match="logit_bias has token id 10 outside"):
+        validate_params_for_model(
+            SamplingParams(logit_bias={10: 1, 3: 1}), vocab_size=10, can_detokenize=True
+        )
+    validate_params_for_model(SamplingParams(logit_bias={9: 1}), vocab_size=10, can_detokenize=True)

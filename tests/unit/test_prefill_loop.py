@@ -113,6 +113,37 @@ def test_the_first_token_comes_before_the_ticket_and_the_kv_moves_whole_after(ru
     asyncio.run(main())
 
 
+def test_the_first_tokens_penalties_and_bias_see_the_prompt(runner: ModelRunner) -> None:
+    """The sampler gets each job's prompt (penalties count it); a strong negative bias moves token 0."""
+
+    seen: list = []
+
+    class Recording(Sampler):
+        def __call__(self, logits, rows):  # type: ignore[no-untyped-def]
+            seen.extend(rows)
+            return super().__call__(logits, rows)
+
+    async def main() -> None:
+        sender = _Sender(runner.config.num_layers)
+        sampler = Recording(())
+        loop = PrefillLoop(runner, sampler, sender, 256, PrefillMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+        loop.start()
+        greedy = SamplingParams(temperature=0.0, max_tokens=4)
+        _, result = loop.submit("plain", PROMPT, greedy, _ticket())  # type: ignore[arg-type]
+        plain = (await asyncio.wait_for(result, 30))[0]
+        biased = SamplingParams(
+            temperature=0.0, max_tokens=4, logit_bias={plain: -100}, repetition_penalty=1.2
+        )
+        _, result = loop.submit("biased", PROMPT, biased, _ticket())  # type: ignore[arg-type]
+        assert (await asyncio.wait_for(result, 30))[0] != plain
+        assert [list(r.prompt_token_ids) for r in seen] == [PROMPT, PROMPT]
+        assert all(r.output_index == 0 and not r.output_token_ids for r in seen)
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
 def test_a_ticket_before_its_prefill_is_kept_for_it(runner: ModelRunner) -> None:
     async def main() -> None:
         loop, sender = _loop(runner)
