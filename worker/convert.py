@@ -11,7 +11,18 @@ from pdserve.proto import generation_pb2, worker_pb2
 from pdserve.worker.role import Role
 
 # proto3 optional fields copied into SamplingParams when set; unset ones keep the engine defaults.
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "min_tokens", "ignore_eos")
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "min_tokens",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 ROLE_TO_PROTO = {
     Role.PREFILL: worker_pb2.ROLE_PREFILL,
     Role.DECODE: worker_pb2.ROLE_DECODE,
@@ -22,6 +33,8 @@ ROLE_TO_PROTO = {
 def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingParams:
     """Build the engine's SamplingParams; its ValueError names the field."""
     kw: dict[str, object] = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if s.HasField(f)}
+    if s.logit_bias:
+        kw["logit_bias"] = s.logit_bias  # (a mapping: SamplingParams checks its size before reading it)
     return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import struct
 from collections.abc import Mapping
 
 import msgspec
 
-from pdserve.engine.params import check_prompt_length
+from pdserve.engine.params import MAX_LOGIT_BIAS_TOKENS, check_prompt_length
 from pdserve.proto import generation_pb2 as g
 from pdserve.router.openai.protocol import (
     ChatChoice,
@@ -66,17 +67,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Options the API has and pdserve does not implement: refused, never silently ignored."""
     if req.n not in (None, 1):
         raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value not in (None, 0.0):
-            raise invalid(f"{name} is not supported (only 0), got {value}", name)
-    if req.repetition_penalty not in (None, 1.0):
-        raise invalid(
-            f"repetition_penalty is not supported (only 1), got {req.repetition_penalty}",
-            "repetition_penalty",
-        )
-    if req.logit_bias:
-        raise invalid("logit_bias is not supported", "logit_bias")
     if present(req.tools):
         raise invalid("tools are not supported", "tools")
     if present(req.response_format):
@@ -134,7 +124,34 @@ def _sampling(
         s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
     if req.stop_token_ids is not None:
         s.stop_token_ids.extend(_bounded("stop_token_ids", t, 0, _UINT32) for t in req.stop_token_ids)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            setattr(s, name, _float32(name, value))
+    if req.logit_bias:
+        s.logit_bias.update(_logit_bias(req.logit_bias))
     return s
+
+
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # (uint32's digits at most)
+
+
+def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (JSON: token ids as string keys) as the proto's map; its size and values are
+    the router's to check, what the proto cannot hold is refused here."""
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:  # (before reading a huge one)
+        raise invalid(f"logit_bias has {len(bias)} tokens; at most {MAX_LOGIT_BIAS_TOKENS}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise invalid(
+                f"logit_bias has the key {key!r}; keys must be token ids (integers >= 0)", "logit_bias"
+            )
+        t = _bounded("logit_bias", int(key), 0, _UINT32)
+        if t in out:  # ("7" and "07")
+            raise invalid(f"logit_bias has token id {t} twice", "logit_bias")
+        out[t] = _float32("logit_bias", value)
+    return out
 
 
 def _token_ids(ids: list, context_length: int) -> list[int]:

@@ -1,8 +1,9 @@
 """The OpenAI HTTP API's wire shapes, as typed ``msgspec`` Structs. Pure: no grpc.
 
 The shapes follow OpenAI's API reference and the extensions vLLM accepts (``top_k``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``), so tools written for vLLM work unchanged. Errors are ``OpenAIError``:
-an HTTP status and OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``), so tools written for vLLM work unchanged.
+Errors are ``OpenAIError``: an HTTP status and OpenAI's body ``{"error": {"message", "type", "param",
+"code"}}``.
 """
 
 from __future__ import annotations
@@ -326,6 +327,10 @@ _PARAM_NAMES = {
     "ignore_eos": "ignore_eos",
     "stop": "stop",
     "stop_token_ids": "stop_token_ids",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
     "request_id": "X-Request-ID",  # the HTTP front takes the id from that header
 }
 _LEADING_FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")

@@ -52,9 +52,17 @@ def sampling(draw) -> g.SamplingParams:
         ("seed", st.integers(0, 2**64 - 1)),
         ("min_tokens", st.one_of(st.integers(0, 10), uint32)),
         ("ignore_eos", st.booleans()),
+        ("presence_penalty", st.one_of(st.floats(-2.5, 2.5, width=32), floats)),
+        ("frequency_penalty", st.one_of(st.floats(-2.5, 2.5, width=32), floats)),
+        ("repetition_penalty", st.one_of(st.floats(-0.5, 3, width=32), floats)),
     ):
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
+    bias_ids = st.one_of(st.integers(0, 40), uint32)
+    bias_values = st.one_of(st.floats(-110, 110, width=32), floats)
+    s.logit_bias.update(draw(st.dictionaries(bias_ids, bias_values, max_size=8)))
+    if draw(st.integers(0, 9)) == 0:  # over the bound on the number of tokens
+        s.logit_bias.update(dict.fromkeys(range(draw(st.integers(290, 400))), 1.0))
     s.stop.extend(draw(st.lists(st.text(max_size=20), max_size=80)))
     s.stop_token_ids.extend(draw(st.lists(st.one_of(st.integers(0, 40), uint32), max_size=20)))
     return s
@@ -104,6 +112,17 @@ http_body = st.one_of(
             "stream": st.booleans(),
             "tokens": st.lists(st.integers(-(2**40), 2**40), max_size=6),
             "n": st.integers(-2, 3),
+            "presence_penalty": st.one_of(st.floats(-3, 3), json_value),
+            "frequency_penalty": st.one_of(st.floats(allow_subnormal=False), json_value),
+            "repetition_penalty": st.one_of(st.floats(-1, 3), json_value),
+            "logit_bias": st.one_of(
+                st.dictionaries(
+                    st.one_of(st.integers(-5, 2**40).map(str), text),
+                    st.one_of(st.floats(-200, 200), json_value),
+                    max_size=6,
+                ),
+                json_value,
+            ),
         },
     ).map(lambda d: json.dumps(d).encode()),
     json_value.map(lambda v: json.dumps(v).encode()),

@@ -40,6 +40,14 @@ HOSTILE = [
         f"at most {MAX_STOP_TOKEN_IDS}",
     ),
     (request("the cat", top_k=VOCAB + 1), "sampling.top_k", f"vocabulary size {VOCAB}"),
+    (request("the cat", presence_penalty=2.5), "sampling.presence_penalty", "[-2, 2]"),
+    (request("the cat", frequency_penalty=-3), "sampling.frequency_penalty", "[-2, 2]"),
+    (request("the cat", repetition_penalty=0), "sampling.repetition_penalty", "> 0"),
+    (request("the cat", repetition_penalty=float("inf")), "sampling.repetition_penalty", "finite"),
+    (request("the cat", logit_bias={VOCAB: 1.0}), "sampling.logit_bias", f"vocabulary [0, {VOCAB})"),
+    (request("the cat", logit_bias={1: 100.5}), "sampling.logit_bias", "[-100, 100]"),
+    (request("the cat", logit_bias={1: float("nan")}), "sampling.logit_bias", "[-100, 100]"),
+    (request("the cat", logit_bias=dict.fromkeys(range(5000), 1.0)), "sampling.logit_bias", "at most 300"),
     (
         g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[1] * 1_000_000)),
         "prompt_token_ids has 1000000 tokens",
@@ -101,6 +109,12 @@ def test_hostile_http_requests_are_400_naming_the_field(model_dir):
                 ({"prompt": "the cat", "max_tokens": 4_000_000_000}, "max_tokens", "context_length_exceeded"),
                 ({"prompt": "the cat", "stop": ["x"] * 1000}, "stop", None),
                 ({"prompt": "the cat", "top_k": 10_000}, "top_k", None),
+                ({"prompt": "the cat", "presence_penalty": 2.01}, "presence_penalty", None),
+                ({"prompt": "the cat", "frequency_penalty": -9}, "frequency_penalty", None),
+                ({"prompt": "the cat", "repetition_penalty": -1}, "repetition_penalty", None),
+                ({"prompt": "the cat", "logit_bias": {str(VOCAB): 1}}, "logit_bias", None),
+                ({"prompt": "the cat", "logit_bias": {"3": -101}}, "logit_bias", None),
+                ({"prompt": "the cat", "logit_bias": {"three": 1}}, "logit_bias", None),
             ]
             async with aiohttp.ClientSession() as http:
                 for body, param, code in cases:

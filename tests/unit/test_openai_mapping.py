@@ -88,6 +88,19 @@ def test_completion_maps_prompt_forms_and_only_the_sampling_fields_sent():
     )
 
 
+def test_penalties_and_logit_bias_map_onto_the_proto_on_both_endpoints():
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.25}
+    bias = {"5": -100, "12": 2.5}
+    for s in (
+        completion(prompt="x", logit_bias=bias, **fields).sampling,
+        chat(messages=[{"role": "user", "content": "x"}], logit_bias=bias, **fields).sampling,
+    ):
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1.0, 1.25)
+        assert dict(s.logit_bias) == {5: -100.0, 12: 2.5}
+    s = completion(prompt="x", logit_bias={}).sampling
+    assert not s.HasField("presence_penalty") and not s.HasField("repetition_penalty") and not s.logit_bias
+
+
 def test_chat_maps_messages_text_parts_and_max_completion_tokens():
     r = chat(
         messages=[
@@ -118,8 +131,14 @@ def test_chat_maps_messages_text_parts_and_max_completion_tokens():
         ({"prompt": "x", "logprobs": 1}, "logprobs"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 1e300}, "presence_penalty"),  # beyond a float32
+        ({"prompt": "x", "logit_bias": {"a": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"1.5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"99999999999": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"7": 1.0, "07": 2.0}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias"),
         ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
         ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
