@@ -207,6 +207,37 @@ def test_guidellm_runs_against_pdserve_on_the_pdserve_bench_workload(http_cluste
     c.assert_no_leaks()
 
 
+def test_penalties_and_logit_bias_travel_to_every_worker_through_both_fronts(
+    http_cluster, pd_http_cluster, served
+):
+    """A strong negative logit_bias on the greedy token 0 moves it (in 1P+1D the prefill worker samples it),
+    a repetition penalty applies on the decode worker after it, and the SDK's request (``logit_bias``'s
+    string keys, ``repetition_penalty`` as vLLM's extra field) gets what gRPC gets, in both topologies."""
+    prompt, n = PROMPTS[0], 8
+    biased_tokens = []
+    for c in (http_cluster, pd_http_cluster):
+        req = g.GenerateRequest(prompt=prompt, sampling=g.SamplingParams(max_tokens=n, temperature=0.0))
+        with c.channel() as channel:
+            plain, _, _, _ = generate(c.stub(channel), req)
+            req.sampling.logit_bias[plain[0]] = -100.0
+            req.sampling.repetition_penalty = 1.5
+            biased, text, _, _ = generate(c.stub(channel), req)
+        assert biased[0] != plain[0]
+        biased_tokens.append(biased)
+        client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=60)
+        kw = {"model": served, "prompt": prompt, "max_tokens": n, "temperature": 0}
+        r = client.completions.create(
+            logit_bias={str(plain[0]): -100}, extra_body={"repetition_penalty": 1.5}, **kw
+        )
+        assert r.choices[0].text == text
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(logit_bias={"4000000": 1}, **kw)  # outside the vocabulary
+        assert info.value.param == "logit_bias"
+        client.close()
+        c.assert_no_leaks()
+    assert biased_tokens[0] == biased_tokens[1]  # colocated and disaggregated alike
+
+
 def test_http_and_grpc_errors_match_on_a_served_model(http_cluster, served):
     c = http_cluster
     client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=60)
