@@ -157,6 +157,10 @@ def stop_cluster(state_dir: Path) -> None:
     cluster.stop_survivors(state_dir)
 
 
+def _asks_http(up_args: Sequence[str]) -> bool:
+    return any(a.split("=", 1)[0] in ("--http-port", "--no-http") for a in up_args)
+
+
 @contextlib.contextmanager
 def local_cluster(shape: Shape, spec: ClusterSpec, state_dir: Path) -> Iterator[dict[str, Any]]:
     """A running cluster of ``shape`` (``pdserve up``); yields its address and pinning. Always stopped."""
@@ -174,6 +178,8 @@ def local_cluster(shape: Shape, spec: ClusterSpec, state_dir: Path) -> Iterator[
         "--state-dir", str(state_dir),
         "--timeout", str(spec.timeout_s),
         *(["--pin-cpus"] if spec.pin_cpus else []),
+        # gRPC only, unless asked: the OpenAI front would take port 8000 by default.
+        *([] if _asks_http(spec.extra_up_args) else ["--no-http"]),
         *spec.extra_up_args,
     )  # fmt: skip
     try:

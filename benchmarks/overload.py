@@ -126,7 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Any] = {}
     for name, budget in (("no_budget", 0.0), ("budget", args.budget)):
         sd = tmp / name
-        up = ["up", "--prefill", "1", "--decode", "1", "--colocated", "0", "--port", str(args.port)]
+        up = [
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--colocated",
+            "0",
+            "--port",
+            str(args.port),
+            "--no-http",
+        ]
         up += ["--dtype", args.dtype, "--threads", str(args.threads), "--state-dir", str(sd)]
         if budget:
             up += ["--admission-ttft-s", str(budget)]

@@ -307,7 +307,7 @@ def run_policy(
         "up", "--prefill", "1", "--decode", "2", "--colocated", "0", "--routing-policy", policy,
         "--kv-cache-mib", str(mib), "--threads", str(cfg.threads), "--dtype", cfg.dtype,
         "--model", cfg.model, "--port", str(_free_port()), "--state-dir", str(state_dir),
-        "--timeout", str(START_TIMEOUT_S),
+        "--timeout", str(START_TIMEOUT_S), "--no-http",
     ]  # fmt: skip
     _log(f"{policy}: pdserve {' '.join(up)}")
     try:

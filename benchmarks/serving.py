@@ -119,7 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             sd = tmp / name
             started.append(sd)
             _pdserve(
-                "up", *extra, "--dtype", args.dtype, "--threads", str(args.threads), "--state-dir", str(sd)
+                "up",
+                *extra,
+                "--no-http",
+                "--dtype",
+                args.dtype,
+                "--threads",
+                str(args.threads),
+                "--state-dir",
+                str(sd),
             )
         status = json.loads(_pdserve("status", "--json", "--state-dir", str(tmp / "colocated")))
         worker_addr = status["workers"][0]["address"]

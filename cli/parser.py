@@ -6,7 +6,7 @@ import argparse
 
 from pdserve.cli.autoscale_cmds import autoscale_arguments
 from pdserve.cli.options import cluster_device_args, model_args, state_dir_arg, tls_args, token_arg
-from pdserve.cli.router_flags import ROUTER_FLAGS
+from pdserve.cli.router_flags import ROUTER_FLAGS, UP_HTTP_PORT, UP_ROUTER_FLAGS
 from pdserve.deploy.local import cluster
 from pdserve.router.config import DEFAULT_HOST, DEFAULT_PORT
 from pdserve.worker import flags
@@ -92,7 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds every alert must hold before it fires, instead of each rule's own (minutes): "
         "for a demo or a test",
     )
-    add_flags(p, ROUTER_FLAGS)
+    add_flags(p, UP_ROUTER_FLAGS)
+    http = p.add_mutually_exclusive_group()
+    add_flags(http, (UP_HTTP_PORT,))
+    http.add_argument(
+        "--no-http",
+        dest=UP_HTTP_PORT.name,
+        action="store_const",
+        const=None,
+        help="serve no HTTP API, gRPC only",
+    )
     add_flags(p, flags.TUNING)
     tls_args(p, server=True)
     state_dir_arg(p)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import RoutingPolicy
 from pdserve.worker.flagspec import Flag, int_in, nonneg, seconds
@@ -96,3 +98,17 @@ ROUTER_FLAGS = (
         field="http_port",
     ),
 )
+
+# Where ``pdserve up`` serves the OpenAI-compatible API unless told otherwise (vLLM's port): an
+# OpenAI-compatible server answers on HTTP out of the box. ``pdserve router`` serves it only when given
+# ``--http-port``.
+DEFAULT_UP_HTTP_PORT = 8000
+_HTTP_PORT = next(f for f in ROUTER_FLAGS if f.option == "--http-port")
+UP_HTTP_PORT = dataclasses.replace(
+    _HTTP_PORT,
+    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this port "
+    "(default %(default)s; 0: a free one, shown by `pdserve status`)",
+    default=DEFAULT_UP_HTTP_PORT,
+)
+# ``up`` adds these, then UP_HTTP_PORT or --no-http; it hands the router every ROUTER_FLAGS value.
+UP_ROUTER_FLAGS = tuple(f for f in ROUTER_FLAGS if f is not _HTTP_PORT)

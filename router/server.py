@@ -118,7 +118,10 @@ class RouterServer:
             try:
                 self.router.http_url = await http.start()
             except OSError as e:
-                raise ListenError(f"cannot serve the HTTP API on port {self.config.http_port}: {e}") from e
+                raise ListenError(
+                    f"cannot serve the HTTP API on port {self.config.http_port} (--http-port; 0 picks a free "
+                    f"one): {e}"
+                ) from e
             self.http = http
 
     async def set_frontend(self, tokenizer: RouterTokenizer, limits: ModelLimits) -> None:

@@ -185,6 +185,8 @@ def running_cluster(
         "--state-dir",
         str(state_dir),
         *(("--model", str(model), "--kv-cache-mib", "64") if model is not None else ()),
+        # The OpenAI front is on by default (port 8000): a free port, unless the test chose.
+        *(() if {"--http-port", "--no-http"} & set(extra) else ("--http-port", "0")),
         *extra,
     ]
     try:

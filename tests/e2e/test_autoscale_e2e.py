@@ -247,7 +247,8 @@ def test_an_autoscaler_run_by_hand_owns_the_pools_like_a_background_one(tmp_path
     try:
         up = run(
             "up", "--prefill", "1", "--decode", "1", "--colocated", "0", "--model", str(model),
-            "--port", str(free_port()), "--worker-module", "tests.fake_workers", "--timeout", "60",
+            "--port", str(free_port()), "--http-port", "0", "--worker-module", "tests.fake_workers",
+            "--timeout", "60",
         )  # fmt: skip
         assert up.returncode == 0, up.stderr[-2000:]
         state = cluster.load_state(state_dir)

@@ -42,7 +42,16 @@ def test_up_after_a_router_crash_stops_what_the_old_cluster_left_running(tmp_pat
         state = fake_state(dead_router, (worker,), 2)
         cluster.save_state(tmp_path, state)
         args = ["up", "--prefill", "0", "--decode", "0", "--model", str(tmp_path / "no-such-model")]
-        args += ["--port", str(free_port()), "--timeout", "60", "--state-dir", str(tmp_path)]
+        args += [
+            "--port",
+            str(free_port()),
+            "--http-port",
+            "0",
+            "--timeout",
+            "60",
+            "--state-dir",
+            str(tmp_path),
+        ]
         assert cli.main(args) == 1  # the new router cannot load its model: beside the point here
         assert "left running after its router exited: decode-1" in capsys.readouterr().err
         assert orphan.wait(timeout=10) is not None
@@ -65,6 +74,8 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         str(model),
         "--port",
         str(port),
+        "--http-port",
+        "0",
         "--heartbeat-timeout",
         "120",
         "--timeout",
@@ -120,6 +131,8 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         assert cli.main(["status", "--json", "--state-dir", str(state_dir)]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert doc["router"]["address"] == address
+        http_url = doc["router"]["http_url"]  # the OpenAI front, on by default (here on a free port)
+        assert http_url.startswith("http://127.0.0.1:") and not http_url.endswith(":0")
         keys = {
             "id",
             "role",
@@ -156,6 +169,7 @@ def test_up_status_json_and_down_with_a_real_router(tmp_path, capsys):
         assert cli.main(["status", "--state-dir", str(state_dir)]) == 0
         table = capsys.readouterr().out
         assert "d1" in table and "p1" in table and "3/10" in table
+        assert f"OpenAI API {http_url}/v1" in table.splitlines()[0]
         totals = [line.split() for line in table.splitlines() if line.startswith("TOTAL")]
         assert [(r[1], r[2], r[-1]) for r in totals] == [
             ("decode", "1/1", "3/10"),
@@ -187,6 +201,8 @@ def test_scale_grows_and_shrinks_pools_and_a_removed_worker_drains_first(tmp_pat
         str(model),
         "--port",
         str(free_port()),
+        "--http-port",
+        "0",
         "--heartbeat-interval",
         "0.1",
         "--worker-module",
@@ -270,7 +286,8 @@ def test_the_death_of_the_last_decode_worker_promotes_a_standby_and_scale_counts
     base = ["--state-dir", str(state_dir)]
     up = [
         "up", "--prefill", "0", "--decode", "1", "--model", str(model), "--port", str(free_port()),
-        "--heartbeat-interval", "0.1", "--worker-module", "tests.fake_workers", "--timeout", "60", *base,
+        "--http-port", "0", "--heartbeat-interval", "0.1", "--worker-module", "tests.fake_workers",
+        "--timeout", "60", *base,
     ]  # fmt: skip
 
     def workers() -> dict[str, str]:

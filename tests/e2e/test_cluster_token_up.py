@@ -43,6 +43,8 @@ def test_up_makes_a_token_and_a_worker_without_it_cannot_join(tmp_path, capsys):
         str(model),
         "--port",
         str(port),
+        "--http-port",
+        "0",
     ]
     assert cli.main([*up, "--worker-module", "tests.fake_workers", "--timeout", "60", *base]) == 0
     stray = None

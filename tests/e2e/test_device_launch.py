@@ -37,7 +37,8 @@ def gpus(monkeypatch):
 @pytest.fixture
 def launcher(monkeypatch, tmp_path):
     """``up`` and ``scale`` with stand-ins: every process they start is a ``sleep`` (stopped at the end)
-    and its real command line is recorded; readiness and Prometheus targets are skipped."""
+    and its real command line is recorded; readiness and Prometheus targets are skipped, and the router's
+    status (``up`` reads the OpenAI front's URL from it) is a stand-in."""
     argvs: dict[str, list[str]] = {}
     started: list[cluster.ProcessEntry] = []
     real_spawn = cluster.spawn
@@ -52,6 +53,7 @@ def launcher(monkeypatch, tmp_path):
     monkeypatch.setattr(cluster.processes, "spawn", spawn)  # the router and workers
     monkeypatch.setattr(cluster, "wait_ready", lambda *a, **k: None)
     monkeypatch.setattr(monitoring, "write_targets", lambda *a, **k: None)
+    monkeypatch.setattr(cluster, "cluster_status", lambda *a, **k: SimpleNamespace(http_url="http://h:1"))
     yield SimpleNamespace(argvs=argvs, state_dir=tmp_path / "state")
     cluster.stop_processes(started, term_timeout_s=5.0)
 
@@ -103,6 +105,8 @@ def test_up_on_cpu_passes_auto_and_the_default_share(launcher, capsys):
     assert cli.main(["up", "--prefill", "0", "--decode", "1", "--model", "m", "--port", "50998", *sd]) == 0
     w = parsed_worker(launcher.argvs["decode-1"])
     assert (w.device, w.dtype, w.gpu_memory_utilization) == ("cpu", "auto", 0.9)
+    router = launcher.argvs["router"]  # the OpenAI front on by default, on 8000
+    assert router[router.index("--http-port") + 1] == "8000"
     assert w.kv_cross_memory and w.kv_interface == ""
 
 

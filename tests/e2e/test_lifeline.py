@@ -130,7 +130,7 @@ def test_a_cluster_stops_when_the_process_it_is_tied_to_is_killed(tmp_path):
     model = make_model_dir(tmp_path / "model")
     up = [
         sys.executable, "-m", "pdserve.cli", "up", "--prefill", "1", "--decode", "1", "--colocated", "0",
-        "--model", str(model), "--port", str(free_port()), "--state-dir", str(state_dir),
+        "--model", str(model), "--port", str(free_port()), "--http-port", "0", "--state-dir", str(state_dir),
         "--worker-module", "tests.fake_workers", "--timeout", "60",
     ]  # fmt: skip
     parent_code = textwrap.dedent(

@@ -1,4 +1,5 @@
-"""`pdserve up --http-port` serves the OpenAI API and shows its URL in status."""
+"""`pdserve up` serves the OpenAI API (on 8000 unless --http-port says otherwise) and shows its URL in status;
+a port in use is an error naming --http-port."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import socket
 import openai
 
 from pdserve.cli import main as cli
+from pdserve.deploy.local import cluster
 from tests.fake_workers import make_model_dir
 
 
@@ -35,3 +37,18 @@ def test_up_with_http_port_shows_the_url_in_status(tmp_path, capsys):
         client.close()
     finally:
         assert cli.main(["down", *base]) == 0
+
+
+def test_up_on_an_http_port_in_use_fails_naming_the_flag_and_leaves_nothing(tmp_path, capsys):
+    model = make_model_dir(tmp_path / "model")
+    state_dir = tmp_path / "state"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        up = ["up", "--prefill", "0", "--decode", "0", "--model", str(model), "--port", str(free_port())]
+        up += ["--http-port", str(port), "--timeout", "60", "--state-dir", str(state_dir)]
+        assert cli.main(up) == 1
+    err = capsys.readouterr().err
+    assert f"cannot serve the HTTP API on port {port} (--http-port" in err and "Traceback" not in err
+    assert cluster.load_state(state_dir) is None

@@ -80,6 +80,26 @@ def test_parser_defaults_and_validation():
             p.parse_args(bad)
 
 
+def test_up_serves_the_openai_front_on_8000_unless_told_otherwise(capsys):
+    """`up` hands its router --http-port 8000 by default; 0 picks a free port, --no-http serves none; a
+    router started alone serves HTTP only when given --http-port."""
+    from pdserve.cli.router_flags import ROUTER_FLAGS
+    from pdserve.worker.flagspec import forward
+
+    p = cli.build_parser()
+    for argv, port, handed in (
+        (["up"], 8000, ["--http-port", "8000"]),
+        (["up", "--http-port", "0"], 0, ["--http-port", "0"]),
+        (["up", "--no-http"], None, []),
+    ):
+        a = p.parse_args(argv)
+        assert a.http_port == port and forward(a, ROUTER_FLAGS) == handed, argv
+    assert p.parse_args(["router"]).http_port is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["up", "--no-http", "--http-port", "9000"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_up_refuses_a_heartbeat_timeout_under_the_interval_before_anything_starts(capsys):
     """The router refused it, seconds later, once the cluster had started ("router exited while starting")."""
     with pytest.raises(SystemExit):
@@ -158,6 +178,8 @@ def test_up_fails_with_the_log_tail_and_stops_what_it_started(tmp_path, capsys):
         str(tmp_path / "no-such-model"),
         "--port",
         str(free_port()),
+        "--http-port",
+        "0",
         "--timeout",
         "60",
         "--state-dir",
@@ -186,7 +208,10 @@ def test_router_start_errors_name_what_failed_not_the_model(capsys):
         assert "Traceback" not in err
         assert cli.main([*base, "--port", "0", "--http-port", str(port)]) == 1
         err = capsys.readouterr().err
-        assert f"cannot serve the HTTP API on port {port}" in err and "cannot serve model" not in err
+        assert (
+            f"cannot serve the HTTP API on port {port} (--http-port" in err
+            and "cannot serve model" not in err
+        )
     assert cli.main(["router", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "0.2"]) == 1
     err = capsys.readouterr().err
     assert "--heartbeat-timeout, 0.2 s) must exceed" in err and "cannot serve model" not in err
