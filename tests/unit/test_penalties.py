@@ -213,3 +213,14 @@ def test_engine_greedy_output_with_penalties_equals_transformers_generate(tiny_l
     assert outs[0].token_ids != outs[2].token_ids  # the penalties did change the stream
     engine = llm.engine
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
+
+
+@pytest.mark.gpu
+def test_adjusted_logits_on_cuda_match_the_cpus():
+    g = torch.Generator().manual_seed(6)
+    rows = mixed_rows(g)
+    logits = torch.randn(len(rows), V, generator=g) * 4
+    which = [i for i, r in enumerate(rows) if r.params.adjusts_logits]
+    on_cuda = adjust_logits(logits.cuda(), rows, which).cpu()
+    torch.testing.assert_close(on_cuda, adjust_logits(logits, rows, which), atol=TOL, rtol=0)
+    assert Sampler([2], device="cuda")(logits.cuda(), rows)[1] == Sampler([2])(logits, rows)[1]  # greedy row
