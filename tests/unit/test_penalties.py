@@ -171,25 +171,23 @@ class _PresenceFrequency(LogitsProcessor):
         return out
 
 
-@pytest.mark.parametrize(
-    "params",
-    [
+def test_engine_greedy_output_with_penalties_equals_transformers_generate(tiny_llama_dir):
+    """End to end through the engine (prefill, then decode steps reading each sequence's tokens), requests
+    with different settings and one without any in one batch. Random tiny weights keep the top-2 logits
+    far apart, so the streams compare whole."""
+    n = 24
+    settings = [
         SamplingParams(repetition_penalty=1.8, logit_bias={7: 3.0, 100: -2.0}),
         SamplingParams(repetition_penalty=0.8, presence_penalty=1.5, frequency_penalty=0.7),
-    ],
-    ids=["repetition-bias", "all-penalties"],
-)
-def test_engine_greedy_output_with_penalties_equals_transformers_generate(tiny_llama_dir, params):
-    """End to end through the engine (prefill, then decode steps reading the sequence's tokens). Random
-    tiny weights keep the top-2 logits far apart, so the streams compare whole."""
-    params = dataclasses.replace(params, temperature=0, max_tokens=24, ignore_eos=True)
+    ]
+    settings = [dataclasses.replace(p, temperature=0, max_tokens=n, ignore_eos=True) for p in settings]
+    plain = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     prompts = [[5, 9, 33, 7, 9, 41, 5], [100, 3, 3, 3]]
+    cases = [(prompt, p) for p in settings for prompt in prompts] + [(prompts[0], plain)]
     llm = LLM(tiny_llama_dir, dtype="float32")
-    # In a batch with a request without options, which must keep its own tokens.
-    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = llm.generate([*prompts, prompts[0]], [params, params, plain])
+    outs = llm.generate([c[0] for c in cases], [c[1] for c in cases])
     ref = load_reference(tiny_llama_dir)
-    for prompt, out in zip(prompts, outs, strict=False):
+    for (prompt, params), out in zip(cases, outs, strict=True):
         procs = LogitsProcessorList(
             [_PresenceFrequency(len(prompt), params.presence_penalty, params.frequency_penalty)]
         )
@@ -198,19 +196,14 @@ def test_engine_greedy_output_with_penalties_equals_transformers_generate(tiny_l
             want = ref.generate(
                 torch.tensor([prompt]),
                 do_sample=False,
-                max_new_tokens=24,
+                max_new_tokens=n,
                 eos_token_id=[],
                 repetition_penalty=params.repetition_penalty,
                 logits_processor=procs,
                 **kw,
             )[0, len(prompt) :].tolist()
-        assert out.token_ids == want
-    with torch.inference_mode():
-        plain_want = ref.generate(
-            torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=24, eos_token_id=[]
-        )
-    assert outs[2].token_ids == plain_want[0, len(prompts[0]) :].tolist()
-    assert outs[0].token_ids != outs[2].token_ids  # the penalties did change the stream
+        assert out.token_ids == want, params
+    assert outs[0].token_ids != outs[-1].token_ids != outs[2].token_ids  # the penalties changed the stream
     engine = llm.engine
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
