@@ -26,7 +26,8 @@ from pdserve.engine.device import (
     resolve_device,
     resolve_dtype,
 )
-from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+from pdserve.engine.logprobs import TokenLogprob, prompt_targets, token_logprobs
+from pdserve.engine.model_runner import DecodeItem, KeptRows, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import check_quantization
@@ -134,6 +135,11 @@ class RequestOutputDelta(NamedTuple):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not computed
+    # ``SamplingParams.logprobs``: one per new token (None: not asked, or token 0 of an adopted request,
+    # which the prefill worker sampled).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # ``SamplingParams.prompt_logprobs``, on the first delta: one per prompt token, the first None (vLLM's).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +215,10 @@ class LLMEngine:
         self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
         self.runner.prepare_prefill(config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
+        # Requests that asked for logprobs of either kind (none: every step runs as if logprobs did not
+        # exist), and the prompt logprobs gathered so far, by position, of those whose first token is due.
+        self._logprob_ids: set[Hashable] = set()
+        self._prompt_lp: dict[Hashable, list[TokenLogprob | None]] = {}
         self.num_steps = 0  # batches run since start
         self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
@@ -273,6 +283,10 @@ class LLMEngine:
         seq = self.scheduler.add(request_id, list(prompt_token_ids), params)
         seq.output_offset = output_offset
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprob_ids.add(request_id)
+        if params.prompt_logprobs is not None:
+            self._prompt_lp[request_id] = [None] * len(prompt_token_ids)
 
     def add_prefilled_request(
         self,
@@ -300,12 +314,16 @@ class LLMEngine:
         except ValueError:
             del self._text[request_id]
             raise
-        return self._emit([seq])[0]
+        if params.logprobs is not None:  # token 0's come from the prefill worker, the rest from here
+            self._logprob_ids.add(request_id)
+        return self._with_logprobs(self._emit([seq])[0], {})
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
         self._text.pop(request_id, None)
+        self._logprob_ids.discard(request_id)
+        self._prompt_lp.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -325,14 +343,17 @@ class LLMEngine:
         if batch is None:
             return []
         self.num_steps += 1
+        if self._logprob_ids:  # (some request asked for logprobs: the other steps do no work for them)
+            return self._logprob_step(batch)
         logits = self._forward(batch)  # [n_sample, V]
+        return self._emit(self.scheduler.postprocess(batch, self._sample(batch, logits)))
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[int]:
         seqs = [it.seq for it in batch.sample_items]
         if all(s.params.argmax_only for s in seqs):  # (greedy batches: no per-row sampler work)
-            tokens = self.sampler.argmax_tokens(logits)
-        else:
-            rows = [SampleRow(s.params, len(s.output_token_ids), s.output_offset) for s in seqs]
-            tokens = self.sampler(logits, rows)
-        return self._emit(self.scheduler.postprocess(batch, tokens))
+            return self.sampler.argmax_tokens(logits)
+        rows = [SampleRow(s.params, len(s.output_token_ids), s.output_offset) for s in seqs]
+        return self.sampler(logits, rows)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
@@ -343,6 +364,19 @@ class LLMEngine:
                 [it.start for it in batch.items],
                 bm.live_tables([s.seq_id for s in seqs]),
             )
+        pre, dec = self._step_items(batch)
+        # [n_items, V]: the decodes' rows, then each prefill chunk's last token
+        logits = self.runner.step(pre, dec) if dec else self.runner.prefill(pre)
+        return self._sample_rows(batch, logits)
+
+    @staticmethod
+    def _sample_rows(batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        keep = [i for i, it in enumerate(batch.items) if it.sample]
+        return logits if len(keep) == len(batch.items) else logits[keep]
+
+    def _step_items(self, batch: Batch) -> tuple[list[PrefillItem], list[DecodeItem]]:
+        """A prefill or mixed batch's items as the runner takes them."""
+        bm = self.block_manager
         n_dec = batch.decodes
         dec_items = batch.items[:n_dec]
         tables = bm.block_tables([it.seq.seq_id for it in dec_items])
@@ -353,10 +387,69 @@ class LLMEngine:
         pre = [
             PrefillItem(it.token_ids, bm.block_table(it.seq.seq_id), it.start) for it in batch.items[n_dec:]
         ]
-        # [n_items, V]: the decodes' rows, then each prefill chunk's last token
-        logits = self.runner.step(pre, dec) if dec else self.runner.prefill(pre)
-        keep = [i for i, it in enumerate(batch.items) if it.sample]
-        return logits if len(keep) == len(batch.items) else logits[keep]
+        return pre, dec
+
+    # -- logprobs ------------------------------------------------------------
+    def _logprob_step(self, batch: Batch) -> list[RequestOutputDelta]:
+        """``step`` where some request asked for logprobs: the prompt chunks of those whose prompt logprobs
+        are due keep every position (``ModelRunner.prefill_keeping``); the sampled tokens are the same."""
+        keep = [it.seq.seq_id in self._prompt_lp for it in batch.items[batch.decodes :]]
+        if any(keep):
+            pre, dec = self._step_items(batch)
+            if dec:
+                logits, kept = self.runner.step_keeping(pre, dec, keep)
+            else:
+                logits, kept = self.runner.prefill_keeping(pre, keep)
+            logits = self._sample_rows(batch, logits)
+            self._gather_prompt_logprobs(batch, keep, kept)
+        else:
+            logits = self._forward(batch)
+        tokens = self._sample(batch, logits)
+        seqs = [it.seq for it in batch.sample_items]
+        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        lps: dict[Hashable, TokenLogprob] = {}
+        if asked:
+            rows = logits if len(asked) == len(seqs) else logits[asked]
+            tops = [seqs[i].params.logprobs or 0 for i in asked]
+            entries = token_logprobs(rows, [tokens[i] for i in asked], tops)
+            lps = {seqs[i].seq_id: e for i, e in zip(asked, entries, strict=True)}
+        deltas = self._emit(self.scheduler.postprocess(batch, tokens))
+        return [self._with_logprobs(d, lps) for d in deltas]
+
+    def _gather_prompt_logprobs(self, batch: Batch, keep: list[bool], kept: KeptRows) -> None:
+        """Each kept chunk's positions give the logprobs of the prompt tokens after them; a prompt in
+        several chunks (chunked prefill) fills its slots chunk by chunk."""
+        row = 0
+        for it, k in zip(batch.items[batch.decodes :], keep, strict=True):
+            if not k:
+                continue
+            seq = it.seq
+            targets = prompt_targets(seq.prompt_token_ids, it.start, it.num_tokens)
+            if targets:
+                top = seq.params.prompt_logprobs or 0
+
+                def rows(a: int, b: int, first: int = row) -> torch.Tensor:
+                    return kept.logits(first + a, first + b)
+
+                entries = token_logprobs(rows, targets, [top] * len(targets))
+                self._prompt_lp[seq.seq_id][it.start + 1 : it.start + 1 + len(entries)] = entries
+            row += it.num_tokens
+
+    def _with_logprobs(
+        self, delta: RequestOutputDelta, lps: dict[Hashable, TokenLogprob]
+    ) -> RequestOutputDelta:
+        """The delta with its token's logprobs and, on a request's first, its prompt logprobs."""
+        rid = delta.request_id
+        if rid not in self._logprob_ids:
+            return delta
+        lp = lps.get(rid)
+        prompt = self._prompt_lp.pop(rid, None)
+        if delta.finish_reason is not None:
+            self._logprob_ids.discard(rid)
+        return delta._replace(
+            logprobs=None if lp is None else (lp,),
+            prompt_logprobs=None if prompt is None else tuple(prompt),
+        )
 
     # -- text ----------------------------------------------------------------
     def _new_text_state(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> _TextState:

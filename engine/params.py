@@ -15,6 +15,9 @@ from dataclasses import dataclass
 # logits by a tiny temperature would only amplify float noise.
 GREEDY_EPS = 1e-5
 
+# The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's bound on top_logprobs).
+MAX_LOGPROBS = 20
+
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -42,6 +45,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    # Log-probabilities under the model's raw logits (``engine.logprobs``), vLLM's names: ``logprobs`` for
+    # each generated token, ``prompt_logprobs`` for each prompt token given its prefix; the value is how
+    # many of the most likely alternatives come with each (0: the token's own alone). None: none computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -76,6 +84,7 @@ class SamplingParams:
             raise ValueError("stop must not contain an empty string")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        _check_logprobs(self)
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +95,13 @@ class SamplingParams:
         """Every token is the argmax of the logits (greedy, or top_k 1: ties to the first index), with no
         min_tokens masking: what the sampler's fast path checks for every sequence every step."""
         return (self.greedy or self.top_k == 1) and self.min_tokens == 0
+
+
+def _check_logprobs(params: SamplingParams) -> None:
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(params, name)
+        if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
 
 def check_prompt_length(tokens: int, max_model_len: int, name: str = "prompt", what: str = "") -> None:
