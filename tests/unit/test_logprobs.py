@@ -119,3 +119,41 @@ def test_logprob_bounds_name_the_field():
                 SamplingParams(**{name: bad})
     assert SamplingParams(logprobs=20, prompt_logprobs=0).logprobs == 20
     assert math.isclose(token_logprobs(torch.zeros(1, 4), [2], [0])[0].logprob, math.log(0.25), rel_tol=1e-6)
+
+
+def test_prefill_worker_answers_first_token_and_prompt_logprobs_computing_the_prompt_whole(tiny_llama_dir):
+    """The prefill worker's batch: a request that asks gets its first token's and its prompt's logprobs
+    (computed whole though its prefix is cached); one that does not, batched with it, gets none."""
+    import asyncio
+
+    from tests.unit.test_prefill_loop import _loop, _until, _used
+
+    runner = ModelRunner(tiny_llama_dir, block_size=4, num_blocks=64)
+    prompt = prompts_of([21], seed=5)[0]
+
+    async def main():
+        loop, _ = _loop(runner)
+        plain = SamplingParams(temperature=0, max_tokens=1)
+        _, cached = loop.submit("warm", prompt, plain, None)
+        await asyncio.wait_for(cached, 30)
+        loop.attach("warm", None)  # no decode worker wants it: its blocks go back, cached
+        await _until(lambda: _used(loop) == 0, 30)
+        asks = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=3)
+        job, result = loop.submit("asks", prompt, asks, None)
+        other, other_result = loop.submit("other", prompt, plain, None)
+        first, _ = await asyncio.wait_for(result, 30)
+        await asyncio.wait_for(other_result, 30)
+        for rid in ("asks", "other"):
+            loop.attach(rid, None)
+        await _until(lambda: _used(loop) == 0, 30)
+        await loop.close()
+        return first, job, other
+
+    first, job, other = asyncio.run(main())
+    assert job.cached_tokens == 0 and other.cached_tokens == 20  # (the last block is always computed)
+    ref = ref_logprobs(tiny_llama_dir, prompt)
+    assert_entry(job.payload.first_logprobs, ref[-1], first, 2)
+    assert len(job.payload.prompt_logprobs) == len(prompt) - 1
+    for p, entry in enumerate(job.payload.prompt_logprobs, start=1):
+        assert_entry(entry, ref[p - 1], prompt[p], 3)
+    assert other.payload.first_logprobs is None and other.payload.prompt_logprobs is None
