@@ -52,6 +52,8 @@ def sampling(draw) -> g.SamplingParams:
         ("seed", st.integers(0, 2**64 - 1)),
         ("min_tokens", st.one_of(st.integers(0, 10), uint32)),
         ("ignore_eos", st.booleans()),
+        ("logprobs", st.one_of(st.integers(0, 25), uint32)),
+        ("prompt_logprobs", st.one_of(st.integers(0, 25), uint32)),
     ):
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
@@ -104,6 +106,9 @@ http_body = st.one_of(
             "stream": st.booleans(),
             "tokens": st.lists(st.integers(-(2**40), 2**40), max_size=6),
             "n": st.integers(-2, 3),
+            "logprobs": st.one_of(st.integers(-2, 25), st.booleans(), json_value),
+            "top_logprobs": st.one_of(st.integers(-2, 25), json_value),
+            "echo": st.one_of(st.booleans(), json_value),
         },
     ).map(lambda d: json.dumps(d).encode()),
     json_value.map(lambda v: json.dumps(v).encode()),
