@@ -299,10 +299,13 @@ def response_options(
         return ResponseOptions(logprobs=top, token_text=token_text)
     echo = None
     if req.echo:
-        prompt = req.prompt
+        prompt: object = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # (a batch of one)
-        echo = prompt if isinstance(prompt, str) else decode([t for t in prompt or () if isinstance(t, int)])
+        if isinstance(prompt, str):
+            echo = prompt
+        else:
+            echo = decode([t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else [])
     return ResponseOptions(echo=echo, logprobs=req.logprobs, token_text=token_text)
 
 
