@@ -7,7 +7,6 @@ is handed. A step builds its index tensors once, runs the layers over the batch 
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -383,17 +382,15 @@ class ModelRunner:
     def prefill_keeping(
         self, items: Sequence[PrefillItem], keep: Sequence[bool], layer_hook: LayerHook | None = None
     ) -> tuple[torch.Tensor, KeptRows]:
-        """``prefill``'s logits ``[n_items, V]`` of each item's last token (the same values), and every new
-        token of the items marked ``keep`` (prompt logprobs; only theirs are kept)."""
+        """``prefill``'s logits ``[n_items, V]`` of each item's last token (the same values; on CUDA the
+        eager forward's, which a prefill graph's padded chunk matches within rounding), and every new token
+        of the items marked ``keep`` (prompt logprobs; only theirs are kept)."""
         if not items:
             raise ValueError("prefill needs at least one item")
         ids = self._prefill_ids(items)
         lengths = [len(it.token_ids) for it in items]
         if self.backend is Backend.TRITON:
-            every = self._prefill_triton(items, layer_hook, True)  # [T, V]
-            last = torch.tensor(list(itertools.accumulate(lengths)), device=every.device) - 1
-            kept = every.index_select(0, _kept_rows(lengths, keep, 0, every.device))
-            return every.index_select(0, last), KeptRows(len(kept), lambda a, b: kept[a:b])
+            return self._prefill_triton_keeping(items, layer_hook, _kept_rows(lengths, keep, 0, self.device))
         with torch.inference_mode():
             hidden, meta, ops = self._prefill_hidden(items, ids, layer_hook)
             out = logits(self.weights, self.config, hidden.index_select(0, meta.last_rows), ops)
@@ -561,6 +558,27 @@ class ModelRunner:
                 inp.token_ids, inp.positions, inp.slots, inp.cu_seqlens, inp.start_pos, inp.tables,
                 None if all_logits else inp.last_rows, inp.max_new, layer_hook,
             )  # fmt: skip
+
+    def _prefill_triton_keeping(
+        self, items: Sequence[PrefillItem], layer_hook: LayerHook | None, keep_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, KeptRows]:
+        """``prefill_keeping`` on the Triton backend: eager (no graph keeps hidden states)."""
+        from pdserve.engine.cuda_backend import TritonStepOps, make_prefill_forward, prefill_inputs
+
+        inp = prefill_inputs(
+            [(it.token_ids, it.block_table, it.start_pos) for it in items],
+            self.block_size,
+            self.num_blocks,
+            self.device,
+        )
+        forward = make_prefill_forward(self.weights, self.config, self.rope, self.kv)
+        with torch.inference_mode():
+            out, kept = forward(
+                inp.token_ids, inp.positions, inp.slots, inp.cu_seqlens, inp.start_pos, inp.tables,
+                inp.last_rows, inp.max_new, layer_hook, keep_rows,
+            )  # fmt: skip
+        ops = TritonStepOps(self.config, self.rope, inp.positions, inp.slots)  # (its norm and products)
+        return out, KeptRows(len(kept), lambda a, b: logits(self.weights, self.config, kept[a:b], ops))
 
     def _ops(self, positions: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> StepOps:
         if self.kernels is not None:

@@ -157,3 +157,19 @@ def test_prefill_worker_answers_first_token_and_prompt_logprobs_computing_the_pr
     for p, entry in enumerate(job.payload.prompt_logprobs, start=1):
         assert_entry(entry, ref[p - 1], prompt[p], 3)
     assert other.payload.first_logprobs is None and other.payload.prompt_logprobs is None
+
+
+@pytest.mark.slow  # Triton's interpreter: `make test` runs it, `make test-fast` skips it
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path (TRITON_INTERPRET, CPU tensors)")
+def test_interpreted_triton_prefill_keeping_equals_the_torch_backend(tiny_llama_dir):
+    pytest.importorskip("triton")
+    a, b = prompts_of([6, 9], seed=4)
+    items = [PrefillItem(a, [0, 1]), PrefillItem(b, [2, 3, 4])]
+    out = {}
+    for backend in ("triton", "torch"):
+        runner = ModelRunner(tiny_llama_dir, backend=backend, block_size=4, num_blocks=8)
+        logits, kept = runner.prefill_keeping(items, [True, False])
+        out[backend] = (logits, kept.logits(0, kept.num_rows), runner.prefill(items))
+    for got, want in zip(out["triton"], out["torch"], strict=True):
+        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+    assert torch.equal(out["triton"][0], out["triton"][2]) and out["triton"][1].shape[0] == len(a)
