@@ -26,8 +26,9 @@ from pdserve.engine.device import (
     resolve_device,
     resolve_dtype,
 )
-from pdserve.engine.logprobs import TokenLogprob, prompt_targets, token_logprobs
-from pdserve.engine.model_runner import DecodeItem, KeptRows, ModelRunner, PrefillItem
+from pdserve.engine.logprob_requests import LogprobRequests
+from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import check_quantization
@@ -215,10 +216,8 @@ class LLMEngine:
         self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
         self.runner.prepare_prefill(config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
-        # Requests that asked for logprobs of either kind (none: every step runs as if logprobs did not
-        # exist), and the prompt logprobs gathered so far, by position, of those whose first token is due.
-        self._logprob_ids: set[Hashable] = set()
-        self._prompt_lp: dict[Hashable, list[TokenLogprob | None]] = {}
+        # Requests that asked for logprobs (none: every step runs as if logprobs did not exist).
+        self._logprobs = LogprobRequests()
         self.num_steps = 0  # batches run since start
         self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
@@ -283,10 +282,7 @@ class LLMEngine:
         seq = self.scheduler.add(request_id, list(prompt_token_ids), params)
         seq.output_offset = output_offset
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            self._logprob_ids.add(request_id)
-        if params.prompt_logprobs is not None:
-            self._prompt_lp[request_id] = [None] * len(prompt_token_ids)
+        self._logprobs.add(request_id, params, len(prompt_token_ids))
 
     def add_prefilled_request(
         self,
@@ -314,16 +310,14 @@ class LLMEngine:
         except ValueError:
             del self._text[request_id]
             raise
-        if params.logprobs is not None:  # token 0's come from the prefill worker, the rest from here
-            self._logprob_ids.add(request_id)
-        return self._with_logprobs(self._emit([seq])[0], {})
+        self._logprobs.add_prefilled(request_id, params)
+        return self._logprobs.attach(self._emit([seq])[0], {})
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
         self._text.pop(request_id, None)
-        self._logprob_ids.discard(request_id)
-        self._prompt_lp.pop(request_id, None)
+        self._logprobs.discard(request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -343,7 +337,7 @@ class LLMEngine:
         if batch is None:
             return []
         self.num_steps += 1
-        if self._logprob_ids:  # (some request asked for logprobs: the other steps do no work for them)
+        if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
             return self._logprob_step(batch)
         logits = self._forward(batch)  # [n_sample, V]
         return self._emit(self.scheduler.postprocess(batch, self._sample(batch, logits)))
@@ -393,7 +387,8 @@ class LLMEngine:
     def _logprob_step(self, batch: Batch) -> list[RequestOutputDelta]:
         """``step`` where some request asked for logprobs: the prompt chunks of those whose prompt logprobs
         are due keep every position (``ModelRunner.prefill_keeping``); the sampled tokens are the same."""
-        keep = [it.seq.seq_id in self._prompt_lp for it in batch.items[batch.decodes :]]
+        lp = self._logprobs
+        keep = lp.keep(batch)
         if any(keep):
             pre, dec = self._step_items(batch)
             if dec:
@@ -401,55 +396,12 @@ class LLMEngine:
             else:
                 logits, kept = self.runner.prefill_keeping(pre, keep)
             logits = self._sample_rows(batch, logits)
-            self._gather_prompt_logprobs(batch, keep, kept)
+            lp.gather_prompt(batch, keep, kept)
         else:
             logits = self._forward(batch)
         tokens = self._sample(batch, logits)
-        seqs = [it.seq for it in batch.sample_items]
-        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        lps: dict[Hashable, TokenLogprob] = {}
-        if asked:
-            rows = logits if len(asked) == len(seqs) else logits[asked]
-            tops = [seqs[i].params.logprobs or 0 for i in asked]
-            entries = token_logprobs(rows, [tokens[i] for i in asked], tops)
-            lps = {seqs[i].seq_id: e for i, e in zip(asked, entries, strict=True)}
-        deltas = self._emit(self.scheduler.postprocess(batch, tokens))
-        return [self._with_logprobs(d, lps) for d in deltas]
-
-    def _gather_prompt_logprobs(self, batch: Batch, keep: list[bool], kept: KeptRows) -> None:
-        """Each kept chunk's positions give the logprobs of the prompt tokens after them; a prompt in
-        several chunks (chunked prefill) fills its slots chunk by chunk."""
-        row = 0
-        for it, k in zip(batch.items[batch.decodes :], keep, strict=True):
-            if not k:
-                continue
-            seq = it.seq
-            targets = prompt_targets(seq.prompt_token_ids, it.start, it.num_tokens)
-            if targets:
-                top = seq.params.prompt_logprobs or 0
-
-                def rows(a: int, b: int, first: int = row) -> torch.Tensor:
-                    return kept.logits(first + a, first + b)
-
-                entries = token_logprobs(rows, targets, [top] * len(targets))
-                self._prompt_lp[seq.seq_id][it.start + 1 : it.start + 1 + len(entries)] = entries
-            row += it.num_tokens
-
-    def _with_logprobs(
-        self, delta: RequestOutputDelta, lps: dict[Hashable, TokenLogprob]
-    ) -> RequestOutputDelta:
-        """The delta with its token's logprobs and, on a request's first, its prompt logprobs."""
-        rid = delta.request_id
-        if rid not in self._logprob_ids:
-            return delta
-        lp = lps.get(rid)
-        prompt = self._prompt_lp.pop(rid, None)
-        if delta.finish_reason is not None:
-            self._logprob_ids.discard(rid)
-        return delta._replace(
-            logprobs=None if lp is None else (lp,),
-            prompt_logprobs=None if prompt is None else tuple(prompt),
-        )
+        sampled = lp.sampled([it.seq for it in batch.sample_items], logits, tokens)
+        return [lp.attach(d, sampled) for d in self._emit(self.scheduler.postprocess(batch, tokens))]
 
     # -- text ----------------------------------------------------------------
     def _new_text_state(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> _TextState:

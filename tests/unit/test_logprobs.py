@@ -85,7 +85,7 @@ def test_logprobs_equal_transformers_through_chunks_cache_and_batches(tiny_llama
     again = llm.generate([asks, short], [greedy, SamplingParams(temperature=0.8, seed=7, max_tokens=6)])
     assert [o.token_ids for o in again] == [outs[1].token_ids, outs[2].token_ids]
     engine = llm.engine
-    assert not engine._logprob_ids and not engine._prompt_lp
+    assert not engine._logprobs.ids and not engine._logprobs.prompt
     assert engine.block_manager.num_free == engine.block_manager.num_blocks
 
 
