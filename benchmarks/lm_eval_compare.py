@@ -27,6 +27,8 @@ import yaml
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval"
 TASK_FILE = TASK_DIR / "pdserve_mc.yaml"
 TASK = "pdserve_mc"
+# The task's data, the model and its tokenizer are local files: nothing is fetched from the Hugging Face hub.
+OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 def task_config() -> dict[str, Any]:
@@ -38,8 +40,6 @@ def task_config() -> dict[str, Any]:
 
 def evaluate(model: str, model_args: dict[str, Any], limit: int | None) -> tuple[list[list[float]], float]:
     """lm-eval's per-item loglikelihoods (one per choice, items in the task's order) and accuracy."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import evaluator
     from lm_eval.tasks import TaskManager
 
@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="the first N items (default: all)")
     p.add_argument("--save-result", type=Path, default=None)
     args = p.parse_args(argv)
+    for name in OFFLINE:
+        os.environ.setdefault(name, "1")
     from benchmarks.tool_compare import target_from_state
 
     try:

@@ -321,13 +321,17 @@ def test_sdk_logprobs_and_echo_shapes_streamed_and_not(pd_http_cluster, served, 
     c.assert_no_leaks()
 
 
-def test_lm_eval_through_pdserve_equals_lm_eval_on_transformers(pd_http_cluster, served, tiny_served_model):
+def test_lm_eval_through_pdserve_equals_lm_eval_on_transformers(
+    pd_http_cluster, served, tiny_served_model, monkeypatch
+):
     """Acceptance: lm-evaluation-harness' local-completions model on pdserve's completions endpoint (1P+1D:
     the prefill worker scores every prompt) gives the per-item loglikelihoods of its hf model on the same
     weights (float32) within 1e-3, and the same accuracy, on the first 8 items of the local task."""
     pytest.importorskip("lm_eval", reason="lm-eval is in the [test] extras")
-    from benchmarks.lm_eval_compare import compare, format_report
+    from benchmarks.lm_eval_compare import OFFLINE, compare, format_report
 
+    for name in OFFLINE:
+        monkeypatch.setenv(name, "1")
     result = compare(f"{pd_http_cluster.http_url}/v1/completions", served, tiny_served_model, limit=8)
     print(format_report(result))
     assert result.items == 8 and result.max_abs_diff < 1e-3
