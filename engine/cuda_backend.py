@@ -10,6 +10,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -447,8 +448,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 # forward(ids [T], positions [T], slots [T], cu_seqlens [n + 1], start_pos [n], tables [n, M],
-#         last_rows [n] (None: every row), max_new, layer_hook=None) -> float32 logits [n or T, V]
-PrefillForward = Callable[..., torch.Tensor]
+#         last_rows [n] (None: every row), max_new, layer_hook=None) -> float32 logits [n or T, V];
+#         with keep_rows [K] as well: (those logits, the kept rows' final hidden states [K, hidden])
+PrefillForward = Callable[..., Any]
 
 
 class PrefillGraphs:
