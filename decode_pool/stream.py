@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pdserve.decode_pool.engine_loop import QueueItem
 from pdserve.engine.llm_engine import RequestOutputDelta
 from pdserve.proto import worker_pb2
+from pdserve.worker.convert import logprobs_to_proto
 
 
 async def relay_deltas(q: asyncio.Queue[QueueItem]) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
@@ -40,14 +41,26 @@ async def relay_deltas(q: asyncio.Queue[QueueItem]) -> AsyncIterator[worker_pb2.
         if batch:
             ids = [t for d in batch for t in d.new_token_ids]
             last = batch[-1]
-            yield worker_pb2.WorkerGenerateResponse(
+            msg = worker_pb2.WorkerGenerateResponse(
                 first_index=last.num_output_tokens - len(ids),
                 token_ids=ids,
                 finish_reason=last.finish_reason or "",
                 admitted_unix=admitted_unix,
                 cached_tokens=last.num_cached_tokens,  # a local prefill's reuse (0 for an adopted one)
             )
+            if last.logprobs is not None or batch[0].prompt_logprobs is not None:
+                _add_logprobs(msg, batch)
+            yield msg
             if last.finish_reason is not None:
                 return
         if done:
             return
+
+
+def _add_logprobs(msg: worker_pb2.WorkerGenerateResponse, batch: list[RequestOutputDelta]) -> None:
+    """The deltas' logprobs (those they have: an adopted request's token 0 has none) and the prompt's (the
+    first delta's, after the prompt's first token, which has none)."""
+    msg.logprobs.extend(logprobs_to_proto(e for d in batch if d.logprobs is not None for e in d.logprobs))
+    prompt = batch[0].prompt_logprobs
+    if prompt is not None:
+        msg.prompt_logprobs.extend(logprobs_to_proto(e for e in prompt[1:] if e is not None))

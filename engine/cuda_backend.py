@@ -10,6 +10,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -447,8 +448,9 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 # forward(ids [T], positions [T], slots [T], cu_seqlens [n + 1], start_pos [n], tables [n, M],
-#         last_rows [n] (None: every row), max_new, layer_hook=None) -> float32 logits [n or T, V]
-PrefillForward = Callable[..., torch.Tensor]
+#         last_rows [n] (None: every row), max_new, layer_hook=None) -> float32 logits [n or T, V];
+#         with keep_rows [K] as well: (those logits, the kept rows' final hidden states [K, hidden])
+PrefillForward = Callable[..., Any]
 
 
 class PrefillGraphs:
@@ -565,7 +567,8 @@ class PrefillGraphs:
 
 def make_prefill_forward(weights, config: ModelConfig, rope: RopeTables, kv: torch.Tensor) -> PrefillForward:  # type: ignore[no-untyped-def]
     """The prefill forward over ``kv`` (eager, and what ``PrefillGraphs`` captures): Triton ops and
-    attention over a ragged batch of chunks, logits of the ``last_rows`` (None: of every row)."""
+    attention over a ragged batch of chunks, logits of the ``last_rows`` (None: of every row). With
+    ``keep_rows`` (eager only: prompt logprobs), also the final hidden states of those rows."""
 
     def forward(
         ids: torch.Tensor,
@@ -577,16 +580,19 @@ def make_prefill_forward(weights, config: ModelConfig, rope: RopeTables, kv: tor
         last_rows: torch.Tensor | None,
         max_new: int,
         layer_hook: LayerHook | None = None,
-    ) -> torch.Tensor:
+        keep_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ops = TritonStepOps(config, rope, positions, slots)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return tk.prefill_attention(kv[layer], q, tables, cu_seqlens, start_pos, max_new)
 
         hidden = forward_hidden(weights, config, ids, ops, kv, attend, layer_hook)
+        kept = None if keep_rows is None else hidden.index_select(0, keep_rows)  # [n_kept, hidden]
         if last_rows is not None:
             hidden = hidden.index_select(0, last_rows)  # [n, hidden]
-        return logits(weights, config, hidden, ops)
+        out = logits(weights, config, hidden, ops)
+        return out if kept is None else (out, kept)
 
     return forward
 

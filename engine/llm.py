@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta, engine_config_fields
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
 from pdserve.engine.tokenizer import Tokenizer
@@ -34,6 +35,10 @@ class RequestOutput:
     text: str  # "" when the model has no tokenizer
     finish_reason: str  # "stop" | "length"
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # ``SamplingParams.logprobs``: one per output token; ``prompt_logprobs``: one per prompt token, the first
+    # None (vLLM's shapes). None: not asked for.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -235,6 +240,12 @@ class _Collector:
     def append(self, d: RequestOutputDelta) -> None:
         out = self.out
         out.token_ids += d.new_token_ids
+        if d.logprobs is not None:
+            if out.logprobs is None:
+                out.logprobs = []
+            out.logprobs += d.logprobs
+        if d.prompt_logprobs is not None:
+            out.prompt_logprobs = list(d.prompt_logprobs)
         if d.new_text:
             self.pieces.append(d.new_text)
         if d.finish_reason is not None:

@@ -26,6 +26,8 @@ from pdserve.engine.device import (
     resolve_device,
     resolve_dtype,
 )
+from pdserve.engine.logprob_requests import LogprobRequests
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.prefix_hash import model_cache_salt
@@ -134,6 +136,11 @@ class RequestOutputDelta(NamedTuple):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not computed
+    # ``SamplingParams.logprobs``: one per new token (None: not asked, or token 0 of an adopted request,
+    # which the prefill worker sampled).
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # ``SamplingParams.prompt_logprobs``, on the first delta: one per prompt token, the first None (vLLM's).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,8 @@ class LLMEngine:
         self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
         self.runner.prepare_prefill(config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
+        # Requests that asked for logprobs (none: every step runs as if logprobs did not exist).
+        self._logprobs = LogprobRequests()
         self.num_steps = 0  # batches run since start
         self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
@@ -273,6 +282,7 @@ class LLMEngine:
         seq = self.scheduler.add(request_id, list(prompt_token_ids), params)
         seq.output_offset = output_offset
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
+        self._logprobs.add(request_id, params, len(prompt_token_ids))
 
     def add_prefilled_request(
         self,
@@ -300,12 +310,14 @@ class LLMEngine:
         except ValueError:
             del self._text[request_id]
             raise
-        return self._emit([seq])[0]
+        self._logprobs.add_prefilled(request_id, params)
+        return self._logprobs.attach(self._emit([seq])[0], {})
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
         self._text.pop(request_id, None)
+        self._logprobs.discard(request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -325,19 +337,22 @@ class LLMEngine:
         if batch is None:
             return []
         self.num_steps += 1
+        if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
+            return self._logprob_step(batch)
         logits = self._forward(batch)  # [n_sample, V]
+        return self._emit(self.scheduler.postprocess(batch, self._sample(batch, logits)))
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[int]:
         seqs = [it.seq for it in batch.sample_items]
         if all(s.params.argmax_only for s in seqs):  # (greedy batches: no per-row sampler work)
-            tokens = self.sampler.argmax_tokens(logits)
-        else:
-            rows = [
-                SampleRow(
-                    s.params, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids
-                )
-                for s in seqs
-            ]
-            tokens = self.sampler(logits, rows)
-        return self._emit(self.scheduler.postprocess(batch, tokens))
+            return self.sampler.argmax_tokens(logits)
+        rows = [
+            SampleRow(
+                s.params, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids
+            )
+            for s in seqs
+        ]
+        return self.sampler(logits, rows)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
@@ -348,6 +363,19 @@ class LLMEngine:
                 [it.start for it in batch.items],
                 bm.live_tables([s.seq_id for s in seqs]),
             )
+        pre, dec = self._step_items(batch)
+        # [n_items, V]: the decodes' rows, then each prefill chunk's last token
+        logits = self.runner.step(pre, dec) if dec else self.runner.prefill(pre)
+        return self._sample_rows(batch, logits)
+
+    @staticmethod
+    def _sample_rows(batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        keep = [i for i, it in enumerate(batch.items) if it.sample]
+        return logits if len(keep) == len(batch.items) else logits[keep]
+
+    def _step_items(self, batch: Batch) -> tuple[list[PrefillItem], list[DecodeItem]]:
+        """A prefill or mixed batch's items as the runner takes them."""
+        bm = self.block_manager
         n_dec = batch.decodes
         dec_items = batch.items[:n_dec]
         tables = bm.block_tables([it.seq.seq_id for it in dec_items])
@@ -358,10 +386,27 @@ class LLMEngine:
         pre = [
             PrefillItem(it.token_ids, bm.block_table(it.seq.seq_id), it.start) for it in batch.items[n_dec:]
         ]
-        # [n_items, V]: the decodes' rows, then each prefill chunk's last token
-        logits = self.runner.step(pre, dec) if dec else self.runner.prefill(pre)
-        keep = [i for i, it in enumerate(batch.items) if it.sample]
-        return logits if len(keep) == len(batch.items) else logits[keep]
+        return pre, dec
+
+    # -- logprobs ------------------------------------------------------------
+    def _logprob_step(self, batch: Batch) -> list[RequestOutputDelta]:
+        """``step`` where some request asked for logprobs: the prompt chunks of those whose prompt logprobs
+        are due keep every position (``ModelRunner.prefill_keeping``); the sampled tokens are the same."""
+        lp = self._logprobs
+        keep = lp.keep(batch)
+        if any(keep):
+            pre, dec = self._step_items(batch)
+            if dec:
+                logits, kept = self.runner.step_keeping(pre, dec, keep)
+            else:
+                logits, kept = self.runner.prefill_keeping(pre, keep)
+            logits = self._sample_rows(batch, logits)
+            lp.gather_prompt(batch, keep, kept)
+        else:
+            logits = self._forward(batch)
+        tokens = self._sample(batch, logits)
+        sampled = lp.sampled([it.seq for it in batch.sample_items], logits, tokens)
+        return [lp.attach(d, sampled) for d in self._emit(self.scheduler.postprocess(batch, tokens))]
 
     # -- text ----------------------------------------------------------------
     def _new_text_state(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> _TextState:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Backend",
     "DecodeItem",
+    "KeptRows",
     "LayerHook",
     "ModelRunner",
     "PrefillItem",
@@ -93,6 +94,34 @@ class DecodeItem:
     token_id: int  # last sampled token, not yet in the cache
     position: int  # its position; after the step the sequence has position + 1 cached tokens
     block_table: Sequence[int]  # must already cover position
+
+
+class KeptRows:
+    """The new positions of the prefill items a step kept (``ModelRunner.prefill_keeping``), every one of
+    them, in batch order: ``logits(start, end)`` gives rows ``[start, end)``'s float32 logits, computed when
+    asked, so a long prompt never holds its whole ``[T, V]`` logits. Valid until the runner's next step,
+    on the thread that ran it (the CPU kernels' thread)."""
+
+    def __init__(self, num_rows: int, rows_logits: Callable[[int, int], torch.Tensor]) -> None:
+        self.num_rows = num_rows
+        self._rows_logits = rows_logits
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._rows_logits(start, end)
+
+
+def _kept_rows(
+    lengths: Sequence[int], keep: Sequence[bool], offset: int, device: torch.device
+) -> torch.Tensor:
+    """Row indices, in a batch flattened from ``offset`` on, of every token of the items marked ``keep``."""
+    rows: list[int] = []
+    start = offset
+    for n, k in zip(lengths, keep, strict=True):
+        if k:
+            rows.extend(range(start, start + n))
+        start += n
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 class ModelRunner:
@@ -323,6 +352,16 @@ class ModelRunner:
         ids = self._prefill_ids(items)
         if self.backend is Backend.TRITON:
             return self._prefill_triton(items, layer_hook, all_logits)
+        with torch.inference_mode():
+            hidden, meta, ops = self._prefill_hidden(items, ids, layer_hook)
+            if not all_logits:
+                hidden = hidden.index_select(0, meta.last_rows)  # [n, hidden]
+            return logits(self.weights, self.config, hidden, ops)
+
+    def _prefill_hidden(
+        self, items: Sequence[PrefillItem], ids: list[int], layer_hook: LayerHook | None
+    ) -> tuple[torch.Tensor, PrefillMeta, StepOps]:
+        """The prefill forward up to the final hidden states ``[T, hidden]`` (CPU backends)."""
         meta = PrefillMeta.build(
             [(len(it.token_ids), it.block_table, it.start_pos) for it in items],
             self.block_size,
@@ -335,13 +374,31 @@ class ModelRunner:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return prefill_attention(self.kv[layer], meta, q, k, v, kernels)
 
+        token_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
+        ops = self._ops(meta.positions, meta.k_rows, meta.v_rows)
+        hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend, layer_hook)
+        return hidden, meta, ops
+
+    def prefill_keeping(
+        self, items: Sequence[PrefillItem], keep: Sequence[bool], layer_hook: LayerHook | None = None
+    ) -> tuple[torch.Tensor, KeptRows]:
+        """``prefill``'s logits ``[n_items, V]`` of each item's last token (the same values; on CUDA the
+        eager forward's, which a prefill graph's padded chunk matches within rounding), and every new token
+        of the items marked ``keep`` (prompt logprobs; only theirs are kept)."""
+        if not items:
+            raise ValueError("prefill needs at least one item")
+        ids = self._prefill_ids(items)
+        lengths = [len(it.token_ids) for it in items]
+        if self.backend is Backend.TRITON:
+            return self._prefill_triton_keeping(items, layer_hook, _kept_rows(lengths, keep, 0, self.device))
         with torch.inference_mode():
-            token_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
-            ops = self._ops(meta.positions, meta.k_rows, meta.v_rows)
-            hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend, layer_hook)
-            if not all_logits:
-                hidden = hidden.index_select(0, meta.last_rows)  # [n, hidden]
-            return logits(self.weights, self.config, hidden, ops)
+            hidden, meta, ops = self._prefill_hidden(items, ids, layer_hook)
+            out = logits(self.weights, self.config, hidden.index_select(0, meta.last_rows), ops)
+            return out, self._keep(hidden, _kept_rows(lengths, keep, 0, self.device), ops)
+
+    def _keep(self, hidden: torch.Tensor, rows: torch.Tensor, ops: StepOps) -> KeptRows:
+        kept = hidden.index_select(0, rows)  # [n_kept, hidden]: the step's activations are freed
+        return KeptRows(len(kept), lambda a, b: logits(self.weights, self.config, kept[a:b], ops))
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(-1)`` for this runner's float32 logits ``[n, V]``: the CPU kernels' row argmax
@@ -416,6 +473,31 @@ class ModelRunner:
             return self.prefill(prefill)
         if self.backend is Backend.TRITON:
             return torch.cat([self.decode(decode), self.prefill(prefill)])
+        with torch.inference_mode():
+            hidden, ops, rows = self._step_hidden(prefill, decode)
+            return logits(self.weights, self.config, hidden.index_select(0, rows), ops)
+
+    def step_keeping(
+        self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], keep: Sequence[bool]
+    ) -> tuple[torch.Tensor, KeptRows]:
+        """``step``'s logits (the same values), and every new token of the prefill items marked ``keep``
+        (``prefill_keeping``)."""
+        if not decode:
+            return self.prefill_keeping(prefill, keep)
+        if self.backend is Backend.TRITON:
+            out, kept = self.prefill_keeping(prefill, keep)
+            return torch.cat([self.decode(decode), out]), kept
+        lengths = [len(it.token_ids) for it in prefill]
+        with torch.inference_mode():
+            hidden, ops, rows = self._step_hidden(prefill, decode)
+            out = logits(self.weights, self.config, hidden.index_select(0, rows), ops)
+            return out, self._keep(hidden, _kept_rows(lengths, keep, len(decode), self.device), ops)
+
+    def _step_hidden(
+        self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]
+    ) -> tuple[torch.Tensor, StepOps, torch.Tensor]:
+        """``step``'s forward (CPU backends) up to the final hidden states ``[T, hidden]``, with the rows
+        ``step`` returns the logits of."""
         ids = self._prefill_ids(prefill)
         self._check_decode(decode)
         kernels = self.kernels
@@ -435,18 +517,15 @@ class ModelRunner:
             out_p = prefill_attention(self.kv[layer], pmeta, q[n_dec:], k[n_dec:], v[n_dec:], kernels)
             return torch.cat([out_d, out_p])
 
-        with torch.inference_mode():
-            token_ids = torch.tensor(
-                [d.token_id for d in decode] + ids, dtype=torch.int64, device=self.device
-            )
-            ops = self._ops(
-                torch.cat([dmeta.positions, pmeta.positions]),
-                torch.cat([dmeta.k_rows, pmeta.k_rows]),
-                torch.cat([dmeta.v_rows, pmeta.v_rows]),
-            )
-            hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend)
-            rows = torch.cat([torch.arange(n_dec, device=self.device), pmeta.last_rows + n_dec])
-            return logits(self.weights, self.config, hidden.index_select(0, rows), ops)
+        token_ids = torch.tensor([d.token_id for d in decode] + ids, dtype=torch.int64, device=self.device)
+        ops = self._ops(
+            torch.cat([dmeta.positions, pmeta.positions]),
+            torch.cat([dmeta.k_rows, pmeta.k_rows]),
+            torch.cat([dmeta.v_rows, pmeta.v_rows]),
+        )
+        hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend)
+        rows = torch.cat([torch.arange(n_dec, device=self.device), pmeta.last_rows + n_dec])
+        return hidden, ops, rows
 
     def _prefill_triton(
         self, items: Sequence[PrefillItem], layer_hook: LayerHook | None, all_logits: bool
@@ -479,6 +558,27 @@ class ModelRunner:
                 inp.token_ids, inp.positions, inp.slots, inp.cu_seqlens, inp.start_pos, inp.tables,
                 None if all_logits else inp.last_rows, inp.max_new, layer_hook,
             )  # fmt: skip
+
+    def _prefill_triton_keeping(
+        self, items: Sequence[PrefillItem], layer_hook: LayerHook | None, keep_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, KeptRows]:
+        """``prefill_keeping`` on the Triton backend: eager (no graph keeps hidden states)."""
+        from pdserve.engine.cuda_backend import TritonStepOps, make_prefill_forward, prefill_inputs
+
+        inp = prefill_inputs(
+            [(it.token_ids, it.block_table, it.start_pos) for it in items],
+            self.block_size,
+            self.num_blocks,
+            self.device,
+        )
+        forward = make_prefill_forward(self.weights, self.config, self.rope, self.kv)
+        with torch.inference_mode():
+            out, kept = forward(
+                inp.token_ids, inp.positions, inp.slots, inp.cu_seqlens, inp.start_pos, inp.tables,
+                inp.last_rows, inp.max_new, layer_hook, keep_rows,
+            )  # fmt: skip
+        ops = TritonStepOps(self.config, self.rope, inp.positions, inp.slots)  # (its norm and products)
+        return out, KeptRows(len(kept), lambda a, b: logits(self.weights, self.config, kept[a:b], ops))
 
     def _ops(self, positions: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> StepOps:
         if self.kernels is not None:

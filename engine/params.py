@@ -20,6 +20,8 @@ GREEDY_EPS = 1e-5
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
+# The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's bound on top_logprobs).
+MAX_LOGPROBS = 20
 
 
 def _is_int(v: object) -> bool:
@@ -59,6 +61,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities under the model's raw logits (``engine.logprobs``), vLLM's names: ``logprobs`` for
+    # each generated token, ``prompt_logprobs`` for each prompt token given its prefix; the value is how
+    # many of the most likely alternatives come with each (0: the token's own alone). None: none computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -94,6 +101,7 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         self._check_penalties()
+        _check_logprobs(self)
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -152,6 +160,13 @@ def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias has token id {t} twice")
         pairs[t] = float(v)
     return tuple(sorted(pairs.items()))
+
+
+def _check_logprobs(params: SamplingParams) -> None:
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(params, name)
+        if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
 
 def check_prompt_length(tokens: int, max_model_len: int, name: str = "prompt", what: str = "") -> None:

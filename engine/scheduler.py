@@ -99,6 +99,11 @@ def check_stop(seq: Sequence, eos_token_ids: Iterable[int], max_model_len: int) 
     return None
 
 
+def needs_whole_prompt(seq: Sequence) -> bool:
+    """Its prompt logprobs are still to come: every prompt position is computed, none reused."""
+    return seq.params.prompt_logprobs is not None and not seq.output_token_ids
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -217,7 +222,8 @@ class Scheduler:
         - Prefix caching: a waiting sequence that holds no blocks (new or preempted) reuses the longest
           cached run of its full blocks, short of its last token (which is computed, so a fully cached
           prompt recomputes its last block into a fresh one), and computes from there; the budget counts
-          computed tokens only. Reused blocks are shared read-only: a step writes only past them.
+          computed tokens only. Reused blocks are shared read-only: a step writes only past them. A prompt
+          whose prompt logprobs are asked for reuses nothing (``needs_whole_prompt``).
         """
         if self.config.mixed_steps:
             decodes = self._schedule_decode() if self.running else []
@@ -307,7 +313,8 @@ class Scheduler:
         bm, bs = self.block_manager, self._cache_bs
         total = seq.num_tokens
         hashes = self._hashes(seq, (total - 1) // bs)  # the last token is always computed
-        hit = bm.cached_prefix_blocks(hashes)
+        # Prompt logprobs need every prompt position's logits: such a prompt is computed whole (as vLLM).
+        hit = 0 if needs_whole_prompt(seq) else bm.cached_prefix_blocks(hashes)
         n = min(total - hit * bs, budget)
         try:
             reused = bm.allocate_prefixed(seq.seq_id, hit * bs + n, hashes[:hit])

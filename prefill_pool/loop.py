@@ -13,7 +13,10 @@ from collections.abc import Callable, Coroutine, Hashable
 from concurrent.futures import Executor
 from typing import Any
 
+import torch
+
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.logprobs import TokenLogprob, prompt_targets, token_logprobs
 from pdserve.engine.model_runner import LayerHook, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sampler import Sampler, SampleRow
@@ -117,6 +120,35 @@ class PrefillLoop:
         run in parallel, which belong on the one thread that makes this process's parallel calls)."""
         return self.sampler(self.runner.prefill(items, hook), rows)
 
+    def _forward_logprobs(
+        self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]
+    ) -> tuple[list[int], list[tuple[TokenLogprob | None, list[TokenLogprob] | None]]]:
+        """``_forward`` for a batch where some request asked for logprobs: the same tokens, and for each
+        item its first token's logprobs and its prompt's (every position kept: its prompt is whole)."""
+        keep = [r.params.prompt_logprobs is not None for r in rows]
+        logits, kept = self.runner.prefill_keeping(items, keep, hook)
+        tokens = self.sampler(logits, rows)
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        firsts: dict[int, TokenLogprob] = {}
+        if asked:
+            tops = [rows[i].params.logprobs or 0 for i in asked]
+            lps = token_logprobs(logits[asked], [tokens[i] for i in asked], tops)
+            firsts = dict(zip(asked, lps, strict=True))
+        out: list[tuple[TokenLogprob | None, list[TokenLogprob] | None]] = []
+        start = 0
+        for i, (item, row) in enumerate(zip(items, rows, strict=True)):
+            prompt = None
+            if keep[i]:
+                targets = prompt_targets(item.token_ids, item.start_pos, len(item.token_ids))
+
+                def kept_rows(a: int, b: int, first: int = start) -> torch.Tensor:
+                    return kept.logits(first + a, first + b)
+
+                prompt = token_logprobs(kept_rows, targets, [row.params.prompt_logprobs or 0] * len(targets))
+                start += len(item.token_ids)
+            out.append((firsts.get(i), prompt))
+        return tokens, out
+
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -143,6 +175,7 @@ class PrefillLoop:
         if self.failure is not None:
             raise PrefillLoopStopped(f"prefill loop stopped: {self.failure!r}")
         job = PrefillJob(request_id, prompt)
+        job.whole_prompt = params.prompt_logprobs is not None
         self.sched.add(job)
         req = PrefillRequest(params, ticket, ticketless=ticket is None)
         job.payload = req
@@ -293,12 +326,15 @@ class PrefillLoop:
             hook = PushHook(live, self._push_lock)
             self.running, self.running_tokens = len(live), sum(j.new_tokens for j in live)
             t0 = time.perf_counter()
+            extras = None  # (first token's logprobs, prompt's) per job: only when some job asks
             try:
                 # The first token's penalties see the prompt (a prefill worker has no earlier outputs).
                 rows = [SampleRow(j.payload.params, 0, 0, j.prompt_token_ids) for j in live]
-                tokens = await asyncio.get_running_loop().run_in_executor(
-                    self._forward_thread, self._forward, items, hook, rows
-                )
+                run, on = asyncio.get_running_loop().run_in_executor, self._forward_thread
+                if any(r.params.logprobs is not None or r.params.prompt_logprobs is not None for r in rows):
+                    tokens, extras = await run(on, self._forward_logprobs, items, hook, rows)
+                else:
+                    tokens = await run(on, self._forward, items, hook, rows)
             except BatchCancelled:
                 for j in live:
                     self._forward_over(j, None)
@@ -323,12 +359,14 @@ class PrefillLoop:
             self._observe(dt, sum(j.new_tokens for j in live))
             for j in live:  # every prompt's KV is whole now (a cancelled one's too): later prompts reuse it
                 self.sched.computed(j)
-            for j, tok in zip(live, tokens, strict=True):
+            for i, (j, tok) in enumerate(zip(live, tokens, strict=True)):
                 req = j.payload
                 if req.given_up or req.result.done():
                     req.fail(AbortedError("prefill cancelled"))
                     self._forward_over(j, None)
                     continue
+                if extras is not None:
+                    req.first_logprobs, req.prompt_logprobs = extras[i]
                 # Answer the router first (TTFT), then complete the transfer in the background.
                 req.first_token_unix = time.time()
                 req.result.set_result((int(tok), dt))

@@ -82,6 +82,9 @@ class PrefillRequest:
     layers_done: int = 0  # layers its forward has written (the hook counts them, under the push lock)
     first_token_unix: float = 0.0  # when its first token was sampled (wall clock; 0: not yet)
     handle: SenderHandle | None = None
+    # Set with ``result`` when the params ask: the first token's logprobs, the prompt's (after its first).
+    first_logprobs: Any = None  # engine.logprobs.TokenLogprob
+    prompt_logprobs: list[Any] | None = None
 
     def __post_init__(self) -> None:
         self.late_opened.add_done_callback(_retrieve)

@@ -32,6 +32,7 @@ class PrefillJob:
     attach_key: Any = None  # (request id, the router's attempt key) of a job submitted without a ticket
     block_hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks (prefix caching)
     cached_tokens: int = 0  # leading prompt tokens reused from this worker's cache: not computed
+    whole_prompt: bool = False  # compute every prompt token, reusing no cached prefix (prompt logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +105,8 @@ class PrefillScheduler:
         """Take queued jobs in arrival order while the tokens they compute fit ``max_batched_tokens`` (a
         prompt longer than the budget runs alone) and their blocks fit the cache; allocate those blocks,
         holding the cached blocks of each prompt's longest cached prefix (at most all but the block of its
-        last token, which is computed for the first token's logits). The caller frees each job's blocks
+        last token, which is computed for the first token's logits; none for a ``whole_prompt`` job). The
+        caller frees each job's blocks
         (``finish``) when its transfer ends."""
         batch: list[PrefillJob] = []
         tokens = 0
@@ -113,7 +115,7 @@ class PrefillScheduler:
         while self._queue:
             job = self._queue[0]
             # This pool is the event loop's alone: the lookup holds until the allocation below.
-            reusable = job.block_hashes[: (job.num_tokens - 1) // bs]
+            reusable = [] if job.whole_prompt else job.block_hashes[: (job.num_tokens - 1) // bs]
             hit = bm.cached_prefix_blocks(reusable) if reusable else 0
             if batch and tokens + job.num_tokens - hit * bs > self.max_batched_tokens:
                 break

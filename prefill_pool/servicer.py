@@ -15,7 +15,7 @@ from pdserve.prefill_pool.loop import ForwardFailed, PrefillLoop, PrefillLoopSto
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.prefill_pool.tickets import LateOpenFailed
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
+from pdserve.worker.convert import logprobs_to_proto, request_id_from_metadata, sampling_params_from_proto
 from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, PoolServicer, WorkerShell
 
 log = logging.getLogger(__name__)
@@ -117,12 +117,17 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
         # When the token was sampled: the answer itself may go out after the decode worker has the KV.
         sampled_at = job.payload.first_token_unix or time.time()
-        return worker_pb2.PrefillResponse(
+        resp = worker_pb2.PrefillResponse(
             first_token_id=first,
             prefill_seconds=forward_s,
             first_token_unix=sampled_at,
             cached_tokens=job.cached_tokens,
         )
+        if job.payload.first_logprobs is not None:
+            resp.first_logprobs.CopyFrom(logprobs_to_proto([job.payload.first_logprobs])[0])
+        if job.payload.prompt_logprobs is not None:
+            resp.prompt_logprobs.extend(logprobs_to_proto(job.payload.prompt_logprobs))
+        return resp
 
     async def AttachTicket(self, request: worker_pb2.AttachTicketRequest, context) -> worker_pb2.Empty:  # noqa: N802
         """The ticket of a Prefill sent without one (empty: the router gave the request up)."""

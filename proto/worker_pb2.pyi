@@ -60,20 +60,24 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., deadline_unix: _Optional[float] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("transfer_ticket", "first_index", "token_ids", "finish_reason", "admitted_unix", "cached_tokens")
+    __slots__ = ("transfer_ticket", "first_index", "token_ids", "finish_reason", "admitted_unix", "cached_tokens", "logprobs", "prompt_logprobs")
     TRANSFER_TICKET_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     transfer_ticket: bytes
     first_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     admitted_unix: float
     cached_tokens: int
-    def __init__(self, transfer_ticket: _Optional[bytes] = ..., first_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., admitted_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, transfer_ticket: _Optional[bytes] = ..., first_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., admitted_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_ticket", "deadline_unix", "attach_key")
@@ -102,20 +106,24 @@ class AttachTicketRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_ticket: _Optional[bytes] = ..., attach_key: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix", "cached_tokens")
+    __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix", "cached_tokens", "first_logprobs", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_seconds: float
     transfer_seconds: float
     transfer_bytes: int
     first_token_unix: float
     cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    first_logprobs: _generation_pb2.TokenLogprobs
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby", "quantization", "kv_layout", "tokenizer_digest", "instance", "prefix_cache_salt")

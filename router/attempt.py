@@ -54,6 +54,7 @@ class Attempt:
             sampling.CopyFrom(prep.sampling)
             sampling.max_tokens = p.max_tokens - sent
             sampling.min_tokens = max(p.min_tokens - sent, 0)
+            sampling.ClearField("prompt_logprobs")  # (sent with token 0; the prompt now ends in outputs)
         if route.decode_unused:
             # Token 0 is the whole answer and P samples it: no decode call, no KV reservation, no
             # transfer (which the finish at token 0 would only abort, counted as a failure).
@@ -105,6 +106,8 @@ class Attempt:
         read: asyncio.Future | None = asyncio.ensure_future(dcall.read())
         attach: asyncio.Future | None = None  # P's AttachTicket call, once D's ticket came
         attached = answered = False
+        # With logprobs asked, D's tokens wait for P's answer, which has token 0's and the prompt's.
+        held: Any = None
         try:
             while True:
                 waiting = tuple(t for t in (p_task, read, attach) if t is not None)
@@ -140,8 +143,9 @@ class Attempt:
                                 grpc.StatusCode.INTERNAL,
                                 f"decode worker {d.worker_id} ended without a finish",
                             )
-                        out.prefilled(m.cached_tokens)
-                        if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+                        if out.logprobs is not None and p_task is not None:
+                            held = m
+                        elif await self._deliver_decoded(out, m, write):
                             return True, None
                 if attach is not None and not attached and attach.done():
                     outcome(attach, job, p, "prefill", ops)  # a refused ticket fails the request
@@ -159,13 +163,15 @@ class Attempt:
                         log.info("request %s: prefill failed after decode started; ignored", prep.request_id)
                     else:
                         # Output index 0: sent only when D has not already delivered it.
-                        out.prefilled(resp.cached_tokens)
-                        tok = resp.first_token_id
-                        if await deliver(out, (tok,), 0, self._first_token_finish(prep, tok), write):
+                        if await self._deliver_first(prep, out, resp, write):
+                            return True, None
+                    if held is not None:
+                        m, held = held, None
+                        if await self._deliver_decoded(out, m, write):
                             return True, None
                 if answered and attached:
                     return False, read
-                if read is None and attach is not None:
+                if read is None and attach is not None and held is None:
                     read = asyncio.ensure_future(dcall.read())
         except BaseException:
             for t in (p_task, read, attach):
@@ -211,9 +217,28 @@ class Attempt:
         finally:
             task.cancel()  # (a no-op once it ended)
             self._drop_prefill(p, prep.request_id, key)
+        await self._deliver_first(prep, out, resp, write, "length")
+
+    async def _deliver_first(
+        self, prep: Prepared, out: Output, resp: worker_pb2.PrefillResponse, write: Write, finish: str = ""
+    ) -> bool:
+        """P's answer to the client: token 0 (unless D delivered it already), with its logprobs and the
+        prompt's when asked. ``finish``: the finish when token 0 does not end the request by itself."""
         out.prefilled(resp.cached_tokens)
+        first: list[generation_pb2.TokenLogprobs] = []
+        if out.logprobs is not None:
+            entry = resp.first_logprobs if resp.HasField("first_logprobs") else None
+            out.logprobs.prefilled(entry, resp.prompt_logprobs)
+            first = [entry] if entry is not None else []
         tok = resp.first_token_id
-        await deliver(out, (tok,), 0, self._first_token_finish(prep, tok) or "length", write)
+        return await deliver(out, (tok,), 0, self._first_token_finish(prep, tok) or finish, write, first)
+
+    @staticmethod
+    async def _deliver_decoded(out: Output, m: Any, write: Write) -> bool:
+        """One of D's messages to the client (its first ones, before ``relay_stream`` takes over)."""
+        out.prefilled(m.cached_tokens)
+        lps = m.logprobs if out.logprobs is not None else ()
+        return await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, lps)
 
     def _drop_prefill(self, p: Worker, request_id: str, key: str) -> None:
         """Tell P to free the KV of a prefill that will get no ticket (fire and forget: P also drops it

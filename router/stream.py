@@ -14,6 +14,7 @@ from pdserve.proto import generation_pb2
 from pdserve.router.detok import Detokenizer
 from pdserve.router.errors import RelayError, cancelling, classify, worker_failure
 from pdserve.router.jobs import Job
+from pdserve.router.logprobs import LogprobRelay, MissingLogprobs
 from pdserve.router.ops import RouterOps
 from pdserve.router.registry import Worker
 from pdserve.router.validate import Prepared
@@ -59,7 +60,7 @@ class ReadAheadBudget:
 class Output:
     """What has been sent to the client for one request."""
 
-    __slots__ = ("request_id", "prompt_tokens", "detok", "sent", "cached_tokens")
+    __slots__ = ("request_id", "prompt_tokens", "detok", "sent", "cached_tokens", "logprobs", "prompt_only")
 
     def __init__(self, prep: Prepared, detok: Detokenizer) -> None:
         self.request_id = prep.request_id
@@ -69,15 +70,34 @@ class Output:
         # Prompt tokens the worker that prefilled reused from its prefix cache: the first report (P's
         # answer, or a local prefill's first message) stands.
         self.cached_tokens = 0
+        self.logprobs = LogprobRelay.of(prep)  # None: the request asked for none
+        self.prompt_only = prep.prompt_only  # max_tokens 0: the finish (and prompt logprobs) alone
 
     def prefilled(self, cached_tokens: int) -> None:
         if cached_tokens and not self.cached_tokens:
             self.cached_tokens = min(cached_tokens, self.prompt_tokens)
 
 
-async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str, write: Write) -> bool:
-    """Send the new part of a worker message to the client. True when the request is finished."""
+async def deliver(
+    out: Output,
+    ids: Sequence[int],
+    first_index: int,
+    finish: str,
+    write: Write,
+    logprobs: Sequence[generation_pb2.TokenLogprobs] = (),
+) -> bool:
+    """Send the new part of a worker message to the client. True when the request is finished.
+    ``logprobs``: the message's (those of its last tokens), when the request asked for them."""
+    if out.prompt_only:
+        return await _deliver_prompt_only(out, finish, write)
     detok = out.detok
+    lp = out.logprobs
+    entries: list[generation_pb2.TokenLogprobs] = []
+    if lp is not None:
+        try:
+            entries = lp.aligned(ids, first_index, logprobs)
+        except MissingLogprobs as e:
+            raise RelayError(grpc.StatusCode.INTERNAL, str(e)) from None
     skip = detok.count - first_index
     if skip:
         if skip < 0 and len(ids):
@@ -86,29 +106,48 @@ async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str
             )
         if skip > 0:
             ids = ids[skip:]
+            entries = entries[skip:]
     if not ids and not finish:
         return False
     # The router owns stop strings (workers get none), so a worker's "stop" is eos or a stop token id.
     text, used = detok.feed(ids, ends_on_stop_token=finish == "stop")
     if detok.stopped:
         ids, finish = ids[:used], "stop"
+        entries = entries[:used]
     out.sent.extend(ids)
     if not finish:
-        await write(_Resp(request_id=out.request_id, token_ids=ids, text=text))
+        resp = _Resp(request_id=out.request_id, token_ids=ids, text=text)
+        if lp is not None:
+            lp.attach(resp, entries)
+        await write(resp)
         return False
-    await write(
-        _Resp(
-            request_id=out.request_id,
-            token_ids=ids,
-            text=text + detok.flush(),
-            finish_reason=finish,
-            usage=generation_pb2.Usage(
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=detok.count,
-                cached_tokens=out.cached_tokens,
-            ),
-        )
+    resp = _Resp(
+        request_id=out.request_id,
+        token_ids=ids,
+        text=text + detok.flush(),
+        finish_reason=finish,
+        usage=generation_pb2.Usage(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=detok.count,
+            cached_tokens=out.cached_tokens,
+        ),
     )
+    if lp is not None:
+        lp.attach(resp, entries)
+    await write(resp)
+    return True
+
+
+async def _deliver_prompt_only(out: Output, finish: str, write: Write) -> bool:
+    """A prompt-only request (max_tokens 0): its one token is the workers' alone; the client gets the
+    finish with the prompt's logprobs (when asked) and no output."""
+    if not finish:
+        return False
+    usage = generation_pb2.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
+    resp = _Resp(request_id=out.request_id, finish_reason="length", usage=usage)
+    if out.logprobs is not None:
+        out.logprobs.attach(resp, ())
+    await write(resp)
     return True
 
 
@@ -141,7 +180,11 @@ async def relay_stream(
                     grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
                 )
             out.prefilled(m.cached_tokens)
-            if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+            lp = out.logprobs
+            if lp is not None:  # (a local prefill's first message carries the prompt's)
+                lp.prefilled(None, m.prompt_logprobs)
+            lps = m.logprobs if lp is not None else ()
+            if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, lps):
                 return
             m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
             budget.give(1)

@@ -125,6 +125,9 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     sampling: generation_pb2.SamplingParams  # forwarded to the workers: the client's, minus stop strings
+    # max_tokens 0: the prompt alone (its logprobs, when asked). The workers run it as max_tokens 1 and
+    # the router sends none of its output.
+    prompt_only: bool = False
 
 
 def _prompt_ids(
@@ -189,6 +192,21 @@ def chat_messages(pairs: Iterable[tuple[str, str]]) -> list[dict[str, str]]:
     return [{"role": ROLE_ALIASES.get(role, role), "content": content} for role, content in pairs]
 
 
+def _one_token(request: generation_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
+    """A prompt-only request (max_tokens 0) as the workers run it: one token, which is not sent, so none
+    of its logprobs are asked for."""
+    if request.sampling.min_tokens:
+        raise InvalidRequest(
+            f"sampling.min_tokens must be 0 when max_tokens is 0 (the prompt alone), got "
+            f"{request.sampling.min_tokens}"
+        )
+    one = generation_pb2.GenerateRequest()
+    one.CopyFrom(request)
+    one.sampling.max_tokens = 1
+    one.sampling.ClearField("logprobs")
+    return one
+
+
 def prepare(
     request: generation_pb2.GenerateRequest,
     tokenizer: RouterTokenizer,
@@ -197,6 +215,8 @@ def prepare(
     """Validate ``request`` and turn it into what the workers need. Raises InvalidRequest."""
     if limits.context_length <= 0:
         raise ValueError("the model's context length is unknown")
+    if request.sampling.HasField("max_tokens") and request.sampling.max_tokens == 0:
+        return dataclasses.replace(prepare(_one_token(request), tokenizer, limits), prompt_only=True)
     check_request_id(request.request_id)
     _check_bounds(request.sampling)
     try:

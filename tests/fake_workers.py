@@ -34,7 +34,7 @@ from pdserve.decode_pool.metrics import DecodeMetrics
 from pdserve.kv_transfer.metrics import Role as TransferRole
 from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.prefill_pool.metrics import PrefillMetrics
-from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.proto import generation_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.telemetry.exporter import process_registry, serve_metrics
 from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
@@ -91,6 +91,21 @@ def make_model_dir(path: Path) -> Path:
     )
     (path / "config.json").write_text(json.dumps({"max_position_embeddings": CONTEXT, "vocab_size": 32}))
     return path
+
+
+def _fake_entry(token: int) -> generation_pb2.TokenLogprobs:
+    return generation_pb2.TokenLogprobs(
+        token_id=token, logprob=-1.0, top_token_ids=[token], top_logprobs=[-1.0]
+    )
+
+
+def _fake_logprobs(msg: worker_pb2.WorkerGenerateResponse, request, remote: bool) -> None:
+    """Logprobs where the request asks, as a real worker sends them: none for token 0 of a remote
+    prefill (the prefill worker's), the prompt's with a local prefill's token 0."""
+    if request.sampling.HasField("logprobs") and not (remote and msg.first_index == 0):
+        msg.logprobs.extend(_fake_entry(t) for t in msg.token_ids)
+    if request.sampling.HasField("prompt_logprobs") and not remote and msg.first_index == 0:
+        msg.prompt_logprobs.extend(_fake_entry(t) for t in request.prompt_token_ids[1:])
 
 
 class Transfers:
@@ -228,7 +243,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     self._note()
                     await self.release.wait()
                 finish = self.finish if i == last else ""
-                yield worker_pb2.WorkerGenerateResponse(first_index=i, token_ids=[t], finish_reason=finish)
+                msg = worker_pb2.WorkerGenerateResponse(first_index=i, token_ids=[t], finish_reason=finish)
+                _fake_logprobs(msg, request, remote)
+                yield msg
                 await asyncio.sleep(0)
                 if self.decode_metrics is not None:
                     now = time.perf_counter()
@@ -262,9 +279,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 self.transfer_metrics.add_bytes(len(request.prompt_token_ids))
                 self.transfer_metrics.layer_done(1e-5)
                 self.transfer_metrics.transfer_done(1e-4)
-            return worker_pb2.PrefillResponse(
+            resp = worker_pb2.PrefillResponse(
                 first_token_id=self.tokens[0], transfer_bytes=len(request.prompt_token_ids)
             )
+            if request.sampling.HasField("logprobs"):
+                resp.first_logprobs.CopyFrom(_fake_entry(self.tokens[0]))
+            if request.sampling.HasField("prompt_logprobs"):
+                resp.prompt_logprobs.extend(_fake_entry(t) for t in request.prompt_token_ids[1:])
+            return resp
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             self._note()

@@ -6,9 +6,15 @@ the router accepts is one the workers accept.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from pdserve.engine.params import SamplingParams
 from pdserve.proto import generation_pb2, worker_pb2
 from pdserve.worker.role import Role
+
+if TYPE_CHECKING:  # (the router imports this module: no torch at run time)
+    from pdserve.engine.logprobs import TokenLogprob
 
 # proto3 optional fields copied into SamplingParams when set; unset ones keep the engine defaults.
 _OPTIONAL_FIELDS = (
@@ -23,6 +29,7 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
+_LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
 ROLE_TO_PROTO = {
     Role.PREFILL: worker_pb2.ROLE_PREFILL,
     Role.DECODE: worker_pb2.ROLE_DECODE,
@@ -35,7 +42,18 @@ def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingPara
     kw: dict[str, object] = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if s.HasField(f)}
     if s.logit_bias:
         kw["logit_bias"] = s.logit_bias  # (a mapping: SamplingParams checks its size before reading it)
+    kw.update({f: getattr(s, f) for f in _LOGPROB_FIELDS if s.HasField(f)})
     return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
+
+
+def logprobs_to_proto(entries: Iterable[TokenLogprob]) -> list[generation_pb2.TokenLogprobs]:
+    """The engine's ``TokenLogprob`` entries as the wire carries them."""
+    return [
+        generation_pb2.TokenLogprobs(
+            token_id=e.token_id, logprob=e.logprob, top_token_ids=e.top_ids, top_logprobs=e.top_logprobs
+        )
+        for e in entries
+    ]
 
 
 # gRPC metadata the router sends with every worker call: the request's id, as clients, proxies and

@@ -11,12 +11,13 @@ import enum
 import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgspec
 
-from pdserve.engine.params import MAX_LOGIT_BIAS_TOKENS, check_prompt_length
+from pdserve.engine.params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, check_prompt_length
 from pdserve.proto import generation_pb2 as g
+from pdserve.router.openai.logprobs import ResponseOptions, chat_logprobs, completion_logprobs
 from pdserve.router.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -24,6 +25,7 @@ from pdserve.router.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     Completion,
     CompletionChoice,
@@ -171,12 +173,8 @@ def completion_request(req: CompletionRequest, request_id: str, context_length: 
     """``POST /v1/completions`` as a ``GenerateRequest``; ``context_length``: the model's, when known (0:
     not). Raises OpenAIError (400)."""
     _check_common(req)
-    if req.echo:
-        raise invalid("echo is not supported", "echo")
     if req.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if req.logprobs is not None:
-        raise invalid("logprobs is not supported", "logprobs")
     if req.best_of not in (None, 1):
         raise invalid(f"best_of must be 1, got {req.best_of}", "best_of")
     if present(req.max_completion_tokens):
@@ -184,8 +182,22 @@ def completion_request(req: CompletionRequest, request_id: str, context_length: 
             "max_completion_tokens is a chat completions field; /v1/completions takes max_tokens",
             "max_completion_tokens",
         )
-    # The completions default (16) is also the engine's: an unset max_tokens stays unset.
-    out = g.GenerateRequest(request_id=request_id, sampling=_sampling(req, req.max_tokens))
+    # The completions default (16) is also the engine's: an unset max_tokens stays unset. 0 (with echo) is
+    # the prompt alone, as OpenAI's scoring requests send it.
+    prompt_only = req.max_tokens == 0
+    if prompt_only and not req.echo:
+        raise invalid(
+            f"max_tokens must be in [1, {_UINT32}] (0, the prompt alone, with echo), got 0", "max_tokens"
+        )
+    out = g.GenerateRequest(
+        request_id=request_id, sampling=_sampling(req, None if prompt_only else req.max_tokens)
+    )
+    if prompt_only:
+        out.sampling.max_tokens = 0
+    if req.logprobs is not None:
+        out.sampling.logprobs = _bounded("logprobs", req.logprobs, 0, MAX_LOGPROBS)
+        if req.echo:  # the prompt's too, shown before the completion's (as vLLM)
+            out.sampling.prompt_logprobs = req.logprobs
     prompt = req.prompt
     if prompt is None:
         raise invalid("prompt is required", "prompt")
@@ -287,16 +299,40 @@ def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[s
         names["max_tokens"] = "max_completion_tokens"
     if isinstance(req, CompletionRequest) and isinstance(req.prompt, list):
         names["prompt_token_ids"] = "prompt"
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None:
+        names["logprobs"] = "top_logprobs"
     return names
+
+
+def response_options(
+    req: CompletionRequest | ChatCompletionRequest,
+    token_text: Callable[[int], str],
+    decode: Callable[[list[int]], str],
+) -> ResponseOptions:
+    """What the response shows beyond the generated text: a completion's ``echo`` (the prompt's text as
+    sent, or its token ids decoded) and ``logprobs`` (a chat's ``top_logprobs`` when ``logprobs``)."""
+    if isinstance(req, ChatCompletionRequest):
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return ResponseOptions(logprobs=top, token_text=token_text)
+    echo = None
+    if req.echo:
+        prompt: object = req.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # (a batch of one)
+        if isinstance(prompt, str):
+            echo = prompt
+        else:
+            echo = decode([t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else [])
+    return ResponseOptions(echo=echo, logprobs=req.logprobs, token_text=token_text)
 
 
 def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateRequest:
     """``POST /v1/chat/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
     _check_common(req)
-    if req.logprobs:
-        raise invalid("logprobs is not supported", "logprobs")
-    if req.top_logprobs:
-        raise invalid("top_logprobs is not supported", "top_logprobs")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        _bounded("top_logprobs", req.top_logprobs, 0, MAX_LOGPROBS)
     _refuse_unsupported(req, _CHAT_UNSUPPORTED)
     if req.messages is None:
         raise invalid("messages is required", "messages")
@@ -304,6 +340,8 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateReque
     sent_as = client_field_names(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(req, max_tokens, sent_as.get("max_tokens", "max_tokens"))
+    if req.logprobs:
+        sampling.logprobs = req.top_logprobs or 0
     out = g.GenerateRequest(request_id=request_id, sampling=sampling)
     out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
     out.messages.messages.extend(
@@ -332,18 +370,34 @@ def _usage(msg: g.GenerateResponse) -> Usage:
 class EventStream:
     """One streaming response: response messages in, SSE bytes out."""
 
-    def __init__(self, kind: Kind, response_id: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        response_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        options: ResponseOptions | None = None,
+    ) -> None:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
         self.include_usage = include_usage
         self.usage: Usage | None = None  # from the finishing message
         self._role_sent = False
+        # Echo or logprobs (None: neither, the plain path): the prompt's text goes with the first chunk;
+        # logprobs wait with their tokens' text (held back while it may begin a stop string).
+        self.options = options if options is not None and options.any else None
+        self._echoed = False
+        self._pending: list[g.TokenLogprobs] = []
+        self._text_offset = 0
 
     def feed(self, msg: g.GenerateResponse) -> bytes:
         """The events for one message; empty when it adds nothing (text still held back, no finish)."""
         finish = msg.finish_reason or None
         if finish is not None:
             self.usage = _usage(msg)
+        if self.options is not None:
+            return self._feed_shown(msg, finish, self.options)
         if not msg.text and finish is None:
             return b""
         if self.kind is Kind.COMPLETION:
@@ -356,8 +410,37 @@ class EventStream:
             out = self._chat_chunk(ChatDelta(role="assistant", content=""), None)
         return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
 
-    def _chat_chunk(self, delta: ChatDelta, finish: str | None) -> bytes:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)
+    def _feed_shown(self, msg: g.GenerateResponse, finish: str | None, opts: ResponseOptions) -> bytes:
+        """``feed`` of a response that shows the prompt (echo) or logprobs."""
+        if opts.logprobs is not None:
+            if opts.echo is not None:
+                self._pending.extend(msg.prompt_logprobs)  # (on the first message)
+            self._pending.extend(msg.logprobs)
+        if not msg.text and finish is None:
+            return b""
+        entries, self._pending = self._pending, []
+        if self.kind is Kind.COMPLETION:
+            text = msg.text
+            if opts.echo is not None and not self._echoed:
+                text, self._echoed = opts.echo + text, True
+            lps = None
+            if opts.logprobs is not None:
+                lps = completion_logprobs(entries, opts.token_text, self._text_offset)
+                if lps.tokens:
+                    self._text_offset = lps.text_offset[-1] + len(lps.tokens[-1])
+            choice = CompletionChoice(index=0, text=text, logprobs=lps, finish_reason=finish)
+            return sse(Completion(self.id, self.created, self.model, [choice], None))
+        out = b""
+        if not self._role_sent:
+            self._role_sent = True
+            out = self._chat_chunk(ChatDelta(role="assistant", content=""), None)
+        chat = chat_logprobs(entries, opts.token_text) if opts.logprobs is not None else None
+        return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish, chat)
+
+    def _chat_chunk(
+        self, delta: ChatDelta, finish: str | None, logprobs: ChatLogprobs | None = None
+    ) -> bytes:
+        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
         return sse(ChatCompletionChunk(self.id, self.created, self.model, [choice], None))
 
     def end(self) -> bytes:
@@ -374,25 +457,38 @@ class EventStream:
 class Collected:
     """A non-streaming response: the messages gathered, then one body."""
 
-    def __init__(self, kind: Kind, response_id: str, created: int, model: str) -> None:
+    def __init__(
+        self, kind: Kind, response_id: str, created: int, model: str, options: ResponseOptions | None = None
+    ) -> None:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
         self._text: list[str] = []
         self.finish: str | None = None
         self.usage: Usage | None = None
+        self.options = options or ResponseOptions()
+        self._logprobs: list[g.TokenLogprobs] = []  # the prompt's (shown with echo), then the output's
 
     def feed(self, msg: g.GenerateResponse) -> None:
         self._text.append(msg.text)
+        if self.options.logprobs is not None:
+            if self.options.echo is not None:
+                self._logprobs.extend(msg.prompt_logprobs)
+            self._logprobs.extend(msg.logprobs)
         if msg.finish_reason:
             self.finish = msg.finish_reason
             self.usage = _usage(msg)
 
     def response(self) -> bytes:
         text = "".join(self._text)
+        opts = self.options
         if self.kind is Kind.COMPLETION:
-            choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=self.finish)
+            lps = None if opts.logprobs is None else completion_logprobs(self._logprobs, opts.token_text)
+            if opts.echo is not None:
+                text = opts.echo + text
+            choice = CompletionChoice(index=0, text=text, logprobs=lps, finish_reason=self.finish)
             return encode(Completion(self.id, self.created, self.model, [choice], self.usage))
+        logprobs = None if opts.logprobs is None else chat_logprobs(self._logprobs, opts.token_text)
         chat = ChatChoice(
-            index=0, message=ChatMessageOut(content=text), logprobs=None, finish_reason=self.finish
+            index=0, message=ChatMessageOut(content=text), logprobs=logprobs, finish_reason=self.finish
         )
         return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))

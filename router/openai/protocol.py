@@ -139,10 +139,20 @@ class Usage(msgspec.Struct, frozen=True):
         )
 
 
+class CompletionLogprobs(msgspec.Struct, frozen=True):
+    """The completions API's (legacy) logprobs: per token its text, logprob, the most likely tokens' (with
+    its own), and where its text starts. A prompt's first token (``echo``) has None for both."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct, frozen=True):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
@@ -162,10 +172,27 @@ class ChatMessageOut(msgspec.Struct, frozen=True):
     role: Literal["assistant"] = "assistant"
 
 
+class ChatTopLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]  # the most likely tokens, as many as top_logprobs asked
+
+
+class ChatLogprobs(msgspec.Struct, frozen=True):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(msgspec.Struct, frozen=True):
     index: int
     message: ChatMessageOut
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -188,7 +215,7 @@ class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
 class ChatChunkChoice(msgspec.Struct, frozen=True):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -332,6 +359,8 @@ _PARAM_NAMES = {
     "repetition_penalty": "repetition_penalty",
     "logit_bias": "logit_bias",
     "request_id": "X-Request-ID",  # the HTTP front takes the id from that header
+    "logprobs": "logprobs",
+    "prompt_logprobs": "prompt_logprobs",
 }
 _LEADING_FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 from pdserve.proto import generation_pb2 as g
+from pdserve.router.openai.logprobs import ResponseOptions
 from pdserve.router.openai.mapping import (
     Collected,
     EventStream,
@@ -26,6 +27,7 @@ from pdserve.router.openai.mapping import (
     check_model,
     client_field_names,
     completion_request,
+    response_options,
     sse_error,
 )
 from pdserve.router.openai.protocol import (
@@ -329,12 +331,12 @@ class OpenAIFront:
         req: CompletionRequest | ChatCompletionRequest,
     ) -> web.StreamResponse:
         created = int(time.time())
+        options = self._response_options(req)
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return await self._stream(
-                request, greq, EventStream(kind, rid, created, self.model_name, include_usage), req
-            )
-        collected = Collected(kind, rid, created, self.model_name)
+            events = EventStream(kind, rid, created, self.model_name, include_usage, options)
+            return await self._stream(request, greq, events, req)
+        collected = Collected(kind, rid, created, self.model_name, options)
 
         async def collect(msg: g.GenerateResponse) -> None:
             collected.feed(msg)
@@ -346,6 +348,21 @@ class OpenAIFront:
         return web.Response(
             body=collected.response(), content_type="application/json", headers={REQUEST_ID_HEADER: rid}
         )
+
+    def _response_options(self, req: CompletionRequest | ChatCompletionRequest) -> ResponseOptions | None:
+        """Echo and logprobs, shown through the router's tokenizer (None: neither asked)."""
+        tok = self.router.tokenizer
+        if isinstance(req, CompletionRequest):
+            asked = bool(req.echo) or req.logprobs is not None
+        else:
+            asked = bool(req.logprobs)
+        if tok is None or not asked:
+            return None
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode(ids, skip_special_tokens=False)
+
+        return response_options(req, lambda t: decode([t]), decode)
 
     async def _stream(
         self,

@@ -251,3 +251,120 @@ def test_http_and_grpc_errors_match_on_a_served_model(http_cluster, served):
     assert rpc.value.details() == info.value.body["message"]  # one validation, two fronts
     client.close()
     c.assert_no_leaks()
+
+
+# ---- logprobs, echo and lm-evaluation-harness ----------------------------------------------------------
+
+LOGPROB_TOL = 1e-4
+
+
+def _logprob_stream(c, req: g.GenerateRequest) -> tuple[list[int], list, list, g.Usage]:
+    """(tokens, their logprobs, the prompt's logprobs, usage) of one gRPC ``Generate``."""
+    with c.channel() as channel:
+        tokens, _, _, msgs = generate(c.stub(channel), req)
+    lps = [e for _, m in msgs for e in m.logprobs]
+    prompt = [e for _, m in msgs for e in m.prompt_logprobs]
+    assert all(not m.prompt_logprobs for _, m in msgs[1:])  # the prompt's come on the first message
+    return tokens, lps, prompt, msgs[-1][1].usage
+
+
+def _assert_same_entries(got, want) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.token_id == b.token_id and a.HasField("logprob") == b.HasField("logprob")
+        assert abs(a.logprob - b.logprob) < LOGPROB_TOL
+        assert len(a.top_token_ids) == len(b.top_token_ids)
+        for i, (ta, va) in enumerate(zip(a.top_token_ids, a.top_logprobs, strict=True)):
+            assert abs(va - b.top_logprobs[i]) < LOGPROB_TOL
+            # The same token at each rank, unless another one is within the tolerance of it (a near-tie).
+            near = [abs(v - va) < LOGPROB_TOL for j, v in enumerate(b.top_logprobs) if j != i]
+            assert ta == b.top_token_ids[i] or any(near)
+
+
+def test_logprobs_in_1p1d_equal_the_colocated_workers(http_cluster, pd_http_cluster, tokenizer):
+    """In 1P+1D token 0's and the prompt's logprobs come from the prefill worker, the rest from the decode
+    worker; they equal a colocated worker's, and a prompt whose prefix the prefill worker caches is
+    computed whole for its prompt logprobs. max_tokens 0 gives the prompt's alone."""
+    prompt = tokenizer.encode("The capital of France is Paris, and the capital of Spain is")
+    plain = g.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    asks = g.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    ids = g.TokenIds(ids=prompt)
+    _logprob_stream(pd_http_cluster, g.GenerateRequest(prompt_token_ids=ids, sampling=plain))  # cached
+    pd = _logprob_stream(pd_http_cluster, g.GenerateRequest(prompt_token_ids=ids, sampling=asks))
+    co = _logprob_stream(http_cluster, g.GenerateRequest(prompt_token_ids=ids, sampling=asks))
+    assert pd[0] == co[0] and len(pd[1]) == len(pd[0]) == 6
+    assert [e.token_id for e in pd[1]] == pd[0]
+    _assert_same_entries(pd[1], co[1])
+    assert [e.token_id for e in pd[2]] == prompt and not pd[2][0].HasField("logprob")
+    _assert_same_entries(pd[2], co[2])
+    assert pd[3].cached_tokens == 0  # (the plain request's prefix was cached: not reused here)
+    only = g.SamplingParams(max_tokens=0, prompt_logprobs=1)
+    tokens, lps, prompt_lps, usage = _logprob_stream(
+        pd_http_cluster, g.GenerateRequest(prompt_token_ids=ids, sampling=only)
+    )
+    assert tokens == [] and lps == [] and (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 0)
+    assert [e.logprob for e in prompt_lps[1:]] == pytest.approx(
+        [e.logprob for e in co[2][1:]], abs=LOGPROB_TOL
+    )
+    pd_http_cluster.assert_no_leaks()
+    http_cluster.assert_no_leaks()
+
+
+def test_sdk_logprobs_and_echo_shapes_streamed_and_not(pd_http_cluster, served, tokenizer):
+    c = pd_http_cluster
+    client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+    kw = {"model": served, "temperature": 0, "max_tokens": 5}
+    r = client.completions.create(prompt=PROMPTS[0], logprobs=2, **kw)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text and all(len(t) >= 2 for t in lp.top_logprobs)
+    chunks = list(client.completions.create(prompt=PROMPTS[0], logprobs=2, stream=True, **kw))
+    streamed = [
+        v
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for v in ch.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=LOGPROB_TOL)
+    # echo with max_tokens 0: the prompt alone and its logprobs, its first token's None.
+    e = client.completions.create(prompt=PROMPTS[0], echo=True, logprobs=1, **{**kw, "max_tokens": 0})
+    n = len(tokenizer.encode(PROMPTS[0]))
+    assert e.choices[0].text == PROMPTS[0] and e.usage.completion_tokens == 0
+    assert len(e.choices[0].logprobs.token_logprobs) == n and e.choices[0].logprobs.token_logprobs[0] is None
+    # Chat: the content entries, streamed and not.
+    r = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, **kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    chunks = list(
+        client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2, stream=True, **kw)
+    )
+    streamed = [
+        t.logprob
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content
+    ]
+    assert streamed == pytest.approx([t.logprob for t in content], abs=LOGPROB_TOL)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=21, **kw)
+    assert info.value.param == "top_logprobs"
+    client.close()
+    c.assert_no_leaks()
+
+
+def test_lm_eval_through_pdserve_equals_lm_eval_on_transformers(
+    pd_http_cluster, served, tiny_served_model, monkeypatch
+):
+    """Acceptance: lm-evaluation-harness' local-completions model on pdserve's completions endpoint (1P+1D:
+    the prefill worker scores every prompt) gives the per-item loglikelihoods of its hf model on the same
+    weights (float32) within 1e-3, and the same accuracy, on the first 8 items of the local task."""
+    pytest.importorskip("lm_eval", reason="lm-eval is in the [test] extras")
+    from benchmarks.lm_eval_compare import OFFLINE, compare, format_report
+
+    for name in OFFLINE:
+        monkeypatch.setenv(name, "1")
+    result = compare(f"{pd_http_cluster.http_url}/v1/completions", served, tiny_served_model, limit=8)
+    print(format_report(result))
+    assert result.items == 8 and result.max_abs_diff < 1e-3
+    assert result.acc_pdserve == result.acc_hf and result.same_choices
+    pd_http_cluster.assert_no_leaks()

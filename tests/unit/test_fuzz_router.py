@@ -55,6 +55,8 @@ def sampling(draw) -> g.SamplingParams:
         ("presence_penalty", st.one_of(st.floats(-2.5, 2.5, width=32), floats)),
         ("frequency_penalty", st.one_of(st.floats(-2.5, 2.5, width=32), floats)),
         ("repetition_penalty", st.one_of(st.floats(-0.5, 3, width=32), floats)),
+        ("logprobs", st.one_of(st.integers(0, 25), uint32)),
+        ("prompt_logprobs", st.one_of(st.integers(0, 25), uint32)),
     ):
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
@@ -123,6 +125,9 @@ http_body = st.one_of(
                 ),
                 json_value,
             ),
+            "logprobs": st.one_of(st.integers(-2, 25), st.booleans(), json_value),
+            "top_logprobs": st.one_of(st.integers(-2, 25), json_value),
+            "echo": st.one_of(st.booleans(), json_value),
         },
     ).map(lambda d: json.dumps(d).encode()),
     json_value.map(lambda v: json.dumps(v).encode()),

@@ -127,8 +127,9 @@ def test_chat_maps_messages_text_parts_and_max_completion_tokens():
     ("body", "param"),
     [
         ({"prompt": "x", "n": 2}, "n"),
-        ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "logprobs": 1}, "logprobs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # (0, the prompt alone, needs echo)
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "presence_penalty": 1e300}, "presence_penalty"),  # beyond a float32
@@ -163,8 +164,11 @@ def test_completion_refuses_what_it_does_not_implement_naming_the_param(body, pa
 def test_chat_refusals_and_malformed_bodies():
     for body, param in (
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),  # no logprobs
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ({"messages": "hello"}, "messages"),
         ({}, "messages"),
     ):

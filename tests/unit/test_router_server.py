@@ -201,7 +201,9 @@ def test_bad_input_is_invalid_argument_naming_the_field_and_router_keeps_serving
             cases = [
                 (request(""), "prompt"),
                 (g.GenerateRequest(), "prompt"),
-                (request(max_tokens=0), "max_tokens"),
+                (request(max_tokens=0, min_tokens=1), "min_tokens"),  # (max_tokens 0: the prompt alone)
+                (request(logprobs=21), "logprobs"),
+                (request(prompt_logprobs=21), "prompt_logprobs"),
                 (request(too_long), "prompt"),
                 (g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[ID["a"]] * CONTEXT)), "prompt_token_ids"),
                 (g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[999])), "prompt_token_ids"),
