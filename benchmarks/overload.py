@@ -97,6 +97,7 @@ def _summary(results: list[dict], budget_s: float, capacity: float) -> dict[str,
         "ttft_p99_s": float(np.percentile(served, 99)) if served else None,
         "slowest_refusal_ms": 1000 * max(refused) if refused else None,
         "served_over_capacity": len(served) / capacity if capacity else None,
+        "other_failures": sorted({f"{r['outcome']}: {r['details']}" for r in other})[:5],
     }
     if budget_s:
         out["checks"] = {
