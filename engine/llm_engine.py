@@ -26,6 +26,7 @@ from pdserve.engine.device import (
     resolve_device,
     resolve_dtype,
 )
+from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.prefix_hash import model_cache_salt
@@ -209,6 +210,10 @@ class LLMEngine:
         self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
         self.runner.prepare_prefill(config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
+        # Structured output: each constrained sequence's grammar matcher (``engine.grammar``).
+        self.constrained = ConstrainedSequences(
+            GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        )
         self.num_steps = 0  # batches run since start
         self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
@@ -255,6 +260,7 @@ class LLMEngine:
             params, vocab_size=self.vocab_size, can_detokenize=self.detokenizes or not self.config.detokenize
         )
         self.scheduler.check_fits(len(prompt_token_ids), params)
+        self.constrained.check(params)
 
     def add_request(
         self,
@@ -270,9 +276,12 @@ class LLMEngine:
         if not isinstance(output_offset, int) or output_offset < 0 or output_offset > len(prompt_token_ids):
             raise ValueError(f"output_offset must be in [0, len(prompt)], got {output_offset!r}")
         self.validate_request(prompt_token_ids, params)
+        # A migrated stream's outputs so far are the prompt's tail: its matcher replays them.
+        matcher = self.constrained.new(params, prompt_token_ids[len(prompt_token_ids) - output_offset :])
         seq = self.scheduler.add(request_id, list(prompt_token_ids), params)
         seq.output_offset = output_offset
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
+        self.constrained.add(request_id, matcher)
 
     def add_prefilled_request(
         self,
@@ -294,18 +303,24 @@ class LLMEngine:
             raise ValueError(
                 f"first_token_id {first_token_id} is outside the vocabulary [0, {self.vocab_size})"
             )
+        # The prefill worker sampled token 0 under the same grammar: this matcher takes it below.
+        matcher = self.constrained.new(params)
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         try:
             seq = self.scheduler.add_prefilled(request_id, list(prompt_token_ids), first_token_id, params)
         except ValueError:
             del self._text[request_id]
             raise
+        if matcher is not None:
+            self.constrained.add(request_id, matcher)
+            self._end_on_grammar([seq])
         return self._emit([seq])[0]
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
         self._text.pop(request_id, None)
+        self.constrained.drop(request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -325,14 +340,28 @@ class LLMEngine:
         if batch is None:
             return []
         self.num_steps += 1
-        logits = self._forward(batch)  # [n_sample, V]
         seqs = [it.seq for it in batch.sample_items]
-        if all(s.params.argmax_only for s in seqs):  # (greedy batches: no per-row sampler work)
+        # The constrained rows' masks are filled while the forward runs.
+        masks = self.constrained.start_masks([s.seq_id for s in seqs]) if self.constrained else None
+        logits = self._forward(batch)  # [n_sample, V]
+        if masks is None and all(s.params.argmax_only for s in seqs):  # (greedy: no per-row work)
             tokens = self.sampler.argmax_tokens(logits)
         else:
             rows = [SampleRow(s.params, len(s.output_token_ids), s.output_offset) for s in seqs]
-            tokens = self.sampler(logits, rows)
-        return self._emit(self.scheduler.postprocess(batch, tokens))
+            tokens = self.sampler(logits, rows, None if masks is None else masks.result())
+        done = self.scheduler.postprocess(batch, tokens)
+        if self.constrained:
+            self._end_on_grammar(done)
+        return self._emit(done)
+
+    # -- structured output ---------------------------------------------------
+    def _end_on_grammar(self, seqs: list[EngineSequence]) -> None:
+        """Advance each constrained sequence's matcher past its new token; one whose grammar took eos (or
+        refused the token) finishes with "stop", whatever ignore_eos and min_tokens say."""
+        accept, finish = self.constrained.accept, self.scheduler.finish
+        for seq in seqs:
+            if accept(seq.seq_id, seq.output_token_ids[-1]) and not seq.is_finished:
+                finish(seq, FinishReason.STOP)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
@@ -398,6 +427,7 @@ class LLMEngine:
                 if st.matcher is not None:
                     text += st.matcher.flush()
                 del texts[sid]
+                self.constrained.drop(sid)
                 why = reason.value
             offset = seq.output_offset
             prompt = len(seq.prompt_token_ids) - offset

@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.structured import StructuredOutputsParams, check_compiles
+
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing
 # logits by a tiny temperature would only amplify float noise.
 GREEDY_EPS = 1e-5
@@ -42,6 +44,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    # The output matches this grammar (``engine.structured``; enforced by the sampler's token masks).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -76,6 +80,13 @@ class SamplingParams:
             raise ValueError("stop must not contain an empty string")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -84,8 +95,9 @@ class SamplingParams:
     @functools.cached_property
     def argmax_only(self) -> bool:
         """Every token is the argmax of the logits (greedy, or top_k 1: ties to the first index), with no
-        min_tokens masking: what the sampler's fast path checks for every sequence every step."""
-        return (self.greedy or self.top_k == 1) and self.min_tokens == 0
+        min_tokens masking and no grammar: what the sampler's fast path checks for every sequence every
+        step."""
+        return (self.greedy or self.top_k == 1) and self.min_tokens == 0 and self.structured_outputs is None
 
 
 def check_prompt_length(tokens: int, max_model_len: int, name: str = "prompt", what: str = "") -> None:
@@ -126,3 +138,5 @@ def validate_params_for_model(params: SamplingParams, *, vocab_size: int, can_de
         raise ValueError(
             "stop strings need a tokenizer (this model directory has none, or detokenize is off)"
         )
+    if params.structured_outputs is not None:
+        check_compiles(params.structured_outputs)

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.engine.grammar import TokenMask, apply_token_bitmask
 from pdserve.engine.params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -95,19 +96,25 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
-        """Sample one token per row of ``logits`` [n, V] (float32); returns n token ids."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], token_mask: TokenMask | None = None
+    ) -> list[int]:
+        """Sample one token per row of ``logits`` [n, V] (float32); returns n token ids. ``token_mask``: the
+        constrained rows' grammar masks (``engine.grammar``), applied first; in those rows the grammar alone
+        decides where the output may end (min_tokens does not hold eos back there)."""
         n, vocab = logits.shape
         if n != len(rows):
             raise ValueError(f"logits has {n} rows but {len(rows)} sample rows were given")
         if n == 0:
             return []
+        if token_mask is not None and token_mask.rows:
+            logits = apply_token_bitmask(logits, token_mask)
         # One pass over the rows, every step: those still short of min_tokens, and those not greedy.
         short: list[int] = []
         idx: list[int] = []
         for i, r in enumerate(rows):
             p = r.params
-            if r.output_index < p.min_tokens:
+            if r.output_index < p.min_tokens and p.structured_outputs is None:
                 short.append(i)
             # top_k 1 is argmax, ties to the first index as greedy: a draw among exactly tied logits (bf16
             # rounding makes them) would let a top_k=1 request leave greedy's tokens.

@@ -14,6 +14,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler
 from pdserve.engine.model_runner import LayerHook, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.sampler import Sampler, SampleRow
@@ -54,10 +55,13 @@ class PrefillLoop:
         forward_thread: Executor | None = None,
         prefix_caching: bool = True,
         cache_salt: str = "",
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         """``forward_thread``: a one-thread executor that runs every forward (the one that built
         ``runner``, so one thread makes this process's CPU-kernel calls); None: asyncio's default.
-        ``prefix_caching``: reuse the KV of prompts' cached prefixes (``cache_salt``: the engine's)."""
+        ``prefix_caching``: reuse the KV of prompts' cached prefixes (``cache_salt``: the engine's).
+        ``grammar``: compiles structured-output constraints (None: the model has no tokenizer, and a
+        constrained request is refused)."""
         self.runner, self.sampler, self.sender, self.metrics = runner, sampler, sender, metrics
         self._forward_thread = forward_thread
         blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
@@ -75,6 +79,11 @@ class PrefillLoop:
         # Taken by the layer hook (forward thread) and by a late transfer's catch-up (``tickets.py``).
         self._push_lock = threading.Lock()
         self.tickets = LateTickets(self, sender, self._push_lock)
+        # Token 0 of a constrained request obeys its grammar: a matcher per such prompt, for its one sample
+        # (the decode worker replays token 0 into its own). Used on the forward thread only.
+        self.constrained = ConstrainedSequences(
+            grammar or GrammarCompiler(None, 0, ())
+        )
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -114,8 +123,19 @@ class PrefillLoop:
 
     def _forward(self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]) -> list[int]:
         """On the forward thread: the prefill and the first tokens' sampling (torch ops large enough to
-        run in parallel, which belong on the one thread that makes this process's parallel calls)."""
-        return self.sampler(self.runner.prefill(items, hook), rows)
+        run in parallel, which belong on the one thread that makes this process's parallel calls). The
+        constrained prompts' masks are filled while the prefill runs."""
+        constrained = self.constrained
+        keys = [i for i, r in enumerate(rows) if r.params.structured_outputs is not None]
+        for i in keys:
+            constrained.add(i, constrained.new(rows[i].params))
+        try:
+            masks = constrained.start_masks(range(len(rows))) if keys else None
+            logits = self.runner.prefill(items, hook)
+            return self.sampler(logits, rows, None if masks is None else masks.result())
+        finally:
+            for i in keys:
+                constrained.drop(i)
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
@@ -142,6 +162,9 @@ class PrefillLoop:
         """
         if self.failure is not None:
             raise PrefillLoopStopped(f"prefill loop stopped: {self.failure!r}")
+        # A constraint this vocabulary cannot compile is refused here, not in the batch's forward (cached:
+        # a constraint compiles once; the vocabulary's view is built on the first, in about half a second).
+        self.constrained.check(params)
         job = PrefillJob(request_id, prompt)
         self.sched.add(job)
         req = PrefillRequest(params, ticket, ticketless=ticket is None)
