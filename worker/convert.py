@@ -7,6 +7,7 @@ the router accepts is one the workers accept.
 from __future__ import annotations
 
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.structured import StructuredOutputsParams
 from pdserve.proto import generation_pb2, worker_pb2
 from pdserve.worker.role import Role
 
@@ -22,7 +23,27 @@ ROLE_TO_PROTO = {
 def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingParams:
     """Build the engine's SamplingParams; its ValueError names the field."""
     kw: dict[str, object] = {f: getattr(s, f) for f in _OPTIONAL_FIELDS if s.HasField(f)}
+    if s.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_outputs_from_proto(s.structured_outputs)
     return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
+
+
+def structured_outputs_from_proto(so: generation_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs is set but holds no constraint")
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(so.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(so, kind)})
+
+
+def structured_outputs_to_proto(spec: StructuredOutputsParams) -> generation_pb2.StructuredOutputs:
+    so = generation_pb2.StructuredOutputs()
+    if spec.choice is not None:
+        so.choice.choices.extend(spec.choice)
+    else:
+        setattr(so, spec.kind.value, getattr(spec, spec.kind.value))
+    return so
 
 
 # gRPC metadata the router sends with every worker call: the request's id, as clients, proxies and

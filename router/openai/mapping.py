@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import msgspec
 
 from pdserve.engine.params import check_prompt_length
+from pdserve.engine.tools import tool_call_text
 from pdserve.proto import generation_pb2 as g
 from pdserve.router.openai.protocol import (
     ChatChoice,
@@ -23,17 +24,21 @@ from pdserve.router.openai.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatMessageIn,
     ChatMessageOut,
     Completion,
     CompletionChoice,
     CompletionRequest,
     ErrorBody,
     OpenAIError,
+    ToolCallDelta,
     Usage,
     encode,
     invalid,
     present,
 )
+from pdserve.router.openai.structured import structured_outputs_of
+from pdserve.router.openai.tools import ToolCallStream, ToolChoice, ToolPlan, tool_plan
 
 DONE = b"data: [DONE]\n\n"
 _UINT32 = (1 << 32) - 1
@@ -77,12 +82,8 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
         )
     if req.logit_bias:
         raise invalid("logit_bias is not supported", "logit_bias")
-    if present(req.tools):
-        raise invalid("tools are not supported", "tools")
-    if present(req.response_format):
-        fmt = msgspec.json.decode(bytes(req.response_format))
-        if not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-            raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
+    if present(req.tools) and not isinstance(req, ChatCompletionRequest):
+        raise invalid("tools is a chat completions field", "tools")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options can only be set when stream is true", "stream_options")
     _refuse_unsupported(req, UNSUPPORTED)
@@ -134,6 +135,9 @@ def _sampling(
         s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
     if req.stop_token_ids is not None:
         s.stop_token_ids.extend(_bounded("stop_token_ids", t, 0, _UINT32) for t in req.stop_token_ids)
+    constraint = structured_outputs_of(req)
+    if constraint is not None:
+        s.structured_outputs.CopyFrom(constraint)
     return s
 
 
@@ -223,14 +227,9 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
     "prompt_logprobs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "allowed_token_ids": (),
     "bad_words": (),
     "truncate_prompt_tokens": (),
-    "structured_outputs": (),
     "logits_processors": (),
     "vllm_xargs": (),
     "return_token_ids": (False,),
@@ -247,7 +246,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "chat_template_kwargs": (),
     "functions": (),
     "function_call": ("none", "auto"),  # without functions, auto calls none
-    "tool_choice": ("none", "auto"),  # without tools, auto calls none
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -276,6 +274,7 @@ def client_field_names(req: CompletionRequest | ChatCompletionRequest) -> dict[s
 def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateRequest:
     """``POST /v1/chat/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
     _check_common(req)
+    plan = tool_plan(req.tools, req.tool_choice)
     if req.logprobs:
         raise invalid("logprobs is not supported", "logprobs")
     if req.top_logprobs:
@@ -290,10 +289,29 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateReque
     out = g.GenerateRequest(request_id=request_id, sampling=sampling)
     out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
     out.messages.messages.extend(
-        g.ChatMessage(role=m.role, content=text_content(i, m.content))  # aliases: validate.chat_messages
+        g.ChatMessage(role=m.role, content=_message_text(i, m))  # aliases: validate.chat_messages
         for i, m in enumerate(req.messages)
     )
+    if plan is not None and plan.choice is not ToolChoice.NONE:
+        out.messages.tools.extend(plan.to_proto())
+        forced = plan.constraint()
+        if forced is not None:
+            if out.sampling.HasField("structured_outputs"):
+                raise invalid(
+                    "tool_choice forces a tool call, and the output is constrained too", "tool_choice"
+                )
+            out.sampling.structured_outputs.CopyFrom(forced)
     return out
+
+
+def _message_text(i: int, m: ChatMessageIn) -> str:
+    """A message's text; an assistant's tool calls are written after it as the generic convention does
+    (``engine.tools``)."""
+    text = text_content(i, m.content)
+    if m.tool_calls:
+        calls = [tool_call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+        text = "\n".join([text, *calls] if text else calls)
+    return text
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -315,29 +333,58 @@ def _usage(msg: g.GenerateResponse) -> Usage:
 class EventStream:
     """One streaming response: response messages in, SSE bytes out."""
 
-    def __init__(self, kind: Kind, response_id: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        response_id: str,
+        created: int,
+        model: str,
+        include_usage: bool,
+        tools: ToolPlan | None = None,
+    ) -> None:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
         self.include_usage = include_usage
         self.usage: Usage | None = None  # from the finishing message
         self._role_sent = False
+        # With tools: text that may be a tool call is held back until it is known (``tools.ToolCallStream``).
+        self._calls = ToolCallStream(tools) if tools is not None else None
 
     def feed(self, msg: g.GenerateResponse) -> bytes:
         """The events for one message; empty when it adds nothing (text still held back, no finish)."""
         finish = msg.finish_reason or None
         if finish is not None:
             self.usage = _usage(msg)
+        if self._calls is not None:
+            return self._feed_with_tools(msg.text, finish)
         if not msg.text and finish is None:
             return b""
         if self.kind is Kind.COMPLETION:
             choice = CompletionChoice(index=0, text=msg.text, logprobs=None, finish_reason=finish)
             return sse(Completion(self.id, self.created, self.model, [choice], None))
-        out = b""
-        if not self._role_sent:
-            # The role comes in its own first chunk, as OpenAI sends it, right before the first text.
-            self._role_sent = True
-            out = self._chat_chunk(ChatDelta(role="assistant", content=""), None)
-        return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
+        return self._role() + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
+
+    def _role(self) -> bytes:
+        if self._role_sent:
+            return b""
+        # The role comes in its own first chunk, as OpenAI sends it, right before the first text.
+        self._role_sent = True
+        return self._chat_chunk(ChatDelta(role="assistant", content=""), None)
+
+    def _feed_with_tools(self, text: str, finish: str | None) -> bytes:
+        assert self._calls is not None
+        text = self._calls.feed(text)
+        calls = None
+        if finish is not None:
+            held, calls = self._calls.finish()
+            text += held
+        if calls and finish == "stop":
+            deltas = [ToolCallDelta(i, c.id, c.function) for i, c in enumerate(calls)]
+            out = self._role() + self._chat_chunk(ChatDelta(tool_calls=deltas), None)
+            return out + self._chat_chunk(ChatDelta(), "tool_calls")
+        if not text and finish is None:
+            return b""
+        return self._role() + self._chat_chunk(ChatDelta(content=text or None), finish)
 
     def _chat_chunk(self, delta: ChatDelta, finish: str | None) -> bytes:
         choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)
@@ -357,9 +404,12 @@ class EventStream:
 class Collected:
     """A non-streaming response: the messages gathered, then one body."""
 
-    def __init__(self, kind: Kind, response_id: str, created: int, model: str) -> None:
+    def __init__(
+        self, kind: Kind, response_id: str, created: int, model: str, tools: ToolPlan | None = None
+    ) -> None:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
+        self.tools = tools
         self._text: list[str] = []
         self.finish: str | None = None
         self.usage: Usage | None = None
@@ -375,7 +425,12 @@ class Collected:
         if self.kind is Kind.COMPLETION:
             choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=self.finish)
             return encode(Completion(self.id, self.created, self.model, [choice], self.usage))
+        calls = self.tools.calls(text) if self.tools is not None and self.finish == "stop" else None
+        if calls:
+            message = ChatMessageOut(None, "assistant", calls)
+            chat = ChatChoice(index=0, message=message, logprobs=None, finish_reason="tool_calls")
+            return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))
         chat = ChatChoice(
-            index=0, message=ChatMessageOut(content=text), logprobs=None, finish_reason=self.finish
+            index=0, message=ChatMessageOut(text, "assistant"), logprobs=None, finish_reason=self.finish
         )
         return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))

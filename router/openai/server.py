@@ -43,6 +43,7 @@ from pdserve.router.openai.protocol import (
     invalid,
 )
 from pdserve.router.openai.tokenize import detokenize, tokenize
+from pdserve.router.openai.tools import tool_plan
 from pdserve.router.relay import RelayError
 from pdserve.router.service import Router, generate
 from pdserve.router.validate import InvalidRequest, check_request_id
@@ -329,12 +330,13 @@ class OpenAIFront:
         req: CompletionRequest | ChatCompletionRequest,
     ) -> web.StreamResponse:
         created = int(time.time())
+        # (checked already, by ``chat_request``)
+        tools = tool_plan(req.tools, req.tool_choice) if isinstance(req, ChatCompletionRequest) else None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            return await self._stream(
-                request, greq, EventStream(kind, rid, created, self.model_name, include_usage), req
-            )
-        collected = Collected(kind, rid, created, self.model_name)
+            events = EventStream(kind, rid, created, self.model_name, include_usage, tools)
+            return await self._stream(request, greq, events, req)
+        collected = Collected(kind, rid, created, self.model_name, tools)
 
         async def collect(msg: g.GenerateResponse) -> None:
             collected.feed(msg)
