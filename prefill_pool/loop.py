@@ -81,9 +81,7 @@ class PrefillLoop:
         self.tickets = LateTickets(self, sender, self._push_lock)
         # Token 0 of a constrained request obeys its grammar: a matcher per such prompt, for its one sample
         # (the decode worker replays token 0 into its own). Used on the forward thread only.
-        self.constrained = ConstrainedSequences(
-            grammar or GrammarCompiler(None, 0, ())
-        )
+        self.constrained = ConstrainedSequences(grammar or GrammarCompiler(None, 0, ()))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
