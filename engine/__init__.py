@@ -13,17 +13,27 @@ _EXPORTS = {
     "LLM": "pdserve.engine.llm",
     "RequestOutput": "pdserve.engine.llm",
     "SamplingParams": "pdserve.engine.params",
+    "StructuredOutputsParams": "pdserve.engine.structured",
     "LLMEngine": "pdserve.engine.llm_engine",
     "EngineConfig": "pdserve.engine.llm_engine",
     "RequestOutputDelta": "pdserve.engine.llm_engine",
 }
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "RequestOutputDelta", "SamplingParams"]
+__all__ = [
+    "EngineConfig",
+    "LLM",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestOutputDelta",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 if TYPE_CHECKING:
     from pdserve.engine.llm import LLM, RequestOutput
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
     from pdserve.engine.params import SamplingParams
+    from pdserve.engine.structured import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -26,6 +26,7 @@ from pdserve.engine.device import (
     resolve_device,
     resolve_dtype,
 )
+from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler
 from pdserve.engine.logprob_requests import LogprobRequests
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
@@ -39,6 +40,9 @@ from pdserve.engine.sequence import Sequence as EngineSequence
 from pdserve.engine.stopping import StopStringMatcher
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from pdserve.engine.grammar import TokenMask
     from pdserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -218,6 +222,10 @@ class LLMEngine:
         self._text: dict[Hashable, _TextState] = {}
         # Requests that asked for logprobs (none: every step runs as if logprobs did not exist).
         self._logprobs = LogprobRequests()
+        # Structured output: each constrained sequence's grammar matcher (``engine.grammar``).
+        self.constrained = ConstrainedSequences(
+            GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        )
         self.num_steps = 0  # batches run since start
         self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
@@ -264,6 +272,7 @@ class LLMEngine:
             params, vocab_size=self.vocab_size, can_detokenize=self.detokenizes or not self.config.detokenize
         )
         self.scheduler.check_fits(len(prompt_token_ids), params)
+        self.constrained.check(params)
 
     def add_request(
         self,
@@ -279,10 +288,13 @@ class LLMEngine:
         if not isinstance(output_offset, int) or output_offset < 0 or output_offset > len(prompt_token_ids):
             raise ValueError(f"output_offset must be in [0, len(prompt)], got {output_offset!r}")
         self.validate_request(prompt_token_ids, params)
+        # A migrated stream's outputs so far are the prompt's tail: its matcher replays them.
+        matcher = self.constrained.new(params, prompt_token_ids[len(prompt_token_ids) - output_offset :])
         seq = self.scheduler.add(request_id, list(prompt_token_ids), params)
         seq.output_offset = output_offset
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         self._logprobs.add(request_id, params, len(prompt_token_ids))
+        self.constrained.add(request_id, matcher)
 
     def add_prefilled_request(
         self,
@@ -304,6 +316,8 @@ class LLMEngine:
             raise ValueError(
                 f"first_token_id {first_token_id} is outside the vocabulary [0, {self.vocab_size})"
             )
+        # The prefill worker sampled token 0 under the same grammar: this matcher takes it below.
+        matcher = self.constrained.new(params)
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         try:
             seq = self.scheduler.add_prefilled(request_id, list(prompt_token_ids), first_token_id, params)
@@ -311,6 +325,9 @@ class LLMEngine:
             del self._text[request_id]
             raise
         self._logprobs.add_prefilled(request_id, params)
+        if matcher is not None:
+            self.constrained.add(request_id, matcher)
+            self._end_on_grammar([seq])
         return self._logprobs.attach(self._emit([seq])[0], {})
 
     def abort(self, request_id: Hashable) -> bool:
@@ -318,6 +335,7 @@ class LLMEngine:
         engine knew nothing of it."""
         self._text.pop(request_id, None)
         self._logprobs.discard(request_id)
+        self.constrained.drop(request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -337,14 +355,17 @@ class LLMEngine:
         if batch is None:
             return []
         self.num_steps += 1
-        if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
-            return self._logprob_step(batch)
-        logits = self._forward(batch)  # [n_sample, V]
-        return self._emit(self.scheduler.postprocess(batch, self._sample(batch, logits)))
-
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> list[int]:
         seqs = [it.seq for it in batch.sample_items]
-        if all(s.params.argmax_only for s in seqs):  # (greedy batches: no per-row sampler work)
+        # The constrained rows' masks are filled while the forward runs.
+        masks = self.constrained.start_masks([s.seq_id for s in seqs]) if self.constrained else None
+        if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
+            return self._logprob_step(batch, masks)
+        logits = self._forward(batch)  # [n_sample, V]
+        return self._finish_step(batch, self._sample(batch, logits, masks))
+
+    def _sample(self, batch: Batch, logits: torch.Tensor, masks: Future[TokenMask] | None) -> list[int]:
+        seqs = [it.seq for it in batch.sample_items]
+        if masks is None and all(s.params.argmax_only for s in seqs):  # (greedy: no per-row sampler work)
             return self.sampler.argmax_tokens(logits)
         rows = [
             SampleRow(
@@ -352,7 +373,23 @@ class LLMEngine:
             )
             for s in seqs
         ]
-        return self.sampler(logits, rows)
+        return self.sampler(logits, rows, None if masks is None else masks.result())
+
+    def _finish_step(self, batch: Batch, tokens: list[int]) -> list[RequestOutputDelta]:
+        """Append the step's tokens (advancing each constrained sequence's grammar); their deltas."""
+        done = self.scheduler.postprocess(batch, tokens)
+        if self.constrained:
+            self._end_on_grammar(done)
+        return self._emit(done)
+
+    # -- structured output ---------------------------------------------------
+    def _end_on_grammar(self, seqs: list[EngineSequence]) -> None:
+        """Advance each constrained sequence's matcher past its new token; one whose grammar took eos (or
+        refused the token) finishes with "stop", whatever ignore_eos and min_tokens say."""
+        accept, finish = self.constrained.accept, self.scheduler.finish
+        for seq in seqs:
+            if accept(seq.seq_id, seq.output_token_ids[-1]) and not seq.is_finished:
+                finish(seq, FinishReason.STOP)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
@@ -389,7 +426,7 @@ class LLMEngine:
         return pre, dec
 
     # -- logprobs ------------------------------------------------------------
-    def _logprob_step(self, batch: Batch) -> list[RequestOutputDelta]:
+    def _logprob_step(self, batch: Batch, masks: Future[TokenMask] | None) -> list[RequestOutputDelta]:
         """``step`` where some request asked for logprobs: the prompt chunks of those whose prompt logprobs
         are due keep every position (``ModelRunner.prefill_keeping``); the sampled tokens are the same."""
         lp = self._logprobs
@@ -404,9 +441,9 @@ class LLMEngine:
             lp.gather_prompt(batch, keep, kept)
         else:
             logits = self._forward(batch)
-        tokens = self._sample(batch, logits)
+        tokens = self._sample(batch, logits, masks)
         sampled = lp.sampled([it.seq for it in batch.sample_items], logits, tokens)
-        return [lp.attach(d, sampled) for d in self._emit(self.scheduler.postprocess(batch, tokens))]
+        return [lp.attach(d, sampled) for d in self._finish_step(batch, tokens)]
 
     # -- text ----------------------------------------------------------------
     def _new_text_state(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> _TextState:
@@ -448,6 +485,7 @@ class LLMEngine:
                 if st.matcher is not None:
                     text += st.matcher.flush()
                 del texts[sid]
+                self.constrained.drop(sid)
                 why = reason.value
             offset = seq.output_offset
             prompt = len(seq.prompt_token_ids) - offset

@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.structured import StructuredOutputsParams, check_compiles
+
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS): dividing
 # logits by a tiny temperature would only amplify float noise.
 GREEDY_EPS = 1e-5
@@ -66,6 +68,8 @@ class SamplingParams:
     # many of the most likely alternatives come with each (0: the token's own alone). None: none computed.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output matches this grammar (``engine.structured``; enforced by the sampler's token masks).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -102,6 +106,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         self._check_penalties()
         _check_logprobs(self)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -130,9 +141,14 @@ class SamplingParams:
     @functools.cached_property
     def argmax_only(self) -> bool:
         """Every token is the argmax of the logits (greedy, or top_k 1: ties to the first index), with no
-        min_tokens masking and no penalty or bias: what the sampler's fast path checks for every sequence
-        every step."""
-        return (self.greedy or self.top_k == 1) and self.min_tokens == 0 and not self.adjusts_logits
+        min_tokens masking, no penalty or bias and no grammar: what the sampler's fast path checks for every
+        sequence every step."""
+        return (
+            (self.greedy or self.top_k == 1)
+            and self.min_tokens == 0
+            and not self.adjusts_logits
+            and self.structured_outputs is None
+        )
 
 
 def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
@@ -212,3 +228,5 @@ def validate_params_for_model(params: SamplingParams, *, vocab_size: int, can_de
         raise ValueError(
             "stop strings need a tokenizer (this model directory has none, or detokenize is off)"
         )
+    if params.structured_outputs is not None:
+        check_compiles(params.structured_outputs)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.engine.grammar import TokenMask, apply_token_bitmask
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.penalties import adjust_logits
 
@@ -101,13 +102,19 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
-        """Sample one token per row of ``logits`` [n, V] (float32); returns n token ids."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SampleRow], token_mask: TokenMask | None = None
+    ) -> list[int]:
+        """Sample one token per row of ``logits`` [n, V] (float32); returns n token ids. ``token_mask``: the
+        constrained rows' grammar masks (``engine.grammar``), applied first; in those rows the grammar alone
+        decides where the output may end (min_tokens does not hold eos back there)."""
         n, vocab = logits.shape
         if n != len(rows):
             raise ValueError(f"logits has {n} rows but {len(rows)} sample rows were given")
         if n == 0:
             return []
+        if token_mask is not None and token_mask.rows:
+            logits = apply_token_bitmask(logits, token_mask)
         # One pass over the rows, every step: those still short of min_tokens, those with penalties or
         # biases, and those not greedy.
         short: list[int] = []
@@ -115,7 +122,7 @@ class Sampler:
         adjust: list[int] = []
         for i, r in enumerate(rows):
             p = r.params
-            if r.output_index < p.min_tokens:
+            if r.output_index < p.min_tokens and p.structured_outputs is None:
                 short.append(i)
             if p.adjusts_logits:
                 adjust.append(i)

@@ -21,6 +21,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 from tokenizers.decoders import DecodeStream
 
+from pdserve.engine.tools import TOOL_ROLE, ToolSpec, generic_tool_messages
+
 # Roles a chat may use unless tokenizer_config.json lists others under this key. These are the
 # roles ChatML-style templates (SmolLM2's among them) render; anything else is rejected up front
 # rather than rendered into a prompt the model was never trained on.
@@ -187,21 +189,39 @@ class Tokenizer:
         return stream
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
         """Prompt token ids for a conversation. ValueError naming the problem for a malformed one.
 
         The rendered text is encoded without adding special tokens: the template wrote them."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the chat template makes of ``messages``."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template has a tool format of its own (it reads ``tools``)."""
+        return "tools" in (self._chat_template_source or "")
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[ToolSpec] = (),
+    ) -> str:
+        """The prompt text the chat template makes of ``messages``; ``tools``: functions the model may call,
+        in the template's tool format, or pdserve's generic one where it has none (``engine.tools``)."""
+        listed = tools and self.renders_tools
+        if tools and not self.renders_tools and _is_message_list(messages):
+            # (a tool message stays one where the model's roles have it)
+            messages = generic_tool_messages(messages, tools, keep_tool_role=TOOL_ROLE in self._chat_roles)
         plain = self._check_messages(messages)
         template = self._compiled_template()
         try:
             return template.render(
                 messages=plain,
-                tools=None,
+                tools=[t.as_openai() for t in tools] if listed else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
@@ -262,6 +282,14 @@ class _GenerationTag(jinja2.ext.Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _is_message_list(messages: object) -> bool:
+    return (
+        isinstance(messages, Sequence)
+        and not isinstance(messages, str | bytes)
+        and all(isinstance(m, Mapping) for m in messages)
+    )
 
 
 def _raise_exception(message: str) -> None:

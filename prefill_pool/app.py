@@ -12,6 +12,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.device import resolve_device, resolve_dtype
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.llm_engine import DTYPES
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.prefix_hash import model_cache_salt
@@ -68,8 +69,10 @@ class PrefillPool:
             self.forward_thread, runner.prepare_prefill, args.max_batched_tokens
         )
         eos = list(runner.config.eos_token_ids)
+        tokenizer: Tokenizer | None = None
         try:
-            eos += [t for t in Tokenizer.from_dir(model_dir).eos_token_ids if t not in eos]
+            tokenizer = Tokenizer.from_dir(model_dir)
+            eos += [t for t in tokenizer.eos_token_ids if t not in eos]
         except FileNotFoundError:
             pass
         sampler = runner.sampler(tuple(eos))
@@ -91,6 +94,7 @@ class PrefillPool:
             self.forward_thread,
             prefix_caching=args.enable_prefix_caching,
             cache_salt=salt,
+            grammar=GrammarCompiler(tokenizer, runner.config.vocab_size, eos),
         )
         self.loop.on_fatal(self._fatal)
         self.loop.on_forward_failed(self.metrics.failed_steps.inc)

@@ -9,13 +9,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Hashable
-from concurrent.futures import Executor
+from collections.abc import Callable, Coroutine, Hashable, Iterator
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler, TokenMask
 from pdserve.engine.logprobs import TokenLogprob, prompt_targets, token_logprobs
 from pdserve.engine.model_runner import LayerHook, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams
@@ -57,10 +58,13 @@ class PrefillLoop:
         forward_thread: Executor | None = None,
         prefix_caching: bool = True,
         cache_salt: str = "",
+        grammar: GrammarCompiler | None = None,
     ) -> None:
         """``forward_thread``: a one-thread executor that runs every forward (the one that built
         ``runner``, so one thread makes this process's CPU-kernel calls); None: asyncio's default.
-        ``prefix_caching``: reuse the KV of prompts' cached prefixes (``cache_salt``: the engine's)."""
+        ``prefix_caching``: reuse the KV of prompts' cached prefixes (``cache_salt``: the engine's).
+        ``grammar``: compiles structured-output constraints (None: the model has no tokenizer, and a
+        constrained request is refused)."""
         self.runner, self.sampler, self.sender, self.metrics = runner, sampler, sender, metrics
         self._forward_thread = forward_thread
         blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=prefix_caching)
@@ -78,6 +82,9 @@ class PrefillLoop:
         # Taken by the layer hook (forward thread) and by a late transfer's catch-up (``tickets.py``).
         self._push_lock = threading.Lock()
         self.tickets = LateTickets(self, sender, self._push_lock)
+        # Token 0 of a constrained request obeys its grammar: a matcher per such prompt, for its one sample
+        # (the decode worker replays token 0 into its own). Used on the forward thread only.
+        self.constrained = ConstrainedSequences(grammar or GrammarCompiler(None, 0, ()))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -115,10 +122,25 @@ class PrefillLoop:
         if self._on_fatal is not None:
             self._on_fatal(err)
 
+    @contextlib.contextmanager
+    def _grammar_masks(self, rows: list[SampleRow]) -> Iterator[Future[TokenMask] | None]:
+        """The constrained prompts' token-0 masks, filled on a thread while the caller's prefill runs."""
+        constrained = self.constrained
+        keys = [i for i, r in enumerate(rows) if r.params.structured_outputs is not None]
+        for i in keys:
+            constrained.add(i, constrained.new(rows[i].params))
+        try:
+            yield constrained.start_masks(range(len(rows))) if keys else None
+        finally:
+            for i in keys:
+                constrained.drop(i)
+
     def _forward(self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]) -> list[int]:
         """On the forward thread: the prefill and the first tokens' sampling (torch ops large enough to
         run in parallel, which belong on the one thread that makes this process's parallel calls)."""
-        return self.sampler(self.runner.prefill(items, hook), rows)
+        with self._grammar_masks(rows) as masks:
+            logits = self.runner.prefill(items, hook)
+            return self.sampler(logits, rows, None if masks is None else masks.result())
 
     def _forward_logprobs(
         self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]
@@ -126,8 +148,9 @@ class PrefillLoop:
         """``_forward`` for a batch where some request asked for logprobs: the same tokens, and for each
         item its first token's logprobs and its prompt's (every position kept: its prompt is whole)."""
         keep = [r.params.prompt_logprobs is not None for r in rows]
-        logits, kept = self.runner.prefill_keeping(items, keep, hook)
-        tokens = self.sampler(logits, rows)
+        with self._grammar_masks(rows) as masks:
+            logits, kept = self.runner.prefill_keeping(items, keep, hook)
+            tokens = self.sampler(logits, rows, None if masks is None else masks.result())
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         firsts: dict[int, TokenLogprob] = {}
         if asked:
@@ -174,6 +197,9 @@ class PrefillLoop:
         """
         if self.failure is not None:
             raise PrefillLoopStopped(f"prefill loop stopped: {self.failure!r}")
+        # A constraint this vocabulary cannot compile is refused here, not in the batch's forward (cached:
+        # a constraint compiles once; the vocabulary's view is built on the first, in about half a second).
+        self.constrained.check(params)
         job = PrefillJob(request_id, prompt)
         job.whole_prompt = params.prompt_logprobs is not None
         self.sched.add(job)

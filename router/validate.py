@@ -20,6 +20,8 @@ from pdserve.engine.params import (
     validate_params_for_model,
     validate_prompt_token_ids,
 )
+from pdserve.engine.structured import MAX_STRUCTURED_OUTPUT_BYTES
+from pdserve.engine.tools import ToolSpec
 from pdserve.proto import generation_pb2
 from pdserve.worker.convert import sampling_params_from_proto
 
@@ -41,6 +43,8 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._~:@/+=-]+")
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOOLS = 128
+MAX_TOOL_PARAMETERS_BYTES = MAX_STRUCTURED_OUTPUT_BYTES  # one tool's arguments schema
 
 
 def _check_bounds(s: generation_pb2.SamplingParams) -> None:
@@ -79,7 +83,12 @@ class RouterTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[ToolSpec] = (),
+    ) -> str: ...
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
@@ -162,11 +171,12 @@ def _prompt_ids(
             f"{context_length} tokens could hold"
         )
     messages = chat_messages((m.role, m.content) for m in request.messages.messages)
+    tools = tool_specs(request.messages.tools)
     try:
         # The tokenizer checks roles against what the model's chat template allows. Rendering is cheap;
         # a chat known to pass the context by its rendered characters (as a text prompt) is refused
         # before it is tokenized, which holds up the event loop.
-        text = tokenizer.render_chat(messages)
+        text = tokenizer.render_chat(messages, tools=tools) if tools else tokenizer.render_chat(messages)
     except ValueError as e:
         text = str(e)
         raise InvalidRequest(text if text.startswith("messages") else f"messages: {text}") from e
@@ -185,6 +195,29 @@ def _prompt_ids(
 # OpenAI's "developer" role is its newer name for "system" (its API docs: developer messages replace
 # system messages); chat templates know system. For every way in: HTTP, gRPC and /tokenize.
 ROLE_ALIASES = {"developer": "system"}
+
+
+def tool_specs(tools: Sequence[generation_pb2.Tool]) -> list[ToolSpec]:
+    """The request's functions, checked: InvalidRequest naming ``messages.tools``."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"messages.tools has {len(tools)} functions; at most {MAX_TOOLS}")
+    out = []
+    for i, t in enumerate(tools):
+        if not t.name:
+            raise InvalidRequest(f"messages.tools[{i}] has no name")
+        size = len(t.parameters.encode())
+        if size > MAX_TOOL_PARAMETERS_BYTES:
+            raise InvalidRequest(
+                f"messages.tools[{i}].parameters has {size:,} bytes; at most {MAX_TOOL_PARAMETERS_BYTES:,}"
+            )
+        try:
+            params = json.loads(t.parameters) if t.parameters else None
+        except ValueError as e:
+            raise InvalidRequest(f"messages.tools[{i}].parameters is not valid JSON: {e}") from None
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequest(f"messages.tools[{i}].parameters must be a JSON schema (an object)")
+        out.append(ToolSpec(t.name, t.description, params))
+    return out
 
 
 def chat_messages(pairs: Iterable[tuple[str, str]]) -> list[dict[str, str]]:

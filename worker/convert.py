@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pdserve.engine.params import SamplingParams
+from pdserve.engine.structured import StructuredOutputsParams
 from pdserve.proto import generation_pb2, worker_pb2
 from pdserve.worker.role import Role
 
@@ -43,6 +44,8 @@ def sampling_params_from_proto(s: generation_pb2.SamplingParams) -> SamplingPara
     if s.logit_bias:
         kw["logit_bias"] = s.logit_bias  # (a mapping: SamplingParams checks its size before reading it)
     kw.update({f: getattr(s, f) for f in _LOGPROB_FIELDS if s.HasField(f)})
+    if s.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_outputs_from_proto(s.structured_outputs)
     return SamplingParams(stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), **kw)  # type: ignore[arg-type]
 
 
@@ -54,6 +57,24 @@ def logprobs_to_proto(entries: Iterable[TokenLogprob]) -> list[generation_pb2.To
         )
         for e in entries
     ]
+
+
+def structured_outputs_from_proto(so: generation_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs is set but holds no constraint")
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(so.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(so, kind)})
+
+
+def structured_outputs_to_proto(spec: StructuredOutputsParams) -> generation_pb2.StructuredOutputs:
+    so = generation_pb2.StructuredOutputs()
+    if spec.choice is not None:
+        so.choice.choices.extend(spec.choice)
+    else:
+        setattr(so, spec.kind.value, getattr(spec, spec.kind.value))
+    return so
 
 
 # gRPC metadata the router sends with every worker call: the request's id, as clients, proxies and

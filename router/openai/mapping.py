@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 
 from pdserve.engine.params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, check_prompt_length
+from pdserve.engine.tools import tool_call_text
 from pdserve.proto import generation_pb2 as g
 from pdserve.router.openai.logprobs import ResponseOptions, chat_logprobs, completion_logprobs
 from pdserve.router.openai.protocol import (
@@ -26,17 +27,21 @@ from pdserve.router.openai.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
+    ChatMessageIn,
     ChatMessageOut,
     Completion,
     CompletionChoice,
     CompletionRequest,
     ErrorBody,
     OpenAIError,
+    ToolCallDelta,
     Usage,
     encode,
     invalid,
     present,
 )
+from pdserve.router.openai.structured import structured_outputs_of
+from pdserve.router.openai.tools import ToolCallStream, ToolChoice, ToolPlan, tool_plan
 
 DONE = b"data: [DONE]\n\n"
 _UINT32 = (1 << 32) - 1
@@ -69,12 +74,8 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Options the API has and pdserve does not implement: refused, never silently ignored."""
     if req.n not in (None, 1):
         raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
-    if present(req.tools):
-        raise invalid("tools are not supported", "tools")
-    if present(req.response_format):
-        fmt = msgspec.json.decode(bytes(req.response_format))
-        if not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-            raise invalid("response_format: only {'type': 'text'} is supported", "response_format")
+    if present(req.tools) and not isinstance(req, ChatCompletionRequest):
+        raise invalid("tools is a chat completions field", "tools")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options can only be set when stream is true", "stream_options")
     _refuse_unsupported(req, UNSUPPORTED)
@@ -132,6 +133,9 @@ def _sampling(
             setattr(s, name, _float32(name, value))
     if req.logit_bias:
         s.logit_bias.update(_logit_bias(req.logit_bias))
+    constraint = structured_outputs_of(req)
+    if constraint is not None:
+        s.structured_outputs.CopyFrom(constraint)
     return s
 
 
@@ -252,14 +256,9 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
     "prompt_logprobs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "allowed_token_ids": (),
     "bad_words": (),
     "truncate_prompt_tokens": (),
-    "structured_outputs": (),
     "logits_processors": (),
     "vllm_xargs": (),
     "return_token_ids": (False,),
@@ -276,7 +275,6 @@ _CHAT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "chat_template_kwargs": (),
     "functions": (),
     "function_call": ("none", "auto"),  # without functions, auto calls none
-    "tool_choice": ("none", "auto"),  # without tools, auto calls none
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -329,6 +327,7 @@ def response_options(
 def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateRequest:
     """``POST /v1/chat/completions`` as a ``GenerateRequest``. Raises OpenAIError (400)."""
     _check_common(req)
+    plan = tool_plan(req.tools, req.tool_choice)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -345,10 +344,29 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> g.GenerateReque
     out = g.GenerateRequest(request_id=request_id, sampling=sampling)
     out.messages.SetInParent()  # an empty list stays "messages" (the router rejects it by name)
     out.messages.messages.extend(
-        g.ChatMessage(role=m.role, content=text_content(i, m.content))  # aliases: validate.chat_messages
+        g.ChatMessage(role=m.role, content=_message_text(i, m))  # aliases: validate.chat_messages
         for i, m in enumerate(req.messages)
     )
+    if plan is not None and plan.choice is not ToolChoice.NONE:
+        out.messages.tools.extend(plan.to_proto())
+        forced = plan.constraint()
+        if forced is not None:
+            if out.sampling.HasField("structured_outputs"):
+                raise invalid(
+                    "tool_choice forces a tool call, and the output is constrained too", "tool_choice"
+                )
+            out.sampling.structured_outputs.CopyFrom(forced)
     return out
+
+
+def _message_text(i: int, m: ChatMessageIn) -> str:
+    """A message's text; an assistant's tool calls are written after it as the generic convention does
+    (``engine.tools``)."""
+    text = text_content(i, m.content)
+    if m.tool_calls:
+        calls = [tool_call_text(c.function.name, c.function.arguments) for c in m.tool_calls]
+        text = "\n".join([text, *calls] if text else calls)
+    return text
 
 
 # ---- responses ----------------------------------------------------------------------------------------
@@ -378,6 +396,7 @@ class EventStream:
         model: str,
         include_usage: bool,
         options: ResponseOptions | None = None,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
@@ -390,12 +409,16 @@ class EventStream:
         self._echoed = False
         self._pending: list[g.TokenLogprobs] = []
         self._text_offset = 0
+        # With tools: text that may be a tool call is held back until it is known (``tools.ToolCallStream``).
+        self._calls = ToolCallStream(tools) if tools is not None else None
 
     def feed(self, msg: g.GenerateResponse) -> bytes:
         """The events for one message; empty when it adds nothing (text still held back, no finish)."""
         finish = msg.finish_reason or None
         if finish is not None:
             self.usage = _usage(msg)
+        if self._calls is not None:  # (tool calls are shown without logprobs)
+            return self._feed_with_tools(msg.text, finish)
         if self.options is not None:
             return self._feed_shown(msg, finish, self.options)
         if not msg.text and finish is None:
@@ -403,12 +426,29 @@ class EventStream:
         if self.kind is Kind.COMPLETION:
             choice = CompletionChoice(index=0, text=msg.text, logprobs=None, finish_reason=finish)
             return sse(Completion(self.id, self.created, self.model, [choice], None))
-        out = b""
-        if not self._role_sent:
-            # The role comes in its own first chunk, as OpenAI sends it, right before the first text.
-            self._role_sent = True
-            out = self._chat_chunk(ChatDelta(role="assistant", content=""), None)
-        return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
+        return self._role() + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
+
+    def _role(self) -> bytes:
+        if self._role_sent:
+            return b""
+        # The role comes in its own first chunk, as OpenAI sends it, right before the first text.
+        self._role_sent = True
+        return self._chat_chunk(ChatDelta(role="assistant", content=""), None)
+
+    def _feed_with_tools(self, text: str, finish: str | None) -> bytes:
+        assert self._calls is not None
+        text = self._calls.feed(text)
+        calls = None
+        if finish is not None:
+            held, calls = self._calls.finish()
+            text += held
+        if calls and finish == "stop":
+            deltas = [ToolCallDelta(i, c.id, c.function) for i, c in enumerate(calls)]
+            out = self._role() + self._chat_chunk(ChatDelta(tool_calls=deltas), None)
+            return out + self._chat_chunk(ChatDelta(), "tool_calls")
+        if not text and finish is None:
+            return b""
+        return self._role() + self._chat_chunk(ChatDelta(content=text or None), finish)
 
     def _feed_shown(self, msg: g.GenerateResponse, finish: str | None, opts: ResponseOptions) -> bytes:
         """``feed`` of a response that shows the prompt (echo) or logprobs."""
@@ -458,10 +498,17 @@ class Collected:
     """A non-streaming response: the messages gathered, then one body."""
 
     def __init__(
-        self, kind: Kind, response_id: str, created: int, model: str, options: ResponseOptions | None = None
+        self,
+        kind: Kind,
+        response_id: str,
+        created: int,
+        model: str,
+        options: ResponseOptions | None = None,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
+        self.tools = tools
         self._text: list[str] = []
         self.finish: str | None = None
         self.usage: Usage | None = None
@@ -488,7 +535,12 @@ class Collected:
             choice = CompletionChoice(index=0, text=text, logprobs=lps, finish_reason=self.finish)
             return encode(Completion(self.id, self.created, self.model, [choice], self.usage))
         logprobs = None if opts.logprobs is None else chat_logprobs(self._logprobs, opts.token_text)
+        calls = self.tools.calls(text) if self.tools is not None and self.finish == "stop" else None
+        if calls:
+            message = ChatMessageOut(None, "assistant", calls)
+            chat = ChatChoice(index=0, message=message, logprobs=None, finish_reason="tool_calls")
+            return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))
         chat = ChatChoice(
-            index=0, message=ChatMessageOut(content=text), logprobs=logprobs, finish_reason=self.finish
+            index=0, message=ChatMessageOut(text, "assistant"), logprobs=logprobs, finish_reason=self.finish
         )
         return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))

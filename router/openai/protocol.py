@@ -89,9 +89,24 @@ class ContentPart(msgspec.Struct, frozen=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(msgspec.Struct, frozen=True):
+    """A call in an assistant message of the history."""
+
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessageIn(msgspec.Struct, frozen=True):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's call
 
 
 class ChatCompletionRequest(_GenerationFields, frozen=True, kw_only=True):
@@ -167,9 +182,25 @@ class Completion(msgspec.Struct, frozen=True):
     object: Literal["text_completion"] = "text_completion"
 
 
-class ChatMessageOut(msgspec.Struct, frozen=True):
-    content: str
-    role: Literal["assistant"] = "assistant"
+class ToolCall(msgspec.Struct, frozen=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True):
+    """A streamed call: pdserve sends each whole, in one chunk."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class ChatMessageOut(msgspec.Struct, frozen=True, omit_defaults=True):
+    content: str | None  # null when the answer is tool calls
+    role: Literal["assistant"]  # (no default: always sent)
+    tool_calls: list[ToolCall] | None = None  # sent only when there are calls
 
 
 class ChatTopLogprob(msgspec.Struct, frozen=True):
@@ -210,6 +241,7 @@ class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True):
@@ -358,6 +390,7 @@ _PARAM_NAMES = {
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
     "logit_bias": "logit_bias",
+    "structured_outputs": "response_format",
     "request_id": "X-Request-ID",  # the HTTP front takes the id from that header
     "logprobs": "logprobs",
     "prompt_logprobs": "prompt_logprobs",

@@ -45,6 +45,7 @@ from pdserve.router.openai.protocol import (
     invalid,
 )
 from pdserve.router.openai.tokenize import detokenize, tokenize
+from pdserve.router.openai.tools import tool_plan
 from pdserve.router.relay import RelayError
 from pdserve.router.service import Router, generate
 from pdserve.router.validate import InvalidRequest, check_request_id
@@ -332,11 +333,13 @@ class OpenAIFront:
     ) -> web.StreamResponse:
         created = int(time.time())
         options = self._response_options(req)
+        # (checked already, by ``chat_request``)
+        tools = tool_plan(req.tools, req.tool_choice) if isinstance(req, ChatCompletionRequest) else None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            events = EventStream(kind, rid, created, self.model_name, include_usage, options)
+            events = EventStream(kind, rid, created, self.model_name, include_usage, options, tools)
             return await self._stream(request, greq, events, req)
-        collected = Collected(kind, rid, created, self.model_name, options)
+        collected = Collected(kind, rid, created, self.model_name, options, tools)
 
         async def collect(msg: g.GenerateResponse) -> None:
             collected.feed(msg)

@@ -12,6 +12,7 @@ bench`` runs. Every test ends with the cluster harness's leak check.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -348,6 +349,124 @@ def test_sdk_logprobs_and_echo_shapes_streamed_and_not(pd_http_cluster, served, 
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=21, **kw)
     assert info.value.param == "top_logprobs"
+
+
+# ---- structured output and tools ------------------------------------------------------------------------
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 8}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def assert_valid_arguments(name: str, args: dict) -> None:
+    """``args`` is an instance of the tool's parameters schema (both are flat: strings and an enum)."""
+    schema = (CITY_TOOL if name == "get_weather" else CLOCK_TOOL)["function"]["parameters"]
+    assert set(args) == set(schema["required"]), args
+    for key, value in args.items():
+        prop = schema["properties"][key]
+        if "enum" in prop:
+            assert value in prop["enum"], args
+        else:
+            assert isinstance(value, str) and len(value) <= prop["maxLength"], args
+
+
+def test_sdk_parse_returns_valid_objects_for_every_committed_prompt(http_cluster, served):
+    """``client.chat.completions.parse`` with the committed pydantic model, temperature 1.0 and 256
+    tokens: every answer parses (the SDK raises on a ``length`` finish and on a failed validation)."""
+    from tests.structured_models import CONTACT_PROMPTS, Contact
+
+    c = http_cluster
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def one(i: int, prompt: str):
+            r = await client.chat.completions.parse(
+                model=served,
+                messages=[{"role": "user", "content": prompt}],
+                response_format=Contact,
+                temperature=1.0,
+                max_tokens=256,
+                seed=i,
+            )
+            return r.choices[0]
+
+        choices = await asyncio.gather(*(one(i, p) for i, p in enumerate(CONTACT_PROMPTS)))
+        await client.close()
+        return choices
+
+    choices = asyncio.run(asyncio.wait_for(main(), 300))
+    assert len(choices) == 20
+    for ch in choices:
+        assert ch.finish_reason == "stop" and isinstance(ch.message.parsed, Contact)
+    c.assert_no_leaks()
+
+
+def test_required_and_named_tool_calls_parse_and_streaming_agrees(http_cluster, served):
+    c = http_cluster
+    client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in (("required", {"get_weather", "get_time"}), (named, {"get_time"})):
+        kw = {
+            "model": served,
+            "messages": msgs,
+            "tools": [CITY_TOOL, CLOCK_TOOL],
+            "tool_choice": choice,
+            "temperature": 1.0,
+            "seed": 11,
+            "max_tokens": 128,
+        }
+        r = client.chat.completions.create(**kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        (call,) = ch.message.tool_calls
+        assert call.type == "function" and call.function.name in names and call.id
+        assert_valid_arguments(call.function.name, json.loads(call.function.arguments))
+        # The same seed streamed: the same call, in tool_calls deltas.
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == [
+            (call.function.name, call.function.arguments)
+        ]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # A JSON schema response: the same seed gives the same text streamed and not.
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "call", "schema": CITY_TOOL["function"]["parameters"]},
+    }
+    kw = {"model": served, "messages": msgs, "response_format": fmt, "temperature": 1.0, "seed": 5}
+    whole = client.chat.completions.create(max_tokens=128, **kw).choices[0].message.content
+    streamed = "".join(
+        ch.choices[0].delta.content or ""
+        for ch in client.chat.completions.create(stream=True, max_tokens=128, **kw)
+    )
+    assert streamed == whole
+    assert_valid_arguments("get_weather", json.loads(whole))
     client.close()
     c.assert_no_leaks()
 
@@ -368,3 +487,31 @@ def test_lm_eval_through_pdserve_equals_lm_eval_on_transformers(
     assert result.items == 8 and result.max_abs_diff < 1e-3
     assert result.acc_pdserve == result.acc_hf and result.same_choices
     pd_http_cluster.assert_no_leaks()
+
+
+def test_a_constrained_request_on_1p1d_obeys_the_grammar_from_the_prefill_workers_first_token(
+    pd_http_cluster, served
+):
+    """The prefill worker samples token 0 under the grammar; the decode worker's matcher takes it and
+    goes on (were token 0 outside the grammar, the decode worker would end the output there)."""
+    from tests.structured_models import Contact
+
+    c = pd_http_cluster
+    client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+    kw = {"model": served, "messages": [{"role": "user", "content": "A number, please."}], "max_tokens": 16}
+    free = client.chat.completions.create(temperature=0, **kw).choices[0].message.content
+    digits = client.chat.completions.create(temperature=0, extra_body={"guided_regex": "[0-9]{4}"}, **kw)
+    assert not free[:1].isdigit()  # (greedy's first token is no digit ...)
+    text = digits.choices[0].message.content  # (... the grammar's is)
+    assert text.isdigit() and len(text) == 4 and digits.choices[0].finish_reason == "stop"
+    r = client.chat.completions.parse(
+        model=served,
+        messages=[{"role": "user", "content": "A contact card, please."}],
+        response_format=Contact,
+        temperature=1.0,
+        seed=3,
+        max_tokens=256,
+    )
+    assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Contact)
+    client.close()
+    c.assert_no_leaks()

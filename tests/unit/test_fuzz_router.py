@@ -67,6 +67,20 @@ def sampling(draw) -> g.SamplingParams:
         s.logit_bias.update(dict.fromkeys(range(draw(st.integers(290, 400))), 1.0))
     s.stop.extend(draw(st.lists(st.text(max_size=20), max_size=80)))
     s.stop_token_ids.extend(draw(st.lists(st.one_of(st.integers(0, 40), uint32), max_size=20)))
+    if draw(st.booleans()):  # a constraint: well-formed or not, compiling or not, up to over the bound
+        so = s.structured_outputs
+        kind = draw(st.sampled_from(["json", "regex", "grammar", "json_object", "choice", "empty"]))
+        constraint = st.one_of(
+            text, st.sampled_from(['{"type": "object"}', "[a-z]+", "(("]), st.just("a" * 70000)
+        )
+        if kind in ("json", "regex", "grammar"):
+            setattr(so, kind, draw(constraint))
+        elif kind == "json_object":
+            so.json_object = draw(st.booleans())
+        elif kind == "choice":
+            so.choice.choices.extend(draw(st.lists(text, max_size=4)))
+        else:
+            so.SetInParent()
     return s
 
 
@@ -84,6 +98,10 @@ def generate_request(draw) -> g.GenerateRequest:
         roles = st.sampled_from(["user", "assistant", "system", "wizard", ""])
         for role, content in draw(st.lists(st.tuples(roles, text), max_size=4)):
             req.messages.messages.add(role=role, content=content)
+        for name, params in draw(
+            st.lists(st.tuples(text, st.one_of(text, st.just('{"type": "object"}'))), max_size=3)
+        ):
+            req.messages.tools.add(name=name, parameters=params)
     if draw(st.booleans()):
         req.sampling.CopyFrom(draw(sampling()))
     return req
@@ -128,6 +146,30 @@ http_body = st.one_of(
             "logprobs": st.one_of(st.integers(-2, 25), st.booleans(), json_value),
             "top_logprobs": st.one_of(st.integers(-2, 25), json_value),
             "echo": st.one_of(st.booleans(), json_value),
+            "response_format": st.one_of(
+                json_value,
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "x"])}),
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("json_schema"),
+                        "json_schema": st.fixed_dictionaries({"name": text, "schema": json_value}),
+                    }
+                ),
+            ),
+            "guided_regex": st.one_of(text, json_value),
+            "tools": st.one_of(
+                json_value,
+                st.lists(
+                    st.fixed_dictionaries(
+                        {
+                            "type": st.just("function"),
+                            "function": st.fixed_dictionaries({"name": text, "parameters": json_value}),
+                        }
+                    ),
+                    max_size=3,
+                ),
+            ),
+            "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_value),
         },
     ).map(lambda d: json.dumps(d).encode()),
     json_value.map(lambda v: json.dumps(v).encode()),

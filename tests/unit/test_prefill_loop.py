@@ -119,9 +119,9 @@ def test_the_first_tokens_penalties_and_bias_see_the_prompt(runner: ModelRunner)
     seen: list = []
 
     class Recording(Sampler):
-        def __call__(self, logits, rows):  # type: ignore[no-untyped-def]
+        def __call__(self, logits, rows, token_mask=None):  # type: ignore[no-untyped-def]
             seen.extend(rows)
-            return super().__call__(logits, rows)
+            return super().__call__(logits, rows, token_mask)
 
     async def main() -> None:
         sender = _Sender(runner.config.num_layers)
