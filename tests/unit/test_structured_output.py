@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.grammar import GrammarCompiler, MaskFiller, TokenMask, allowed_tokens
+from pdserve.engine.grammar import (
+    GrammarCompiler,
+    MaskFiller,
+    TokenMask,
+    allowed_tokens,
+    allowed_tokens_by_shifts,
+)
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.model_runner import ModelRunner, PrefillItem
 from pdserve.engine.params import validate_params_for_model
@@ -142,6 +148,15 @@ def test_masks_apply_to_their_rows_alone_and_greedy_rows_stay_argmax(compiler):
         row = [SampleRow(SamplingParams(seed=seed), 0)]
         for _ in range(5):
             assert allowed[Sampler(seed=seed or 0)(logits[1:2], row, TokenMask([0], mask.bitmask))[0]]
+
+
+def test_the_bitmask_unpacks_to_the_same_tokens_with_numpy_and_with_torch_shifts():
+    words = torch.randint(
+        -(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
+    )
+    want = [[bool(int(words[r, t // 32]) >> (t % 32) & 1) for t in range(150)] for r in range(3)]
+    assert allowed_tokens(words, 150).tolist() == want  # (CPU: numpy)
+    assert allowed_tokens_by_shifts(words, 150).tolist() == want  # (what a GPU runs)
 
 
 # -- the engine ----------------------------------------------------------------------------------------------
