@@ -6,6 +6,7 @@ rules the engine applies. Every check raises ``ValueError`` naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,6 +21,11 @@ GREEDY_EPS = 1e-5
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
+
+# Choices one request may sample (``n``); all of them must also fit the KV cache together
+# (``Scheduler.check_fits``).
+MAX_N = 128
+_SEED_MOD = 1 << 64
 
 
 def _is_int(v: object) -> bool:
@@ -44,6 +50,9 @@ class SamplingParams:
     the positive logits (multiplies the negative ones) of every token seen in the prompt or the outputs;
     ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits. It is given as a
     mapping (or (id, bias) pairs) and stored as (id, bias) pairs sorted by id.
+
+    ``n`` (vLLM's and OpenAI's): the request samples that many choices from one prompt, computed once
+    and shared; choice ``i`` samples as a request of its own with ``choice_params(params, i)`` would.
     """
 
     max_tokens: int = 16
@@ -59,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -94,6 +104,8 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         self._check_penalties()
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -125,6 +137,21 @@ class SamplingParams:
         min_tokens masking and no penalty or bias: what the sampler's fast path checks for every sequence
         every step."""
         return (self.greedy or self.top_k == 1) and self.min_tokens == 0 and not self.adjusts_logits
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded with ``seed``: ``(seed + index) mod 2**64``, as
+    vLLM derives it. Choice 0 keeps the request's seed, so ``n`` = 1 samples as before, and choice ``i``
+    samples what a request of its own with that seed samples. Without a seed the choices are independent
+    draws."""
+    return None if seed is None else (seed + index) % _SEED_MOD
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters choice ``index`` of an ``n`` > 1 request samples with: one choice, its own seed."""
+    if params.n == 1 and index == 0:
+        return params
+    return dataclasses.replace(params, n=1, seed=choice_seed(params.seed, index))
 
 
 def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
