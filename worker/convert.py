@@ -22,6 +22,7 @@ _OPTIONAL_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "n",
 )
 ROLE_TO_PROTO = {
     Role.PREFILL: worker_pb2.ROLE_PREFILL,
