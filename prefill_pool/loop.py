@@ -15,7 +15,7 @@ from typing import Any
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.model_runner import LayerHook, ModelRunner, PrefillItem
-from pdserve.engine.params import SamplingParams
+from pdserve.engine.params import SamplingParams, choice_params
 from pdserve.engine.sampler import Sampler, SampleRow
 from pdserve.kv_transfer import AbortedError, KVSender, SenderHandle, TransferError, TransferTicket
 from pdserve.prefill_pool.metrics import PrefillMetrics
@@ -112,10 +112,14 @@ class PrefillLoop:
         if self._on_fatal is not None:
             self._on_fatal(err)
 
-    def _forward(self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]) -> list[int]:
+    def _forward(
+        self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow], index: list[int] | None
+    ) -> list[int]:
         """On the forward thread: the prefill and the first tokens' sampling (torch ops large enough to
-        run in parallel, which belong on the one thread that makes this process's parallel calls)."""
-        return self.sampler(self.runner.prefill(items, hook), rows)
+        run in parallel, which belong on the one thread that makes this process's parallel calls).
+        ``index``: each sample row's prompt, where some prompt samples several choices (n > 1)."""
+        logits = self.runner.prefill(items, hook)
+        return self.sampler(logits if index is None else logits[index], rows)
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
@@ -223,7 +227,7 @@ class PrefillLoop:
                 if first is None:
                     await req.handle.abort("prefill cancelled")
                 else:
-                    await req.handle.complete(first)
+                    await req.handle.complete(first, req.choice_tokens)
         except TransferError as e:
             log.warning("transfer of %s ended with %s", job.request_id, e)
         except Exception:
@@ -295,9 +299,17 @@ class PrefillLoop:
             t0 = time.perf_counter()
             try:
                 # The first token's penalties see the prompt (a prefill worker has no earlier outputs).
-                rows = [SampleRow(j.payload.params, 0, 0, j.prompt_token_ids) for j in live]
-                tokens = await asyncio.get_running_loop().run_in_executor(
-                    self._forward_thread, self._forward, items, hook, rows
+                # An n > 1 prompt samples every choice's first token from its one row of logits.
+                rows = [
+                    SampleRow(choice_params(j.payload.params, c), 0, 0, j.prompt_token_ids)
+                    for j in live
+                    for c in range(j.payload.params.n)
+                ]
+                index = None
+                if len(rows) > len(live):
+                    index = [i for i, j in enumerate(live) for _ in range(j.payload.params.n)]
+                sampled = await asyncio.get_running_loop().run_in_executor(
+                    self._forward_thread, self._forward, items, hook, rows, index
                 )
             except BatchCancelled:
                 for j in live:
@@ -323,6 +335,12 @@ class PrefillLoop:
             self._observe(dt, sum(j.new_tokens for j in live))
             for j in live:  # every prompt's KV is whole now (a cancelled one's too): later prompts reuse it
                 self.sched.computed(j)
+            tokens, k = [], 0
+            for j in live:
+                n = j.payload.params.n
+                tokens.append(sampled[k])
+                j.payload.choice_tokens = tuple(int(t) for t in sampled[k + 1 : k + n])
+                k += n
             for j, tok in zip(live, tokens, strict=True):
                 req = j.payload
                 if req.given_up or req.result.done():

@@ -81,6 +81,9 @@ class PrefillRequest:
     complete_with: int | None = None  # CLOSING: the first token to complete its transfer with; None: abort
     layers_done: int = 0  # layers its forward has written (the hook counts them, under the push lock)
     first_token_unix: float = 0.0  # when its first token was sampled (wall clock; 0: not yet)
+    # n > 1 (params.n): choices 1..'s first tokens, sampled with choice 0's from the one forward; its
+    # transfer's completion carries them to the decode worker.
+    choice_tokens: tuple[int, ...] = ()
     handle: SenderHandle | None = None
 
     def __post_init__(self) -> None:

@@ -122,6 +122,7 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             prefill_seconds=forward_s,
             first_token_unix=sampled_at,
             cached_tokens=job.cached_tokens,
+            first_token_ids=(first, *job.payload.choice_tokens) if params.n > 1 else (),
         )
 
     async def AttachTicket(self, request: worker_pb2.AttachTicketRequest, context) -> worker_pb2.Empty:  # noqa: N802
