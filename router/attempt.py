@@ -42,8 +42,15 @@ class Attempt:
         route = job.route
         assert route is not None, "run() needs a routed job"
         d = route.decode
-        sent = len(out.sent)
         prompt, sampling = prep.prompt_token_ids, prep.sampling
+        choices = out.n  # the choices D runs
+        resumed: list[worker_pb2.ResumedChoice] = []
+        if out.n > 1 and out.any_sent:
+            resumed = await self._resumed_choices(prep, out, write)
+            if not resumed:
+                return
+            choices = len(resumed)
+        sent = 0 if out.n > 1 else len(out.sent)
         if sent:
             p = prep.params
             if sent >= p.max_tokens:  # everything was sent but the finish: end it here
@@ -66,6 +73,7 @@ class Attempt:
             mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
             deadline_unix=deadline_unix,
             output_offset=sent,
+            resumed_choices=resumed,
         )
         meta = self._channels.metadata(prep.request_id)
         dcall = self._channels.stub(d.address).Generate(req, timeout=timeout, metadata=meta)
@@ -75,7 +83,22 @@ class Attempt:
             finished, pending = await self._remote_start(job, prep, dcall, out, write, timeout, deadline_unix)
             if finished:
                 return
-        await relay_stream(job, d, dcall, out, write, pending, self._budget, self._ops)
+        await relay_stream(job, d, dcall, out, write, pending, self._budget, self._ops, choices)
+
+    async def _resumed_choices(
+        self, prep: Prepared, out: Output, write: Write
+    ) -> list[worker_pb2.ResumedChoice]:
+        """An ``n`` > 1 request moved after some output: its open choices, each to go on from the tokens
+        it sent (one that sent all of max_tokens but its finish ends here)."""
+        resumed = []
+        for i, c in enumerate(out.choices):
+            if c.finished:
+                continue
+            if c.detok.count >= prep.params.max_tokens:
+                await deliver(out, (), c.detok.count, "length", write, i)
+                continue
+            resumed.append(worker_pb2.ResumedChoice(index=i, token_ids=c.sent))
+        return resumed
 
     async def _remote_start(
         self,
@@ -120,7 +143,7 @@ class Attempt:
                             )
                         if m.finish_reason:  # D ended the request before any prefill (e.g. aborted)
                             out.prefilled(m.cached_tokens)
-                            await deliver(out, m.token_ids, m.first_index, m.finish_reason, write)
+                            await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, m.index)
                             return True, None
                         if not m.transfer_ticket:
                             raise RelayError(
@@ -141,7 +164,7 @@ class Attempt:
                                 f"decode worker {d.worker_id} ended without a finish",
                             )
                         out.prefilled(m.cached_tokens)
-                        if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+                        if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, m.index):
                             return True, None
                 if attach is not None and not attached and attach.done():
                     outcome(attach, job, p, "prefill", ops)  # a refused ticket fails the request
@@ -154,14 +177,13 @@ class Attempt:
                         resp = outcome(task, job, p, "prefill", ops)
                     except RelayError:
                         # Once D streams, all KV has arrived: a late prefill failure changes nothing.
-                        if out.detok.count == 0:
+                        if not out.any_sent:
                             raise
                         log.info("request %s: prefill failed after decode started; ignored", prep.request_id)
                     else:
                         # Output index 0: sent only when D has not already delivered it.
                         out.prefilled(resp.cached_tokens)
-                        tok = resp.first_token_id
-                        if await deliver(out, (tok,), 0, self._first_token_finish(prep, tok), write):
+                        if await self._deliver_first(prep, out, resp, write, ""):
                             return True, None
                 if answered and attached:
                     return False, read
@@ -212,8 +234,22 @@ class Attempt:
             task.cancel()  # (a no-op once it ended)
             self._drop_prefill(p, prep.request_id, key)
         out.prefilled(resp.cached_tokens)
-        tok = resp.first_token_id
-        await deliver(out, (tok,), 0, self._first_token_finish(prep, tok) or "length", write)
+        await self._deliver_first(prep, out, resp, write, "length")
+
+    async def _deliver_first(
+        self, prep: Prepared, out: Output, resp: worker_pb2.PrefillResponse, write: Write, finish: str
+    ) -> bool:
+        """P's first token of every choice (``finish``: the finish of one that does not stop); True when
+        that finished the request."""
+        firsts = list(resp.first_token_ids) if out.n > 1 else [resp.first_token_id]
+        if len(firsts) != out.n:
+            raise RelayError(
+                grpc.StatusCode.INTERNAL, f"prefill worker sent {len(firsts)} first tokens for n={out.n}"
+            )
+        done = False
+        for i, tok in enumerate(firsts):
+            done = await deliver(out, (tok,), 0, self._first_token_finish(prep, tok) or finish, write, i)
+        return done
 
     def _drop_prefill(self, p: Worker, request_id: str, key: str) -> None:
         """Tell P to free the KV of a prefill that will get no ticket (fire and forget: P also drops it

@@ -56,28 +56,66 @@ class ReadAheadBudget:
             self._room.set()
 
 
-class Output:
-    """What has been sent to the client for one request."""
+class Choice:
+    """What has been sent of one choice of a request (``n`` > 1: each has its own detokenizer and stop
+    strings)."""
 
-    __slots__ = ("request_id", "prompt_tokens", "detok", "sent", "cached_tokens")
+    __slots__ = ("detok", "sent", "finished")
 
-    def __init__(self, prep: Prepared, detok: Detokenizer) -> None:
-        self.request_id = prep.request_id
-        self.prompt_tokens = len(prep.prompt_token_ids)
+    def __init__(self, detok: Detokenizer) -> None:
         self.detok = detok
         self.sent: list[int] = []  # output token ids sent so far: a migrated stream's input tail
+        self.finished = False
+
+
+class Output:
+    """What has been sent to the client for one request: each of its choices (one unless ``n`` > 1)."""
+
+    __slots__ = ("request_id", "prompt_tokens", "choices", "open", "cached_tokens")
+
+    def __init__(self, prep: Prepared, detoks: Sequence[Detokenizer]) -> None:
+        self.request_id = prep.request_id
+        self.prompt_tokens = len(prep.prompt_token_ids)
+        self.choices = [Choice(d) for d in detoks]
+        self.open = len(self.choices)  # choices not finished
         # Prompt tokens the worker that prefilled reused from its prefix cache: the first report (P's
         # answer, or a local prefill's first message) stands.
         self.cached_tokens = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.choices)
+
+    @property
+    def sent(self) -> list[int]:
+        """The tokens sent of a request of one choice (``n`` = 1)."""
+        return self.choices[0].sent
+
+    @property
+    def any_sent(self) -> bool:
+        return any(c.detok.count for c in self.choices)
+
+    @property
+    def most_sent(self) -> int:
+        """The most tokens any choice sent."""
+        return max(c.detok.count for c in self.choices)
 
     def prefilled(self, cached_tokens: int) -> None:
         if cached_tokens and not self.cached_tokens:
             self.cached_tokens = min(cached_tokens, self.prompt_tokens)
 
 
-async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str, write: Write) -> bool:
-    """Send the new part of a worker message to the client. True when the request is finished."""
-    detok = out.detok
+async def deliver(
+    out: Output, ids: Sequence[int], first_index: int, finish: str, write: Write, index: int = 0
+) -> bool:
+    """Send the new part of a worker message (of choice ``index``) to the client. True when the request
+    is finished (every choice)."""
+    if index >= len(out.choices):
+        raise RelayError(grpc.StatusCode.INTERNAL, f"worker sent choice {index} of a request of n={out.n}")
+    choice = out.choices[index]
+    if choice.finished:  # (a stop string ended it here; the worker goes on until the request ends)
+        return False
+    detok = choice.detok
     skip = detok.count - first_index
     if skip:
         if skip < 0 and len(ids):
@@ -92,9 +130,22 @@ async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str
     text, used = detok.feed(ids, ends_on_stop_token=finish == "stop")
     if detok.stopped:
         ids, finish = ids[:used], "stop"
-    out.sent.extend(ids)
+    choice.sent.extend(ids)
     if not finish:
-        await write(_Resp(request_id=out.request_id, token_ids=ids, text=text))
+        await write(_Resp(request_id=out.request_id, token_ids=ids, text=text, index=index))
+        return False
+    choice.finished = True
+    out.open -= 1
+    if out.open:  # another choice goes on: the request's usage comes with the last one
+        await write(
+            _Resp(
+                request_id=out.request_id,
+                token_ids=ids,
+                text=text + detok.flush(),
+                finish_reason=finish,
+                index=index,
+            )
+        )
         return False
     await write(
         _Resp(
@@ -103,10 +154,11 @@ async def deliver(out: Output, ids: Sequence[int], first_index: int, finish: str
             text=text + detok.flush(),
             finish_reason=finish,
             usage=generation_pb2.Usage(
-                prompt_tokens=out.prompt_tokens,
-                completion_tokens=detok.count,
+                prompt_tokens=out.prompt_tokens,  # once, whatever n
+                completion_tokens=sum(c.detok.count for c in out.choices),
                 cached_tokens=out.cached_tokens,
             ),
+            index=index,
         )
     )
     return True
@@ -121,13 +173,17 @@ async def relay_stream(
     pending: asyncio.Future | None,
     budget: ReadAheadBudget,
     ops: RouterOps,
+    choices: int = 1,
 ) -> None:
-    """Relay D's stream until its finish (or a stop string). The hot loop.
+    """Relay D's stream until its finish (or a stop string). The hot loop. ``choices``: how many choices
+    D runs (``n``, or a migrated request's open ones); its stream ends with their last finish.
 
     D is read ahead of the client's writes (``_read_ahead``): a client that reads slowly, or not at
     all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
     ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
-    reader = asyncio.ensure_future(_read_ahead(job, dcall, pending, ahead, out.prompt_tokens, budget, ops))
+    reader = asyncio.ensure_future(
+        _read_ahead(job, dcall, pending, ahead, out.prompt_tokens, choices, budget, ops)
+    )
     try:
         m = await ahead.get()
         budget.give(1)
@@ -141,7 +197,7 @@ async def relay_stream(
                     grpc.StatusCode.INTERNAL, f"decode worker {d.worker_id} ended without a finish"
                 )
             out.prefilled(m.cached_tokens)
-            if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write):
+            if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, m.index):
                 return
             m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
             budget.give(1)
@@ -163,13 +219,16 @@ async def _read_ahead(
     pending: asyncio.Future | None,
     ahead: asyncio.Queue[Any],
     prompt_tokens: int,
+    choices: int,
     budget: ReadAheadBudget,
     ops: RouterOps,
 ) -> None:
     """D's messages into ``ahead`` as they come (at most one per token; up to ``_READ_AHEAD`` ahead of
     the client, then D waits as before), then its end or its error (raised in order by ``relay_stream``).
-    Each message's tokens grow the job's KV count on D; once D's stream ended, its claim is released."""
+    Each message's tokens grow the job's KV count on D (``choices`` > 1: as if every choice were as long
+    as the message's); once D's stream ended, its claim is released."""
     grow = ops.grow
+    left = choices
     try:
         m = await (pending if pending is not None else dcall.read())
         while True:
@@ -177,11 +236,15 @@ async def _read_ahead(
                 await budget.wait()
             await ahead.put(m)
             budget.used += 1
-            if m is _EOF or m.finish_reason:
+            if m is _EOF:
                 break
+            if m.finish_reason:
+                left -= 1
+                if not left:
+                    break
             # D holds the prompt and every output so far (a migrated try's prompt includes the tokens
             # sent before; ``first_index`` counts them too).
-            grow(job, prompt_tokens + m.first_index + len(m.token_ids))
+            grow(job, prompt_tokens + choices * (m.first_index + len(m.token_ids)))
             m = await dcall.read()
     except BaseException as e:  # noqa: BLE001 - handed to relay_stream, which raises it in its place
         if isinstance(e, asyncio.CancelledError) and cancelling():

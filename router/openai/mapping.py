@@ -1,8 +1,9 @@
 """OpenAI requests onto ``pdserve.v1`` ``GenerateRequest``, and ``GenerateResponse`` messages back onto
 OpenAI responses and server-sent-event chunks. Pure: protobuf messages, no grpc.
 
-Only what the HTTP API alone has (model name, ``n``, unsupported options) is checked here; values are
-left to the router's own validation, so both fronts reject exactly the same requests.
+Only what the HTTP API alone has (model name, ``best_of``, unsupported options) is checked here; values
+are left to the router's own validation, so both fronts reject exactly the same requests. With ``n`` > 1
+each response message is one choice's (its ``index``): chunks carry it, and a whole body gathers them.
 """
 
 from __future__ import annotations
@@ -65,8 +66,6 @@ def check_model(requested: str | None, served: str) -> None:
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Options the API has and pdserve does not implement: refused, never silently ignored."""
-    if req.n not in (None, 1):
-        raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
     if present(req.tools):
         raise invalid("tools are not supported", "tools")
     if present(req.response_format):
@@ -130,6 +129,8 @@ def _sampling(
             setattr(s, name, _float32(name, value))
     if req.logit_bias:
         s.logit_bias.update(_logit_bias(req.logit_bias))
+    if req.n is not None:
+        s.n = _bounded("n", req.n, 0, _UINT32)  # (the router checks the range)
     return s
 
 
@@ -177,8 +178,9 @@ def completion_request(req: CompletionRequest, request_id: str, context_length: 
         raise invalid("suffix is not supported", "suffix")
     if req.logprobs is not None:
         raise invalid("logprobs is not supported", "logprobs")
-    if req.best_of not in (None, 1):
-        raise invalid(f"best_of must be 1, got {req.best_of}", "best_of")
+    if req.best_of is not None and req.best_of != (1 if req.n is None else req.n):
+        # best_of would rank choices server-side; only best_of == n (every choice returned) is served.
+        raise invalid(f"best_of must equal n ({req.n or 1}), got {req.best_of}", "best_of")
     if present(req.max_completion_tokens):
         raise invalid(
             "max_completion_tokens is a chat completions field; /v1/completions takes max_tokens",
@@ -325,7 +327,10 @@ def sse_error(err: OpenAIError) -> bytes:
     return b"data: " + encode(ErrorBody(err.info)) + b"\n\n" + DONE
 
 
-def _usage(msg: g.GenerateResponse) -> Usage:
+def _usage(msg: g.GenerateResponse) -> Usage | None:
+    """The request's usage, which its last message carries (n > 1: not every finishing one)."""
+    if not msg.HasField("usage"):
+        return None
     return Usage.of(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
 
 
@@ -337,27 +342,28 @@ class EventStream:
         self.id, self.created, self.model = response_id, created, model
         self.include_usage = include_usage
         self.usage: Usage | None = None  # from the finishing message
-        self._role_sent = False
+        self._role_sent: set[int] = set()  # the choices whose role chunk went out
 
     def feed(self, msg: g.GenerateResponse) -> bytes:
         """The events for one message; empty when it adds nothing (text still held back, no finish)."""
         finish = msg.finish_reason or None
         if finish is not None:
-            self.usage = _usage(msg)
+            self.usage = _usage(msg) or self.usage
         if not msg.text and finish is None:
             return b""
+        index = msg.index
         if self.kind is Kind.COMPLETION:
-            choice = CompletionChoice(index=0, text=msg.text, logprobs=None, finish_reason=finish)
+            choice = CompletionChoice(index=index, text=msg.text, logprobs=None, finish_reason=finish)
             return sse(Completion(self.id, self.created, self.model, [choice], None))
         out = b""
-        if not self._role_sent:
+        if index not in self._role_sent:
             # The role comes in its own first chunk, as OpenAI sends it, right before the first text.
-            self._role_sent = True
-            out = self._chat_chunk(ChatDelta(role="assistant", content=""), None)
-        return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
+            self._role_sent.add(index)
+            out = self._chat_chunk(ChatDelta(role="assistant", content=""), None, index)
+        return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish, index)
 
-    def _chat_chunk(self, delta: ChatDelta, finish: str | None) -> bytes:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)
+    def _chat_chunk(self, delta: ChatDelta, finish: str | None, index: int = 0) -> bytes:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=finish)
         return sse(ChatCompletionChunk(self.id, self.created, self.model, [choice], None))
 
     def end(self) -> bytes:
@@ -377,22 +383,37 @@ class Collected:
     def __init__(self, kind: Kind, response_id: str, created: int, model: str) -> None:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
-        self._text: list[str] = []
-        self.finish: str | None = None
+        self._text: dict[int, list[str]] = {}  # by choice index
+        self._finish: dict[int, str] = {}
         self.usage: Usage | None = None
 
+    @property
+    def finish(self) -> str | None:
+        """Choice 0's finish reason (None: not finished)."""
+        return self._finish.get(0)
+
     def feed(self, msg: g.GenerateResponse) -> None:
-        self._text.append(msg.text)
+        self._text.setdefault(msg.index, []).append(msg.text)
         if msg.finish_reason:
-            self.finish = msg.finish_reason
-            self.usage = _usage(msg)
+            self._finish[msg.index] = msg.finish_reason
+            self.usage = _usage(msg) or self.usage
 
     def response(self) -> bytes:
-        text = "".join(self._text)
+        indices = sorted(self._text.keys() | self._finish.keys()) or [0]
+        texts = {i: "".join(self._text.get(i, ())) for i in indices}
         if self.kind is Kind.COMPLETION:
-            choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=self.finish)
-            return encode(Completion(self.id, self.created, self.model, [choice], self.usage))
-        chat = ChatChoice(
-            index=0, message=ChatMessageOut(content=text), logprobs=None, finish_reason=self.finish
-        )
-        return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))
+            choices = [
+                CompletionChoice(index=i, text=texts[i], logprobs=None, finish_reason=self._finish.get(i))
+                for i in indices
+            ]
+            return encode(Completion(self.id, self.created, self.model, choices, self.usage))
+        chats = [
+            ChatChoice(
+                index=i,
+                message=ChatMessageOut(content=texts[i]),
+                logprobs=None,
+                finish_reason=self._finish.get(i),
+            )
+            for i in indices
+        ]
+        return encode(ChatCompletion(self.id, self.created, self.model, chats, self.usage))

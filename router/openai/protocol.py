@@ -331,6 +331,7 @@ _PARAM_NAMES = {
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
     "logit_bias": "logit_bias",
+    "n": "n",
     "request_id": "X-Request-ID",  # the HTTP front takes the id from that header
 }
 _LEADING_FIELD = re.compile(r"^(?:sampling\.)?([a-z_]+)")

@@ -126,7 +126,7 @@ def test_chat_maps_messages_text_parts_and_max_completion_tokens():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": -1}, "n"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "logprobs": 1}, "logprobs"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
