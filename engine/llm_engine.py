@@ -4,7 +4,8 @@ A decode worker's ``add_prefilled_request`` adopts blocks its KV receiver filled
 hand-over is the contract in ``kv_transfer/__init__.py``). Not thread-safe: one thread drives ``add_*``,
 ``abort`` and ``step``. Prefix caching (on by default) reuses the K/V of full blocks a prompt shares with
 earlier sequences; ``cache_salt`` names what those blocks' hashes depend on. An ``n`` > 1 request computes
-its prompt once and forks its choices from it (``engine.scheduler``); each choice's deltas carry its index.
+its prompt once and forks its choices from it (``engine.scheduler``); each choice's deltas carry its
+``choice_index``.
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ class RequestOutputDelta(NamedTuple):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache, not computed
-    index: int = 0  # which choice of an ``n`` > 1 request (``request_id`` is the request's)
+    # Which choice of an ``n`` > 1 request (``request_id`` is the request's). Not ``index``: a tuple's
+    # method of that name.
+    choice_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -408,7 +411,7 @@ class LLMEngine:
                 )
         tokens = self.sampler(logits[index], rows)
         own: list[int] = []
-        forks: dict[Hashable, list[int]] = {}
+        forks: dict[Hashable, Sequence[int]] = {}
         k = 0
         for s in seqs:
             own.append(tokens[k])
