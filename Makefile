@@ -78,7 +78,7 @@ MYPY_MODULES := engine.block_manager engine.prefix_hash engine.params engine.sch
 	router.attempt router.stream router.errors router.ops router.channels \
 	router.openai.protocol router.openai.tokenize router.autoscale kv_transfer.writers.cma \
 	router.membership prefill_pool.request prefill_pool.push prefill_pool.tickets worker.flagspec worker.flags \
-	kv_transfer.writers.select router.kv_index worker.kv_events telemetry.prefix_cache router.budget
+	kv_transfer.writers.select router.kv_index worker.kv_events telemetry.prefix_cache router.budget engine.choices
 # The folders that install as pdserve.* (pyproject.toml [tool.setuptools.package-dir]).
 PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router cli bench deploy
 lint: $(STAMP)
