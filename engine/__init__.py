@@ -16,12 +16,21 @@ _EXPORTS = {
     "LLMEngine": "pdserve.engine.llm_engine",
     "EngineConfig": "pdserve.engine.llm_engine",
     "RequestOutputDelta": "pdserve.engine.llm_engine",
+    "CompletionOutput": "pdserve.engine.llm",
 }
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "RequestOutputDelta", "SamplingParams"]
+__all__ = [
+    "EngineConfig",
+    "LLM",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestOutputDelta",
+    "SamplingParams",
+    "CompletionOutput",
+]
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm import LLM, RequestOutput
+    from pdserve.engine.llm import LLM, CompletionOutput, RequestOutput
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
     from pdserve.engine.params import SamplingParams
 
