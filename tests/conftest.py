@@ -21,10 +21,13 @@ os.environ["PDSERVE_EXIT_WITH_PID"] = str(os.getpid())
 
 @pytest.fixture(scope="session", autouse=True)
 def _torch_threads():
-    # Two cores are shared by everything a test starts; be explicit.
+    # The cores are shared by the test processes and everything they start: each of N pytest-xdist
+    # processes gets cores / N threads (oversubscribed torch threads spin against each other).
     import torch
 
-    torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", "2")))
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    default = max(1, min(2, len(os.sched_getaffinity(0)) // processes))
+    torch.set_num_threads(int(os.environ.get("PDSERVE_TEST_THREADS", default)))
 
 
 @pytest.fixture(scope="session", params=KINDS)
@@ -60,7 +63,32 @@ def smollm2_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf_tokenizer():
+def gguf_parsed_once():
+    """transformers parses a GGUF file's metadata (seconds of Python for a 49k vocabulary) and rebuilds
+    gguf's tensor name map per layer each time it reads from the file: in this process its config,
+    tokenizer and weights share one parse and one map."""
+    import functools
+
+    import gguf
+
+    readers: dict[tuple[str, str], object] = {}
+    parse = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(gguf, "GGUFReader", reader)
+    patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(gguf_parsed_once):
     """transformers' tokenizer read from the packaged SmolLM2 GGUF (seconds: it parses the file), the
     reference of the tokenizer and real-model parity tests; read once."""
     from transformers import AutoTokenizer

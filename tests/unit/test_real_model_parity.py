@@ -56,7 +56,7 @@ def hf_tokenizer(smollm2_hf_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf_path):
+def hf_model(gguf_path, gguf_parsed_once):
     import torch
     from transformers import AutoModelForCausalLM
 
