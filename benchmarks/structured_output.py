@@ -1,14 +1,15 @@
 """Structured output on the real model: how often the output is a valid object with the grammar and
-without it, and what constrained rows cost the unconstrained ones in a shared decode batch.
+without it, and what constrained or penalised rows cost the plain ones in a shared decode batch.
 
-    python -m benchmarks.structured_output [--out /tmp/structured.json]
+    python -m benchmarks.structured_output [--part validity|cost|all] [--out /tmp/structured.json]
 
 Validity: the 20 committed prompts of ``tests/structured_models.py`` (the test suite's), each with a system
 message that gives the JSON schema of ``Contact``, temperature 1.0, 256 tokens, seed = the prompt's index;
 an output is valid when pydantic validates it whole (``strict``) or validates the text from its first "{"
 to its last "}" (``lenient``: what a client that strips code fences and chatter would get), and it did not
-stop at ``max_tokens``. Cost: the decode step of the same batch (greedy) with no constrained row and with
-a quarter of its rows under a regex grammar, alternated (``mixed_batch_cost``).
+stop at ``max_tokens``. Cost: the decode step of the same batch (greedy) with only plain rows and with a
+quarter of its rows under a regex grammar, or under presence, frequency and repetition penalties and a
+logit bias, alternated (``mixed_batch_cost``).
 """
 
 from __future__ import annotations
@@ -72,21 +73,30 @@ def validity(llm: LLM, grammar: bool) -> dict:
     }
 
 
+# The rows mixed into a plain batch: a grammar the tokens cannot complete (so every row runs to max_tokens
+# and the batch keeps its size), or every penalty and a bias at once.
+COST_ROWS = {
+    "grammar": dict(structured_outputs=StructuredOutputsParams(regex="[a-zA-Z ,.]{2000}")),
+    "penalties": dict(
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        logit_bias=((13, -5.0), (28, 2.0), (30, -100.0)),
+        ignore_eos=True,
+    ),
+}
+
+
 def mixed_batch_cost(
-    llm: LLM, batch: int = 16, constrained: int = 4, tokens: int = 24, reps: int = 5
+    llm: LLM, kind: str, batch: int = 16, special: int = 4, tokens: int = 24, reps: int = 5
 ) -> dict:
-    """Decode step times of a batch of ``batch`` greedy rows with no constrained row and with
-    ``constrained`` of them under a grammar (one the tokens cannot complete, so every row runs to
-    ``max_tokens`` and the batch keeps its size). The two batches alternate, ``reps`` times each, so that a
-    busy host slows both alike; the figure is the median decode step of each and their ratio."""
+    """Decode step times of a batch of ``batch`` greedy rows, all plain and with ``special`` of them
+    carrying ``COST_ROWS[kind]``. The two batches alternate, ``reps`` times each, so that a busy host slows
+    both alike; the figure is the median decode step of each and their ratio."""
     engine, tok = llm.engine, llm.tokenizer
     assert tok is not None
     plain = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    grammar = SamplingParams(
-        temperature=0,
-        max_tokens=tokens,
-        structured_outputs=StructuredOutputsParams(regex="[a-zA-Z ,.]{2000}"),
-    )
+    rows = SamplingParams(temperature=0, max_tokens=tokens, **COST_ROWS[kind])
     prompts = [tok.encode(f"Tell me about the number {i}.") for i in range(batch)]
     runs = 0
 
@@ -94,7 +104,7 @@ def mixed_batch_cost(
         nonlocal runs
         runs += 1
         for i, p in enumerate(prompts):
-            engine.add_request(f"cost-{runs}-{i}", p, grammar if i < k else plain)
+            engine.add_request(f"cost-{runs}-{i}", p, rows if i < k else plain)
         steps = []
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -102,21 +112,22 @@ def mixed_batch_cost(
             steps.append(time.perf_counter() - t0)
         return steps[1:]  # the first step prefills every prompt
 
-    decode_steps(constrained)  # warm: the grammar compiled, the vocabulary read
-    arms: dict[int, list[float]] = {0: [], constrained: []}
+    decode_steps(special)  # warm: a grammar compiled, the vocabulary read
+    arms: dict[int, list[float]] = {0: [], special: []}
     for _ in range(reps):
         for k in arms:
             arms[k] += decode_steps(k)
     median = {k: statistics.median(v) for k, v in arms.items()}
     return {
+        "rows": kind,
         "batch": batch,
-        "constrained_rows": constrained,
+        "special_rows": special,
         "decode_steps_per_arm": len(arms[0]),
-        "median_step_ms_no_constrained_rows": round(median[0] * 1e3, 2),
-        "median_step_ms_with_constrained_rows": round(median[constrained] * 1e3, 2),
-        "step_time_ratio": round(median[constrained] / median[0], 3),
-        "batch_tok_s_no_constrained_rows": round(batch / median[0], 1),
-        "batch_tok_s_with_constrained_rows": round(batch / median[constrained], 1),
+        "median_step_ms_plain_batch": round(median[0] * 1e3, 2),
+        "median_step_ms_mixed_batch": round(median[special] * 1e3, 2),
+        "step_time_ratio": round(median[special] / median[0], 3),
+        "batch_tok_s_plain": round(batch / median[0], 1),
+        "batch_tok_s_mixed": round(batch / median[special], 1),
     }
 
 
@@ -137,7 +148,7 @@ def main() -> None:
         report["without_grammar"] = validity(llm, grammar=False)
         report["with_grammar"] = validity(llm, grammar=True)
     if args.part in ("cost", "all"):
-        report["mixed_batch"] = mixed_batch_cost(llm)
+        report["mixed_batch"] = {kind: mixed_batch_cost(llm, kind) for kind in COST_ROWS}
     print(json.dumps(report, indent=2, ensure_ascii=False))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
