@@ -3,7 +3,8 @@
 A decode worker's ``add_prefilled_request`` adopts blocks its KV receiver filled under the request id (the
 hand-over is the contract in ``kv_transfer/__init__.py``). Not thread-safe: one thread drives ``add_*``,
 ``abort`` and ``step``. Prefix caching (on by default) reuses the K/V of full blocks a prompt shares with
-earlier sequences; ``cache_salt`` names what those blocks' hashes depend on.
+earlier sequences; ``cache_salt`` names what those blocks' hashes depend on. An ``n`` > 1 request computes
+its prompt once and forks its choices from it (``engine.scheduler``); each choice's deltas carry its index.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler
 from pdserve.engine.logprob_requests import LogprobRequests
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
-from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
+from pdserve.engine.params import (
+    SamplingParams,
+    choice_params,
+    validate_params_for_model,
+    validate_prompt_token_ids,
+)
 from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import check_quantization
 from pdserve.engine.sampler import SampleRow
@@ -145,6 +151,7 @@ class RequestOutputDelta(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None
     # ``SamplingParams.prompt_logprobs``, on the first delta: one per prompt token, the first None (vLLM's).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    index: int = 0  # which choice of an ``n`` > 1 request (``request_id`` is the request's)
 
 
 @dataclass(frozen=True)
@@ -287,6 +294,8 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(output_offset, int) or output_offset < 0 or output_offset > len(prompt_token_ids):
             raise ValueError(f"output_offset must be in [0, len(prompt)], got {output_offset!r}")
+        if output_offset and params.n > 1:
+            raise ValueError("n must be 1 for a request that continues earlier output (output_offset)")
         self.validate_request(prompt_token_ids, params)
         # A migrated stream's outputs so far are the prompt's tail: its matcher replays them.
         matcher = self.constrained.new(params, prompt_token_ids[len(prompt_token_ids) - output_offset :])
@@ -295,6 +304,25 @@ class LLMEngine:
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         self._logprobs.add(request_id, params, len(prompt_token_ids))
         self.constrained.add(request_id, matcher)
+
+    def add_resumed_choices(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        choices: Sequence[tuple[int, Sequence[int]]],
+    ) -> None:
+        """Queue the open choices of an ``n`` > 1 request moved off a failed worker: each ``(index, the
+        tokens it already output)``; ``params`` are the request's own (each choice counts what is left of
+        them), and each choice's seeded sampling and reported counts continue from its tokens."""
+        self.validate_request(prompt_token_ids, params)
+        for _, earlier in choices:
+            validate_prompt_token_ids(
+                [*prompt_token_ids, *earlier], vocab_size=self.vocab_size, max_model_len=self.max_model_len
+            )
+        seqs = self.scheduler.add_choices(request_id, list(prompt_token_ids), params, choices)
+        for seq in seqs:
+            self._text[seq.seq_id] = self._new_text_state(seq.params, seq.prompt_token_ids)
 
     def add_prefilled_request(
         self,
@@ -310,29 +338,45 @@ class LLMEngine:
         may already be finished, and then its blocks are already freed. On
         ValueError the blocks stay with the caller.
         """
+        return self.add_prefilled_choices(request_id, prompt_token_ids, (first_token_id,), params)[0]
+
+    def add_prefilled_choices(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        first_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutputDelta]:
+        """``add_prefilled_request`` of a request of ``params.n`` choices: ``first_token_ids`` holds each
+        choice's output token 0 (the prefill worker sampled them all from the prompt's one forward), and
+        choices 1.. fork from the prompt's blocks. Returns a delta per choice, in choice order."""
         params = SamplingParams() if params is None else params
         self.validate_request(prompt_token_ids, params)
-        if not 0 <= first_token_id < self.vocab_size:
-            raise ValueError(
-                f"first_token_id {first_token_id} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        for t in first_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"first_token_id {t} is outside the vocabulary [0, {self.vocab_size})")
         # The prefill worker sampled token 0 under the same grammar: this matcher takes it below.
         matcher = self.constrained.new(params)
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         try:
-            seq = self.scheduler.add_prefilled(request_id, list(prompt_token_ids), first_token_id, params)
+            seqs = self.scheduler.add_prefilled_choices(
+                request_id, list(prompt_token_ids), first_token_ids, params
+            )
         except ValueError:
             del self._text[request_id]
             raise
         self._logprobs.add_prefilled(request_id, params)
+        self._forked(seqs)
         if matcher is not None:
             self.constrained.add(request_id, matcher)
-            self._end_on_grammar([seq])
-        return self._logprobs.attach(self._emit([seq])[0], {})
+            self._end_on_grammar(seqs)
+        return [self._logprobs.attach(d, {}) for d in self._emit(seqs)]
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
+        for seq in self.scheduler.choices(request_id):
+            self._text.pop(seq.seq_id, None)
         self._text.pop(request_id, None)
         self._logprobs.discard(request_id)
         self.constrained.drop(request_id)
@@ -340,6 +384,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_request(self, request_id: Hashable) -> bool:
+        """Some choice of the request is unfinished."""
+        return self.scheduler.has_request(request_id)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -361,6 +409,8 @@ class LLMEngine:
         if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
             return self._logprob_step(batch, masks)
         logits = self._forward(batch)  # [n_sample, V]
+        if self.scheduler.num_forking and batch.kind is not BatchKind.DECODE:
+            return self._step_forking(batch, logits, seqs)
         return self._finish_step(batch, self._sample(batch, logits, masks))
 
     def _sample(self, batch: Batch, logits: torch.Tensor, masks: Future[TokenMask] | None) -> list[int]:
@@ -390,6 +440,48 @@ class LLMEngine:
         for seq in seqs:
             if accept(seq.seq_id, seq.output_token_ids[-1]) and not seq.is_finished:
                 finish(seq, FinishReason.STOP)
+
+    def _step_forking(
+        self, batch: Batch, logits: torch.Tensor, seqs: list[EngineSequence]
+    ) -> list[RequestOutputDelta]:
+        """The rest of a step in which some sequences computed the last token of an ``n`` > 1 request's
+        prompt: each of them samples every choice's first token from its one row of logits (choice ``c``
+        with ``choice_params``), and the other choices fork from it."""
+        index: list[int] = []
+        rows: list[SampleRow] = []
+        for i, s in enumerate(seqs):
+            for c in range(1 + s.forks):
+                index.append(i)
+                p = choice_params(s.params, c)
+                rows.append(
+                    SampleRow(
+                        p, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids
+                    )
+                )
+        tokens = self.sampler(logits[index], rows)
+        own: list[int] = []
+        forks: dict[Hashable, list[int]] = {}
+        k = 0
+        for s in seqs:
+            own.append(tokens[k])
+            if s.forks:
+                forks[s.seq_id] = tokens[k + 1 : k + 1 + s.forks]
+            k += 1 + s.forks
+        out = self.scheduler.postprocess(batch, own, forks)
+        self._forked(out)
+        return self._emit(out)
+
+    def _forked(self, seqs: list[EngineSequence]) -> None:
+        """After choices forked: copy the partial blocks they got copies of, and give each new choice its
+        detokenizer (primed with the prompt, as the choice it forked from)."""
+        copies = self.scheduler.block_copies
+        if copies:
+            self.runner.copy_blocks(copies)
+            copies.clear()
+        texts = self._text
+        for s in seqs:
+            if s.seq_id not in texts:
+                texts[s.seq_id] = self._new_text_state(s.params, s.prompt_token_ids)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
@@ -490,7 +582,20 @@ class LLMEngine:
             offset = seq.output_offset
             prompt = len(seq.prompt_token_ids) - offset
             cached = seq.num_cached_tokens
-            add(delta(sid, (token,), text, why, prompt, offset + len(outputs), min(cached, prompt)))
+            add(
+                delta(
+                    seq.request_id,
+                    (token,),
+                    text,
+                    why,
+                    prompt,
+                    offset + len(outputs),
+                    min(cached, prompt),
+                    None,
+                    None,
+                    seq.index,
+                )
+            )
         return deltas
 
 

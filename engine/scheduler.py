@@ -4,11 +4,19 @@
 sampled tokens, nano-vllm style. The policy is ``schedule``'s docstring; block ownership follows the
 contract in ``kv_transfer/__init__.py``. With a block manager that caches prefixes, a sequence starts past
 its longest cached prefix, and each full block is committed to the cache once a step computed it.
+
+An ``n`` > 1 request is added as one sequence (choice 0). The step that computes its prompt's last token
+samples every choice's first token from that one row of logits, and the other choices fork from it
+(``_fork``): they share its full blocks by reference count and each gets a copy of its partial last
+block, which the engine makes (``block_copies``) before the next step writes into it. So the prompt is
+computed once, whether or not prefix caching is on. From then on every choice is a sequence of its own
+(its id a ``ChoiceId``); ``abort`` of the request's id ends them all.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import functools
 import operator
@@ -18,9 +26,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
-from pdserve.engine.params import SamplingParams
+from pdserve.engine.params import SamplingParams, choice_params
 from pdserve.engine.prefix_hash import BlockHash, block_hashes
-from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pdserve.engine.sequence import ChoiceId, FinishReason, Sequence, SequenceStatus
 
 _by_arrival = operator.attrgetter("arrival")
 
@@ -118,6 +126,12 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         # The block size when prefix caching is on, else 0: one test in the decode loop.
         self._cache_bs = block_manager.block_size if block_manager.enable_prefix_caching else 0
+        # ``n`` > 1: each request's choices by its id, until all have finished; how many sequences still
+        # have choices to fork (the engine samples their first tokens); and the (source, destination)
+        # blocks whose K/V the engine copies before the next step (a forked choice's partial block).
+        self._choices: dict[Hashable, list[Sequence]] = {}
+        self.num_forking = 0
+        self.block_copies: list[tuple[int, int]] = []
 
     # -- requests ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -128,6 +142,13 @@ class Scheduler:
             )
         bm = self.block_manager
         need = bm.blocks_needed(min(num_prompt_tokens + params.max_tokens, self.config.max_model_len))
+        if params.n > 1 and params.n * need > bm.num_blocks:
+            # Bounded as if no block were shared, so that every choice can run to its end at once.
+            raise ValueError(
+                f"n is {params.n}: {params.n} choices of up to {need} KV blocks of {bm.block_size} tokens "
+                f"each need up to {params.n * need} but the cache has {bm.num_blocks}: lower n or "
+                "max_tokens, or give the engine more KV memory"
+            )
         if need > bm.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks of {bm.block_size} tokens but the cache has "
@@ -140,6 +161,9 @@ class Scheduler:
             raise ValueError(f"request id {seq_id!r} is already in use")
         self.check_fits(len(prompt_token_ids), params)
         seq = self._new_seq(seq_id, prompt_token_ids, params)
+        if seq.forks:
+            self._choices[seq_id] = [seq]
+            self.num_forking += 1
         self.waiting.append(seq)  # newest arrival: the end keeps arrival order
         return seq
 
@@ -152,7 +176,16 @@ class Scheduler:
         ``first_token_id`` (sampled by the prefill side) is output token 0 and
         goes through the same stop checks; the sequence may finish at once.
         """
+        return self.add_prefilled_choices(seq_id, prompt_token_ids, (first_token_id,), params)[0]
+
+    def add_prefilled_choices(
+        self, seq_id: Hashable, prompt_token_ids: Seq[int], first_token_ids: Seq[int], params: SamplingParams
+    ) -> list[Sequence]:
+        """``add_prefilled`` of a request with ``params.n`` choices: ``first_token_ids`` holds each
+        choice's output token 0, and choices 1.. fork from choice 0's blocks. Returns the choices."""
         bm = self.block_manager
+        if len(first_token_ids) != params.n:
+            raise ValueError(f"{len(first_token_ids)} first tokens for a request of n={params.n} choices")
         if seq_id in self._seqs:
             raise ValueError(f"request id {seq_id!r} is already in use")
         if seq_id not in bm or bm.capacity(seq_id) < len(prompt_token_ids):
@@ -166,8 +199,55 @@ class Scheduler:
         self.running.append(seq)
         if self._cache_bs:  # the received prompt is whole: its full blocks are cache hits from now on
             self._commit(seq, 0, len(prompt_token_ids))
-        self._append(seq, first_token_id)
-        return seq
+        seqs = [seq]
+        if seq.forks:
+            self._choices[seq_id] = [seq]
+            self.num_forking += 1
+            seqs += self._fork(seq)
+        for s, token in zip(seqs, first_token_ids, strict=True):
+            self._append(s, token)
+        return seqs
+
+    def add_choices(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        choices: Seq[tuple[int, Seq[int]]],
+    ) -> list[Sequence]:
+        """Queue the open choices of an ``n`` > 1 request moved here after some output: each ``(index,
+        the tokens it output before)`` continues as a sequence of its own, its prompt the request's plus
+        those tokens, with what is left of max_tokens and min_tokens (nothing to fork from: each computes
+        its prompt, or reuses the prefix cache)."""
+        if request_id in self._seqs or request_id in self._choices or request_id in self.block_manager:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        indices = [i for i, _ in choices]
+        if not choices or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
+            raise ValueError(f"choices must be distinct indices in [0, n={params.n}), got {indices}")
+        self.check_fits(len(prompt_token_ids), params)
+        plist = []
+        for index, earlier in choices:
+            left = params.max_tokens - len(earlier)
+            if left < 1:
+                raise ValueError(
+                    f"choice {index} has output {len(earlier)} of max_tokens={params.max_tokens}"
+                )
+            p = dataclasses.replace(
+                choice_params(params, index),
+                max_tokens=left,
+                min_tokens=max(params.min_tokens - len(earlier), 0),
+            )
+            self.check_fits(len(prompt_token_ids) + len(earlier), p)
+            plist.append(p)
+        seqs = []
+        for (index, earlier), p in zip(choices, plist, strict=True):
+            sid = request_id if index == 0 else ChoiceId(request_id, index)
+            seq = self._new_seq(sid, [*prompt_token_ids, *earlier], p)
+            seq.request_id, seq.index, seq.forks, seq.output_offset = request_id, index, 0, len(earlier)
+            self.waiting.append(seq)
+            seqs.append(seq)
+        self._choices[request_id] = list(seqs)
+        return seqs
 
     def _new_seq(self, seq_id: Hashable, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
         seq = Sequence(seq_id, prompt_token_ids, params, arrival=self._arrivals)
@@ -177,6 +257,18 @@ class Scheduler:
 
     def get(self, seq_id: Hashable) -> Sequence | None:
         return self._seqs.get(seq_id)
+
+    def has_request(self, request_id: Hashable) -> bool:
+        """Some choice of the request is unfinished."""
+        return request_id in self._seqs or request_id in self._choices
+
+    def choices(self, request_id: Hashable) -> list[Sequence]:
+        """The request's sequences: its choices so far (``n`` > 1), else its one sequence if unfinished."""
+        group = self._choices.get(request_id)
+        if group is not None:
+            return list(group)
+        seq = self._seqs.get(request_id)
+        return [] if seq is None else [seq]
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence and free its blocks now (idempotent)."""
@@ -188,9 +280,21 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
+        if seq.forks:  # ended before its prompt was computed: its other choices never fork
+            seq.forks = 0
+            self.num_forking -= 1
+        group = self._choices.get(seq.request_id)
+        if group is not None and all(s.is_finished for s in group):
+            del self._choices[seq.request_id]
 
     def abort(self, seq_id: Hashable) -> bool:
-        """Abort a request and free its blocks, including blocks reserved under its id but never adopted."""
+        """Abort a request (every choice) and free its blocks, including blocks reserved under its id but
+        never adopted."""
+        group = self._choices.get(seq_id)
+        if group is not None:
+            for s in list(group):
+                self.finish(s, FinishReason.ABORT)
+            return True
         seq = self._seqs.get(seq_id)
         if seq is not None:
             self.finish(seq, FinishReason.ABORT)
@@ -372,11 +476,15 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
 
     # -- results -------------------------------------------------------------
-    def postprocess(self, batch: Batch, token_ids: Seq[int]) -> list[Sequence]:
-        """Apply a step's results: ``token_ids`` has one sampled token per item of ``batch.sample_items``.
+    def postprocess(
+        self, batch: Batch, token_ids: Seq[int], forks: dict[Hashable, Seq[int]] | None = None
+    ) -> list[Sequence]:
+        """Apply a step's results: ``token_ids`` has one sampled token per item of ``batch.sample_items``;
+        ``forks``: for a sequence (by id) whose other choices fork now (``Sequence.forks``), their first
+        tokens, in choice order.
 
-        Returns the sequences that got a token, in batch order; finished ones
-        have ``finish_reason`` set and their blocks already freed.
+        Returns the sequences that got a token, in batch order (forked choices right after the sequence
+        they forked from); finished ones have ``finish_reason`` set and their blocks already freed.
         """
         if len(token_ids) != len(batch.sample_items):
             raise ValueError(f"{len(batch.sample_items)} sequences sampled but {len(token_ids)} tokens given")
@@ -395,7 +503,18 @@ class Scheduler:
             if bs and end // bs > it.start // bs:  # filled a block: before a finish frees them
                 self._commit(seq, it.start, end)
             if it.sample:
-                self._append(seq, next(tokens))
+                token = next(tokens)
+                if seq.forks:
+                    if forks is None or len(forks.get(seq.seq_id, ())) != seq.forks:
+                        raise ValueError(f"{seq.seq_id!r} forks {seq.forks} choices: give their first tokens")
+                    children = self._fork(seq)
+                    self._append(seq, token)
+                    out.append(seq)
+                    for child, t in zip(children, forks[seq.seq_id], strict=True):
+                        self._append(child, t)
+                    out += children
+                    continue
+                self._append(seq, token)
                 out.append(seq)
         return out
 
@@ -418,6 +537,41 @@ class Scheduler:
                 finish(seq, reason)
             out.append(seq)
         return out
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Choices 1.. of ``parent``'s request, made now that its prompt is computed (before it has any
+        output of its own). Each shares the prompt's full blocks and copies its partial last block; one
+        that finds no free block for that copy waits as a preempted sequence does, to compute from its
+        cached prefix. Returns them with no output token yet."""
+        bm = self.block_manager
+        rid, n = parent.request_id, parent.forks + 1
+        computed = parent.num_computed_tokens
+        group = self._choices[rid]
+        children = []
+        for index in range(1, n):
+            child = self._new_seq(
+                ChoiceId(rid, index), parent.prompt_token_ids, choice_params(parent.params, index)
+            )
+            child.request_id, child.index, child.forks = rid, index, 0
+            child.output_offset = parent.output_offset
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.block_hashes = list(parent.block_hashes)
+            try:
+                copy = bm.fork_prefix(parent.seq_id, child.seq_id, computed)
+            except OutOfBlocksError:
+                child.status = SequenceStatus.WAITING
+                bisect.insort(self.waiting, child, key=_by_arrival)
+            else:
+                if copy is not None:
+                    self.block_copies.append(copy)
+                child.num_computed_tokens = computed
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            group.append(child)
+            children.append(child)
+        parent.forks = 0
+        self.num_forking -= 1
+        return children
 
     def _append(self, seq: Sequence, token_id: int) -> None:
         seq.output_token_ids.append(token_id)
