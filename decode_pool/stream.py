@@ -52,7 +52,7 @@ async def relay_deltas(
             else:
                 by_choice: dict[int, list[RequestOutputDelta]] = {}
                 for d in batch:
-                    by_choice.setdefault(d.index, []).append(d)
+                    by_choice.setdefault(d.choice_index, []).append(d)
                 for part in by_choice.values():
                     yield _message(part, admitted_unix)
             if not left:
@@ -71,7 +71,7 @@ def _message(deltas: list[RequestOutputDelta], admitted_unix: float) -> worker_p
         finish_reason=last.finish_reason or "",
         admitted_unix=admitted_unix,
         cached_tokens=last.num_cached_tokens,  # a local prefill's reuse (0 for an adopted one)
-        index=last.index,
+        index=last.choice_index,
     )
     if last.logprobs is not None or deltas[0].prompt_logprobs is not None:
         _add_logprobs(msg, deltas)

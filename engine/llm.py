@@ -135,7 +135,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutputDelta]:
         """Deltas of one request as they are produced (with ``n`` > 1, every choice's, each carrying its
-        ``index``). Closing the iterator early aborts the request."""
+        ``choice_index``). Closing the iterator early aborts the request."""
         ids = self._encode(prompt, 0)
         params = SamplingParams() if params is None else params
         self._validate(ids, params)
@@ -255,7 +255,7 @@ class _Collector:
         self.left = n  # choices not finished
 
     def append(self, d: RequestOutputDelta) -> None:
-        choice = self.choices[d.index]
+        choice = self.choices[d.choice_index]
         choice.token_ids += d.new_token_ids
         if d.logprobs is not None:
             if choice.logprobs is None:
@@ -264,7 +264,7 @@ class _Collector:
         if d.prompt_logprobs is not None:
             self.out.prompt_logprobs = list(d.prompt_logprobs)
         if d.new_text:
-            self.pieces[d.index].append(d.new_text)
+            self.pieces[d.choice_index].append(d.new_text)
         if d.finish_reason is not None:
             choice.finish_reason = d.finish_reason
             self.out.num_cached_tokens = max(self.out.num_cached_tokens, d.num_cached_tokens)

@@ -4,7 +4,8 @@ A decode worker's ``add_prefilled_request`` adopts blocks its KV receiver filled
 hand-over is the contract in ``kv_transfer/__init__.py``). Not thread-safe: one thread drives ``add_*``,
 ``abort`` and ``step``. Prefix caching (on by default) reuses the K/V of full blocks a prompt shares with
 earlier sequences; ``cache_salt`` names what those blocks' hashes depend on. An ``n`` > 1 request computes
-its prompt once and forks its choices from it (``engine.scheduler``); each choice's deltas carry its index.
+its prompt once and forks its choices from it (``engine.scheduler``); each choice's deltas carry its
+``choice_index``.
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ class RequestOutputDelta(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None
     # ``SamplingParams.prompt_logprobs``, on the first delta: one per prompt token, the first None (vLLM's).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-    index: int = 0  # which choice of an ``n`` > 1 request (``request_id`` is the request's)
+    # Which choice of an ``n`` > 1 request (``request_id`` is the request's). Not ``index``: a tuple's
+    # method of that name.
+    choice_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -460,7 +463,7 @@ class LLMEngine:
                 )
         tokens = self.sampler(logits[index], rows)
         own: list[int] = []
-        forks: dict[Hashable, list[int]] = {}
+        forks: dict[Hashable, Sequence[int]] = {}
         k = 0
         for s in seqs:
             own.append(tokens[k])

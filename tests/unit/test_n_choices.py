@@ -1,13 +1,18 @@
 """``n`` > 1 in the engine: the seeds choices derive, the block manager's fork of a prompt's blocks, the
-scheduler's fork over a fake model that reads back its cache, and the engine's choices against separate
-requests with the derived seeds, the prompt's blocks held once, and a leak check."""
+scheduler's fork over a fake model that reads back its cache, the engine's choices against separate
+requests with the derived seeds, the prompt's blocks held once, and a leak check; the decode worker's
+stream of several choices."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from pdserve.decode_pool.stream import relay_deltas
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
+from pdserve.engine.llm_engine import RequestOutputDelta
 from pdserve.engine.params import MAX_N, choice_params, choice_seed
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.sequence import ChoiceId, SequenceStatus
@@ -221,7 +226,7 @@ def test_the_prompt_is_computed_once_and_its_full_blocks_held_once(llm):
     computed = []
     deltas = eng.step()  # the prompt's one prefill: every choice's first token
     computed.append(eng.last_batch.num_tokens)
-    assert sorted(d.index for d in deltas) == [0, 1, 2, 3] and {d.request_id for d in deltas} == {"r"}
+    assert sorted(d.choice_index for d in deltas) == [0, 1, 2, 3] and {d.request_id for d in deltas} == {"r"}
     tables = [bm.block_table(s.seq_id) for s in eng.scheduler.choices("r")]
     assert all(t[:3] == tables[0][:3] for t in tables)  # the full blocks: shared
     assert len({t[3] for t in tables}) == 4  # the partial one: a copy each
@@ -239,7 +244,7 @@ def test_stream_and_abort_cover_every_choice(llm):
     seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
     finishes = 0
     for d in llm.stream(prompt, sp):
-        seen[d.index] += d.new_token_ids
+        seen[d.choice_index] += d.new_token_ids
         finishes += d.finish_reason is not None
     assert finishes == 3 and list(seen.values()) == separate(llm, prompt, sp)
     stream = llm.stream(prompt, SamplingParams(n=3, max_tokens=50, ignore_eos=True))
@@ -247,3 +252,23 @@ def test_stream_and_abort_cover_every_choice(llm):
         next(stream)
     stream.close()  # aborts every choice
     assert_no_leak(llm)
+
+
+# -- the decode worker's stream --------------------------------------------------------------------------
+def test_the_decode_stream_coalesces_each_choice_apart_and_ends_with_the_last_finish():
+    def delta(index: int, token: int, count: int, finish: str | None = None) -> RequestOutputDelta:
+        return RequestOutputDelta("r", (token,), "", finish, 3, count, 0, choice_index=index)
+
+    async def main() -> list[tuple[int, int, list[int], str]]:
+        q: asyncio.Queue = asyncio.Queue()
+        for d in (delta(0, 5, 1), delta(1, 6, 1), delta(0, 7, 2), delta(1, 8, 2, "stop")):
+            q.put_nowait(d)
+        msgs = []
+        stream = relay_deltas(q, choices=2)
+        msgs += [await stream.__anext__(), await stream.__anext__()]
+        q.put_nowait(delta(0, 9, 3, "length"))
+        q.put_nowait(None)
+        msgs += [m async for m in stream]
+        return [(m.index, m.first_index, list(m.token_ids), m.finish_reason) for m in msgs]
+
+    assert asyncio.run(main()) == [(0, 0, [5, 7], ""), (1, 0, [6, 8], "stop"), (0, 2, [9], "length")]
