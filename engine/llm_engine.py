@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.choices import fork_rows, split_first_tokens
 from pdserve.engine.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     check_device,
@@ -32,12 +33,7 @@ from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler
 from pdserve.engine.logprob_requests import LogprobRequests
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
-from pdserve.engine.params import (
-    SamplingParams,
-    choice_params,
-    validate_params_for_model,
-    validate_prompt_token_ids,
-)
+from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import check_quantization
 from pdserve.engine.sampler import SampleRow
@@ -378,7 +374,7 @@ class LLMEngine:
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
-        for seq in self.scheduler.choices(request_id):
+        for seq in self.scheduler.request_seqs(request_id):
             self._text.pop(seq.seq_id, None)
         self._text.pop(request_id, None)
         self._logprobs.discard(request_id)
@@ -412,7 +408,7 @@ class LLMEngine:
         if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
             return self._logprob_step(batch, masks)
         logits = self._forward(batch)  # [n_sample, V]
-        if self.scheduler.num_forking and batch.kind is not BatchKind.DECODE:
+        if self.scheduler.choices.num_forking and batch.kind is not BatchKind.DECODE:
             return self._step_forking(batch, logits, seqs)
         return self._finish_step(batch, self._sample(batch, logits, masks))
 
@@ -448,28 +444,14 @@ class LLMEngine:
         self, batch: Batch, logits: torch.Tensor, seqs: list[EngineSequence]
     ) -> list[RequestOutputDelta]:
         """The rest of a step in which some sequences computed the last token of an ``n`` > 1 request's
-        prompt: each of them samples every choice's first token from its one row of logits (choice ``c``
-        with ``choice_params``), and the other choices fork from it."""
-        index: list[int] = []
-        rows: list[SampleRow] = []
-        for i, s in enumerate(seqs):
-            for c in range(1 + s.forks):
-                index.append(i)
-                p = choice_params(s.params, c)
-                rows.append(
-                    SampleRow(
-                        p, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids
-                    )
-                )
-        tokens = self.sampler(logits[index], rows)
-        own: list[int] = []
-        forks: dict[Hashable, Sequence[int]] = {}
-        k = 0
-        for s in seqs:
-            own.append(tokens[k])
-            if s.forks:
-                forks[s.seq_id] = tokens[k + 1 : k + 1 + s.forks]
-            k += 1 + s.forks
+        prompt: each samples every choice's first token from its one row of logits, and the other choices
+        fork from it (``engine.choices``)."""
+        index, plist = fork_rows(seqs)
+        rows = [
+            SampleRow(p, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids)
+            for p, s in zip(plist, (seqs[i] for i in index), strict=True)
+        ]
+        own, forks = split_first_tokens(seqs, self.sampler(logits[index], rows))
         out = self.scheduler.postprocess(batch, own, forks)
         self._forked(out)
         return self._emit(out)
@@ -477,7 +459,7 @@ class LLMEngine:
     def _forked(self, seqs: list[EngineSequence]) -> None:
         """After choices forked: copy the partial blocks they got copies of, and give each new choice its
         detokenizer (primed with the prompt, as the choice it forked from)."""
-        copies = self.scheduler.block_copies
+        copies = self.scheduler.choices.block_copies
         if copies:
             self.runner.copy_blocks(copies)
             copies.clear()

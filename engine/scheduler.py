@@ -5,18 +5,13 @@ sampled tokens, nano-vllm style. The policy is ``schedule``'s docstring; block o
 contract in ``kv_transfer/__init__.py``. With a block manager that caches prefixes, a sequence starts past
 its longest cached prefix, and each full block is committed to the cache once a step computed it.
 
-An ``n`` > 1 request is added as one sequence (choice 0). The step that computes its prompt's last token
-samples every choice's first token from that one row of logits, and the other choices fork from it
-(``_fork``): they share its full blocks by reference count and each gets a copy of its partial last
-block, which the engine makes (``block_copies``) before the next step writes into it. So the prompt is
-computed once, whether or not prefix caching is on. From then on every choice is a sequence of its own
-(its id a ``ChoiceId``); ``abort`` of the request's id ends them all.
+An ``n`` > 1 request's choices fork from the sequence that computed its prompt (``engine.choices``);
+``abort`` of the request's id ends them all.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import enum
 import functools
 import operator
@@ -26,9 +21,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
-from pdserve.engine.params import SamplingParams, choice_params
+from pdserve.engine.choices import ChoiceGroups, resumed_params
+from pdserve.engine.params import SamplingParams
 from pdserve.engine.prefix_hash import BlockHash, block_hashes
-from pdserve.engine.sequence import ChoiceId, FinishReason, Sequence, SequenceStatus
+from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 _by_arrival = operator.attrgetter("arrival")
 
@@ -126,12 +122,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         # The block size when prefix caching is on, else 0: one test in the decode loop.
         self._cache_bs = block_manager.block_size if block_manager.enable_prefix_caching else 0
-        # ``n`` > 1: each request's choices by its id, until all have finished; how many sequences still
-        # have choices to fork (the engine samples their first tokens); and the (source, destination)
-        # blocks whose K/V the engine copies before the next step (a forked choice's partial block).
-        self._choices: dict[Hashable, list[Sequence]] = {}
-        self.num_forking = 0
-        self.block_copies: list[tuple[int, int]] = []
+        self.choices = ChoiceGroups(block_manager)  # ``n`` > 1 requests' choices
 
     # -- requests ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -161,9 +152,7 @@ class Scheduler:
             raise ValueError(f"request id {seq_id!r} is already in use")
         self.check_fits(len(prompt_token_ids), params)
         seq = self._new_seq(seq_id, prompt_token_ids, params)
-        if seq.forks:
-            self._choices[seq_id] = [seq]
-            self.num_forking += 1
+        self.choices.added(seq)
         self.waiting.append(seq)  # newest arrival: the end keeps arrival order
         return seq
 
@@ -199,11 +188,8 @@ class Scheduler:
         self.running.append(seq)
         if self._cache_bs:  # the received prompt is whole: its full blocks are cache hits from now on
             self._commit(seq, 0, len(prompt_token_ids))
-        seqs = [seq]
-        if seq.forks:
-            self._choices[seq_id] = [seq]
-            self.num_forking += 1
-            seqs += self._fork(seq)
+        self.choices.added(seq)
+        seqs = [seq, *self._fork(seq)] if seq.forks else [seq]
         for s, token in zip(seqs, first_token_ids, strict=True):
             self._append(s, token)
         return seqs
@@ -215,38 +201,16 @@ class Scheduler:
         params: SamplingParams,
         choices: Seq[tuple[int, Seq[int]]],
     ) -> list[Sequence]:
-        """Queue the open choices of an ``n`` > 1 request moved here after some output: each ``(index,
-        the tokens it output before)`` continues as a sequence of its own, its prompt the request's plus
-        those tokens, with what is left of max_tokens and min_tokens (nothing to fork from: each computes
-        its prompt, or reuses the prefix cache)."""
-        if request_id in self._seqs or request_id in self._choices or request_id in self.block_manager:
+        """Queue the open choices of an ``n`` > 1 request moved here after some output
+        (``ChoiceGroups.resume``): nothing to fork from, so each computes its prompt, or reuses the
+        prefix cache."""
+        if request_id in self._seqs or request_id in self.choices or request_id in self.block_manager:
             raise ValueError(f"request id {request_id!r} is already in use")
-        indices = [i for i, _ in choices]
-        if not choices or len(set(indices)) != len(indices) or not all(0 <= i < params.n for i in indices):
-            raise ValueError(f"choices must be distinct indices in [0, n={params.n}), got {indices}")
         self.check_fits(len(prompt_token_ids), params)
-        plist = []
         for index, earlier in choices:
-            left = params.max_tokens - len(earlier)
-            if left < 1:
-                raise ValueError(
-                    f"choice {index} has output {len(earlier)} of max_tokens={params.max_tokens}"
-                )
-            p = dataclasses.replace(
-                choice_params(params, index),
-                max_tokens=left,
-                min_tokens=max(params.min_tokens - len(earlier), 0),
-            )
-            self.check_fits(len(prompt_token_ids) + len(earlier), p)
-            plist.append(p)
-        seqs = []
-        for (index, earlier), p in zip(choices, plist, strict=True):
-            sid = request_id if index == 0 else ChoiceId(request_id, index)
-            seq = self._new_seq(sid, [*prompt_token_ids, *earlier], p)
-            seq.request_id, seq.index, seq.forks, seq.output_offset = request_id, index, 0, len(earlier)
-            self.waiting.append(seq)
-            seqs.append(seq)
-        self._choices[request_id] = list(seqs)
+            self.check_fits(len(prompt_token_ids) + len(earlier), resumed_params(params, index, len(earlier)))
+        seqs = self.choices.resume(request_id, prompt_token_ids, params, choices, self._new_seq)
+        self.waiting += seqs
         return seqs
 
     def _new_seq(self, seq_id: Hashable, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
@@ -260,11 +224,11 @@ class Scheduler:
 
     def has_request(self, request_id: Hashable) -> bool:
         """Some choice of the request is unfinished."""
-        return request_id in self._seqs or request_id in self._choices
+        return request_id in self._seqs or request_id in self.choices
 
-    def choices(self, request_id: Hashable) -> list[Sequence]:
+    def request_seqs(self, request_id: Hashable) -> list[Sequence]:
         """The request's sequences: its choices so far (``n`` > 1), else its one sequence if unfinished."""
-        group = self._choices.get(request_id)
+        group = self.choices.groups.get(request_id)
         if group is not None:
             return list(group)
         seq = self._seqs.get(request_id)
@@ -280,17 +244,12 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
-        if seq.forks:  # ended before its prompt was computed: its other choices never fork
-            seq.forks = 0
-            self.num_forking -= 1
-        group = self._choices.get(seq.request_id)
-        if group is not None and all(s.is_finished for s in group):
-            del self._choices[seq.request_id]
+        self.choices.finished(seq)
 
     def abort(self, seq_id: Hashable) -> bool:
         """Abort a request (every choice) and free its blocks, including blocks reserved under its id but
         never adopted."""
-        group = self._choices.get(seq_id)
+        group = self.choices.groups.get(seq_id)
         if group is not None:
             for s in list(group):
                 self.finish(s, FinishReason.ABORT)
@@ -539,38 +498,13 @@ class Scheduler:
         return out
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Choices 1.. of ``parent``'s request, made now that its prompt is computed (before it has any
-        output of its own). Each shares the prompt's full blocks and copies its partial last block; one
-        that finds no free block for that copy waits as a preempted sequence does, to compute from its
-        cached prefix. Returns them with no output token yet."""
-        bm = self.block_manager
-        rid, n = parent.request_id, parent.forks + 1
-        computed = parent.num_computed_tokens
-        group = self._choices[rid]
-        children = []
-        for index in range(1, n):
-            child = self._new_seq(
-                ChoiceId(rid, index), parent.prompt_token_ids, choice_params(parent.params, index)
-            )
-            child.request_id, child.index, child.forks = rid, index, 0
-            child.output_offset = parent.output_offset
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.block_hashes = list(parent.block_hashes)
-            try:
-                copy = bm.fork_prefix(parent.seq_id, child.seq_id, computed)
-            except OutOfBlocksError:
-                child.status = SequenceStatus.WAITING
-                bisect.insort(self.waiting, child, key=_by_arrival)
-            else:
-                if copy is not None:
-                    self.block_copies.append(copy)
-                child.num_computed_tokens = computed
-                child.status = SequenceStatus.RUNNING
+        """``parent``'s other choices (``ChoiceGroups.fork``), queued by their status."""
+        children = self.choices.fork(parent, self._new_seq)
+        for child in children:
+            if child.status is SequenceStatus.RUNNING:
                 self.running.append(child)
-            group.append(child)
-            children.append(child)
-        parent.forks = 0
-        self.num_forking -= 1
+            else:  # no block for its copy: it waits as a preempted sequence does
+                bisect.insort(self.waiting, child, key=_by_arrival)
         return children
 
     def _append(self, seq: Sequence, token_id: int) -> None:

@@ -72,13 +72,13 @@ class CopyingRunner(FakeRunner):
 
     def copy_blocks(self, sched: Scheduler) -> None:
         B = self.bm.block_size
-        for src, dst in sched.block_copies:
+        for src, dst in sched.choices.block_copies:
             for o in range(B):
                 if src * B + o in self.cache:
                     self.cache[dst * B + o] = self.cache[src * B + o]
                 else:
                     self.cache.pop(dst * B + o, None)
-        sched.block_copies.clear()
+        sched.choices.block_copies.clear()
 
 
 def fork_tokens(seq, choices: int) -> list[int]:
@@ -168,7 +168,7 @@ def test_abort_ends_every_choice_and_a_prefilled_request_forks_at_adoption():
             {s.seq_id: fork_tokens(s, 1 + s.forks) for s in (it.seq for it in b.sample_items) if s.forks},
         )
         runner.copy_blocks(sched)
-    assert len(sched.choices("r")) == 4 and sched.num_unfinished == 4
+    assert len(sched.request_seqs("r")) == 4 and sched.num_unfinished == 4
     assert sched.abort("r") and not sched.has_request("r") and bm.num_used == 0
     bm.check_invariants()
 
@@ -177,7 +177,9 @@ def test_abort_ends_every_choice_and_a_prefilled_request_forks_at_adoption():
         "p", list(range(3, 13)), [5, 6, EOS], SamplingParams(n=3, max_tokens=4)
     )
     assert [s.output_token_ids for s in seqs] == [[5], [6], [EOS]]
-    assert seqs[2].is_finished and len(sched.block_copies) == 2  # (the finished one's copy is harmless)
+    assert (
+        seqs[2].is_finished and len(sched.choices.block_copies) == 2
+    )  # (the finished one's copy is harmless)
     with pytest.raises(ValueError, match="first tokens"):
         sched.add_prefilled_choices("q", [1, 2], [5], SamplingParams(n=2))
     sched.abort("p")
@@ -227,7 +229,7 @@ def test_the_prompt_is_computed_once_and_its_full_blocks_held_once(llm):
     deltas = eng.step()  # the prompt's one prefill: every choice's first token
     computed.append(eng.last_batch.num_tokens)
     assert sorted(d.choice_index for d in deltas) == [0, 1, 2, 3] and {d.request_id for d in deltas} == {"r"}
-    tables = [bm.block_table(s.seq_id) for s in eng.scheduler.choices("r")]
+    tables = [bm.block_table(s.seq_id) for s in eng.scheduler.request_seqs("r")]
     assert all(t[:3] == tables[0][:3] for t in tables)  # the full blocks: shared
     assert len({t[3] for t in tables}) == 4  # the partial one: a copy each
     assert bm.num_used == 3 + 4  # not 4 x 4
