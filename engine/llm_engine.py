@@ -4,7 +4,7 @@ A decode worker's ``add_prefilled_request`` adopts blocks its KV receiver filled
 hand-over is the contract in ``kv_transfer/__init__.py``). Not thread-safe: one thread drives ``add_*``,
 ``abort`` and ``step``. Prefix caching (on by default) reuses the K/V of full blocks a prompt shares with
 earlier sequences; ``cache_salt`` names what those blocks' hashes depend on. An ``n`` > 1 request computes
-its prompt once and forks its choices from it (``engine.scheduler``); each choice's deltas carry its
+its prompt once and forks its choices from it (``engine.choices``); each choice's deltas carry its
 ``choice_index``.
 """
 
