@@ -240,6 +240,25 @@ def test_the_prompt_is_computed_once_and_its_full_blocks_held_once(llm):
     assert_no_leak(eng)
 
 
+def test_moved_choices_go_on_from_their_own_tokens_as_undisturbed(llm):
+    """A request moved after some output (choice 1 finished, left out): each open choice continues from
+    its own tokens with its own seed and output indices, to what the undisturbed request gave."""
+    eng = llm.engine
+    prompt = prompts_of([9], seed=8)[0]
+    sp = SamplingParams(n=3, seed=5, max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate([prompt], sp)[0].outputs]
+    eng.add_resumed_choices("m", prompt, sp, [(0, want[0][:4]), (2, want[2][:2])])
+    got = {0: want[0][:4], 2: want[2][:2]}
+    while eng.has_unfinished():
+        for d in eng.step():
+            got[d.choice_index] = got[d.choice_index] + list(d.new_token_ids)
+            assert d.request_id == "m" and d.num_output_tokens == len(got[d.choice_index])
+    assert got == {0: want[0], 2: want[2]}
+    with pytest.raises(ValueError, match="choices must be distinct"):
+        eng.add_resumed_choices("x", prompt, sp, [(3, [])])
+    assert_no_leak(eng)
+
+
 def test_stream_and_abort_cover_every_choice(llm):
     sp = SamplingParams(n=3, seed=9, max_tokens=5, ignore_eos=True)
     prompt = prompts_of([6], seed=6)[0]
