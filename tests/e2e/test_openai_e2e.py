@@ -537,18 +537,21 @@ def _prefill_counters(c) -> dict[str, float]:  # type: ignore[no-untyped-def]
     return out
 
 
-def test_n_choices_cross_once_in_1p1d_and_equal_requests_with_the_derived_seeds(pd_http_cluster, served):
+def test_n_choices_cross_once_in_1p1d_and_equal_requests_with_the_derived_seeds(
+    pd_http_cluster, http_cluster, served
+):
     """n=4 on 1P+1D: the prompt is prefilled once and its KV crosses once (one transfer, the bytes of an
     n=1 request of a prompt as long); usage counts the prompt once. With a seed the four choices are the
     four requests seeded seed..seed+3 (a prompt shorter than a KV block: no prefix-cache hit changes how
-    any of them is computed); the SDK's n=3, streamed and not, gives the same choices by index."""
+    any of them is computed), and a colocated worker's; the SDK's n=3, streamed and not, gives the same
+    choices by index."""
     c = pd_http_cluster
     sampling = {"max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
 
-    def run(req: g.GenerateRequest) -> tuple[dict[int, tuple[list[int], str, str]], g.Usage]:
+    def run(req: g.GenerateRequest, on=c) -> tuple[dict[int, tuple[list[int], str, str]], g.Usage]:
         choices: dict[int, tuple[list[int], str, str]] = {}
-        with c.channel() as channel:
-            _, _, _, msgs = generate(c.stub(channel), req)
+        with on.channel() as channel:
+            _, _, _, msgs = generate(on.stub(channel), req)
         for _, m in msgs:
             ids_, text, finish = choices.get(m.index, ([], "", ""))
             choices[m.index] = (ids_ + list(m.token_ids), text + m.text, m.finish_reason or finish)
@@ -578,6 +581,7 @@ def test_n_choices_cross_once_in_1p1d_and_equal_requests_with_the_derived_seeds(
         one, _ = run(g.GenerateRequest(prompt=PROMPTS[0], sampling=alone))
         assert choices[i] == one[0], i
     assert len({tuple(t) for t, _, _ in choices.values()}) > 1
+    assert run(g.GenerateRequest(prompt=PROMPTS[0], sampling=seeded), http_cluster)[0] == choices  # colocated
 
     client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=60)
     kw = {
@@ -608,3 +612,4 @@ def test_n_choices_cross_once_in_1p1d_and_equal_requests_with_the_derived_seeds(
     assert [ch.index for ch in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens <= 12
     client.close()
     c.assert_no_leaks()
+    http_cluster.assert_no_leaks()
