@@ -69,6 +69,19 @@ def test_every_choice_streams_with_its_index_and_usage_counts_the_prompt_once(mo
     run(main())
 
 
+def test_one_token_choices_are_the_prefill_workers_answer_alone(model_dir):
+    async def main():
+        ws, d, p = workers("remote")
+        async with cluster(model_dir, ws, local_prefill_threshold=1) as (_, stub):
+            _, _, msgs = await collect(stub.Generate(request("the cat", n=3, max_tokens=1)))
+            assert {i: (t, f) for i, (t, _, f) in by_choice(msgs).items()} == {
+                i: (out[:1], "length") for i, out in enumerate(OUTPUTS)
+            }
+            assert msgs[-1].usage.completion_tokens == 3 and not d.requests and len(p.requests) == 1
+
+    run(main())
+
+
 def test_each_choice_has_its_own_stop_strings(model_dir):
     async def main():
         ws, _, _ = workers("colocated")
