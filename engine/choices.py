@@ -145,3 +145,13 @@ def split_first_tokens(seqs: Seq[Sequence], tokens: Seq[int]) -> tuple[list[int]
             forks[s.seq_id] = tokens[k + 1 : k + 1 + s.forks]
         k += 1 + s.forks
     return own, forks
+
+
+def child_ids(seq: Sequence) -> list[Hashable]:
+    """The sequence ids of the choices that fork from ``seq`` (none once forked)."""
+    return [ChoiceId(seq.request_id, c) for c in range(1, 1 + seq.forks)]
+
+
+def fork_row_ids(seqs: Seq[Sequence]) -> list[Hashable]:
+    """The sequence id each of ``fork_rows``' rows samples for: its own, or that of the choice to fork."""
+    return [sid for s in seqs for sid in (s.seq_id, *child_ids(s))]

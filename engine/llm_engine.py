@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.choices import fork_rows, split_first_tokens
+from pdserve.engine.choices import child_ids, fork_row_ids, fork_rows, split_first_tokens
 from pdserve.engine.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     check_device,
@@ -319,9 +319,13 @@ class LLMEngine:
             validate_prompt_token_ids(
                 [*prompt_token_ids, *earlier], vocab_size=self.vocab_size, max_model_len=self.max_model_len
             )
+        # Each choice's matcher replays its own outputs so far.
+        matchers = [self.constrained.new(params, earlier) for _, earlier in choices]
         seqs = self.scheduler.add_choices(request_id, list(prompt_token_ids), params, choices)
-        for seq in seqs:
+        for seq, matcher in zip(seqs, matchers, strict=True):
             self._text[seq.seq_id] = self._new_text_state(seq.params, seq.prompt_token_ids)
+            self._logprobs.add_prefilled(seq.seq_id, params)
+            self.constrained.add(seq.seq_id, matcher)
 
     def add_prefilled_request(
         self,
@@ -354,8 +358,8 @@ class LLMEngine:
         for t in first_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"first_token_id {t} is outside the vocabulary [0, {self.vocab_size})")
-        # The prefill worker sampled token 0 under the same grammar: this matcher takes it below.
-        matcher = self.constrained.new(params)
+        # The prefill worker sampled each token 0 under the same grammar: each choice's matcher takes it.
+        matchers = [self.constrained.new(params) for _ in first_token_ids]
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         try:
             seqs = self.scheduler.add_prefilled_choices(
@@ -364,21 +368,21 @@ class LLMEngine:
         except ValueError:
             del self._text[request_id]
             raise
-        self._logprobs.add_prefilled(request_id, params)
+        for seq, matcher in zip(seqs, matchers, strict=True):
+            self._logprobs.add_prefilled(seq.seq_id, params)
+            self.constrained.add(seq.seq_id, matcher)
         self._forked(seqs)
-        if matcher is not None:
-            self.constrained.add(request_id, matcher)
+        if self.constrained:
             self._end_on_grammar(seqs)
         return [self._logprobs.attach(d, {}) for d in self._emit(seqs)]
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
-        for seq in self.scheduler.request_seqs(request_id):
-            self._text.pop(seq.seq_id, None)
-        self._text.pop(request_id, None)
-        self._logprobs.discard(request_id)
-        self.constrained.drop(request_id)
+        for sid in {request_id, *(s.seq_id for s in self.scheduler.request_seqs(request_id))}:
+            self._text.pop(sid, None)
+            self._logprobs.discard(sid)
+            self.constrained.drop(sid)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -409,7 +413,7 @@ class LLMEngine:
             return self._logprob_step(batch, masks)
         logits = self._forward(batch)  # [n_sample, V]
         if self.scheduler.choices.num_forking and batch.kind is not BatchKind.DECODE:
-            return self._step_forking(batch, logits, seqs)
+            return self._step_forking(batch, logits, seqs, masks)
         return self._finish_step(batch, self._sample(batch, logits, masks))
 
     def _sample(self, batch: Batch, logits: torch.Tensor, masks: Future[TokenMask] | None) -> list[int]:
@@ -441,20 +445,30 @@ class LLMEngine:
                 finish(seq, FinishReason.STOP)
 
     def _step_forking(
-        self, batch: Batch, logits: torch.Tensor, seqs: list[EngineSequence]
+        self, batch: Batch, logits: torch.Tensor, seqs: list[EngineSequence], masks: Future[TokenMask] | None
     ) -> list[RequestOutputDelta]:
         """The rest of a step in which some sequences computed the last token of an ``n`` > 1 request's
-        prompt: each samples every choice's first token from its one row of logits, and the other choices
-        fork from it (``engine.choices``)."""
+        prompt: each samples every choice's first token from its one row of logits (under its grammar's
+        mask), and the other choices fork from it (``engine.choices``) with copies of its matcher and
+        their own logprobs."""
         index, plist = fork_rows(seqs)
         rows = [
             SampleRow(p, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids)
             for p, s in zip(plist, (seqs[i] for i in index), strict=True)
         ]
-        own, forks = split_first_tokens(seqs, self.sampler(logits[index], rows))
-        out = self.scheduler.postprocess(batch, own, forks)
+        logits = logits[index]
+        tokens = self.sampler(logits, rows, None if masks is None else masks.result().spread(index))
+        lp = self._logprobs
+        sampled = lp.sampled_rows(fork_row_ids(seqs), plist, logits, tokens) if lp else {}
+        for s in seqs:
+            if s.forks:  # (before its matcher takes its own token)
+                self.constrained.fork(s.seq_id, child_ids(s))
+                lp.forked(s.seq_id, child_ids(s))
+        out = self.scheduler.postprocess(batch, *split_first_tokens(seqs, tokens))
         self._forked(out)
-        return self._emit(out)
+        if self.constrained:
+            self._end_on_grammar(out)
+        return [lp.attach(d, sampled) for d in self._emit(out)] if lp else self._emit(out)
 
     def _forked(self, seqs: list[EngineSequence]) -> None:
         """After choices forked: copy the partial blocks they got copies of, and give each new choice its
@@ -518,6 +532,8 @@ class LLMEngine:
             lp.gather_prompt(batch, keep, kept)
         else:
             logits = self._forward(batch)
+        if self.scheduler.choices.num_forking and batch.kind is not BatchKind.DECODE:
+            return self._step_forking(batch, logits, [it.seq for it in batch.sample_items], masks)
         tokens = self._sample(batch, logits, masks)
         sampled = lp.sampled([it.seq for it in batch.sample_items], logits, tokens)
         return [lp.attach(d, sampled) for d in self._finish_step(batch, tokens)]

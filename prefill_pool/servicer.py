@@ -126,6 +126,7 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         )
         if job.payload.first_logprobs is not None:
             resp.first_logprobs.CopyFrom(logprobs_to_proto([job.payload.first_logprobs])[0])
+            resp.choice_logprobs.extend(logprobs_to_proto(job.payload.choice_logprobs))
         if job.payload.prompt_logprobs is not None:
             resp.prompt_logprobs.extend(logprobs_to_proto(job.payload.prompt_logprobs))
         return resp

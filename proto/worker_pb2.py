@@ -25,19 +25,19 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import generation_pb2 as pdserve_dot_proto_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\x13pdserve.internal.v1\x1a\x1epdserve/proto/generation.proto\"\x8e\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x04mode\x18\x04 \x01(\x0e\x32 .pdserve.internal.v1.PrefillMode\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\x12\x15\n\routput_offset\x18\x06 \x01(\r\x12;\n\x0fresumed_choices\x18( \x03(\x0b\x32\".pdserve.internal.v1.ResumedChoice\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x8e\x02\n\x16WorkerGenerateResponse\x12\x17\n\x0ftransfer_ticket\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\radmitted_unix\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12+\n\x08logprobs\x18\x14 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18( \x01(\r\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0ftransfer_ticket\x18\x04 \x01(\x0c\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\x12\x12\n\nattach_key\x18\x06 \x01(\t\"V\n\x13\x41ttachTicketRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftransfer_ticket\x18\x02 \x01(\x0c\x12\x12\n\nattach_key\x18\x03 \x01(\t\"\xa5\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10\x66irst_token_unix\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x31\n\x0e\x66irst_logprobs\x18\x14 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x17\n\x0f\x66irst_token_ids\x18( \x03(\r\"\x84\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.pdserve.internal.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\x13\n\x0bmetrics_url\x18\t \x01(\t\x12\x13\n\x0bmax_running\x18\n \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x0f\n\x07standby\x18\r \x01(\x08\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x11\n\tkv_layout\x18\x0f \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x10 \x01(\t\x12\x10\n\x08instance\x18\x11 \x01(\t\x12\x19\n\x11prefix_cache_salt\x18\x12 \x01(\t\"\xab\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .pdserve.internal.v1.WorkerState\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x08 \x01(\r\x12\x30\n\tkv_events\x18\t \x01(\x0b\x32\x1d.pdserve.internal.v1.KvEvents\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\"q\n\x08KvEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c\x12\x16\n\x0estored_parents\x18\x06 \x03(\x0c\"\x07\n\x05\x45mpty\"\x0e\n\x0c\x44rainRequest\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"W\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x0f\n\x07standby\x18\x03 \x01(\x08\x12\x13\n\x0bkv_snapshot\x18\x04 \x01(\x08\"\x88\x01\n\x0bWorkerEntry\x12-\n\x04info\x18\x01 \x01(\x0b\x32\x1f.pdserve.internal.v1.WorkerInfo\x12-\n\x04load\x18\x02 \x01(\x0b\x32\x1f.pdserve.internal.v1.WorkerLoad\x12\x1b\n\x13last_heartbeat_unix\x18\x03 \x01(\x01\"\xb5\x01\n\rClusterStatus\x12\x16\n\x0erouter_address\x18\x01 \x01(\t\x12\x31\n\x07workers\x18\x02 \x03(\x0b\x32 .pdserve.internal.v1.WorkerEntry\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x18\n\x10requests_waiting\x18\x04 \x01(\r\x12\x13\n\x0bmetrics_url\x18\x05 \x01(\t\x12\x10\n\x08http_url\x18\x06 \x01(\t\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"$\n\x13\x44rainWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\")\n\x14PromoteWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"7\n\x15PromoteWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07serving\x18\x02 \x01(\x08*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*\xac\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_LOADING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x04\x12\x18\n\x14WORKER_STATE_STANDBY\x10\x05*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02\x32\xb0\x03\n\x06Worker\x12\x65\n\x08Generate\x12*.pdserve.internal.v1.WorkerGenerateRequest\x1a+.pdserve.internal.v1.WorkerGenerateResponse0\x01\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12T\n\x0c\x41ttachTicket\x12(.pdserve.internal.v1.AttachTicketRequest\x1a\x1a.pdserve.internal.v1.Empty\x12\x46\n\x07GetLoad\x12\x1a.pdserve.internal.v1.Empty\x1a\x1f.pdserve.internal.v1.WorkerLoad\x12K\n\x05\x44rain\x12!.pdserve.internal.v1.DrainRequest\x1a\x1f.pdserve.internal.v1.WorkerLoad2\x9d\x04\n\x08Registry\x12R\n\x08Register\x12\x1f.pdserve.internal.v1.WorkerInfo\x1a%.pdserve.internal.v1.RegisterResponse\x12T\n\tHeartbeat\x12\x1f.pdserve.internal.v1.WorkerLoad\x1a&.pdserve.internal.v1.HeartbeatResponse\x12I\n\nDeregister\x12\x1f.pdserve.internal.v1.WorkerInfo\x1a\x1a.pdserve.internal.v1.Empty\x12R\n\x10GetClusterStatus\x12\x1a.pdserve.internal.v1.Empty\x1a\".pdserve.internal.v1.ClusterStatus\x12`\n\x0b\x44rainWorker\x12\'.pdserve.internal.v1.DrainWorkerRequest\x1a(.pdserve.internal.v1.DrainWorkerResponse\x12\x66\n\rPromoteWorker\x12).pdserve.internal.v1.PromoteWorkerRequest\x1a*.pdserve.internal.v1.PromoteWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\x13pdserve.internal.v1\x1a\x1epdserve/proto/generation.proto\"\x8e\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12.\n\x04mode\x18\x04 \x01(\x0e\x32 .pdserve.internal.v1.PrefillMode\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\x12\x15\n\routput_offset\x18\x06 \x01(\r\x12;\n\x0fresumed_choices\x18( \x03(\x0b\x32\".pdserve.internal.v1.ResumedChoice\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x8e\x02\n\x16WorkerGenerateResponse\x12\x17\n\x0ftransfer_ticket\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\radmitted_unix\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12+\n\x08logprobs\x18\x14 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18( \x01(\r\"\xb0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0ftransfer_ticket\x18\x04 \x01(\x0c\x12\x15\n\rdeadline_unix\x18\x05 \x01(\x01\x12\x12\n\nattach_key\x18\x06 \x01(\t\"V\n\x13\x41ttachTicketRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftransfer_ticket\x18\x02 \x01(\x0c\x12\x12\n\nattach_key\x18\x03 \x01(\t\"\xd9\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10\x66irst_token_unix\x18\x05 \x01(\x01\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x31\n\x0e\x66irst_logprobs\x18\x14 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x15 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x17\n\x0f\x66irst_token_ids\x18( \x03(\r\x12\x32\n\x0f\x63hoice_logprobs\x18) \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x84\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.pdserve.internal.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0b\n\x03pid\x18\x08 \x01(\r\x12\x13\n\x0bmetrics_url\x18\t \x01(\t\x12\x13\n\x0bmax_running\x18\n \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x0f\n\x07standby\x18\r \x01(\x08\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x11\n\tkv_layout\x18\x0f \x01(\t\x12\x18\n\x10tokenizer_digest\x18\x10 \x01(\t\x12\x10\n\x08instance\x18\x11 \x01(\t\x12\x19\n\x11prefix_cache_salt\x18\x12 \x01(\t\"\xab\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .pdserve.internal.v1.WorkerState\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x05 \x01(\x04\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x08 \x01(\r\x12\x30\n\tkv_events\x18\t \x01(\x0b\x32\x1d.pdserve.internal.v1.KvEvents\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\"q\n\x08KvEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12\x0e\n\x06stored\x18\x04 \x03(\x0c\x12\x0f\n\x07removed\x18\x05 \x03(\x0c\x12\x16\n\x0estored_parents\x18\x06 \x03(\x0c\"\x07\n\x05\x45mpty\"\x0e\n\x0c\x44rainRequest\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"W\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x0f\n\x07standby\x18\x03 \x01(\x08\x12\x13\n\x0bkv_snapshot\x18\x04 \x01(\x08\"\x88\x01\n\x0bWorkerEntry\x12-\n\x04info\x18\x01 \x01(\x0b\x32\x1f.pdserve.internal.v1.WorkerInfo\x12-\n\x04load\x18\x02 \x01(\x0b\x32\x1f.pdserve.internal.v1.WorkerLoad\x12\x1b\n\x13last_heartbeat_unix\x18\x03 \x01(\x01\"\xb5\x01\n\rClusterStatus\x12\x16\n\x0erouter_address\x18\x01 \x01(\t\x12\x31\n\x07workers\x18\x02 \x03(\x0b\x32 .pdserve.internal.v1.WorkerEntry\x12\x18\n\x10requests_running\x18\x03 \x01(\r\x12\x18\n\x10requests_waiting\x18\x04 \x01(\r\x12\x13\n\x0bmetrics_url\x18\x05 \x01(\t\x12\x10\n\x08http_url\x18\x06 \x01(\t\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"$\n\x13\x44rainWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\")\n\x14PromoteWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"7\n\x15PromoteWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07serving\x18\x02 \x01(\x08*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*\xac\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_LOADING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x04\x12\x18\n\x14WORKER_STATE_STANDBY\x10\x05*\\\n\x0bPrefillMode\x12\x1c\n\x18PREFILL_MODE_UNSPECIFIED\x10\x00\x12\x16\n\x12PREFILL_MODE_LOCAL\x10\x01\x12\x17\n\x13PREFILL_MODE_REMOTE\x10\x02\x32\xb0\x03\n\x06Worker\x12\x65\n\x08Generate\x12*.pdserve.internal.v1.WorkerGenerateRequest\x1a+.pdserve.internal.v1.WorkerGenerateResponse0\x01\x12T\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a$.pdserve.internal.v1.PrefillResponse\x12T\n\x0c\x41ttachTicket\x12(.pdserve.internal.v1.AttachTicketRequest\x1a\x1a.pdserve.internal.v1.Empty\x12\x46\n\x07GetLoad\x12\x1a.pdserve.internal.v1.Empty\x1a\x1f.pdserve.internal.v1.WorkerLoad\x12K\n\x05\x44rain\x12!.pdserve.internal.v1.DrainRequest\x1a\x1f.pdserve.internal.v1.WorkerLoad2\x9d\x04\n\x08Registry\x12R\n\x08Register\x12\x1f.pdserve.internal.v1.WorkerInfo\x1a%.pdserve.internal.v1.RegisterResponse\x12T\n\tHeartbeat\x12\x1f.pdserve.internal.v1.WorkerLoad\x1a&.pdserve.internal.v1.HeartbeatResponse\x12I\n\nDeregister\x12\x1f.pdserve.internal.v1.WorkerInfo\x1a\x1a.pdserve.internal.v1.Empty\x12R\n\x10GetClusterStatus\x12\x1a.pdserve.internal.v1.Empty\x1a\".pdserve.internal.v1.ClusterStatus\x12`\n\x0b\x44rainWorker\x12\'.pdserve.internal.v1.DrainWorkerRequest\x1a(.pdserve.internal.v1.DrainWorkerResponse\x12\x66\n\rPromoteWorker\x12).pdserve.internal.v1.PromoteWorkerRequest\x1a*.pdserve.internal.v1.PromoteWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2717
-  _globals['_ROLE']._serialized_end=2795
-  _globals['_WORKERSTATE']._serialized_start=2798
-  _globals['_WORKERSTATE']._serialized_end=2970
-  _globals['_PREFILLMODE']._serialized_start=2972
-  _globals['_PREFILLMODE']._serialized_end=3064
+  _globals['_ROLE']._serialized_start=2769
+  _globals['_ROLE']._serialized_end=2847
+  _globals['_WORKERSTATE']._serialized_start=2850
+  _globals['_WORKERSTATE']._serialized_end=3022
+  _globals['_PREFILLMODE']._serialized_start=3024
+  _globals['_PREFILLMODE']._serialized_end=3116
   _globals['_WORKERGENERATEREQUEST']._serialized_start=84
   _globals['_WORKERGENERATEREQUEST']._serialized_end=354
   _globals['_RESUMEDCHOICE']._serialized_start=356
@@ -49,35 +49,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHTICKETREQUEST']._serialized_start=859
   _globals['_ATTACHTICKETREQUEST']._serialized_end=945
   _globals['_PREFILLRESPONSE']._serialized_start=948
-  _globals['_PREFILLRESPONSE']._serialized_end=1241
-  _globals['_WORKERINFO']._serialized_start=1244
-  _globals['_WORKERINFO']._serialized_end=1632
-  _globals['_WORKERLOAD']._serialized_start=1635
-  _globals['_WORKERLOAD']._serialized_end=1934
-  _globals['_KVEVENTS']._serialized_start=1936
-  _globals['_KVEVENTS']._serialized_end=2049
-  _globals['_EMPTY']._serialized_start=2051
-  _globals['_EMPTY']._serialized_end=2058
-  _globals['_DRAINREQUEST']._serialized_start=2060
-  _globals['_DRAINREQUEST']._serialized_end=2074
-  _globals['_REGISTERRESPONSE']._serialized_start=2076
-  _globals['_REGISTERRESPONSE']._serialized_end=2124
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2126
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2213
-  _globals['_WORKERENTRY']._serialized_start=2216
-  _globals['_WORKERENTRY']._serialized_end=2352
-  _globals['_CLUSTERSTATUS']._serialized_start=2355
-  _globals['_CLUSTERSTATUS']._serialized_end=2536
-  _globals['_DRAINWORKERREQUEST']._serialized_start=2538
-  _globals['_DRAINWORKERREQUEST']._serialized_end=2577
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=2579
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=2615
-  _globals['_PROMOTEWORKERREQUEST']._serialized_start=2617
-  _globals['_PROMOTEWORKERREQUEST']._serialized_end=2658
-  _globals['_PROMOTEWORKERRESPONSE']._serialized_start=2660
-  _globals['_PROMOTEWORKERRESPONSE']._serialized_end=2715
-  _globals['_WORKER']._serialized_start=3067
-  _globals['_WORKER']._serialized_end=3499
-  _globals['_REGISTRY']._serialized_start=3502
-  _globals['_REGISTRY']._serialized_end=4043
+  _globals['_PREFILLRESPONSE']._serialized_end=1293
+  _globals['_WORKERINFO']._serialized_start=1296
+  _globals['_WORKERINFO']._serialized_end=1684
+  _globals['_WORKERLOAD']._serialized_start=1687
+  _globals['_WORKERLOAD']._serialized_end=1986
+  _globals['_KVEVENTS']._serialized_start=1988
+  _globals['_KVEVENTS']._serialized_end=2101
+  _globals['_EMPTY']._serialized_start=2103
+  _globals['_EMPTY']._serialized_end=2110
+  _globals['_DRAINREQUEST']._serialized_start=2112
+  _globals['_DRAINREQUEST']._serialized_end=2126
+  _globals['_REGISTERRESPONSE']._serialized_start=2128
+  _globals['_REGISTERRESPONSE']._serialized_end=2176
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2178
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2265
+  _globals['_WORKERENTRY']._serialized_start=2268
+  _globals['_WORKERENTRY']._serialized_end=2404
+  _globals['_CLUSTERSTATUS']._serialized_start=2407
+  _globals['_CLUSTERSTATUS']._serialized_end=2588
+  _globals['_DRAINWORKERREQUEST']._serialized_start=2590
+  _globals['_DRAINWORKERREQUEST']._serialized_end=2629
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=2631
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=2667
+  _globals['_PROMOTEWORKERREQUEST']._serialized_start=2669
+  _globals['_PROMOTEWORKERREQUEST']._serialized_end=2710
+  _globals['_PROMOTEWORKERRESPONSE']._serialized_start=2712
+  _globals['_PROMOTEWORKERRESPONSE']._serialized_end=2767
+  _globals['_WORKER']._serialized_start=3119
+  _globals['_WORKER']._serialized_end=3551
+  _globals['_REGISTRY']._serialized_start=3554
+  _globals['_REGISTRY']._serialized_end=4095
 # @@protoc_insertion_point(module_scope)

@@ -118,7 +118,7 @@ class AttachTicketRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_ticket: _Optional[bytes] = ..., attach_key: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix", "cached_tokens", "first_logprobs", "prompt_logprobs", "first_token_ids")
+    __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix", "cached_tokens", "first_logprobs", "prompt_logprobs", "first_token_ids", "choice_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class PrefillResponse(_message.Message):
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_seconds: float
     transfer_seconds: float
@@ -137,7 +138,8 @@ class PrefillResponse(_message.Message):
     first_logprobs: _generation_pb2.TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
     first_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., first_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    choice_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., choice_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby", "quantization", "kv_layout", "tokenizer_digest", "instance", "prefix_cache_salt")

@@ -262,7 +262,8 @@ class Attempt:
         entries: list[generation_pb2.TokenLogprobs | None] = [None] * out.n
         if out.logprobs is not None:
             if resp.HasField("first_logprobs"):
-                entries[0] = resp.first_logprobs
+                given = [resp.first_logprobs, *resp.choice_logprobs][: out.n]
+                entries[: len(given)] = given
             out.logprobs.prefilled(entries, resp.prompt_logprobs)
         done = False
         for i, (tok, entry) in enumerate(zip(firsts, entries, strict=True)):

@@ -321,6 +321,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             )
             if request.sampling.HasField("logprobs"):
                 resp.first_logprobs.CopyFrom(_fake_entry(self._output(0)[0]))
+                resp.choice_logprobs.extend(_fake_entry(self._output(c)[0]) for c in range(1, n))
             if request.sampling.HasField("prompt_logprobs"):
                 resp.prompt_logprobs.extend(_fake_entry(t) for t in request.prompt_token_ids[1:])
             return resp
