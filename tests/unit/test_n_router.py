@@ -202,3 +202,23 @@ def test_openai_bodies_and_chunks_carry_every_choice_by_index(kind):
     assert list(streamed.values()) == texts
     assert kind is Kind.COMPLETION or roles == [1, 0]  # each choice's role chunk before its first text
     assert events_[-1]["choices"] == [] and events_[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("route", ["colocated", "remote"])
+def test_every_choice_carries_its_own_logprobs_and_the_prompts_come_once(model_dir, route):
+    """n = 2 with logprobs: each choice's entries are of its own tokens (in 1P+1D token 0's from the
+    prefill worker's answer, one per choice), and the prompt's come once, on the first message."""
+
+    async def main():
+        ws, _, _ = workers(route)
+        async with cluster(model_dir, ws, local_prefill_threshold=1) as (_, stub):
+            req = request("the cat", n=2, max_tokens=4, seed=5, logprobs=1, prompt_logprobs=0)
+            _, _, msgs = await collect(stub.Generate(req))
+            lps: dict[int, list[int]] = {}
+            for m in msgs:
+                assert len(m.logprobs) == len(m.token_ids)
+                lps.setdefault(m.index, []).extend(e.token_id for e in m.logprobs)
+            assert lps == {i: t for i, (t, _, _) in by_choice(msgs).items()} == dict(enumerate(OUTPUTS[:2]))
+            assert [bool(m.prompt_logprobs) for m in msgs].count(True) == 1 and msgs[0].prompt_logprobs
+
+    run(main())

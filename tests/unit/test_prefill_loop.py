@@ -6,6 +6,7 @@ recording stand-in for the KV sender."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -131,6 +132,32 @@ def test_n_choices_sample_every_first_token_from_one_forward_and_one_transfer(ru
             _, r = loop.submit(f"s{i}", PROMPT, choice_params(params, i), _ticket())  # type: ignore[arg-type]
             alone.append((await asyncio.wait_for(r, 30))[0])
         assert [first, *h.choice_tokens] == alone
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+def test_n_choices_each_get_their_first_tokens_logprobs_and_the_prompts_once(runner: ModelRunner) -> None:
+    """n = 3 with logprobs: each choice's first token comes with its own entry (of its own token), equal to
+    a request of its own with the derived seed; the prompt's are computed once for the request."""
+
+    async def main() -> None:
+        loop, _ = _loop(runner)
+        params = SamplingParams(n=3, seed=11, max_tokens=4, logprobs=2, prompt_logprobs=1)
+        job, result = loop.submit("r", PROMPT, params, _ticket())  # type: ignore[arg-type]
+        first, _ = await asyncio.wait_for(result, 30)
+        req = job.payload
+        entries = [req.first_logprobs, *req.choice_logprobs]
+        assert [e.token_id for e in entries] == [first, *req.choice_tokens]
+        assert all(len(e.top_ids) == 2 for e in entries)
+        assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(PROMPT) - 1
+        for i in range(3):
+            one = dataclasses.replace(choice_params(params, i), prompt_logprobs=None)
+            j, r = loop.submit(f"s{i}", PROMPT, one, _ticket())  # type: ignore[arg-type]
+            await asyncio.wait_for(r, 30)
+            assert j.payload.first_logprobs.token_id == entries[i].token_id
+            assert abs(j.payload.first_logprobs.logprob - entries[i].logprob) < 1e-4
         await _until(lambda: _used(loop) == 0)
         await loop.close()
 
