@@ -265,12 +265,12 @@ class Attempt:
                 given = [resp.first_logprobs, *resp.choice_logprobs][: out.n]
                 entries[: len(given)] = given
             out.logprobs.prefilled(entries, resp.prompt_logprobs)
-        done = False
         for i, (tok, entry) in enumerate(zip(firsts, entries, strict=True)):
             lps = [entry] if entry is not None else []
             finish_i = self._first_token_finish(prep, tok) or finish
-            done = await deliver(out, (tok,), 0, finish_i, write, lps, i)
-        return done
+            if await deliver(out, (tok,), 0, finish_i, write, lps, i):
+                return True  # (the last choice; or a prompt-only request, whose finishes went at once)
+        return False
 
     @staticmethod
     async def _deliver_decoded(out: Output, m: Any, write: Write) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import grpc
@@ -612,4 +613,46 @@ def test_n_choices_cross_once_in_1p1d_and_equal_requests_with_the_derived_seeds(
     assert [ch.index for ch in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens <= 12
     client.close()
     c.assert_no_leaks()
+    http_cluster.assert_no_leaks()
+
+
+def test_n_choices_with_logprobs_and_a_grammar_on_1p1d_equal_the_colocated_workers(
+    pd_http_cluster, http_cluster, served
+):
+    """Seeded n=3 with logprobs and a regex on 1P+1D: the prefill worker samples and scores every choice's
+    token 0 under the grammar, the decode worker forks the choices with a matcher each; every choice
+    matches the grammar, its logprobs are of its own tokens, and all equal a colocated worker's. With echo
+    (completions) every choice's text starts with the prompt."""
+    sampling = g.SamplingParams(
+        n=3, seed=11, temperature=1.0, max_tokens=12, logprobs=1, prompt_logprobs=0, presence_penalty=0.5
+    )
+    sampling.structured_outputs.regex = "(cat|dog|owl) [0-9]{2,4}"
+    req = g.GenerateRequest(prompt=PROMPTS[0], sampling=sampling)
+
+    def run(on) -> dict[int, tuple[list[int], str, list[float]]]:
+        with on.channel() as channel:
+            _, _, _, msgs = generate(on.stub(channel), req)
+        assert [bool(m.prompt_logprobs) for _, m in msgs].count(True) == 1  # the prompt's once
+        out: dict[int, tuple[list[int], str, list[float]]] = {}
+        for _, m in msgs:
+            assert [e.token_id for e in m.logprobs] == list(m.token_ids)  # each choice's own
+            ids_, text, lps = out.get(m.index, ([], "", []))
+            out[m.index] = (ids_ + list(m.token_ids), text + m.text, lps + [e.logprob for e in m.logprobs])
+        return out
+
+    pd, co = run(pd_http_cluster), run(http_cluster)
+    assert sorted(pd) == [0, 1, 2]
+    for i in range(3):
+        assert re.fullmatch("(cat|dog|owl) [0-9]{2,4}", pd[i][1]), pd[i][1]
+        assert pd[i][0] == co[i][0] and pd[i][2] == pytest.approx(co[i][2], abs=LOGPROB_TOL)
+    client = openai.OpenAI(
+        base_url=f"{pd_http_cluster.http_url}/v1", api_key="none", max_retries=0, timeout=60
+    )
+    r = client.completions.create(
+        model=served, prompt=PROMPTS[0], n=2, seed=3, max_tokens=4, echo=True, logprobs=1
+    )
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert all(ch.text.startswith(PROMPTS[0]) and ch.logprobs.token_logprobs[0] is None for ch in r.choices)
+    client.close()
+    pd_http_cluster.assert_no_leaks()
     http_cluster.assert_no_leaks()

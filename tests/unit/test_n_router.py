@@ -222,3 +222,22 @@ def test_every_choice_carries_its_own_logprobs_and_the_prompts_come_once(model_d
             assert [bool(m.prompt_logprobs) for m in msgs].count(True) == 1 and msgs[0].prompt_logprobs
 
     run(main())
+
+
+@pytest.mark.parametrize("route", ["colocated", "remote"])
+def test_a_prompt_only_request_ends_every_choice_once(model_dir, route):
+    """max_tokens 0 (the prompt alone) with n = 2: a finish per choice, the prompt's logprobs once."""
+
+    async def main():
+        ws, _, _ = workers(route)
+        async with cluster(model_dir, ws, local_prefill_threshold=1) as (_, stub):
+            req = request("the cat", n=2, max_tokens=0, prompt_logprobs=0)
+            _, _, msgs = await collect(stub.Generate(req))
+            assert [(m.index, m.finish_reason, list(m.token_ids)) for m in msgs] == [
+                (0, "length", []),
+                (1, "length", []),
+            ]
+            assert bool(msgs[0].prompt_logprobs) and not msgs[1].prompt_logprobs
+            assert msgs[1].usage.completion_tokens == 0 and not msgs[0].HasField("usage")
+
+    run(main())
