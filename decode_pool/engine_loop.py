@@ -38,6 +38,7 @@ class StepFailed(RuntimeError):
 class _Op(enum.Enum):
     ADD = "add"
     ADD_PREFILLED = "add_prefilled"
+    ADD_CHOICES = "add_choices"  # an n > 1 request's open choices, moved here after some output
     ABORT = "abort"
     CALL = "call"
     STOP = "stop"
@@ -177,12 +178,27 @@ class EngineLoop:
         prompt_token_ids: Sequence[int],
         first_token_id: int,
         params: SamplingParams,
+        choice_token_ids: Sequence[int] = (),
     ) -> asyncio.Queue[QueueItem]:
+        """``choice_token_ids``: an ``n`` > 1 request's other choices' first tokens (``first_token_id``
+        is choice 0's): they fork from the prompt's blocks (``LLMEngine.add_prefilled_choices``)."""
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = q
-        self._put_cmd(
-            _Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), first_token_id, params), queue=q)
-        )
+        firsts = (first_token_id, *choice_token_ids)
+        self._put_cmd(_Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), firsts, params), queue=q))
+        return q
+
+    def submit_choices(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        choices: Sequence[tuple[int, Sequence[int]]],
+    ) -> asyncio.Queue[QueueItem]:
+        """An ``n`` > 1 request's open choices after a migration (``LLMEngine.add_resumed_choices``)."""
+        q: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._queues[request_id] = q
+        self._put_cmd(_Cmd(_Op.ADD_CHOICES, request_id, (list(prompt_token_ids), params, choices), queue=q))
         return q
 
     def abort(self, request_id: Hashable, attempt: asyncio.Queue[QueueItem] | None = None) -> None:
@@ -279,10 +295,12 @@ class EngineLoop:
         try:
             if cmd.op is _Op.ADD:
                 eng.add_request(cmd.request_id, *cmd.args)
+            elif cmd.op is _Op.ADD_CHOICES:
+                eng.add_resumed_choices(cmd.request_id, *cmd.args)
             else:
-                delta = eng.add_prefilled_request(cmd.request_id, *cmd.args)
-                self._put(cmd.request_id, delta)
-                if delta.finish_reason is not None:
+                for delta in eng.add_prefilled_choices(cmd.request_id, *cmd.args):
+                    self._put(cmd.request_id, delta)
+                if not eng.has_request(cmd.request_id):  # finished at its first token
                     self._put(cmd.request_id, None)
         except BaseException as e:  # noqa: BLE001 - the request fails, the loop goes on
             eng.abort(cmd.request_id)
@@ -373,7 +391,12 @@ class EngineLoop:
             self.last_batch_size = len(deltas)
             if eng.last_batch is not None:
                 self._step_done(dt, eng.last_batch)
+            ended = []
             for d in deltas:
                 self._put(d.request_id, d)
                 if d.finish_reason is not None:
-                    self._put(d.request_id, None)
+                    ended.append(d.request_id)
+            # After every delta of the step: an n > 1 request ends with its last choice.
+            for rid in ended:
+                if not eng.has_request(rid):
+                    self._put(rid, None)

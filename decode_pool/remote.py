@@ -84,7 +84,7 @@ class RemotePrefill:
         finally:
             self.pending -= 1
         try:
-            async for msg in relay_deltas(q):
+            async for msg in relay_deltas(q, params.n):
                 yield msg
         finally:
             self.loop.abort(rid, q)  # this attempt's: never a newer one's of the id
@@ -114,7 +114,7 @@ class RemotePrefill:
     async def _adopt(self, rid: str, prompt: list[int], params: SamplingParams):
         result = await self.receiver.wait(rid)
         # From here the blocks are the engine's: it frees them on finish or abort.
-        return self.loop.submit_prefilled(rid, prompt, result.first_token_id, params)
+        return self.loop.submit_prefilled(rid, prompt, result.first_token_id, params, result.choice_token_ids)
 
     def _give_up(self, rid: str, adoption: asyncio.Future) -> None:
         """The stream ended before adoption (cancel, deadline). Free through whoever owns the blocks.

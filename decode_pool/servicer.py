@@ -90,6 +90,8 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
         if remote and request.output_offset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_offset needs local prefill mode")
+        if remote and request.resumed_choices:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resumed_choices needs local prefill mode")
         if remote and self.remote is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
         # A new attempt of an id means the router gave the earlier one up: end it in the engine now (its
@@ -111,9 +113,15 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                     ):
                         yield msg
                 else:
-                    sub = self.loop.submit(rid, prompt, params, request.output_offset)
+                    choices = params.n
+                    if request.resumed_choices:  # an n > 1 request's open choices, after a migration
+                        resumed = [(c.index, list(c.token_ids)) for c in request.resumed_choices]
+                        sub = self.loop.submit_choices(rid, prompt, params, resumed)
+                        choices = len(resumed)
+                    else:
+                        sub = self.loop.submit(rid, prompt, params, request.output_offset)
                     try:
-                        async for msg in relay_deltas(sub):
+                        async for msg in relay_deltas(sub, choices):
                             yield msg
                     finally:
                         # Idempotent: a finished request holds nothing; a cancelled one is freed now. This

@@ -17,6 +17,7 @@ _EXPORTS = {
     "LLMEngine": "pdserve.engine.llm_engine",
     "EngineConfig": "pdserve.engine.llm_engine",
     "RequestOutputDelta": "pdserve.engine.llm_engine",
+    "CompletionOutput": "pdserve.engine.llm",
 }
 
 __all__ = [
@@ -27,10 +28,11 @@ __all__ = [
     "RequestOutputDelta",
     "SamplingParams",
     "StructuredOutputsParams",
+    "CompletionOutput",
 ]
 
 if TYPE_CHECKING:
-    from pdserve.engine.llm import LLM, RequestOutput
+    from pdserve.engine.llm import LLM, CompletionOutput, RequestOutput
     from pdserve.engine.llm_engine import EngineConfig, LLMEngine, RequestOutputDelta
     from pdserve.engine.params import SamplingParams
     from pdserve.engine.structured import StructuredOutputsParams

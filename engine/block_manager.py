@@ -304,6 +304,26 @@ class BlockManager:
                 self._ref[b] += 1
             self._tables[dst] = list(table)
 
+    def fork_prefix(self, src: Hashable, dst: Hashable, num_tokens: int) -> tuple[int, int] | None:
+        """``dst`` takes the K/V of ``src``'s first ``num_tokens`` tokens: it shares (by reference count,
+        read-only) the full blocks among them and gets a fresh block of its own for a partial last one,
+        which it will write into. Returns ``(src's block, dst's block)`` for the caller to copy that
+        partial block's K/V across, or None when the tokens fill whole blocks. All or nothing
+        (OutOfBlocksError when no block is free for the copy)."""
+        with self._lock:
+            if dst in self._tables:
+                raise ValueError(f"sequence {dst!r} already holds blocks")
+            table = self._tables[src]
+            full, partial = divmod(num_tokens, self.block_size)
+            if full + (partial > 0) > len(table):
+                raise ValueError(f"{src!r} holds {len(table)} blocks, fewer than {num_tokens} tokens need")
+            fresh = self._take(1) if partial else []
+            shared = table[:full]
+            for b in shared:
+                self._ref[b] += 1
+            self._tables[dst] = shared + fresh
+            return (table[full], fresh[0]) if partial else None
+
     def free(self, seq_id: Hashable) -> bool:
         """Release a sequence's blocks. Returns False when it held none (idempotent). A released hashed
         block stays reusable (CACHED); the sequence's tail goes first in the eviction order."""

@@ -42,6 +42,13 @@ class TokenMask(NamedTuple):
     rows: list[int]
     bitmask: torch.Tensor
 
+    def spread(self, index: Sequence[int]) -> TokenMask:
+        """The mask of logits rows ``index`` picks (row ``j`` is row ``index[j]``: an ``n`` > 1 prompt's
+        row once per choice), each with its source row's mask."""
+        at = {r: k for k, r in enumerate(self.rows)}
+        rows = [j for j, i in enumerate(index) if i in at]
+        return TokenMask(rows, self.bitmask[[at[index[j]] for j in rows]])
+
 
 class GrammarMatcher:
     """One sequence's place in its grammar."""
@@ -63,6 +70,12 @@ class GrammarMatcher:
         ok = bool(self._m.consume_token(token_id))
         self.ended = not ok or token_id in self._eos
         return ok
+
+    def copy(self) -> GrammarMatcher:
+        """A matcher of its own in the same place (a choice forked from this sequence)."""
+        m = GrammarMatcher(self._m.deep_copy(), self._eos)
+        m.ended = self.ended
+        return m
 
     def accept_all(self, token_ids: Sequence[int]) -> bool:
         """Replay tokens already output (a migrated stream, a prefilled first token)."""
@@ -225,6 +238,13 @@ class ConstrainedSequences:
 
     def drop(self, seq_id: Hashable) -> None:
         self._matchers.pop(seq_id, None)
+
+    def fork(self, seq_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+        """Choices forked from ``seq_id`` (``n`` > 1): each gets a copy of its matcher."""
+        m = self._matchers.get(seq_id)
+        if m is not None:
+            for child in child_ids:
+                self._matchers[child] = m.copy()
 
     def start_masks(self, seq_ids: Sequence[Hashable]) -> Future[TokenMask] | None:
         """The masks of the constrained ones among a step's sampled sequences (None: there are none)."""

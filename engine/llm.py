@@ -12,7 +12,7 @@ import itertools
 import sys
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +27,31 @@ Messages = Seq[Mapping[str, str]]
 
 
 @dataclass
+class CompletionOutput:
+    """One choice of a request (vLLM's name): ``index`` in [0, n)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None = None  # ``SamplingParams.logprobs``: one per output token
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None  # the text prompt, None for token-id prompts
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int]  # choice 0's (as its text and finish_reason)
     text: str  # "" when the model has no tokenizer
     finish_reason: str  # "stop" | "length"
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     # ``SamplingParams.logprobs``: one per output token; ``prompt_logprobs``: one per prompt token, the first
-    # None (vLLM's shapes). None: not asked for.
+    # None (vLLM's shapes). None: not asked for. ``logprobs`` is choice 0's (each choice has its own).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Every choice (``SamplingParams.n``), in index order; the first is the fields above.
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLM:
@@ -121,21 +134,25 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutputDelta]:
-        """Deltas of one request as they are produced. Closing the iterator early aborts the request."""
+        """Deltas of one request as they are produced (with ``n`` > 1, every choice's, each carrying its
+        ``choice_index``). Closing the iterator early aborts the request."""
         ids = self._encode(prompt, 0)
         params = SamplingParams() if params is None else params
         self._validate(ids, params)
         rid = str(next(self._ids))
         inbox = self._inbox[rid] = collections.deque()
         self.engine.add_request(rid, ids, params)
+        open_choices = params.n
         try:
             while True:
                 while inbox:
                     d = inbox.popleft()
                     yield d
                     if d.finish_reason is not None:
-                        return
-                if self.engine.scheduler.get(rid) is None:  # ended without a last delta (aborted)
+                        open_choices -= 1
+                        if not open_choices:
+                            return
+                if not self.engine.has_request(rid):  # ended without a last delta (aborted)
                     return
                 self._step()
         finally:
@@ -203,7 +220,7 @@ class LLM:
         try:
             for text, ids, sp in zip(texts, encoded, plist, strict=True):
                 rid = str(next(self._ids))
-                sink = _Collector(RequestOutput(rid, text, ids, [], "", ""), open_, bar)
+                sink = _Collector(RequestOutput(rid, text, ids, [], "", ""), sp.n, open_, bar)
                 self._inbox[rid] = sink  # whoever steps the engine hands this request's deltas to it
                 sinks.append(sink)
                 open_.add(rid)
@@ -212,7 +229,7 @@ class LLM:
                 # Ours still open beyond what the engine runs: one may have ended without a last delta.
                 if len(open_) > engine.scheduler.num_unfinished:
                     for rid in open_:
-                        if engine.scheduler.get(rid) is None:
+                        if not engine.has_request(rid):
                             raise RuntimeError(f"request {rid} ended without finishing")
                 self._step()
         finally:
@@ -222,38 +239,50 @@ class LLM:
                 rid = sink.out.request_id
                 self._inbox.pop(rid, None)
                 engine.abort(rid)
-        for sink in sinks:
-            sink.out.text = "".join(sink.pieces)
-        return [sink.out for sink in sinks]
+        return [sink.result() for sink in sinks]
 
 
 class _Collector:
-    """Where the deltas of one ``generate`` request go as steps produce them: its output, built up."""
+    """Where the deltas of one ``generate`` request go as steps produce them: its choices, built up."""
 
-    __slots__ = ("bar", "open", "out", "pieces")
+    __slots__ = ("bar", "open", "out", "choices", "pieces", "left")
 
-    def __init__(self, out: RequestOutput, open_: set[str], bar: Any) -> None:
+    def __init__(self, out: RequestOutput, n: int, open_: set[str], bar: Any) -> None:
         self.out, self.open, self.bar = out, open_, bar
-        # The text as pieces, joined at the end: ``out.text += piece`` copies the text so far.
-        self.pieces: list[str] = []
+        self.choices = [CompletionOutput(i, "", [], "") for i in range(n)]
+        # Each choice's text as pieces, joined at the end: ``text += piece`` copies the text so far.
+        self.pieces: list[list[str]] = [[] for _ in range(n)]
+        self.left = n  # choices not finished
 
     def append(self, d: RequestOutputDelta) -> None:
-        out = self.out
-        out.token_ids += d.new_token_ids
+        choice = self.choices[d.choice_index]
+        choice.token_ids += d.new_token_ids
         if d.logprobs is not None:
-            if out.logprobs is None:
-                out.logprobs = []
-            out.logprobs += d.logprobs
+            if choice.logprobs is None:
+                choice.logprobs = []
+            choice.logprobs += d.logprobs
         if d.prompt_logprobs is not None:
-            out.prompt_logprobs = list(d.prompt_logprobs)
+            self.out.prompt_logprobs = list(d.prompt_logprobs)
         if d.new_text:
-            self.pieces.append(d.new_text)
+            self.pieces[d.choice_index].append(d.new_text)
         if d.finish_reason is not None:
-            out.finish_reason = d.finish_reason
-            out.num_cached_tokens = d.num_cached_tokens
-            self.open.discard(out.request_id)
-            if self.bar is not None:
-                self.bar.update(1)
+            choice.finish_reason = d.finish_reason
+            self.out.num_cached_tokens = max(self.out.num_cached_tokens, d.num_cached_tokens)
+            self.left -= 1
+            if not self.left:
+                self.open.discard(self.out.request_id)
+                if self.bar is not None:
+                    self.bar.update(1)
+
+    def result(self) -> RequestOutput:
+        out = self.out
+        for choice, pieces in zip(self.choices, self.pieces, strict=True):
+            choice.text = "".join(pieces)
+        first = self.choices[0]
+        out.token_ids, out.text, out.finish_reason = first.token_ids, first.text, first.finish_reason
+        out.logprobs = first.logprobs
+        out.outputs = self.choices
+        return out
 
 
 def _is_conversation(messages: object) -> bool:

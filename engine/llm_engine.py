@@ -3,7 +3,9 @@
 A decode worker's ``add_prefilled_request`` adopts blocks its KV receiver filled under the request id (the
 hand-over is the contract in ``kv_transfer/__init__.py``). Not thread-safe: one thread drives ``add_*``,
 ``abort`` and ``step``. Prefix caching (on by default) reuses the K/V of full blocks a prompt shares with
-earlier sequences; ``cache_salt`` names what those blocks' hashes depend on.
+earlier sequences; ``cache_salt`` names what those blocks' hashes depend on. An ``n`` > 1 request computes
+its prompt once and forks its choices from it (``engine.choices``); each choice's deltas carry its
+``choice_index``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.choices import child_ids, fork_row_ids, fork_rows, split_first_tokens
 from pdserve.engine.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     check_device,
@@ -145,6 +148,9 @@ class RequestOutputDelta(NamedTuple):
     logprobs: tuple[TokenLogprob, ...] | None = None
     # ``SamplingParams.prompt_logprobs``, on the first delta: one per prompt token, the first None (vLLM's).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # Which choice of an ``n`` > 1 request (``request_id`` is the request's). Not ``index``: a tuple's
+    # method of that name.
+    choice_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -287,6 +293,8 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(output_offset, int) or output_offset < 0 or output_offset > len(prompt_token_ids):
             raise ValueError(f"output_offset must be in [0, len(prompt)], got {output_offset!r}")
+        if output_offset and params.n > 1:
+            raise ValueError("n must be 1 for a request that continues earlier output (output_offset)")
         self.validate_request(prompt_token_ids, params)
         # A migrated stream's outputs so far are the prompt's tail: its matcher replays them.
         matcher = self.constrained.new(params, prompt_token_ids[len(prompt_token_ids) - output_offset :])
@@ -295,6 +303,29 @@ class LLMEngine:
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         self._logprobs.add(request_id, params, len(prompt_token_ids))
         self.constrained.add(request_id, matcher)
+
+    def add_resumed_choices(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        choices: Sequence[tuple[int, Sequence[int]]],
+    ) -> None:
+        """Queue the open choices of an ``n`` > 1 request moved off a failed worker: each ``(index, the
+        tokens it already output)``; ``params`` are the request's own (each choice counts what is left of
+        them), and each choice's seeded sampling and reported counts continue from its tokens."""
+        self.validate_request(prompt_token_ids, params)
+        for _, earlier in choices:
+            validate_prompt_token_ids(
+                [*prompt_token_ids, *earlier], vocab_size=self.vocab_size, max_model_len=self.max_model_len
+            )
+        # Each choice's matcher replays its own outputs so far.
+        matchers = [self.constrained.new(params, earlier) for _, earlier in choices]
+        seqs = self.scheduler.add_choices(request_id, list(prompt_token_ids), params, choices)
+        for seq, matcher in zip(seqs, matchers, strict=True):
+            self._text[seq.seq_id] = self._new_text_state(seq.params, seq.prompt_token_ids)
+            self._logprobs.add_prefilled(seq.seq_id, params)
+            self.constrained.add(seq.seq_id, matcher)
 
     def add_prefilled_request(
         self,
@@ -310,36 +341,56 @@ class LLMEngine:
         may already be finished, and then its blocks are already freed. On
         ValueError the blocks stay with the caller.
         """
+        return self.add_prefilled_choices(request_id, prompt_token_ids, (first_token_id,), params)[0]
+
+    def add_prefilled_choices(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        first_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+    ) -> list[RequestOutputDelta]:
+        """``add_prefilled_request`` of a request of ``params.n`` choices: ``first_token_ids`` holds each
+        choice's output token 0 (the prefill worker sampled them all from the prompt's one forward), and
+        choices 1.. fork from the prompt's blocks. Returns a delta per choice, in choice order."""
         params = SamplingParams() if params is None else params
         self.validate_request(prompt_token_ids, params)
-        if not 0 <= first_token_id < self.vocab_size:
-            raise ValueError(
-                f"first_token_id {first_token_id} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        # The prefill worker sampled token 0 under the same grammar: this matcher takes it below.
-        matcher = self.constrained.new(params)
+        for t in first_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"first_token_id {t} is outside the vocabulary [0, {self.vocab_size})")
+        # The prefill worker sampled each token 0 under the same grammar: each choice's matcher takes it.
+        matchers = [self.constrained.new(params) for _ in first_token_ids]
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         try:
-            seq = self.scheduler.add_prefilled(request_id, list(prompt_token_ids), first_token_id, params)
+            seqs = self.scheduler.add_prefilled_choices(
+                request_id, list(prompt_token_ids), first_token_ids, params
+            )
         except ValueError:
             del self._text[request_id]
             raise
-        self._logprobs.add_prefilled(request_id, params)
-        if matcher is not None:
-            self.constrained.add(request_id, matcher)
-            self._end_on_grammar([seq])
-        return self._logprobs.attach(self._emit([seq])[0], {})
+        for seq, matcher in zip(seqs, matchers, strict=True):
+            self._logprobs.add_prefilled(seq.seq_id, params)
+            self.constrained.add(seq.seq_id, matcher)
+        self._forked(seqs)
+        if self.constrained:
+            self._end_on_grammar(seqs)
+        return [self._logprobs.attach(d, {}) for d in self._emit(seqs)]
 
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request and free its blocks now, reserved ones never adopted included. False when the
         engine knew nothing of it."""
-        self._text.pop(request_id, None)
-        self._logprobs.discard(request_id)
-        self.constrained.drop(request_id)
+        for sid in {request_id, *(s.seq_id for s in self.scheduler.request_seqs(request_id))}:
+            self._text.pop(sid, None)
+            self._logprobs.discard(sid)
+            self.constrained.drop(sid)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_request(self, request_id: Hashable) -> bool:
+        """Some choice of the request is unfinished."""
+        return self.scheduler.has_request(request_id)
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -361,6 +412,8 @@ class LLMEngine:
         if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
             return self._logprob_step(batch, masks)
         logits = self._forward(batch)  # [n_sample, V]
+        if self.scheduler.choices.num_forking and batch.kind is not BatchKind.DECODE:
+            return self._step_forking(batch, logits, seqs, masks)
         return self._finish_step(batch, self._sample(batch, logits, masks))
 
     def _sample(self, batch: Batch, logits: torch.Tensor, masks: Future[TokenMask] | None) -> list[int]:
@@ -390,6 +443,44 @@ class LLMEngine:
         for seq in seqs:
             if accept(seq.seq_id, seq.output_token_ids[-1]) and not seq.is_finished:
                 finish(seq, FinishReason.STOP)
+
+    def _step_forking(
+        self, batch: Batch, logits: torch.Tensor, seqs: list[EngineSequence], masks: Future[TokenMask] | None
+    ) -> list[RequestOutputDelta]:
+        """The rest of a step in which some sequences computed the last token of an ``n`` > 1 request's
+        prompt: each samples every choice's first token from its one row of logits (under its grammar's
+        mask), and the other choices fork from it (``engine.choices``) with copies of its matcher and
+        their own logprobs."""
+        index, plist = fork_rows(seqs)
+        rows = [
+            SampleRow(p, len(s.output_token_ids), s.output_offset, s.prompt_token_ids, s.output_token_ids)
+            for p, s in zip(plist, (seqs[i] for i in index), strict=True)
+        ]
+        logits = logits[index]
+        tokens = self.sampler(logits, rows, None if masks is None else masks.result().spread(index))
+        lp = self._logprobs
+        sampled = lp.sampled_rows(fork_row_ids(seqs), plist, logits, tokens) if lp else {}
+        for s in seqs:
+            if s.forks:  # (before its matcher takes its own token)
+                self.constrained.fork(s.seq_id, child_ids(s))
+                lp.forked(s.seq_id, child_ids(s))
+        out = self.scheduler.postprocess(batch, *split_first_tokens(seqs, tokens))
+        self._forked(out)
+        if self.constrained:
+            self._end_on_grammar(out)
+        return [lp.attach(d, sampled) for d in self._emit(out)] if lp else self._emit(out)
+
+    def _forked(self, seqs: list[EngineSequence]) -> None:
+        """After choices forked: copy the partial blocks they got copies of, and give each new choice its
+        detokenizer (primed with the prompt, as the choice it forked from)."""
+        copies = self.scheduler.choices.block_copies
+        if copies:
+            self.runner.copy_blocks(copies)
+            copies.clear()
+        texts = self._text
+        for s in seqs:
+            if s.seq_id not in texts:
+                texts[s.seq_id] = self._new_text_state(s.params, s.prompt_token_ids)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         bm = self.block_manager
@@ -441,6 +532,8 @@ class LLMEngine:
             lp.gather_prompt(batch, keep, kept)
         else:
             logits = self._forward(batch)
+        if self.scheduler.choices.num_forking and batch.kind is not BatchKind.DECODE:
+            return self._step_forking(batch, logits, [it.seq for it in batch.sample_items], masks)
         tokens = self._sample(batch, logits, masks)
         sampled = lp.sampled([it.seq for it in batch.sample_items], logits, tokens)
         return [lp.attach(d, sampled) for d in self._finish_step(batch, tokens)]
@@ -490,7 +583,20 @@ class LLMEngine:
             offset = seq.output_offset
             prompt = len(seq.prompt_token_ids) - offset
             cached = seq.num_cached_tokens
-            add(delta(sid, (token,), text, why, prompt, offset + len(outputs), min(cached, prompt)))
+            add(
+                delta(
+                    seq.request_id,
+                    (token,),
+                    text,
+                    why,
+                    prompt,
+                    offset + len(outputs),
+                    min(cached, prompt),
+                    None,
+                    None,
+                    seq.index,
+                )
+            )
         return deltas
 
 

@@ -1,6 +1,8 @@
 """The engine's requests that asked for logprobs (``SamplingParams.logprobs``, ``prompt_logprobs``): which
 they are, the prompt logprobs gathered chunk by chunk for those whose first token is due, and each step's
-sampled tokens' logprobs onto their deltas. While none asked, the engine's steps never come here."""
+sampled tokens' logprobs onto their deltas. While none asked, the engine's steps never come here. Keyed by
+sequence id: each choice of an ``n`` > 1 request has its own logprobs; its prompt's (computed once, by
+choice 0) come on choice 0's first delta."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from pdserve.engine.logprobs import TokenLogprob, prompt_targets, token_logprobs
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.scheduler import Batch
+from pdserve.engine.sequence import ChoiceId
 from pdserve.engine.sequence import Sequence as EngineSequence
 
 if TYPE_CHECKING:
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
 
 class LogprobRequests:
     def __init__(self) -> None:
-        self.ids: set[Hashable] = set()  # unfinished requests that asked for either kind
+        self.ids: set[Hashable] = set()  # unfinished sequences that asked for either kind
         # The prompt logprobs so far, by position (the first None), of those whose first token is due.
         self.prompt: dict[Hashable, list[TokenLogprob | None]] = {}
 
@@ -43,6 +46,11 @@ class LogprobRequests:
     def discard(self, request_id: Hashable) -> None:
         self.ids.discard(request_id)
         self.prompt.pop(request_id, None)
+
+    def forked(self, seq_id: Hashable, child_ids: Sequence[Hashable]) -> None:
+        """Choices forked from ``seq_id``: each asked as it did."""
+        if seq_id in self.ids:
+            self.ids.update(child_ids)
 
     def keep(self, batch: Batch) -> list[bool]:
         """Per prefill item of ``batch``: whether its positions' logits are kept (prompt logprobs due)."""
@@ -72,24 +80,38 @@ class LogprobRequests:
         seqs: Sequence[EngineSequence], logits: torch.Tensor, tokens: Sequence[int]
     ) -> dict[Hashable, TokenLogprob]:
         """The sampled tokens' logprobs, from their rows of ``logits``, of the sequences that asked."""
-        asked = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        return LogprobRequests.sampled_rows(
+            [s.seq_id for s in seqs], [s.params for s in seqs], logits, tokens
+        )
+
+    @staticmethod
+    def sampled_rows(
+        seq_ids: Sequence[Hashable],
+        params: Sequence[SamplingParams],
+        logits: torch.Tensor,
+        tokens: Sequence[int],
+    ) -> dict[Hashable, TokenLogprob]:
+        """``sampled`` by row: the sequence (to be) whose token each row of ``logits`` gave, and its
+        parameters (an ``n`` > 1 prompt's row samples every choice's first token)."""
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not asked:
             return {}
-        rows = logits if len(asked) == len(seqs) else logits[asked]
-        tops = [seqs[i].params.logprobs or 0 for i in asked]
+        rows = logits if len(asked) == len(params) else logits[asked]
+        tops = [params[i].logprobs or 0 for i in asked]
         entries = token_logprobs(rows, [tokens[i] for i in asked], tops)
-        return {seqs[i].seq_id: e for i, e in zip(asked, entries, strict=True)}
+        return {seq_ids[i]: e for i, e in zip(asked, entries, strict=True)}
 
     def attach(self, delta: RequestOutputDelta, lps: dict[Hashable, TokenLogprob]) -> RequestOutputDelta:
-        """``delta`` with its token's logprobs and, on a request's first, its prompt's; a finished request
+        """``delta`` with its token's logprobs and, on a request's first, its prompt's; a finished sequence
         is forgotten."""
         rid = delta.request_id
-        if rid not in self.ids:
+        sid = rid if not delta.choice_index else ChoiceId(rid, delta.choice_index)
+        if sid not in self.ids:
             return delta
-        lp = lps.get(rid)
-        prompt = self.prompt.pop(rid, None)
+        lp = lps.get(sid)
+        prompt = self.prompt.pop(sid, None)
         if delta.finish_reason is not None:
-            self.ids.discard(rid)
+            self.ids.discard(sid)
         return delta._replace(
             logprobs=None if lp is None else (lp,),
             prompt_logprobs=None if prompt is None else tuple(prompt),

@@ -400,6 +400,17 @@ class ModelRunner:
         kept = hidden.index_select(0, rows)  # [n_kept, hidden]: the step's activations are freed
         return KeptRows(len(kept), lambda a, b: logits(self.weights, self.config, kept[a:b], ops))
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """For each ``(src, dst)`` pair, block ``dst`` takes block ``src``'s K/V in every layer: a forked
+        choice's own copy of the partial block it shared (``BlockManager.fork_prefix``)."""
+        if not pairs:
+            return
+        dev = self.kv.device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=dev)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dev)
+        with torch.inference_mode():
+            self.kv[:, dst] = self.kv[:, src]  # [L, len(pairs), 2, B, Hkv, D]
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits.argmax(-1)`` for this runner's float32 logits ``[n, V]``: the CPU kernels' row argmax
         where they run (torch's is slow on a large vocabulary)."""

@@ -6,6 +6,7 @@ rules the engine applies. Every check raises ``ValueError`` naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,11 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
 # The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (OpenAI's bound on top_logprobs).
 MAX_LOGPROBS = 20
+
+# Choices one request may sample (``n``); all of them must also fit the KV cache together
+# (``Scheduler.check_fits``).
+MAX_N = 128
+_SEED_MOD = 1 << 64
 
 
 def _is_int(v: object) -> bool:
@@ -48,6 +54,9 @@ class SamplingParams:
     the positive logits (multiplies the negative ones) of every token seen in the prompt or the outputs;
     ``logit_bias`` maps token ids to a value in [-100, 100] added to their logits. It is given as a
     mapping (or (id, bias) pairs) and stored as (id, bias) pairs sorted by id.
+
+    ``n`` (vLLM's and OpenAI's): the request samples that many choices from one prompt, computed once
+    and shared; choice ``i`` samples as a request of its own with ``choice_params(params, i)`` would.
     """
 
     max_tokens: int = 16
@@ -70,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # The output matches this grammar (``engine.structured``; enforced by the sampler's token masks).
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -113,6 +123,8 @@ class SamplingParams:
                 "structured_outputs must be a StructuredOutputsParams, got "
                 f"{type(self.structured_outputs).__name__}"
             )
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -149,6 +161,21 @@ class SamplingParams:
             and not self.adjusts_logits
             and self.structured_outputs is None
         )
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded with ``seed``: ``(seed + index) mod 2**64``, as
+    vLLM derives it. Choice 0 keeps the request's seed, so ``n`` = 1 samples as before, and choice ``i``
+    samples what a request of its own with that seed samples. Without a seed the choices are independent
+    draws."""
+    return None if seed is None else (seed + index) % _SEED_MOD
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The parameters choice ``index`` of an ``n`` > 1 request samples with: one choice, its own seed."""
+    if params.n == 1 and index == 0:
+        return params
+    return dataclasses.replace(params, n=1, seed=choice_seed(params.seed, index))
 
 
 def _logit_bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:

@@ -4,6 +4,9 @@
 sampled tokens, nano-vllm style. The policy is ``schedule``'s docstring; block ownership follows the
 contract in ``kv_transfer/__init__.py``. With a block manager that caches prefixes, a sequence starts past
 its longest cached prefix, and each full block is committed to the cache once a step computed it.
+
+An ``n`` > 1 request's choices fork from the sequence that computed its prompt (``engine.choices``);
+``abort`` of the request's id ends them all.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
+from pdserve.engine.choices import ChoiceGroups, resumed_params
 from pdserve.engine.params import SamplingParams
 from pdserve.engine.prefix_hash import BlockHash, block_hashes
 from pdserve.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -118,6 +122,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         # The block size when prefix caching is on, else 0: one test in the decode loop.
         self._cache_bs = block_manager.block_size if block_manager.enable_prefix_caching else 0
+        self.choices = ChoiceGroups(block_manager)  # ``n`` > 1 requests' choices
 
     # -- requests ------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -128,6 +133,13 @@ class Scheduler:
             )
         bm = self.block_manager
         need = bm.blocks_needed(min(num_prompt_tokens + params.max_tokens, self.config.max_model_len))
+        if params.n > 1 and params.n * need > bm.num_blocks:
+            # Bounded as if no block were shared, so that every choice can run to its end at once.
+            raise ValueError(
+                f"n is {params.n}: {params.n} choices of up to {need} KV blocks of {bm.block_size} tokens "
+                f"each need up to {params.n * need} but the cache has {bm.num_blocks}: lower n or "
+                "max_tokens, or give the engine more KV memory"
+            )
         if need > bm.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks of {bm.block_size} tokens but the cache has "
@@ -140,6 +152,7 @@ class Scheduler:
             raise ValueError(f"request id {seq_id!r} is already in use")
         self.check_fits(len(prompt_token_ids), params)
         seq = self._new_seq(seq_id, prompt_token_ids, params)
+        self.choices.added(seq)
         self.waiting.append(seq)  # newest arrival: the end keeps arrival order
         return seq
 
@@ -152,7 +165,16 @@ class Scheduler:
         ``first_token_id`` (sampled by the prefill side) is output token 0 and
         goes through the same stop checks; the sequence may finish at once.
         """
+        return self.add_prefilled_choices(seq_id, prompt_token_ids, (first_token_id,), params)[0]
+
+    def add_prefilled_choices(
+        self, seq_id: Hashable, prompt_token_ids: Seq[int], first_token_ids: Seq[int], params: SamplingParams
+    ) -> list[Sequence]:
+        """``add_prefilled`` of a request with ``params.n`` choices: ``first_token_ids`` holds each
+        choice's output token 0, and choices 1.. fork from choice 0's blocks. Returns the choices."""
         bm = self.block_manager
+        if len(first_token_ids) != params.n:
+            raise ValueError(f"{len(first_token_ids)} first tokens for a request of n={params.n} choices")
         if seq_id in self._seqs:
             raise ValueError(f"request id {seq_id!r} is already in use")
         if seq_id not in bm or bm.capacity(seq_id) < len(prompt_token_ids):
@@ -166,8 +188,30 @@ class Scheduler:
         self.running.append(seq)
         if self._cache_bs:  # the received prompt is whole: its full blocks are cache hits from now on
             self._commit(seq, 0, len(prompt_token_ids))
-        self._append(seq, first_token_id)
-        return seq
+        self.choices.added(seq)
+        seqs = [seq, *self._fork(seq)] if seq.forks else [seq]
+        for s, token in zip(seqs, first_token_ids, strict=True):
+            self._append(s, token)
+        return seqs
+
+    def add_choices(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        choices: Seq[tuple[int, Seq[int]]],
+    ) -> list[Sequence]:
+        """Queue the open choices of an ``n`` > 1 request moved here after some output
+        (``ChoiceGroups.resume``): nothing to fork from, so each computes its prompt, or reuses the
+        prefix cache."""
+        if request_id in self._seqs or request_id in self.choices or request_id in self.block_manager:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_fits(len(prompt_token_ids), params)
+        for index, earlier in choices:
+            self.check_fits(len(prompt_token_ids) + len(earlier), resumed_params(params, index, len(earlier)))
+        seqs = self.choices.resume(request_id, prompt_token_ids, params, choices, self._new_seq)
+        self.waiting += seqs
+        return seqs
 
     def _new_seq(self, seq_id: Hashable, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
         seq = Sequence(seq_id, prompt_token_ids, params, arrival=self._arrivals)
@@ -177,6 +221,18 @@ class Scheduler:
 
     def get(self, seq_id: Hashable) -> Sequence | None:
         return self._seqs.get(seq_id)
+
+    def has_request(self, request_id: Hashable) -> bool:
+        """Some choice of the request is unfinished."""
+        return request_id in self._seqs or request_id in self.choices
+
+    def request_seqs(self, request_id: Hashable) -> list[Sequence]:
+        """The request's sequences: its choices so far (``n`` > 1), else its one sequence if unfinished."""
+        group = self.choices.groups.get(request_id)
+        if group is not None:
+            return list(group)
+        seq = self._seqs.get(request_id)
+        return [] if seq is None else [seq]
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence and free its blocks now (idempotent)."""
@@ -188,9 +244,16 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
+        self.choices.finished(seq)
 
     def abort(self, seq_id: Hashable) -> bool:
-        """Abort a request and free its blocks, including blocks reserved under its id but never adopted."""
+        """Abort a request (every choice) and free its blocks, including blocks reserved under its id but
+        never adopted."""
+        group = self.choices.groups.get(seq_id)
+        if group is not None:
+            for s in list(group):
+                self.finish(s, FinishReason.ABORT)
+            return True
         seq = self._seqs.get(seq_id)
         if seq is not None:
             self.finish(seq, FinishReason.ABORT)
@@ -372,11 +435,15 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
 
     # -- results -------------------------------------------------------------
-    def postprocess(self, batch: Batch, token_ids: Seq[int]) -> list[Sequence]:
-        """Apply a step's results: ``token_ids`` has one sampled token per item of ``batch.sample_items``.
+    def postprocess(
+        self, batch: Batch, token_ids: Seq[int], forks: dict[Hashable, Seq[int]] | None = None
+    ) -> list[Sequence]:
+        """Apply a step's results: ``token_ids`` has one sampled token per item of ``batch.sample_items``;
+        ``forks``: for a sequence (by id) whose other choices fork now (``Sequence.forks``), their first
+        tokens, in choice order.
 
-        Returns the sequences that got a token, in batch order; finished ones
-        have ``finish_reason`` set and their blocks already freed.
+        Returns the sequences that got a token, in batch order (forked choices right after the sequence
+        they forked from); finished ones have ``finish_reason`` set and their blocks already freed.
         """
         if len(token_ids) != len(batch.sample_items):
             raise ValueError(f"{len(batch.sample_items)} sequences sampled but {len(token_ids)} tokens given")
@@ -395,7 +462,18 @@ class Scheduler:
             if bs and end // bs > it.start // bs:  # filled a block: before a finish frees them
                 self._commit(seq, it.start, end)
             if it.sample:
-                self._append(seq, next(tokens))
+                token = next(tokens)
+                if seq.forks:
+                    if forks is None or len(forks.get(seq.seq_id, ())) != seq.forks:
+                        raise ValueError(f"{seq.seq_id!r} forks {seq.forks} choices: give their first tokens")
+                    children = self._fork(seq)
+                    self._append(seq, token)
+                    out.append(seq)
+                    for child, t in zip(children, forks[seq.seq_id], strict=True):
+                        self._append(child, t)
+                    out += children
+                    continue
+                self._append(seq, token)
                 out.append(seq)
         return out
 
@@ -418,6 +496,16 @@ class Scheduler:
                 finish(seq, reason)
             out.append(seq)
         return out
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """``parent``'s other choices (``ChoiceGroups.fork``), queued by their status."""
+        children = self.choices.fork(parent, self._new_seq)
+        for child in children:
+            if child.status is SequenceStatus.RUNNING:
+                self.running.append(child)
+            else:  # no block for its copy: it waits as a preempted sequence does
+                bisect.insort(self.waiting, child, key=_by_arrival)
+        return children
 
     def _append(self, seq: Sequence, token_id: int) -> None:
         seq.output_token_ids.append(token_id)

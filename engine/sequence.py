@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from pdserve.engine.params import SamplingParams
 
@@ -21,6 +22,15 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # eos, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens, or the model's context is full
     ABORT = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceId:
+    """The sequence id of choice ``index`` (>= 1) of an ``n`` > 1 request; choice 0's is the request's own
+    id. A class of its own, so it never equals a caller's id."""
+
+    request_id: Hashable
+    index: int
 
 
 class Sequence:
@@ -43,6 +53,12 @@ class Sequence:
         # Output tokens this request produced before it came here (a stream migrated from a failed
         # worker: they are the prompt's tail now). Seeded sampling and reported counts continue from it.
         self.output_offset = 0
+        # ``n`` > 1: the request this sequence is a choice of, and which. Choice 0 is the sequence the
+        # request was added as; ``forks`` counts the choices still to fork from it once its prompt is
+        # computed (sharing its blocks).
+        self.request_id: Hashable = seq_id
+        self.index = 0
+        self.forks = params.n - 1
 
     @property
     def num_prompt_tokens(self) -> int:

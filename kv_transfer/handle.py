@@ -488,8 +488,9 @@ class SenderHandle:
         if self._error is None:
             self.fail(DeadlineError(f"transfer of {self.request_id!r}: deadline passed waiting for {what}"))
 
-    async def complete(self, first_token_id: int) -> SendStats:
-        """Send the completion with the first sampled token; return once the receiver acknowledged.
+    async def complete(self, first_token_id: int, choice_token_ids: tuple[int, ...] = ()) -> SendStats:
+        """Send the completion with the first sampled token (``choice_token_ids``: an n > 1 request's other
+        choices' first tokens); return once the receiver acknowledged.
 
         Call after ``push_layer`` returned for every layer. Raises the
         transfer's TransferError after the sends have settled.
@@ -514,7 +515,9 @@ class SenderHandle:
                 self._landed(await self.until(self._flush_started(), "the puts to land"))
             # Sent before the data has landed: D acks once both are in, saving a round trip.
             put = len(self._sent_layers) if self._writer is not None else -1
-            self._sender.send(self._peer, wire.Complete(self.transfer_id, first_token_id, put))
+            self._sender.send(
+                self._peer, wire.Complete(self.transfer_id, first_token_id, put, tuple(choice_token_ids))
+            )
             await self.until(self.complete_ack, "the completion ack")
             # The ack says every byte landed, so no send reads P's blocks any more; the sends'
             # own completions (for the byte count and per-layer times) are normally in already.

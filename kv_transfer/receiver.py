@@ -290,6 +290,7 @@ class KVReceiver:
                     )
                     return
                 rx.first_token_id = msg.first_token_id
+                rx.choice_token_ids = msg.choice_token_ids
                 if rx.rma:  # sent after the sender's flush: every put has landed
                     self._rma_landed(rx)
                 self._maybe_finish(rx)
@@ -522,7 +523,13 @@ class KVReceiver:
         self.metrics.closed()
         rx.result.set_result(
             TransferResult(
-                rx.request_id, rx.first_token_id, tuple(rx.blocks), rx.num_tokens, rx.bytes, seconds
+                rx.request_id,
+                rx.first_token_id,
+                tuple(rx.blocks),
+                rx.num_tokens,
+                rx.bytes,
+                seconds,
+                rx.choice_token_ids,
             )
         )
 

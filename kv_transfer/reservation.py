@@ -58,6 +58,7 @@ class TransferResult:
     num_tokens: int
     bytes: int
     seconds: float  # Open to completion
+    choice_token_ids: tuple[int, ...] = ()  # n > 1: choices 1..'s first tokens (wire.Complete)
 
 
 @dataclass(eq=False)
@@ -80,6 +81,7 @@ class Reservation:
     layers_done: int = 0
     layers_put: int = 0  # RMA: layers the sender says it has put (Progress); not yet known to have landed
     first_token_id: int | None = None
+    choice_token_ids: tuple[int, ...] = ()
     opened_at: float = 0.0
     bytes: int = 0
     drained: bool = False

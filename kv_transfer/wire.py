@@ -13,7 +13,7 @@ from pdserve.kv_transfer.errors import IncompatibleError
 
 # Bump on any change to these messages or to the tag layout (plan.py): it is part of the compatibility
 # hash, so peers of different versions refuse each other at the handshake, before any data moves.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -139,6 +139,9 @@ class Complete(msgspec.Struct, frozen=True, tag="complete"):
     # RMA: how many layers were put (the receiver sees no data arrive, so it checks this;
     # short means lost layers, and it waits as it would for lost tagged data). -1: tagged.
     layers: int = -1
+    # A request of n > 1 choices: the first tokens of choices 1.. (choice 0's is first_token_id), which
+    # the decode side forks from the one prompt's KV.
+    choice_token_ids: tuple[int, ...] = ()
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress"):

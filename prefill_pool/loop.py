@@ -19,7 +19,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler, TokenMask
 from pdserve.engine.logprobs import TokenLogprob, prompt_targets, token_logprobs
 from pdserve.engine.model_runner import LayerHook, ModelRunner, PrefillItem
-from pdserve.engine.params import SamplingParams
+from pdserve.engine.params import SamplingParams, choice_params
 from pdserve.engine.sampler import Sampler, SampleRow
 from pdserve.kv_transfer import AbortedError, KVSender, SenderHandle, TransferError, TransferTicket
 from pdserve.prefill_pool.metrics import PrefillMetrics
@@ -124,7 +124,8 @@ class PrefillLoop:
 
     @contextlib.contextmanager
     def _grammar_masks(self, rows: list[SampleRow]) -> Iterator[Future[TokenMask] | None]:
-        """The constrained prompts' token-0 masks, filled on a thread while the caller's prefill runs."""
+        """The constrained rows' token-0 masks (each choice's row its own matcher), filled on a thread
+        while the caller's prefill runs."""
         constrained = self.constrained
         keys = [i for i, r in enumerate(rows) if r.params.structured_outputs is not None]
         for i in keys:
@@ -135,31 +136,38 @@ class PrefillLoop:
             for i in keys:
                 constrained.drop(i)
 
-    def _forward(self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]) -> list[int]:
+    def _forward(
+        self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow], index: list[int] | None
+    ) -> list[int]:
         """On the forward thread: the prefill and the first tokens' sampling (torch ops large enough to
-        run in parallel, which belong on the one thread that makes this process's parallel calls)."""
+        run in parallel, which belong on the one thread that makes this process's parallel calls).
+        ``index``: each sample row's prompt, where some prompt samples several choices (n > 1)."""
         with self._grammar_masks(rows) as masks:
             logits = self.runner.prefill(items, hook)
-            return self.sampler(logits, rows, None if masks is None else masks.result())
+            return self.sampler(_by_row(logits, index), rows, None if masks is None else masks.result())
 
     def _forward_logprobs(
-        self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow]
-    ) -> tuple[list[int], list[tuple[TokenLogprob | None, list[TokenLogprob] | None]]]:
-        """``_forward`` for a batch where some request asked for logprobs: the same tokens, and for each
-        item its first token's logprobs and its prompt's (every position kept: its prompt is whole)."""
-        keep = [r.params.prompt_logprobs is not None for r in rows]
+        self, items: list[PrefillItem], hook: LayerHook, rows: list[SampleRow], index: list[int] | None
+    ) -> tuple[list[int], list[TokenLogprob | None], list[list[TokenLogprob] | None]]:
+        """``_forward`` for a batch where some request asked for logprobs: the same tokens, each sample
+        row's first token's logprobs, and each item's prompt's (every position kept: its prompt is
+        whole)."""
+        firsts_of = range(len(items)) if index is None else [index.index(i) for i in range(len(items))]
+        keep = [rows[r].params.prompt_logprobs is not None for r in firsts_of]
         with self._grammar_masks(rows) as masks:
             logits, kept = self.runner.prefill_keeping(items, keep, hook)
+            logits = _by_row(logits, index)
             tokens = self.sampler(logits, rows, None if masks is None else masks.result())
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        firsts: dict[int, TokenLogprob] = {}
+        firsts: list[TokenLogprob | None] = [None] * len(rows)
         if asked:
             tops = [rows[i].params.logprobs or 0 for i in asked]
             lps = token_logprobs(logits[asked], [tokens[i] for i in asked], tops)
-            firsts = dict(zip(asked, lps, strict=True))
-        out: list[tuple[TokenLogprob | None, list[TokenLogprob] | None]] = []
+            for i, lp in zip(asked, lps, strict=True):
+                firsts[i] = lp
+        prompts: list[list[TokenLogprob] | None] = []
         start = 0
-        for i, (item, row) in enumerate(zip(items, rows, strict=True)):
+        for i, (item, r) in enumerate(zip(items, firsts_of, strict=True)):
             prompt = None
             if keep[i]:
                 targets = prompt_targets(item.token_ids, item.start_pos, len(item.token_ids))
@@ -167,10 +175,11 @@ class PrefillLoop:
                 def kept_rows(a: int, b: int, first: int = start) -> torch.Tensor:
                     return kept.logits(first + a, first + b)
 
-                prompt = token_logprobs(kept_rows, targets, [row.params.prompt_logprobs or 0] * len(targets))
+                top = rows[r].params.prompt_logprobs or 0
+                prompt = token_logprobs(kept_rows, targets, [top] * len(targets))
                 start += len(item.token_ids)
-            out.append((firsts.get(i), prompt))
-        return tokens, out
+            prompts.append(prompt)
+        return tokens, firsts, prompts
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
@@ -282,7 +291,7 @@ class PrefillLoop:
                 if first is None:
                     await req.handle.abort("prefill cancelled")
                 else:
-                    await req.handle.complete(first)
+                    await req.handle.complete(first, req.choice_tokens)
         except TransferError as e:
             log.warning("transfer of %s ended with %s", job.request_id, e)
         except Exception:
@@ -352,15 +361,25 @@ class PrefillLoop:
             hook = PushHook(live, self._push_lock)
             self.running, self.running_tokens = len(live), sum(j.new_tokens for j in live)
             t0 = time.perf_counter()
-            extras = None  # (first token's logprobs, prompt's) per job: only when some job asks
+            # (each sample row's first token's logprobs, each job's prompt's): only when some job asks
+            extras: tuple[list[TokenLogprob | None], list[list[TokenLogprob] | None]] | None = None
             try:
                 # The first token's penalties see the prompt (a prefill worker has no earlier outputs).
-                rows = [SampleRow(j.payload.params, 0, 0, j.prompt_token_ids) for j in live]
+                # An n > 1 prompt samples every choice's first token from its one row of logits.
+                rows = [
+                    SampleRow(choice_params(j.payload.params, c), 0, 0, j.prompt_token_ids)
+                    for j in live
+                    for c in range(j.payload.params.n)
+                ]
+                index = None
+                if len(rows) > len(live):
+                    index = [i for i, j in enumerate(live) for _ in range(j.payload.params.n)]
                 run, on = asyncio.get_running_loop().run_in_executor, self._forward_thread
                 if any(r.params.logprobs is not None or r.params.prompt_logprobs is not None for r in rows):
-                    tokens, extras = await run(on, self._forward_logprobs, items, hook, rows)
+                    sampled, firsts, prompts = await run(on, self._forward_logprobs, items, hook, rows, index)
+                    extras = firsts, prompts
                 else:
-                    tokens = await run(on, self._forward, items, hook, rows)
+                    sampled = await run(on, self._forward, items, hook, rows, index)
             except BatchCancelled:
                 for j in live:
                     self._forward_over(j, None)
@@ -385,14 +404,21 @@ class PrefillLoop:
             self._observe(dt, sum(j.new_tokens for j in live))
             for j in live:  # every prompt's KV is whole now (a cancelled one's too): later prompts reuse it
                 self.sched.computed(j)
-            for i, (j, tok) in enumerate(zip(live, tokens, strict=True)):
+            tokens, k = [], 0
+            for i, j in enumerate(live):
+                n = j.payload.params.n
+                tokens.append(sampled[k])
+                j.payload.choice_tokens = tuple(int(t) for t in sampled[k + 1 : k + n])
+                if extras is not None:
+                    j.payload.first_logprobs, *j.payload.choice_logprobs = extras[0][k : k + n]
+                    j.payload.prompt_logprobs = extras[1][i]
+                k += n
+            for j, tok in zip(live, tokens, strict=True):
                 req = j.payload
                 if req.given_up or req.result.done():
                     req.fail(AbortedError("prefill cancelled"))
                     self._forward_over(j, None)
                     continue
-                if extras is not None:
-                    req.first_logprobs, req.prompt_logprobs = extras[i]
                 # Answer the router first (TTFT), then complete the transfer in the background.
                 req.first_token_unix = time.time()
                 req.result.set_result((int(tok), dt))
@@ -406,3 +432,8 @@ class PrefillLoop:
             if not self._metrics_failed:
                 log.exception("prefill metrics failed (logged once; the loop goes on)")
                 self._metrics_failed = True
+
+
+def _by_row(logits: torch.Tensor, index: list[int] | None) -> torch.Tensor:
+    """One row of logits per sample row: a prompt's row repeated for each of its choices (n > 1)."""
+    return logits if index is None else logits[index]

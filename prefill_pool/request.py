@@ -81,9 +81,13 @@ class PrefillRequest:
     complete_with: int | None = None  # CLOSING: the first token to complete its transfer with; None: abort
     layers_done: int = 0  # layers its forward has written (the hook counts them, under the push lock)
     first_token_unix: float = 0.0  # when its first token was sampled (wall clock; 0: not yet)
+    # n > 1 (params.n): choices 1..'s first tokens, sampled with choice 0's from the one forward; its
+    # transfer's completion carries them to the decode worker.
+    choice_tokens: tuple[int, ...] = ()
     handle: SenderHandle | None = None
     # Set with ``result`` when the params ask: the first token's logprobs, the prompt's (after its first).
     first_logprobs: Any = None  # engine.logprobs.TokenLogprob
+    choice_logprobs: list[Any] = field(default_factory=list)  # choices 1..'s, as first_logprobs
     prompt_logprobs: list[Any] | None = None
 
     def __post_init__(self) -> None:

@@ -122,9 +122,11 @@ class PrefillServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             prefill_seconds=forward_s,
             first_token_unix=sampled_at,
             cached_tokens=job.cached_tokens,
+            first_token_ids=(first, *job.payload.choice_tokens) if params.n > 1 else (),
         )
         if job.payload.first_logprobs is not None:
             resp.first_logprobs.CopyFrom(logprobs_to_proto([job.payload.first_logprobs])[0])
+            resp.choice_logprobs.extend(logprobs_to_proto(job.payload.choice_logprobs))
         if job.payload.prompt_logprobs is not None:
             resp.prompt_logprobs.extend(logprobs_to_proto(job.payload.prompt_logprobs))
         return resp

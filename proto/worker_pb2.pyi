@@ -44,23 +44,33 @@ PREFILL_MODE_LOCAL: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "deadline_unix", "output_offset")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "deadline_unix", "output_offset", "resumed_choices")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     mode: PrefillMode
     deadline_unix: float
     output_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., deadline_unix: _Optional[float] = ..., output_offset: _Optional[int] = ...) -> None: ...
+    resumed_choices: _containers.RepeatedCompositeFieldContainer[ResumedChoice]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., mode: _Optional[_Union[PrefillMode, str]] = ..., deadline_unix: _Optional[float] = ..., output_offset: _Optional[int] = ..., resumed_choices: _Optional[_Iterable[_Union[ResumedChoice, _Mapping]]] = ...) -> None: ...
+
+class ResumedChoice(_message.Message):
+    __slots__ = ("index", "token_ids")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("transfer_ticket", "first_index", "token_ids", "finish_reason", "admitted_unix", "cached_tokens", "logprobs", "prompt_logprobs")
+    __slots__ = ("transfer_ticket", "first_index", "token_ids", "finish_reason", "admitted_unix", "cached_tokens", "logprobs", "prompt_logprobs", "index")
     TRANSFER_TICKET_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +79,7 @@ class WorkerGenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     transfer_ticket: bytes
     first_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -77,7 +88,8 @@ class WorkerGenerateResponse(_message.Message):
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
-    def __init__(self, transfer_ticket: _Optional[bytes] = ..., first_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., admitted_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, transfer_ticket: _Optional[bytes] = ..., first_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., admitted_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_ticket", "deadline_unix", "attach_key")
@@ -106,7 +118,7 @@ class AttachTicketRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_ticket: _Optional[bytes] = ..., attach_key: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix", "cached_tokens", "first_logprobs", "prompt_logprobs")
+    __slots__ = ("first_token_id", "prefill_seconds", "transfer_seconds", "transfer_bytes", "first_token_unix", "cached_tokens", "first_logprobs", "prompt_logprobs", "first_token_ids", "choice_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +127,8 @@ class PrefillResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_seconds: float
     transfer_seconds: float
@@ -123,7 +137,9 @@ class PrefillResponse(_message.Message):
     cached_tokens: int
     first_logprobs: _generation_pb2.TokenLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    choice_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., choice_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby", "quantization", "kv_layout", "tokenizer_digest", "instance", "prefix_cache_salt")

@@ -42,8 +42,18 @@ class Attempt:
         route = job.route
         assert route is not None, "run() needs a routed job"
         d = route.decode
-        sent = len(out.sent)
         prompt, sampling = prep.prompt_token_ids, prep.sampling
+        choices = out.n  # the choices D runs
+        resumed: list[worker_pb2.ResumedChoice] = []
+        if out.n > 1 and out.any_sent:
+            resumed = await self._resumed_choices(prep, out, write)
+            if not resumed:
+                return
+            choices = len(resumed)
+            sampling = generation_pb2.SamplingParams()
+            sampling.CopyFrom(prep.sampling)
+            sampling.ClearField("prompt_logprobs")  # (sent with token 0)
+        sent = 0 if out.n > 1 else len(out.sent)
         if sent:
             p = prep.params
             if sent >= p.max_tokens:  # everything was sent but the finish: end it here
@@ -67,6 +77,7 @@ class Attempt:
             mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
             deadline_unix=deadline_unix,
             output_offset=sent,
+            resumed_choices=resumed,
         )
         meta = self._channels.metadata(prep.request_id)
         dcall = self._channels.stub(d.address).Generate(req, timeout=timeout, metadata=meta)
@@ -76,7 +87,22 @@ class Attempt:
             finished, pending = await self._remote_start(job, prep, dcall, out, write, timeout, deadline_unix)
             if finished:
                 return
-        await relay_stream(job, d, dcall, out, write, pending, self._budget, self._ops)
+        await relay_stream(job, d, dcall, out, write, pending, self._budget, self._ops, choices)
+
+    async def _resumed_choices(
+        self, prep: Prepared, out: Output, write: Write
+    ) -> list[worker_pb2.ResumedChoice]:
+        """An ``n`` > 1 request moved after some output: its open choices, each to go on from the tokens
+        it sent (one that sent all of max_tokens but its finish ends here)."""
+        resumed = []
+        for i, c in enumerate(out.choices):
+            if c.finished:
+                continue
+            if c.detok.count >= prep.params.max_tokens:
+                await deliver(out, (), c.detok.count, "length", write, index=i)
+                continue
+            resumed.append(worker_pb2.ResumedChoice(index=i, token_ids=c.sent))
+        return resumed
 
     async def _remote_start(
         self,
@@ -123,7 +149,9 @@ class Attempt:
                             )
                         if m.finish_reason:  # D ended the request before any prefill (e.g. aborted)
                             out.prefilled(m.cached_tokens)
-                            await deliver(out, m.token_ids, m.first_index, m.finish_reason, write)
+                            await deliver(
+                                out, m.token_ids, m.first_index, m.finish_reason, write, index=m.index
+                            )
                             return True, None
                         if not m.transfer_ticket:
                             raise RelayError(
@@ -158,7 +186,7 @@ class Attempt:
                         resp = outcome(task, job, p, "prefill", ops)
                     except RelayError:
                         # Once D streams, all KV has arrived: a late prefill failure changes nothing.
-                        if out.detok.count == 0:
+                        if not out.any_sent:
                             raise
                         log.info("request %s: prefill failed after decode started; ignored", prep.request_id)
                     else:
@@ -222,23 +250,34 @@ class Attempt:
     async def _deliver_first(
         self, prep: Prepared, out: Output, resp: worker_pb2.PrefillResponse, write: Write, finish: str = ""
     ) -> bool:
-        """P's answer to the client: token 0 (unless D delivered it already), with its logprobs and the
-        prompt's when asked. ``finish``: the finish when token 0 does not end the request by itself."""
+        """P's answer to the client: every choice's token 0 (unless D delivered it already), with its
+        logprobs and the prompt's when asked. ``finish``: the finish of a token 0 that does not end its
+        choice by itself. True when that finished the request."""
         out.prefilled(resp.cached_tokens)
-        first: list[generation_pb2.TokenLogprobs] = []
+        firsts = list(resp.first_token_ids) if out.n > 1 else [resp.first_token_id]
+        if len(firsts) != out.n:
+            raise RelayError(
+                grpc.StatusCode.INTERNAL, f"prefill worker sent {len(firsts)} first tokens for n={out.n}"
+            )
+        entries: list[generation_pb2.TokenLogprobs | None] = [None] * out.n
         if out.logprobs is not None:
-            entry = resp.first_logprobs if resp.HasField("first_logprobs") else None
-            out.logprobs.prefilled(entry, resp.prompt_logprobs)
-            first = [entry] if entry is not None else []
-        tok = resp.first_token_id
-        return await deliver(out, (tok,), 0, self._first_token_finish(prep, tok) or finish, write, first)
+            if resp.HasField("first_logprobs"):
+                given = [resp.first_logprobs, *resp.choice_logprobs][: out.n]
+                entries[: len(given)] = given
+            out.logprobs.prefilled(entries, resp.prompt_logprobs)
+        for i, (tok, entry) in enumerate(zip(firsts, entries, strict=True)):
+            lps = [entry] if entry is not None else []
+            finish_i = self._first_token_finish(prep, tok) or finish
+            if await deliver(out, (tok,), 0, finish_i, write, lps, i):
+                return True  # (the last choice; or a prompt-only request, whose finishes went at once)
+        return False
 
     @staticmethod
     async def _deliver_decoded(out: Output, m: Any, write: Write) -> bool:
         """One of D's messages to the client (its first ones, before ``relay_stream`` takes over)."""
         out.prefilled(m.cached_tokens)
         lps = m.logprobs if out.logprobs is not None else ()
-        return await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, lps)
+        return await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, lps, m.index)
 
     def _drop_prefill(self, p: Worker, request_id: str, key: str) -> None:
         """Tell P to free the KV of a prefill that will get no ticket (fire and forget: P also drops it

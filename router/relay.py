@@ -70,8 +70,17 @@ class Relay:
         self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float
     ) -> None:
         # Primed with the prompt's tail, as the engine's own stream (offline ``LLM``) is: the same text.
-        stream = self._tok.decode_stream(skip_special_tokens=True, prompt_token_ids=prep.prompt_token_ids)
-        out = Output(prep, Detokenizer(stream, prep.params))
+        # A detokenizer and stop strings per choice (n > 1).
+        out = Output(
+            prep,
+            [
+                Detokenizer(
+                    self._tok.decode_stream(skip_special_tokens=True, prompt_token_ids=prep.prompt_token_ids),
+                    prep.params,
+                )
+                for _ in range(prep.params.n)
+            ],
+        )
         migrations = 0
         step_moves = 0  # moves after a failed step: one only (the request itself may be what breaks it)
         try:
@@ -107,16 +116,16 @@ class Relay:
                     wait = min(timeout or _REROUTE_WAIT_S, _REROUTE_WAIT_S)
                 route = await self._ops.reroute(
                     job,
-                    len(prep.prompt_token_ids) + len(out.sent),
+                    len(prep.prompt_token_ids) + out.most_sent,
                     wait,
                     failed.worker_id,
-                    not out.sent,  # nothing sent yet: any prefill worker may prefill it again
+                    not out.any_sent,  # nothing sent yet: any prefill worker may prefill it again
                 )
                 if isinstance(route, NoRoute):
                     if not full:
                         raise RelayError(failed.code, f"{failed.details}; {route.why}")
                     # A rejection as admission's, unless P's token 0 reached the client before D refused.
-                    rejected = not out.sent
+                    rejected = not out.any_sent
                     if route.kind == "queue_full":  # (as admission refuses it)
                         raise RelayError(grpc.StatusCode.RESOURCE_EXHAUSTED, route.why, rejected=rejected)
                     if route.kind != "no_room":  # no wait helps: nobody can take it
@@ -147,7 +156,7 @@ class Relay:
                     prep.request_id,
                     failed.details,
                     to,
-                    len(out.sent),
+                    out.most_sent,
                     migrations,
                 )
         finally:

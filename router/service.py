@@ -102,9 +102,10 @@ class Router:
             )
         return ModelLimits(context_length=context, vocab_size=self.limits.vocab_size, kv_tokens=kv_tokens)
 
-    async def admit(self, job: Job, timeout_s: float | None, max_tokens: int = 0) -> Route:
+    async def admit(self, job: Job, timeout_s: float | None, max_tokens: int = 0, choices: int = 1) -> Route:
         """Claim a route for ``job``, waiting in the admission queue for room. A request that no live
-        decoding worker could hold even alone (its prompt plus ``max_tokens``, within the context) is
+        decoding worker could hold even alone (its prompt plus ``max_tokens``, within the context; with
+        ``choices`` > 1, that many times: the bound the engine sets, as if no block were shared) is
         refused at once, INVALID_ARGUMENT as the worker itself would."""
         entered = time.monotonic()
         n = job.prompt_len
@@ -118,6 +119,16 @@ class Router:
         total = n + max(max_tokens, 1)
         if context > 0:
             total = min(total, context)
+        if choices > 1:
+            if not can_ever_serve(decoders, choices * total - 1):
+                holds = max(w.kv_blocks_total * w.block_size for w in decoders)
+                raise RelayError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"n is {choices}: {choices} choices of up to {total} tokens (prompt and output) need "
+                    f"{choices * total} tokens of KV cache but the largest decode worker's holds {holds}: "
+                    "lower n or max_tokens",
+                )
+            total = n + choices * (total - n)  # what it holds: the prompt once, every choice's output
         job.total_tokens = total
         job.one_token = max_tokens == 1
         if not can_ever_serve(decoders, total - 1):
@@ -369,7 +380,7 @@ async def _admit(
     job.probe = PromptProbe(router.kv_index, prep.prompt_token_ids)
     router.inflight_ids.add(job.request_id)
     try:
-        await router.admit(job, remaining, prep.params.max_tokens)
+        await router.admit(job, remaining, prep.params.max_tokens, prep.params.n)
     except BaseException:
         await router.finish(job)
         raise

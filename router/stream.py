@@ -57,21 +57,51 @@ class ReadAheadBudget:
             self._room.set()
 
 
-class Output:
-    """What has been sent to the client for one request."""
+class Choice:
+    """What has been sent of one choice of a request (``n`` > 1: each has its own detokenizer and stop
+    strings)."""
 
-    __slots__ = ("request_id", "prompt_tokens", "detok", "sent", "cached_tokens", "logprobs", "prompt_only")
+    __slots__ = ("detok", "sent", "finished")
 
-    def __init__(self, prep: Prepared, detok: Detokenizer) -> None:
-        self.request_id = prep.request_id
-        self.prompt_tokens = len(prep.prompt_token_ids)
+    def __init__(self, detok: Detokenizer) -> None:
         self.detok = detok
         self.sent: list[int] = []  # output token ids sent so far: a migrated stream's input tail
+        self.finished = False
+
+
+class Output:
+    """What has been sent to the client for one request: each of its choices (one unless ``n`` > 1)."""
+
+    __slots__ = ("request_id", "prompt_tokens", "choices", "open", "cached_tokens", "logprobs", "prompt_only")
+
+    def __init__(self, prep: Prepared, detoks: Sequence[Detokenizer]) -> None:
+        self.request_id = prep.request_id
+        self.prompt_tokens = len(prep.prompt_token_ids)
+        self.choices = [Choice(d) for d in detoks]
+        self.open = len(self.choices)  # choices not finished
         # Prompt tokens the worker that prefilled reused from its prefix cache: the first report (P's
         # answer, or a local prefill's first message) stands.
         self.cached_tokens = 0
         self.logprobs = LogprobRelay.of(prep)  # None: the request asked for none
         self.prompt_only = prep.prompt_only  # max_tokens 0: the finish (and prompt logprobs) alone
+
+    @property
+    def n(self) -> int:
+        return len(self.choices)
+
+    @property
+    def sent(self) -> list[int]:
+        """The tokens sent of a request of one choice (``n`` = 1)."""
+        return self.choices[0].sent
+
+    @property
+    def any_sent(self) -> bool:
+        return any(c.detok.count for c in self.choices)
+
+    @property
+    def most_sent(self) -> int:
+        """The most tokens any choice sent."""
+        return max(c.detok.count for c in self.choices)
 
     def prefilled(self, cached_tokens: int) -> None:
         if cached_tokens and not self.cached_tokens:
@@ -85,17 +115,24 @@ async def deliver(
     finish: str,
     write: Write,
     logprobs: Sequence[generation_pb2.TokenLogprobs] = (),
+    index: int = 0,
 ) -> bool:
-    """Send the new part of a worker message to the client. True when the request is finished.
-    ``logprobs``: the message's (those of its last tokens), when the request asked for them."""
+    """Send the new part of a worker message (of choice ``index``) to the client. True when the request
+    is finished (every choice). ``logprobs``: the message's (those of its last tokens), when the request
+    asked for them."""
     if out.prompt_only:
         return await _deliver_prompt_only(out, finish, write)
-    detok = out.detok
+    if index >= len(out.choices):
+        raise RelayError(grpc.StatusCode.INTERNAL, f"worker sent choice {index} of a request of n={out.n}")
+    choice = out.choices[index]
+    if choice.finished:  # (a stop string ended it here; the worker goes on until the request ends)
+        return False
+    detok = choice.detok
     lp = out.logprobs
     entries: list[generation_pb2.TokenLogprobs] = []
     if lp is not None:
         try:
-            entries = lp.aligned(ids, first_index, logprobs)
+            entries = lp.aligned(ids, first_index, logprobs, index)
         except MissingLogprobs as e:
             raise RelayError(grpc.StatusCode.INTERNAL, str(e)) from None
     skip = detok.count - first_index
@@ -114,40 +151,47 @@ async def deliver(
     if detok.stopped:
         ids, finish = ids[:used], "stop"
         entries = entries[:used]
-    out.sent.extend(ids)
+    choice.sent.extend(ids)
     if not finish:
-        resp = _Resp(request_id=out.request_id, token_ids=ids, text=text)
+        resp = _Resp(request_id=out.request_id, token_ids=ids, text=text, index=index)
         if lp is not None:
             lp.attach(resp, entries)
         await write(resp)
         return False
+    choice.finished = True
+    out.open -= 1
     resp = _Resp(
-        request_id=out.request_id,
-        token_ids=ids,
-        text=text + detok.flush(),
-        finish_reason=finish,
-        usage=generation_pb2.Usage(
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=detok.count,
-            cached_tokens=out.cached_tokens,
-        ),
+        request_id=out.request_id, token_ids=ids, text=text + detok.flush(), finish_reason=finish, index=index
     )
+    if not out.open:  # the last choice to finish: the request's usage comes with it
+        resp.usage.CopyFrom(
+            generation_pb2.Usage(
+                prompt_tokens=out.prompt_tokens,  # once, whatever n
+                completion_tokens=sum(c.detok.count for c in out.choices),
+                cached_tokens=out.cached_tokens,
+            )
+        )
     if lp is not None:
         lp.attach(resp, entries)
     await write(resp)
-    return True
+    return not out.open
 
 
 async def _deliver_prompt_only(out: Output, finish: str, write: Write) -> bool:
-    """A prompt-only request (max_tokens 0): its one token is the workers' alone; the client gets the
-    finish with the prompt's logprobs (when asked) and no output."""
+    """A prompt-only request (max_tokens 0): its one token is the workers' alone; the client gets each
+    choice's finish and no output, the first with the prompt's logprobs (when asked), the last with the
+    usage."""
     if not finish:
         return False
-    usage = generation_pb2.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
-    resp = _Resp(request_id=out.request_id, finish_reason="length", usage=usage)
-    if out.logprobs is not None:
-        out.logprobs.attach(resp, ())
-    await write(resp)
+    for index in range(out.n):
+        resp = _Resp(request_id=out.request_id, finish_reason="length", index=index)
+        if index == out.n - 1:
+            resp.usage.CopyFrom(
+                generation_pb2.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens)
+            )
+        if out.logprobs is not None:
+            out.logprobs.attach(resp, ())
+        await write(resp)
     return True
 
 
@@ -160,13 +204,17 @@ async def relay_stream(
     pending: asyncio.Future | None,
     budget: ReadAheadBudget,
     ops: RouterOps,
+    choices: int = 1,
 ) -> None:
-    """Relay D's stream until its finish (or a stop string). The hot loop.
+    """Relay D's stream until its finish (or a stop string). The hot loop. ``choices``: how many choices
+    D runs (``n``, or a migrated request's open ones); its stream ends with their last finish.
 
     D is read ahead of the client's writes (``_read_ahead``): a client that reads slowly, or not at
     all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
     ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
-    reader = asyncio.ensure_future(_read_ahead(job, dcall, pending, ahead, out.prompt_tokens, budget, ops))
+    reader = asyncio.ensure_future(
+        _read_ahead(job, dcall, pending, ahead, out.prompt_tokens, choices, budget, ops)
+    )
     try:
         m = await ahead.get()
         budget.give(1)
@@ -182,9 +230,9 @@ async def relay_stream(
             out.prefilled(m.cached_tokens)
             lp = out.logprobs
             if lp is not None:  # (a local prefill's first message carries the prompt's)
-                lp.prefilled(None, m.prompt_logprobs)
+                lp.prefilled((), m.prompt_logprobs)
             lps = m.logprobs if lp is not None else ()
-            if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, lps):
+            if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, lps, m.index):
                 return
             m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
             budget.give(1)
@@ -206,13 +254,16 @@ async def _read_ahead(
     pending: asyncio.Future | None,
     ahead: asyncio.Queue[Any],
     prompt_tokens: int,
+    choices: int,
     budget: ReadAheadBudget,
     ops: RouterOps,
 ) -> None:
     """D's messages into ``ahead`` as they come (at most one per token; up to ``_READ_AHEAD`` ahead of
     the client, then D waits as before), then its end or its error (raised in order by ``relay_stream``).
-    Each message's tokens grow the job's KV count on D; once D's stream ended, its claim is released."""
+    Each message's tokens grow the job's KV count on D (``choices`` > 1: as if every choice were as long
+    as the message's); once D's stream ended, its claim is released."""
     grow = ops.grow
+    left = choices
     try:
         m = await (pending if pending is not None else dcall.read())
         while True:
@@ -220,11 +271,15 @@ async def _read_ahead(
                 await budget.wait()
             await ahead.put(m)
             budget.used += 1
-            if m is _EOF or m.finish_reason:
+            if m is _EOF:
                 break
+            if m.finish_reason:
+                left -= 1
+                if not left:
+                    break
             # D holds the prompt and every output so far (a migrated try's prompt includes the tokens
             # sent before; ``first_index`` counts them too).
-            grow(job, prompt_tokens + m.first_index + len(m.token_ids))
+            grow(job, prompt_tokens + choices * (m.first_index + len(m.token_ids)))
             m = await dcall.read()
     except BaseException as e:  # noqa: BLE001 - handed to relay_stream, which raises it in its place
         if isinstance(e, asyncio.CancelledError) and cancelling():

@@ -278,7 +278,13 @@ def prepare(
         )
     unset = not sampling.HasField("max_tokens")
     if unset and limits.kv_tokens > len(ids):
-        room = min(room, limits.kv_tokens - len(ids))  # unset: what fits the cache too
+        # Unset: what fits the cache too (n choices: n times, the bound the engine sets).
+        room = min(room, limits.kv_tokens // params.n - len(ids))
+        if room < 1:
+            raise InvalidRequest(
+                f"n is {params.n}, but the prompt has {len(ids)} tokens and the largest decode worker's KV "
+                f"cache has room for {limits.kv_tokens}: not for {params.n} choices"
+            )
     if unset and field == "messages":
         # A chat has no 16-token default (OpenAI's chat API has none; vLLM's chat runs to the context):
         # it runs to its end, or as far as the context and the cache allow.

@@ -16,6 +16,9 @@ so the router must skip token 0 that the prefill worker already returned.
 another worker (``output_offset`` k: its prompt carries the k tokens already sent) continues at output
 index k with ``tokens[k:]``, as the engine does, and never re-sends what the client already has.
 ``fail_at`` n: every stream breaks (UNAVAILABLE) after sending n tokens, as under a dying worker.
+
+A request of ``n`` > 1 choices streams choice ``c``'s output ``choice_tokens[c]`` (default: ``tokens``),
+one token of each open choice in turn; a moved one's ``resumed_choices`` go on from their own tokens.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def _fake_logprobs(msg: worker_pb2.WorkerGenerateResponse, request, remote: bool
     prefill (the prefill worker's), the prompt's with a local prefill's token 0."""
     if request.sampling.HasField("logprobs") and not (remote and msg.first_index == 0):
         msg.logprobs.extend(_fake_entry(t) for t in msg.token_ids)
-    if request.sampling.HasField("prompt_logprobs") and not remote and msg.first_index == 0:
+    if request.sampling.HasField("prompt_logprobs") and not remote and msg.first_index == msg.index == 0:
         msg.prompt_logprobs.extend(_fake_entry(t) for t in request.prompt_token_ids[1:])
 
 
@@ -158,6 +161,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.fail_steps = 0  # Generate calls still to fail as a failed engine step (the worker lives on)
         self.abort_transfers = 0  # remote Generate calls still to end ABORTED: their KV transfer failed
         self.fail_at = fail_at  # each Generate stream breaks after this many tokens (a dying worker)
+        self.choice_tokens: list[list[int]] | None = None  # n > 1: each choice's output (default: tokens)
         self.attached: list[tuple[str, bytes]] = []  # AttachTicket calls: (request id, ticket or b"")
         self.tickets: dict[str, bytes] = {}  # attached before their prefill was done
         self.prefilled: set[str] = set()  # request ids whose (fake) prefill is done
@@ -230,6 +234,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     await self.decode_gate.wait()
             self.started.append(rid)
             self._note()
+            if request.sampling.n > 1:
+                async for m in self._choices(request, context, remote):
+                    yield m
+                return
             last = len(self.tokens) - 1
             hold_at = 1 if rid.startswith("hold-") else self.hold_at
             step_start = time.perf_counter()
@@ -260,6 +268,32 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.active.discard(rid)
             self._note()
 
+    def _output(self, index: int) -> list[int]:
+        return self.tokens if self.choice_tokens is None else self.choice_tokens[index]
+
+    async def _choices(self, request, context, remote: bool):
+        """An n > 1 stream: a token of each open choice in turn (a moved one's choices from their tokens)."""
+        resumed = {c.index: len(c.token_ids) for c in request.resumed_choices}
+        at = resumed or dict.fromkeys(range(request.sampling.n), 0)
+        sent = 0
+        while at:
+            for index, i in list(at.items()):
+                if self.fail_at is not None and sent >= self.fail_at:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is dying")
+                out = self._output(index)
+                last = i == len(out) - 1
+                msg = worker_pb2.WorkerGenerateResponse(
+                    first_index=i, token_ids=[out[i]], finish_reason=self.finish if last else "", index=index
+                )
+                _fake_logprobs(msg, request, remote)
+                yield msg
+                sent += 1
+                if last:
+                    del at[index]
+                else:
+                    at[index] = i + 1
+                await asyncio.sleep(0)
+
     async def Prefill(self, request, context):
         self.metadata_ids.append(request_id_from_metadata(context.invocation_metadata()))
         self.requests.append(request)
@@ -279,11 +313,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 self.transfer_metrics.add_bytes(len(request.prompt_token_ids))
                 self.transfer_metrics.layer_done(1e-5)
                 self.transfer_metrics.transfer_done(1e-4)
+            n = request.sampling.n
             resp = worker_pb2.PrefillResponse(
-                first_token_id=self.tokens[0], transfer_bytes=len(request.prompt_token_ids)
+                first_token_id=self._output(0)[0],
+                transfer_bytes=len(request.prompt_token_ids),
+                first_token_ids=[self._output(c)[0] for c in range(n)] if n > 1 else [],
             )
             if request.sampling.HasField("logprobs"):
-                resp.first_logprobs.CopyFrom(_fake_entry(self.tokens[0]))
+                resp.first_logprobs.CopyFrom(_fake_entry(self._output(0)[0]))
+                resp.choice_logprobs.extend(_fake_entry(self._output(c)[0]) for c in range(1, n))
             if request.sampling.HasField("prompt_logprobs"):
                 resp.prompt_logprobs.extend(_fake_entry(t) for t in request.prompt_token_ids[1:])
             return resp

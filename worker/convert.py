@@ -29,6 +29,7 @@ _OPTIONAL_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "n",
 )
 _LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
 ROLE_TO_PROTO = {

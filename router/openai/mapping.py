@@ -1,8 +1,9 @@
 """OpenAI requests onto ``pdserve.v1`` ``GenerateRequest``, and ``GenerateResponse`` messages back onto
 OpenAI responses and server-sent-event chunks. Pure: protobuf messages, no grpc.
 
-Only what the HTTP API alone has (model name, ``n``, unsupported options) is checked here; values are
-left to the router's own validation, so both fronts reject exactly the same requests.
+Only what the HTTP API alone has (model name, ``best_of``, unsupported options) is checked here; values
+are left to the router's own validation, so both fronts reject exactly the same requests. With ``n`` > 1
+each response message is one choice's (its ``index``): chunks carry it, and a whole body gathers them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import msgspec
 from pdserve.engine.params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, check_prompt_length
 from pdserve.engine.tools import tool_call_text
 from pdserve.proto import generation_pb2 as g
+from pdserve.router.openai.choices import Choices, ChoiceState, chat_choice, completion_choice
 from pdserve.router.openai.logprobs import ResponseOptions, chat_logprobs, completion_logprobs
 from pdserve.router.openai.protocol import (
-    ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
@@ -28,7 +29,6 @@ from pdserve.router.openai.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChatMessageIn,
-    ChatMessageOut,
     Completion,
     CompletionChoice,
     CompletionRequest,
@@ -41,7 +41,7 @@ from pdserve.router.openai.protocol import (
     present,
 )
 from pdserve.router.openai.structured import structured_outputs_of
-from pdserve.router.openai.tools import ToolCallStream, ToolChoice, ToolPlan, tool_plan
+from pdserve.router.openai.tools import ToolChoice, ToolPlan, tool_plan
 
 DONE = b"data: [DONE]\n\n"
 _UINT32 = (1 << 32) - 1
@@ -72,8 +72,6 @@ def check_model(requested: str | None, served: str) -> None:
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Options the API has and pdserve does not implement: refused, never silently ignored."""
-    if req.n not in (None, 1):
-        raise invalid(f"n must be 1 (one choice per request), got {req.n}", "n")
     if present(req.tools) and not isinstance(req, ChatCompletionRequest):
         raise invalid("tools is a chat completions field", "tools")
     if req.stream_options is not None and not req.stream:
@@ -136,6 +134,8 @@ def _sampling(
     constraint = structured_outputs_of(req)
     if constraint is not None:
         s.structured_outputs.CopyFrom(constraint)
+    if req.n is not None:
+        s.n = _bounded("n", req.n, 0, _UINT32)  # (the router checks the range)
     return s
 
 
@@ -179,8 +179,9 @@ def completion_request(req: CompletionRequest, request_id: str, context_length: 
     _check_common(req)
     if req.suffix:
         raise invalid("suffix is not supported", "suffix")
-    if req.best_of not in (None, 1):
-        raise invalid(f"best_of must be 1, got {req.best_of}", "best_of")
+    if req.best_of is not None and req.best_of != (1 if req.n is None else req.n):
+        # best_of would rank choices server-side; only best_of == n (every choice returned) is served.
+        raise invalid(f"best_of must equal n ({req.n or 1}), got {req.best_of}", "best_of")
     if present(req.max_completion_tokens):
         raise invalid(
             "max_completion_tokens is a chat completions field; /v1/completions takes max_tokens",
@@ -381,12 +382,15 @@ def sse_error(err: OpenAIError) -> bytes:
     return b"data: " + encode(ErrorBody(err.info)) + b"\n\n" + DONE
 
 
-def _usage(msg: g.GenerateResponse) -> Usage:
+def _usage(msg: g.GenerateResponse) -> Usage | None:
+    """The request's usage, which its last message carries (n > 1: not every finishing one)."""
+    if not msg.HasField("usage"):
+        return None
     return Usage.of(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
 
 
 class EventStream:
-    """One streaming response: response messages in, SSE bytes out."""
+    """One streaming response: response messages in, SSE bytes out (each chunk one choice's)."""
 
     def __init__(
         self,
@@ -402,85 +406,78 @@ class EventStream:
         self.id, self.created, self.model = response_id, created, model
         self.include_usage = include_usage
         self.usage: Usage | None = None  # from the finishing message
-        self._role_sent = False
-        # Echo or logprobs (None: neither, the plain path): the prompt's text goes with the first chunk;
-        # logprobs wait with their tokens' text (held back while it may begin a stop string).
+        # Echo or logprobs (None: neither, the plain path): the prompt's text goes with a choice's first
+        # chunk; logprobs wait with their tokens' text (held back while it may begin a stop string).
         self.options = options if options is not None and options.any else None
-        self._echoed = False
-        self._pending: list[g.TokenLogprobs] = []
-        self._text_offset = 0
-        # With tools: text that may be a tool call is held back until it is known (``tools.ToolCallStream``).
-        self._calls = ToolCallStream(tools) if tools is not None else None
+        self._tools = tools is not None
+        self._choices = Choices(self.options, tools, streaming=True)
 
     def feed(self, msg: g.GenerateResponse) -> bytes:
         """The events for one message; empty when it adds nothing (text still held back, no finish)."""
         finish = msg.finish_reason or None
         if finish is not None:
-            self.usage = _usage(msg)
-        if self._calls is not None:  # (tool calls are shown without logprobs)
-            return self._feed_with_tools(msg.text, finish)
-        if self.options is not None:
-            return self._feed_shown(msg, finish, self.options)
+            self.usage = _usage(msg) or self.usage
+        opts = self.options
+        st = self._choices.of(msg, opts is not None and opts.logprobs is not None)
+        if self._tools:  # (tool calls are shown without logprobs)
+            return self._feed_with_tools(st, msg.text, finish, msg.index)
+        if opts is not None:
+            return self._feed_shown(st, msg, finish, opts)
         if not msg.text and finish is None:
             return b""
         if self.kind is Kind.COMPLETION:
-            choice = CompletionChoice(index=0, text=msg.text, logprobs=None, finish_reason=finish)
+            choice = CompletionChoice(index=msg.index, text=msg.text, logprobs=None, finish_reason=finish)
             return sse(Completion(self.id, self.created, self.model, [choice], None))
-        return self._role() + self._chat_chunk(ChatDelta(content=msg.text or None), finish)
+        return self._role(st, msg.index) + self._chat_chunk(
+            ChatDelta(content=msg.text or None), finish, msg.index
+        )
 
-    def _role(self) -> bytes:
-        if self._role_sent:
+    def _role(self, st: ChoiceState, index: int) -> bytes:
+        if st.role_sent:
             return b""
         # The role comes in its own first chunk, as OpenAI sends it, right before the first text.
-        self._role_sent = True
-        return self._chat_chunk(ChatDelta(role="assistant", content=""), None)
+        st.role_sent = True
+        return self._chat_chunk(ChatDelta(role="assistant", content=""), None, index)
 
-    def _feed_with_tools(self, text: str, finish: str | None) -> bytes:
-        assert self._calls is not None
-        text = self._calls.feed(text)
+    def _feed_with_tools(self, st: ChoiceState, text: str, finish: str | None, index: int) -> bytes:
+        assert st.calls is not None
+        text = st.calls.feed(text)
         calls = None
         if finish is not None:
-            held, calls = self._calls.finish()
+            held, calls = st.calls.finish()
             text += held
         if calls and finish == "stop":
             deltas = [ToolCallDelta(i, c.id, c.function) for i, c in enumerate(calls)]
-            out = self._role() + self._chat_chunk(ChatDelta(tool_calls=deltas), None)
-            return out + self._chat_chunk(ChatDelta(), "tool_calls")
+            out = self._role(st, index) + self._chat_chunk(ChatDelta(tool_calls=deltas), None, index)
+            return out + self._chat_chunk(ChatDelta(), "tool_calls", index)
         if not text and finish is None:
             return b""
-        return self._role() + self._chat_chunk(ChatDelta(content=text or None), finish)
+        return self._role(st, index) + self._chat_chunk(ChatDelta(content=text or None), finish, index)
 
-    def _feed_shown(self, msg: g.GenerateResponse, finish: str | None, opts: ResponseOptions) -> bytes:
+    def _feed_shown(
+        self, st: ChoiceState, msg: g.GenerateResponse, finish: str | None, opts: ResponseOptions
+    ) -> bytes:
         """``feed`` of a response that shows the prompt (echo) or logprobs."""
-        if opts.logprobs is not None:
-            if opts.echo is not None:
-                self._pending.extend(msg.prompt_logprobs)  # (on the first message)
-            self._pending.extend(msg.logprobs)
         if not msg.text and finish is None:
             return b""
-        entries, self._pending = self._pending, []
+        entries = st.take_pending()
         if self.kind is Kind.COMPLETION:
-            text = msg.text
-            if opts.echo is not None and not self._echoed:
-                text, self._echoed = opts.echo + text, True
             lps = None
             if opts.logprobs is not None:
-                lps = completion_logprobs(entries, opts.token_text, self._text_offset)
+                lps = completion_logprobs(entries, opts.token_text, st.text_offset)
                 if lps.tokens:
-                    self._text_offset = lps.text_offset[-1] + len(lps.tokens[-1])
-            choice = CompletionChoice(index=0, text=text, logprobs=lps, finish_reason=finish)
+                    st.text_offset = lps.text_offset[-1] + len(lps.tokens[-1])
+            text = st.echo(msg.text, opts)
+            choice = CompletionChoice(index=msg.index, text=text, logprobs=lps, finish_reason=finish)
             return sse(Completion(self.id, self.created, self.model, [choice], None))
-        out = b""
-        if not self._role_sent:
-            self._role_sent = True
-            out = self._chat_chunk(ChatDelta(role="assistant", content=""), None)
         chat = chat_logprobs(entries, opts.token_text) if opts.logprobs is not None else None
-        return out + self._chat_chunk(ChatDelta(content=msg.text or None), finish, chat)
+        delta = ChatDelta(content=msg.text or None)
+        return self._role(st, msg.index) + self._chat_chunk(delta, finish, msg.index, chat)
 
     def _chat_chunk(
-        self, delta: ChatDelta, finish: str | None, logprobs: ChatLogprobs | None = None
+        self, delta: ChatDelta, finish: str | None, index: int = 0, logprobs: ChatLogprobs | None = None
     ) -> bytes:
-        choice = ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)
         return sse(ChatCompletionChunk(self.id, self.created, self.model, [choice], None))
 
     def end(self) -> bytes:
@@ -495,7 +492,7 @@ class EventStream:
 
 
 class Collected:
-    """A non-streaming response: the messages gathered, then one body."""
+    """A non-streaming response: the messages gathered, then one body (a choice per index)."""
 
     def __init__(
         self,
@@ -509,38 +506,27 @@ class Collected:
         self.kind = kind
         self.id, self.created, self.model = response_id, created, model
         self.tools = tools
-        self._text: list[str] = []
-        self.finish: str | None = None
         self.usage: Usage | None = None
         self.options = options or ResponseOptions()
-        self._logprobs: list[g.TokenLogprobs] = []  # the prompt's (shown with echo), then the output's
+        # Each choice's text and logprobs (the prompt's first, shown with echo, then the output's).
+        self._choices = Choices(self.options, None, streaming=False)
+
+    @property
+    def finish(self) -> str | None:
+        """Choice 0's finish reason (None: not finished)."""
+        return self._choices.finish(0)
 
     def feed(self, msg: g.GenerateResponse) -> None:
-        self._text.append(msg.text)
-        if self.options.logprobs is not None:
-            if self.options.echo is not None:
-                self._logprobs.extend(msg.prompt_logprobs)
-            self._logprobs.extend(msg.logprobs)
+        st = self._choices.of(msg, self.options.logprobs is not None)
+        st.text.append(msg.text)
         if msg.finish_reason:
-            self.finish = msg.finish_reason
-            self.usage = _usage(msg)
+            self.usage = _usage(msg) or self.usage
 
     def response(self) -> bytes:
-        text = "".join(self._text)
-        opts = self.options
+        opts, by_index = self.options, self._choices.by_index
+        indices = self._choices.indices()
         if self.kind is Kind.COMPLETION:
-            lps = None if opts.logprobs is None else completion_logprobs(self._logprobs, opts.token_text)
-            if opts.echo is not None:
-                text = opts.echo + text
-            choice = CompletionChoice(index=0, text=text, logprobs=lps, finish_reason=self.finish)
-            return encode(Completion(self.id, self.created, self.model, [choice], self.usage))
-        logprobs = None if opts.logprobs is None else chat_logprobs(self._logprobs, opts.token_text)
-        calls = self.tools.calls(text) if self.tools is not None and self.finish == "stop" else None
-        if calls:
-            message = ChatMessageOut(None, "assistant", calls)
-            chat = ChatChoice(index=0, message=message, logprobs=None, finish_reason="tool_calls")
-            return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))
-        chat = ChatChoice(
-            index=0, message=ChatMessageOut(text, "assistant"), logprobs=logprobs, finish_reason=self.finish
-        )
-        return encode(ChatCompletion(self.id, self.created, self.model, [chat], self.usage))
+            choices = [completion_choice(i, by_index.get(i), opts) for i in indices]
+            return encode(Completion(self.id, self.created, self.model, choices, self.usage))
+        chats = [chat_choice(i, by_index.get(i), opts, self.tools) for i in indices]
+        return encode(ChatCompletion(self.id, self.created, self.model, chats, self.usage))

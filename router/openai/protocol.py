@@ -391,6 +391,7 @@ _PARAM_NAMES = {
     "repetition_penalty": "repetition_penalty",
     "logit_bias": "logit_bias",
     "structured_outputs": "response_format",
+    "n": "n",
     "request_id": "X-Request-ID",  # the HTTP front takes the id from that header
     "logprobs": "logprobs",
     "prompt_logprobs": "prompt_logprobs",

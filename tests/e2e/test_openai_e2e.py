@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import grpc
@@ -513,5 +514,145 @@ def test_a_constrained_request_on_1p1d_obeys_the_grammar_from_the_prefill_worker
         max_tokens=256,
     )
     assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Contact)
+
+
+def _prefill_counters(c) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The prefill worker's transfers opened, KV bytes sent and prompt tokens prefilled, from its metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (prefill,) = [w for w in c.workers() if w["role"] == "prefill"]
+    with urllib.request.urlopen(prefill["metrics_url"], timeout=10) as resp:
+        text = resp.read().decode()
+    names = {
+        "pdserve_kv_transfer_opened_total": "opened",
+        "pdserve_kv_transfer_bytes_total": "bytes",
+        "pdserve_prefill_tokens_total": "prefilled",
+    }
+    out = dict.fromkeys(names.values(), 0.0)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in names and s.labels.get("role") == "prefill":
+                out[names[s.name]] += s.value
+    return out
+
+
+def test_n_choices_cross_once_in_1p1d_and_equal_requests_with_the_derived_seeds(
+    pd_http_cluster, http_cluster, served
+):
+    """n=4 on 1P+1D: the prompt is prefilled once and its KV crosses once (one transfer, the bytes of an
+    n=1 request of a prompt as long); usage counts the prompt once. With a seed the four choices are the
+    four requests seeded seed..seed+3 (a prompt shorter than a KV block: no prefix-cache hit changes how
+    any of them is computed), and a colocated worker's; the SDK's n=3, streamed and not, gives the same
+    choices by index."""
+    c = pd_http_cluster
+    sampling = {"max_tokens": 8, "temperature": 1.0, "ignore_eos": True}
+
+    def run(req: g.GenerateRequest, on=c) -> tuple[dict[int, tuple[list[int], str, str]], g.Usage]:
+        choices: dict[int, tuple[list[int], str, str]] = {}
+        with on.channel() as channel:
+            _, _, _, msgs = generate(on.stub(channel), req)
+        for _, m in msgs:
+            ids_, text, finish = choices.get(m.index, ([], "", ""))
+            choices[m.index] = (ids_ + list(m.token_ids), text + m.text, m.finish_reason or finish)
+        assert [m.HasField("usage") for _, m in msgs].count(True) == 1
+        return choices, msgs[-1][1].usage
+
+    # Two fresh prompts of 40 tokens (two full KV blocks and a partial one): n=1, then n=4.
+    moved = []
+    for first, n in ((300, 1), (700, 4)):
+        before = _prefill_counters(c)
+        req = g.GenerateRequest(
+            prompt_token_ids=g.TokenIds(ids=list(range(first, first + 40))),
+            sampling=g.SamplingParams(n=n, **sampling),
+        )
+        choices, usage = run(req)
+        after = _prefill_counters(c)
+        assert sorted(choices) == list(range(n)) and all(len(t) == 8 for t, _, _ in choices.values())
+        assert (usage.prompt_tokens, usage.completion_tokens) == (40, 8 * n)
+        assert after["opened"] - before["opened"] == 1 and after["prefilled"] - before["prefilled"] == 40
+        moved.append(after["bytes"] - before["bytes"])
+    assert moved[0] > 0 and moved[1] == moved[0]  # one prompt's KV, whatever n
+
+    seeded = g.SamplingParams(n=4, seed=2**64 - 2, **sampling)  # choices 2 and 3 wrap to seeds 0 and 1
+    choices, _ = run(g.GenerateRequest(prompt=PROMPTS[0], sampling=seeded))
+    for i in range(4):
+        alone = g.SamplingParams(seed=(seeded.seed + i) % 2**64, **sampling)
+        one, _ = run(g.GenerateRequest(prompt=PROMPTS[0], sampling=alone))
+        assert choices[i] == one[0], i
+    assert len({tuple(t) for t, _, _ in choices.values()}) > 1
+    assert run(g.GenerateRequest(prompt=PROMPTS[0], sampling=seeded), http_cluster)[0] == choices  # colocated
+
+    client = openai.OpenAI(base_url=f"{c.http_url}/v1", api_key="none", max_retries=0, timeout=60)
+    kw = {
+        "model": served,
+        "prompt": PROMPTS[0],
+        "n": 3,
+        "seed": 7,
+        "max_tokens": 8,
+        "extra_body": {"ignore_eos": True},
+    }
+    r = client.completions.create(**kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 24  # the prompt once: usage is the request's
+    streamed = {0: "", 1: "", 2: ""}
+    finishes = {}
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    for ch in chunks:
+        for choice in ch.choices:
+            streamed[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert [streamed[i] for i in range(3)] == [ch.text for ch in r.choices]
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert (
+        chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens and chunks[-1].usage.completion_tokens == 24
+    )
+    chat = client.chat.completions.create(model=served, messages=CHAT, n=3, seed=7, max_tokens=4)
+    assert [ch.index for ch in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens <= 12
     client.close()
     c.assert_no_leaks()
+    http_cluster.assert_no_leaks()
+
+
+def test_n_choices_with_logprobs_and_a_grammar_on_1p1d_equal_the_colocated_workers(
+    pd_http_cluster, http_cluster, served
+):
+    """Seeded n=3 with logprobs and a regex on 1P+1D: the prefill worker samples and scores every choice's
+    token 0 under the grammar, the decode worker forks the choices with a matcher each; every choice
+    matches the grammar, its logprobs are of its own tokens, and all equal a colocated worker's. With echo
+    (completions) every choice's text starts with the prompt."""
+    sampling = g.SamplingParams(
+        n=3, seed=11, temperature=1.0, max_tokens=12, logprobs=1, prompt_logprobs=0, presence_penalty=0.5
+    )
+    sampling.structured_outputs.regex = "(cat|dog|owl) [0-9]{2,4}"
+    req = g.GenerateRequest(prompt=PROMPTS[0], sampling=sampling)
+
+    def run(on) -> dict[int, tuple[list[int], str, list[float]]]:
+        with on.channel() as channel:
+            _, _, _, msgs = generate(on.stub(channel), req)
+        assert [bool(m.prompt_logprobs) for _, m in msgs].count(True) == 1  # the prompt's once
+        out: dict[int, tuple[list[int], str, list[float]]] = {}
+        for _, m in msgs:
+            assert [e.token_id for e in m.logprobs] == list(m.token_ids)  # each choice's own
+            ids_, text, lps = out.get(m.index, ([], "", []))
+            out[m.index] = (ids_ + list(m.token_ids), text + m.text, lps + [e.logprob for e in m.logprobs])
+        return out
+
+    pd, co = run(pd_http_cluster), run(http_cluster)
+    assert sorted(pd) == [0, 1, 2]
+    for i in range(3):
+        assert re.fullmatch("(cat|dog|owl) [0-9]{2,4}", pd[i][1]), pd[i][1]
+        assert pd[i][0] == co[i][0] and pd[i][2] == pytest.approx(co[i][2], abs=LOGPROB_TOL)
+    client = openai.OpenAI(
+        base_url=f"{pd_http_cluster.http_url}/v1", api_key="none", max_retries=0, timeout=60
+    )
+    r = client.completions.create(
+        model=served, prompt=PROMPTS[0], n=2, seed=3, max_tokens=4, echo=True, logprobs=1
+    )
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert all(ch.text.startswith(PROMPTS[0]) and ch.logprobs.token_logprobs[0] is None for ch in r.choices)
+    client.close()
+    pd_http_cluster.assert_no_leaks()
+    http_cluster.assert_no_leaks()

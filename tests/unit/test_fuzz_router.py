@@ -57,6 +57,7 @@ def sampling(draw) -> g.SamplingParams:
         ("repetition_penalty", st.one_of(st.floats(-0.5, 3, width=32), floats)),
         ("logprobs", st.one_of(st.integers(0, 25), uint32)),
         ("prompt_logprobs", st.one_of(st.integers(0, 25), uint32)),
+        ("n", st.one_of(st.integers(0, 4), st.integers(120, 140), uint32)),
     ):
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
@@ -131,7 +132,8 @@ http_body = st.one_of(
             "stop": st.one_of(text, st.lists(text, max_size=80)),
             "stream": st.booleans(),
             "tokens": st.lists(st.integers(-(2**40), 2**40), max_size=6),
-            "n": st.integers(-2, 3),
+            "n": st.one_of(st.integers(-2, 3), st.integers(120, 140), st.integers(2**31, 2**40)),
+            "best_of": st.integers(-1, 4),
             "presence_penalty": st.one_of(st.floats(-3, 3), json_value),
             "frequency_penalty": st.one_of(st.floats(allow_subnormal=False), json_value),
             "repetition_penalty": st.one_of(st.floats(-1, 3), json_value),

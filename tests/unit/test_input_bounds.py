@@ -48,6 +48,9 @@ HOSTILE = [
     (request("the cat", logit_bias={1: 100.5}), "sampling.logit_bias", "[-100, 100]"),
     (request("the cat", logit_bias={1: float("nan")}), "sampling.logit_bias", "[-100, 100]"),
     (request("the cat", logit_bias=dict.fromkeys(range(5000), 1.0)), "sampling.logit_bias", "at most 300"),
+    (request("the cat", n=0), "sampling.n", "[1, 128]"),
+    (request("the cat", n=4_000_000_000), "sampling.n", "[1, 128]"),
+    (request("the cat", n=128, max_tokens=20), "n is 128", "lower n or max_tokens"),  # the KV cache
     (
         g.GenerateRequest(prompt_token_ids=g.TokenIds(ids=[1] * 1_000_000)),
         "prompt_token_ids has 1000000 tokens",
@@ -115,6 +118,9 @@ def test_hostile_http_requests_are_400_naming_the_field(model_dir):
                 ({"prompt": "the cat", "logit_bias": {str(VOCAB): 1}}, "logit_bias", None),
                 ({"prompt": "the cat", "logit_bias": {"3": -101}}, "logit_bias", None),
                 ({"prompt": "the cat", "logit_bias": {"three": 1}}, "logit_bias", None),
+                ({"prompt": "the cat", "n": 129}, "n", None),
+                ({"prompt": "the cat", "n": 100, "max_tokens": 20}, "n", None),
+                ({"prompt": "the cat", "n": 2, "best_of": 3}, "best_of", None),
             ]
             async with aiohttp.ClientSession() as http:
                 for body, param, code in cases:
@@ -127,7 +133,11 @@ def test_hostile_http_requests_are_400_naming_the_field(model_dir):
                 value = server.router.metrics.registry.get_sample_value
                 key = ("pdserve_requests_rejected_total", {"role": "router", "code": "INVALID_ARGUMENT"})
                 before = value(*key)
-                for body in ({"prompt": "x", "n": 2}, {"prompt": "x", "model": "nope"}, {"prompt": [[]]}):
+                for body in (
+                    {"prompt": "x", "best_of": 2},
+                    {"prompt": "x", "model": "nope"},
+                    {"prompt": [[]]},
+                ):
                     async with http.post(url, json=body) as resp:
                         assert resp.status in (400, 404)
                 async with http.post(url, data=b"{not json") as resp:

@@ -105,9 +105,11 @@ def test_lifecycle_bit_exact_and_handover(dtype: torch.dtype, scattered: bool, b
             thread.join()
         else:
             push_from_thread(handle, range(L))
-        stats = await handle.complete(first_token_id=4242)
+        choices = (7, 8) if scattered else ()  # an n = 3 request's other choices' first tokens ride along
+        stats = await handle.complete(first_token_id=4242, choice_token_ids=choices)
         result = await rx.wait("r1")
         assert result.first_token_id == 4242 and result.num_tokens == 37
+        assert result.choice_token_ids == choices
         assert list(result.block_ids) == list(ticket.block_ids)
         assert same_bytes(dec.kv[:, list(result.block_ids)], pre.kv[:, src])
         nbytes = L * len(src) * dec.kv[0, 0].numel() * dec.kv.element_size()

@@ -126,14 +126,14 @@ def _prepared(**kw) -> Prepared:
 
 def test_the_router_merges_token_0_from_the_prefill_worker_with_the_decode_stream():
     prep = _prepared(logprobs=1, prompt_logprobs=1)
-    out = Output(prep, Detokenizer(_Stream(), prep.params))
+    out = Output(prep, [Detokenizer(_Stream(), prep.params)])
     sent: list[g.GenerateResponse] = []
 
     async def write(resp):
         sent.append(resp)
 
     async def main():
-        out.logprobs.prefilled(OUT[0], PROMPT[1:])  # P's answer: token 0's and the prompt's
+        out.logprobs.prefilled([OUT[0]], PROMPT[1:])  # P's answer: token 0's and the prompt's
         await deliver(out, [3], 0, "", write, [OUT[0]])
         # D's first message repeats token 0 without its logprobs (P sampled it): skipped.
         await deliver(out, [3, 4], 0, "length", write, OUT[1:])
@@ -143,7 +143,7 @@ def test_the_router_merges_token_0_from_the_prefill_worker_with_the_decode_strea
     assert [e.token_id for e in sent[0].prompt_logprobs] == [1, 2] and not sent[1].prompt_logprobs
     assert [list(m.logprobs) for m in sent] == [OUT[:1], OUT[1:]]
     # Tokens without logprobs where none may be missing: an error, never a silent gap.
-    bare = Output(prep, Detokenizer(_Stream(), prep.params))
+    bare = Output(prep, [Detokenizer(_Stream(), prep.params)])
     with pytest.raises(Exception, match="sent 0 logprobs for 1 tokens"):
         asyncio.run(deliver(bare, [3], 1, "", write, []))
     assert LogprobRelay.of(_prepared()) is None

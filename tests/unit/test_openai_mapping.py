@@ -126,7 +126,7 @@ def test_chat_maps_messages_text_parts_and_max_completion_tokens():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": -1}, "n"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "logprobs": -1}, "logprobs"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # (0, the prompt alone, needs echo)

@@ -6,6 +6,7 @@ recording stand-in for the KV sender."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.params import SamplingParams
+from pdserve.engine.params import SamplingParams, choice_params
 from pdserve.engine.sampler import Sampler
 from pdserve.prefill_pool import loop as loop_mod
 from pdserve.prefill_pool import tickets
@@ -32,6 +33,7 @@ class _Handle:
         self.pushed: list[int] = []
         self.during_forward: list[bool] = []  # per push: was the forward still running
         self.completed: int | None = None
+        self.choice_tokens: tuple[int, ...] = ()  # an n > 1 request's other choices' first tokens
         self.aborted: str | None = None
         self.groups: list[tuple[int, int]] = []  # push_layers calls: (first, count)
 
@@ -45,9 +47,9 @@ class _Handle:
         for layer in range(first, first + count):
             self.push_layer(layer)
 
-    async def complete(self, first: int) -> None:
+    async def complete(self, first: int, choice_tokens: tuple[int, ...] = ()) -> None:
         assert sorted(self.pushed) == list(range(self.num_layers)), "completed before every layer was pushed"
-        self.completed = first
+        self.completed, self.choice_tokens = first, choice_tokens
 
     async def abort(self, reason: str) -> None:
         self.aborted = reason
@@ -107,6 +109,55 @@ def test_the_first_token_comes_before_the_ticket_and_the_kv_moves_whole_after(ru
         # The same prompt with its ticket at submit: the same token, the layers pushed by the forward.
         _, result = loop.submit("s", PROMPT, params, _ticket())  # type: ignore[arg-type]
         assert (await asyncio.wait_for(result, 30))[0] == first
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+def test_n_choices_sample_every_first_token_from_one_forward_and_one_transfer(runner: ModelRunner) -> None:
+    """An n = 3 prompt: one forward, one transfer, whose completion carries every choice's first token,
+    each what a request of its own with the derived seed samples."""
+
+    async def main() -> None:
+        loop, sender = _loop(runner)
+        params = SamplingParams(n=3, seed=11, max_tokens=4)
+        job, result = loop.submit("r", PROMPT, params, _ticket())  # type: ignore[arg-type]
+        first, _ = await asyncio.wait_for(result, 30)
+        await _until(lambda: sender.handles and sender.handles[0].completed is not None)
+        (h,) = sender.handles
+        assert h.completed == first and len(h.choice_tokens) == 2 == len(job.payload.choice_tokens)
+        alone = []
+        for i in range(3):
+            _, r = loop.submit(f"s{i}", PROMPT, choice_params(params, i), _ticket())  # type: ignore[arg-type]
+            alone.append((await asyncio.wait_for(r, 30))[0])
+        assert [first, *h.choice_tokens] == alone
+        await _until(lambda: _used(loop) == 0)
+        await loop.close()
+
+    asyncio.run(main())
+
+
+def test_n_choices_each_get_their_first_tokens_logprobs_and_the_prompts_once(runner: ModelRunner) -> None:
+    """n = 3 with logprobs: each choice's first token comes with its own entry (of its own token), equal to
+    a request of its own with the derived seed; the prompt's are computed once for the request."""
+
+    async def main() -> None:
+        loop, _ = _loop(runner)
+        params = SamplingParams(n=3, seed=11, max_tokens=4, logprobs=2, prompt_logprobs=1)
+        job, result = loop.submit("r", PROMPT, params, _ticket())  # type: ignore[arg-type]
+        first, _ = await asyncio.wait_for(result, 30)
+        req = job.payload
+        entries = [req.first_logprobs, *req.choice_logprobs]
+        assert [e.token_id for e in entries] == [first, *req.choice_tokens]
+        assert all(len(e.top_ids) == 2 for e in entries)
+        assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == len(PROMPT) - 1
+        for i in range(3):
+            one = dataclasses.replace(choice_params(params, i), prompt_logprobs=None)
+            j, r = loop.submit(f"s{i}", PROMPT, one, _ticket())  # type: ignore[arg-type]
+            await asyncio.wait_for(r, 30)
+            assert j.payload.first_logprobs.token_id == entries[i].token_id
+            assert abs(j.payload.first_logprobs.logprob - entries[i].logprob) < 1e-4
         await _until(lambda: _used(loop) == 0)
         await loop.close()
 
