@@ -53,7 +53,7 @@ dashboards: $(STAMP)
 # (tests/e2e). Both folders are named, so a run always collects tests (never pytest's exit 5: none).
 # Test files run in TEST_PROCS processes (a file's tests stay together, so module-scoped clusters are
 # shared): the e2e tests spend most of their time waiting on workers, so more processes than cores pay.
-TEST_PROCS ?= 3
+TEST_PROCS ?= 4
 test: lint prometheus alertmanager
 	$(PY) -m pytest -n $(TEST_PROCS) --dist loadfile tests/unit tests/e2e
 

@@ -159,9 +159,14 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests skip cleanly where torch sees no CUDA device (CI, this project's CPU hosts)."""
+    """Files with slow tests run first, the e2e ones first among them: pytest-xdist hands out files in this
+    order, so the longest start early and the many short files fill the processes' ends (file order is
+    kept otherwise, and a file's tests stay in theirs). ``gpu`` tests skip cleanly where torch sees no CUDA
+    device (CI, this project's CPU hosts)."""
     import torch
 
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (item.path not in slow_files, "e2e" not in item.path.parts))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine: pytest -m gpu)")
