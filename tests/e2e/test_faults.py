@@ -243,7 +243,9 @@ def two_prefill(tmp_path_factory):
     # 3 s: long enough that a healthy worker's heartbeats are not missed in its first forward on a loaded
     # 2-core machine (seen once at 1.5 s: the other prefill worker dropped, which would fail the hang
     # test's "moved to the other one").
-    extra = (*REMOTE, "--heartbeat-timeout", "3")
+    # Prefix caching off: the tests send the undisturbed run's prompts again, and a cached prompt's prefill
+    # is a forward of one block, too short a window to catch a worker in.
+    extra = (*REMOTE, "--heartbeat-timeout", "3", "--no-enable-prefix-caching")
     with running_cluster(tmp_path_factory.mktemp("two-prefill"), prefill=2, decode=1, extra=extra) as c:
         reqs = _prompts(**HANG_OR_KILL_PROMPTS, prefix="undisturbed")
         want = run_all(c.address, reqs)
