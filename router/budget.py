@@ -1,13 +1,14 @@
-"""The time-to-first-token budget of admission (``--admission-ttft-s``): predict how long a routed prompt
-would wait for its first token on the worker that prefills it, so a request that would not make the budget
-is refused at once instead of queueing. Pure logic: no grpc, no torch."""
+"""Admission's bounds on waiting: the time-to-first-token budget (``--admission-ttft-s``) predicts how long a
+routed prompt would wait for its first token on the worker that prefills it, so a request that would not
+make the budget is refused at once instead of queueing; the prefill queue bound
+(``--max-prefill-queue-tokens``) does the same in tokens. Pure logic: no grpc, no torch."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from pdserve.router.policy import Route
+from pdserve.router.policy import QueueFullError, Route
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,38 @@ def retry_after_s(prediction: TtftPrediction, budget_s: float) -> int:
     """Whole seconds until the queue ahead has drained enough for the prompt to fit the budget (at least 1):
     the Retry-After of a refusal."""
     return max(1, math.ceil(prediction.seconds - budget_s))
+
+
+def check_ttft_budget(route: Route, prompt_len: int, budget_s: float) -> float:
+    """Refuse (QueueFullError, at once) a request whose predicted time to first token on ``route`` is over
+    ``budget_s``; else the prediction in seconds (checked against its actual TTFT in a metric), 0 when the
+    worker has measured no rate yet."""
+    pred = predict_ttft(route, prompt_len)
+    if pred is None:
+        return 0.0
+    if pred.seconds > budget_s:
+        w = route.prefill if route.prefill is not None else route.decode
+        raise QueueFullError(
+            f"the predicted time to first token is {pred.seconds:.3g}s, over the budget of "
+            f"{budget_s:.3g}s ({pred.tokens_ahead} prompt tokens queued on {w.worker_id} before its "
+            f"{pred.own_tokens}, at {pred.tokens_per_s:.0f} tokens/s)",
+            "ttft_budget",
+            retry_after_s(pred, budget_s),
+        )
+    return pred.seconds
+
+
+def check_prefill_queue(route: Route, prompt_len: int, bound: int) -> None:
+    """Refuse (QueueFullError) a prompt that would queue behind ``bound`` prompt tokens on the least loaded
+    prefill worker (the one ``choose_route`` picked): it would wait longer than the cluster is sized for. A
+    prompt alone on an idle worker is always taken; 0: no bound."""
+    p = route.prefill
+    if p is None or not bound:
+        return
+    queued = p.assigned_prefill_tokens
+    if queued and queued + prompt_len > bound:
+        raise QueueFullError(
+            f"the prefill queue is full ({queued} prompt tokens queued on {p.worker_id}, "
+            f"the bound is {bound})",
+            "prefill_queue_full",
+        )

@@ -10,7 +10,7 @@ import time
 import grpc
 
 from pdserve.proto import generation_pb2, generation_pb2_grpc
-from pdserve.router.budget import predict_ttft, retry_after_s
+from pdserve.router.budget import check_prefill_queue, check_ttft_budget
 from pdserve.router.channels import WorkerChannels
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import ClientGone, is_batch_error, worker_failure
@@ -157,9 +157,9 @@ class Router:
                 self.registry.ready(), n, self.routing, job.total_tokens, job.one_token, job.probe
             )
             if route is not None:
-                self._check_prefill_queue(route, n)
+                check_prefill_queue(route, n, self.config.max_prefill_queue_tokens)
                 if budget:
-                    self._check_ttft_budget(job, route, n, budget)
+                    job.predicted_ttft_s = check_ttft_budget(route, n, budget)
                 self.ledger.claim(job, route)
                 self.metrics.routed(route)
             return route
@@ -189,39 +189,6 @@ class Router:
             raise RelayError(grpc.StatusCode.UNAVAILABLE, f"no worker had room within {wait:.3g}s")
         self.metrics.queue_time.observe(time.monotonic() - entered)
         return route
-
-    def _check_ttft_budget(self, job: Job, route: Route, prompt_len: int, budget_s: float) -> None:
-        """Refuse (QueueFullError, at once) a request whose predicted time to first token on ``route`` is
-        over ``budget_s``; else remember the prediction (checked against its actual TTFT in a metric)."""
-        pred = predict_ttft(route, prompt_len)
-        if pred is None:
-            return
-        if pred.seconds > budget_s:
-            w = route.prefill if route.prefill is not None else route.decode
-            raise QueueFullError(
-                f"the predicted time to first token is {pred.seconds:.3g}s, over the budget of "
-                f"{budget_s:.3g}s ({pred.tokens_ahead} prompt tokens queued on {w.worker_id} before its "
-                f"{pred.own_tokens}, at {pred.tokens_per_s:.0f} tokens/s)",
-                "ttft_budget",
-                retry_after_s(pred, budget_s),
-            )
-        job.predicted_ttft_s = pred.seconds
-
-    def _check_prefill_queue(self, route: Route, prompt_len: int) -> None:
-        """Refuse (QueueFullError) a prompt that would queue behind ``max_prefill_queue_tokens`` on the
-        least loaded prefill worker (the one ``choose_route`` picked): it would wait longer than the
-        cluster is sized for. A prompt alone on an idle worker is always taken."""
-        bound = self.config.max_prefill_queue_tokens
-        p = route.prefill
-        if p is None or not bound:
-            return
-        queued = p.assigned_prefill_tokens
-        if queued and queued + prompt_len > bound:
-            raise QueueFullError(
-                f"the prefill queue is full ({queued} prompt tokens queued on {p.worker_id}, "
-                f"the bound is {bound})",
-                "prefill_queue_full",
-            )
 
     async def reroute(
         self, job: Job, prompt_len: int, wait_s: float, avoid: str = "", remote: bool = False
