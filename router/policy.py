@@ -46,18 +46,24 @@ class RoutingConfig:
     local_prefill_threshold: int = 256
     policy: RoutingPolicy = RoutingPolicy.KV_AWARE
     # The guard: a worker already assigned more than this many times the least assigned worker's requests
-    # (plus one) gets no prefix credit-based pick over the less busy ones.
+    # plus ``balance_slack`` gets no prefix credit-based pick over the less busy ones. A slack of two lets
+    # the worker that caches a prefix keep it while a couple of requests run there and none elsewhere (few
+    # requests in flight); the factor bounds a hot prefix's pile-up once many are.
     balance: float = 1.25
+    balance_slack: int = 2
     # What one prompt block a decode worker must receive (or compute) costs against one block in use on it:
-    # moving and computing a block costs more than holding one, so a worker that caches the prefix keeps it
-    # while it runs a request or so more than the others (the guard bounds how many more).
-    prefix_weight: float = 2.0
+    # moving a block, and computing it where the prefill worker lost it too, costs more than holding one,
+    # so a worker that caches a prefix keeps it while it runs two or three requests more than the others
+    # (the guard bounds how many more).
+    prefix_weight: float = 3.0
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0")
         if self.balance < 1:
             raise ValueError(f"balance must be >= 1, got {self.balance}")
+        if self.balance_slack < 0:
+            raise ValueError(f"balance_slack must be >= 0, got {self.balance_slack}")
         if self.prefix_weight <= 0:
             raise ValueError(f"prefix_weight must be > 0, got {self.prefix_weight}")
 
@@ -148,7 +154,7 @@ def _best_decode(
         d = min(decoders, key=lambda w: (w.assigned, -w.kv_blocks_free, w.worker_id))
         return d, 0
     least = min(w.assigned for w in decoders)
-    guarded = [w for w in decoders if w.assigned <= least * config.balance + 1]
+    guarded = [w for w in decoders if w.assigned <= least * config.balance + config.balance_slack]
 
     def cost(w: Worker) -> tuple[float, int, str]:
         new_blocks = blocks_needed(w, prompt_len) - hits[w.worker_id] // max(w.block_size, 1)

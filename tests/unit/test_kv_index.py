@@ -121,7 +121,11 @@ def test_decode_leg_goes_where_the_prefix_is_unless_the_guard_says_it_is_too_bus
     assert r is not None and r.decode is d1 and r.decode_cached_tokens == 768
     # 32 uncached tokens: below the threshold, so d1 prefills the suffix itself.
     assert r.prefill is None and r.reason is RouteReason.CACHED_PREFIX
-    # Past the guard (more than 1.25x the least assigned, plus one), the less busy worker takes it.
+    # Two more requests than the other still keep it where the prefix is.
+    d1.assigned = 3
+    r = choose_route([d1, d2, p], 800, CFG, probe=Held(d1=768))
+    assert r is not None and r.decode is d1
+    # Past the guard (more than 1.25x the least assigned, plus two), the less busy worker takes it.
     d1.assigned = 4
     r = choose_route([d1, d2, p], 800, CFG, probe=Held(d1=768))
     assert r is not None and r.decode is d2 and r.prefill is p and r.reason is RouteReason.REMOTE
