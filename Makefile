@@ -52,10 +52,11 @@ dashboards: $(STAMP)
 # What CI runs (.ci/run): the lint first, then every test, in-process (tests/unit) and with processes
 # (tests/e2e). Both folders are named, so a run always collects tests (never pytest's exit 5: none).
 # Test files run in TEST_PROCS processes (a file's tests stay together, so module-scoped clusters are
-# shared): the e2e tests spend most of their time waiting on workers, so more processes than cores pay.
+# shared), handed out in the order tests/conftest.py sorts them (the long files first), not by test count:
+# the e2e tests spend most of their time waiting on workers, so more processes than cores pay.
 TEST_PROCS ?= 4
 test: lint prometheus alertmanager
-	$(PY) -m pytest -n $(TEST_PROCS) --dist loadfile tests/unit tests/e2e
+	$(PY) -m pytest -n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder tests/unit tests/e2e
 
 # The in-process tests alone, less the slow ones (the real model, Triton's interpreter), against the host's
 # native C kernel build only: the loop for day-to-day work, under three minutes on 2 cores.
