@@ -136,7 +136,8 @@ class Attempt:
         held: Any = None
         try:
             while True:
-                waiting = tuple(t for t in (p_task, read, attach) if t is not None)
+                # (A finished AttachTicket call is not waited on again: it would wake every loop at once.)
+                waiting = tuple(t for t in (p_task, read, None if attached else attach) if t is not None)
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if read is not None and read.done():
                     m = outcome(read, job, d, "decode", ops)

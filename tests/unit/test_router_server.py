@@ -385,6 +385,45 @@ def test_remote_route_sends_prefill_first_token_before_decode_streams(model_dir)
     run(main())
 
 
+def test_a_relay_waiting_on_a_prefill_sleeps_until_something_happens(model_dir, monkeypatch):
+    """While the prefill worker computes (D's ticket already attached), the relay's loop waits: it does not
+    wake again and again on the finished AttachTicket call (which spun a core for the whole prefill)."""
+    import types
+
+    from pdserve.router import attempt as attempt_mod
+
+    wakes = 0
+
+    async def counting_wait(*args, **kwargs):
+        nonlocal wakes
+        wakes += 1
+        return await asyncio.wait(*args, **kwargs)
+
+    monkeypatch.setattr(
+        attempt_mod, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "wait": counting_wait})
+    )
+
+    async def main():
+        transfers = Transfers()
+        out = ids("hello world the cat")
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers)
+        p.prefill_gate = asyncio.Event()
+        async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (_, stub):
+            call = stub.Generate(request("the cat sat", max_tokens=4))
+            await p.wait_for(lambda: p.attached)
+            before = wakes
+            # A window in which nothing happens: the prefill "computes". (Its answer may still be on the
+            # way when it opens: one wake.)
+            await asyncio.sleep(0.3)
+            assert wakes - before <= 1, wakes - before
+            p.prefill_gate.set()
+            _, _, msgs = await collect(call)
+            assert msgs[-1].finish_reason == "length"
+
+    run(main())
+
+
 def test_remote_route_ends_on_eos_from_prefill(model_dir):
     async def main():
         transfers = Transfers()
