@@ -54,7 +54,9 @@ class DecodePool:
         self.args, self.registry = args, registry
         self.metrics = DecodeMetrics(registry, args.role.value)
         self.transfer_config = args.transfer_config()
-        self.servicer = DecodeServicer(shell, self.transfer_config, self.metrics)
+        self.servicer = DecodeServicer(
+            shell, self.transfer_config, self.metrics, admit_limit=args.max_running + args.max_queued
+        )
         self.shell = shell
         self.loop: EngineLoop | None = None
         self.remote: RemotePrefill | None = None

@@ -52,6 +52,13 @@ class DecodeMetrics:
             registry=registry,
         ).labels(role)
         self._preemptions_seen = 0
+        self.refused_full = Counter(
+            "pdserve_worker_requests_refused_full",
+            "Requests this worker refused because it held --max-running plus --max-queued already "
+            "(the router routes them again).",
+            ["role"],
+            registry=registry,
+        ).labels(role)
         self.prefill = PrefillForwardMetrics(registry, role)
         self.prefix_cache = PrefixCacheMetrics(registry, role)
 

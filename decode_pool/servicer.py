@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -14,6 +15,7 @@ from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop, StepFailed
 from pdserve.decode_pool.metrics import DecodeMetrics
 from pdserve.decode_pool.remote import RemotePrefill, blocks_freed
 from pdserve.decode_pool.stream import relay_deltas
+from pdserve.engine.params import SamplingParams
 from pdserve.kv_transfer import TransferConfig
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
@@ -32,8 +34,19 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
     and GetLoad reports the shell's state with no capacity.
     """
 
-    def __init__(self, shell: WorkerShell, transfer_config: TransferConfig, metrics: DecodeMetrics) -> None:
+    def __init__(
+        self,
+        shell: WorkerShell,
+        transfer_config: TransferConfig,
+        metrics: DecodeMetrics,
+        admit_limit: int = 1 << 30,
+    ) -> None:
+        """``admit_limit``: requests this worker holds at most (running plus waiting); more are refused
+        (RESOURCE_EXHAUSTED, the router routes them again): several routers admit into it at once, each
+        counting only its own requests."""
         self.shell = shell
+        self.admit_limit = admit_limit
+        self.admitted = 0  # Generate calls in progress here
         self.metrics = metrics
         self.transfer_config = transfer_config
         self.loop: EngineLoop | None = None
@@ -79,7 +92,6 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             params = sampling_params_from_proto(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{e}")
-        prompt = list(request.prompt_token_ids)
         timeout = None
         if request.deadline_unix > 0:
             timeout = request.deadline_unix - time.time()
@@ -94,6 +106,31 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resumed_choices needs local prefill mode")
         if remote and self.remote is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
+        if self.admitted >= self.admit_limit:
+            self.metrics.refused_full.inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode worker has no room: {self.admitted} requests here, at most {self.admit_limit} "
+                "(--max-running plus --max-queued)",
+            )
+        self.admitted += 1
+        try:
+            async for msg in self._generate(request, params, timeout, context):
+                yield msg
+        finally:
+            self.admitted -= 1
+
+    async def _generate(
+        self,
+        request: worker_pb2.WorkerGenerateRequest,
+        params: SamplingParams,
+        timeout: float | None,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """Generate, admitted: the local or remote choreography of one attempt."""
+        assert self.loop is not None
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
         # A new attempt of an id means the router gave the earlier one up: end it in the engine now (its
         # stream's own abort may come later), before this attempt validates (a call the engine thread
         # runs after it) and reserves blocks under the id.

@@ -182,7 +182,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., max_running: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., standby: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_layout: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., prefix_cache_salt: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "state", "running", "queued", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "kv_events", "prefill_tokens_per_s")
+    __slots__ = ("worker_id", "state", "running", "queued", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "kv_events", "prefill_tokens_per_s", "standby")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class WorkerLoad(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     state: WorkerState
     running: int
@@ -203,7 +204,8 @@ class WorkerLoad(_message.Message):
     kv_blocks_cached: int
     kv_events: KvEvents
     prefill_tokens_per_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    standby: bool
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., prefill_tokens_per_s: _Optional[float] = ..., standby: _Optional[bool] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("epoch", "seq", "snapshot", "stored", "removed", "stored_parents")
@@ -236,16 +238,18 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "drain", "standby", "kv_snapshot")
+    __slots__ = ("known", "drain", "standby", "kv_snapshot", "leaving")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIELD_NUMBER: _ClassVar[int]
     KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     known: bool
     drain: bool
     standby: bool
     kv_snapshot: bool
-    def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ..., standby: _Optional[bool] = ..., kv_snapshot: _Optional[bool] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ..., standby: _Optional[bool] = ..., kv_snapshot: _Optional[bool] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class WorkerEntry(_message.Message):
     __slots__ = ("info", "load", "last_heartbeat_unix")

@@ -71,7 +71,7 @@ class Attempt:
             await self._prefill_only(job, prep, out, write, timeout, deadline_unix)
             return
         req = worker_pb2.WorkerGenerateRequest(
-            request_id=prep.request_id,
+            request_id=self._channels.worker_request_id(prep.request_id),
             prompt_token_ids=prompt,
             sampling=sampling,
             mode=worker_pb2.PREFILL_MODE_LOCAL if route.prefill is None else worker_pb2.PREFILL_MODE_REMOTE,
@@ -160,7 +160,9 @@ class Attempt:
                                 f"decode worker {d.worker_id} sent no transfer ticket",
                             )
                         areq = worker_pb2.AttachTicketRequest(
-                            request_id=prep.request_id, transfer_ticket=m.transfer_ticket, attach_key=key
+                            request_id=self._channels.worker_request_id(prep.request_id),
+                            transfer_ticket=m.transfer_ticket,
+                            attach_key=key,
                         )
                         acall = stub.AttachTicket(areq, timeout=timeout, metadata=meta)
                         job.calls.append(acall)
@@ -209,7 +211,7 @@ class Attempt:
             raise
         finally:
             if not attached:
-                self._drop_prefill(p, prep.request_id, key)
+                self._drop_prefill(p, self._channels.worker_request_id(prep.request_id), key)
 
     def _prefill(
         self, job: Job, prep: Prepared, p: Worker, timeout: float | None, deadline_unix: float
@@ -218,7 +220,7 @@ class Attempt:
         other) and the call's future."""
         key = uuid.uuid4().hex
         preq = worker_pb2.PrefillRequest(
-            request_id=prep.request_id,
+            request_id=self._channels.worker_request_id(prep.request_id),
             prompt_token_ids=prep.prompt_token_ids,
             sampling=prep.sampling,
             deadline_unix=deadline_unix,
@@ -245,7 +247,7 @@ class Attempt:
             job.prefill_pending = False
         finally:
             task.cancel()  # (a no-op once it ended)
-            self._drop_prefill(p, prep.request_id, key)
+            self._drop_prefill(p, self._channels.worker_request_id(prep.request_id), key)
         await self._deliver_first(prep, out, resp, write, "length")
 
     async def _deliver_first(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import grpc
 
 from pdserve.proto import worker_pb2_grpc
@@ -18,6 +20,13 @@ class WorkerChannels:
         self._stubs: dict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
         self._token_meta = token_metadata(cluster_token)
         self._tls = tls  # over TLS, presenting the router's certificate (mutual TLS with a CA)
+        # A client's request id is unique at one router only, and a worker serves every router: each
+        # router names its requests to the workers with its own random tag appended.
+        self.router_tag = secrets.token_hex(4)
+
+    def worker_request_id(self, request_id: str) -> str:
+        """The id a request has on the workers: ``<client id>@<this router's tag>``."""
+        return f"{request_id}@{self.router_tag}"
 
     def metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
         return request_id_metadata(request_id) + self._token_meta

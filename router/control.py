@@ -97,6 +97,8 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         router = self._router
+        if router.closing:  # (the worker's agent retries: a router started at this address takes it)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         if info.tokenizer_digest and router.tokenizer is None:
             # Checked against the router's tokenizer, which loads at start-up: the worker's agent retries.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is still loading its tokenizer")
@@ -154,9 +156,13 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             queued=load.queued,
             queued_prefill_tokens=load.queued_prefill_tokens,
             kv_blocks_used=load.kv_blocks_used,
+            standby=load.standby,
         )
         if w is None:
             return worker_pb2.HeartbeatResponse(known=False)
+        info = router.membership.infos.get(w.worker_id)
+        if info is not None and info.standby and not w.standby:
+            info.standby = False  # promoted, here or through another router
         if load.kv_blocks_total:
             w.kv_blocks_total = load.kv_blocks_total
         w.kv_blocks_cached = load.kv_blocks_cached
@@ -174,7 +180,11 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             log.info("worker %s stopped", load.worker_id)
         await router.admission.notify()
         return worker_pb2.HeartbeatResponse(
-            known=True, drain=w.drain_requested, standby=w.standby, kv_snapshot=snapshot
+            known=True,
+            drain=w.drain_requested,
+            standby=w.standby,
+            kv_snapshot=snapshot,
+            leaving=router.closing,
         )
 
     async def Deregister(self, info: worker_pb2.WorkerInfo, context: grpc.aio.ServicerContext):

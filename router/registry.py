@@ -173,11 +173,16 @@ class Registry:
         queued: int,
         queued_prefill_tokens: int,
         kv_blocks_used: int,
+        standby: bool | None = None,
     ) -> Worker | None:
-        """Record a worker's load. Returns None when the worker is unknown (it must register again)."""
+        """Record a worker's load. Returns None when the worker is unknown (it must register again).
+        ``standby`` False: the worker says it was promoted (through another router): it serves here too;
+        a promotion is never taken back (a beat sent before the worker heard of it says True)."""
         w = self._workers.get(worker_id)
         if w is None:
             return None
+        if standby is False and w.standby:
+            w.standby = False
         w.last_heartbeat = now
         w.running, w.queued = running, queued
         w.queued_prefill_tokens = queued_prefill_tokens

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -41,6 +42,9 @@ class AgentConfig:
     tls: TLSConfig = (
         NO_TLS  # the router's gRPC over TLS, this worker's certificate presented (``worker.tls``)
     )
+    # The name the router's TLS certificate carries when ``router_address`` is one of the addresses a
+    # name resolved to (``worker.router_set``); "": the address's own host.
+    tls_target_name: str = ""
 
     def __post_init__(self) -> None:
         if not self.router_address:
@@ -52,11 +56,24 @@ class AgentConfig:
 # A heartbeat goes this soon after the last while the prefix cache has events to publish (not later than
 # the interval): the routers' KV index lags a worker's cache by about this much.
 EVENTS_BEAT_S = 0.05
+LEAVING_BEAT_S = 2.0  # how often a router that said it is shutting down is beaten (to see it gone)
 _FAILED_BEATS = 3  # heartbeats failing in a row before the worker counts itself unknown to the router
 
 
 class RegistrationError(RuntimeError):
     pass
+
+
+class RouterLink(Protocol):
+    """How a worker joins its cluster: one router (``RouterAgent``) or all of them (``RouterSet``)."""
+
+    on_known: Callable[[bool], Awaitable[None]] | None
+
+    async def register(self) -> None: ...
+
+    def start(self) -> None: ...
+
+    async def close(self, deregister: bool = True) -> None: ...
 
 
 class RouterAgent:
@@ -79,6 +96,7 @@ class RouterAgent:
         self._on_drain = on_drain
         self.interval_s = 0.5
         self.drain_requested = False
+        self.leaving = False  # the router said it is shutting down: it is beaten only now and then
         self.registrations = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.RegistryStub | None = None
@@ -93,7 +111,10 @@ class RouterAgent:
 
     def _registry(self) -> worker_pb2_grpc.RegistryStub:
         if self._stub is None:
-            self._channel = aio_channel(self.config.router_address, self.config.tls, _CHANNEL_OPTIONS)
+            options = _CHANNEL_OPTIONS
+            if self.config.tls_target_name and self.config.tls.enabled:
+                options += (("grpc.ssl_target_name_override", self.config.tls_target_name),)
+            self._channel = aio_channel(self.config.router_address, self.config.tls, options)
             self._stub = worker_pb2_grpc.RegistryStub(self._channel)
         return self._stub
 
@@ -169,6 +190,7 @@ class RouterAgent:
     async def _heartbeat_once(self) -> None:
         load = self._load()
         load.worker_id = self.info.worker_id
+        load.standby = self.info.standby
         if self.kv_events is not None:
             load.kv_events.CopyFrom(self.kv_events.batch())
         resp = await self._registry().Heartbeat(load, timeout=self.config.rpc_timeout_s, metadata=self._meta)
@@ -177,7 +199,15 @@ class RouterAgent:
         if not resp.known:
             log.info("router does not know %s; registering again", self.info.worker_id)
             await self._register_once()
+            self.leaving = False
             return
+        if resp.leaving and not self.leaving:
+            log.info(
+                "router %s is shutting down: %s stops relying on it",
+                self.config.router_address,
+                self.info.worker_id,
+            )
+        self.leaving = resp.leaving
         if self.info.standby and not resp.standby:
             # Promoted out of the warm pool: a re-registration (a router restart) must not demote it.
             self.info.standby = False
@@ -199,6 +229,9 @@ class RouterAgent:
         """Until the next heartbeat is due: the interval, or (``early``: the router answers) sooner, at most
         every ``EVENTS_BEAT_S``, once the prefix cache has changes to publish, so the routers' KV index
         follows it closely."""
+        if self.leaving:  # until it has gone (then a router started at its address is joined)
+            await asyncio.sleep(max(self.interval_s, LEAVING_BEAT_S))
+            return
         if not early or self.kv_events is None:
             await asyncio.sleep(self.interval_s)
             return
@@ -216,7 +249,7 @@ class RouterAgent:
             try:
                 await self._heartbeat_once()
                 failing, failed = False, 0
-                await self._known_now(True)
+                await self._known_now(not self.leaving)
             except grpc.aio.AioRpcError as e:
                 # Logged once per outage, not once per beat.
                 if not failing:
@@ -233,7 +266,7 @@ class RouterAgent:
 
 
 async def run_worker(
-    shell: WorkerShell, agent: RouterAgent, on_registered: Callable[[], object] = lambda: None
+    shell: WorkerShell, agent: RouterLink, on_registered: Callable[[], object] = lambda: None
 ) -> None:
     """A started, SERVING shell joins the cluster and serves until it has drained; then it leaves.
 

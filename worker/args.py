@@ -24,6 +24,7 @@ from pdserve.proto import worker_pb2
 from pdserve.worker.agent import AgentConfig
 from pdserve.worker.convert import ROLE_TO_PROTO
 from pdserve.worker.role import Role
+from pdserve.worker.router_set import RouterSetConfig, split_routers
 from pdserve.worker.shell import ShellConfig
 from pdserve.worker.tls import NO_TLS, TLSConfig
 
@@ -41,7 +42,7 @@ class WorkerArgs:
     """
 
     role: Role
-    router: str  # the router's address, host:port
+    router: str  # the routers: host:port[,host:port...] (``worker.router_set``)
     worker_id: str
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port (the address registered with the router is the bound one)
@@ -55,6 +56,9 @@ class WorkerArgs:
     kv_blocks: int = 0  # KV cache size in blocks; 0: from kv_cache_bytes, or the engine's default
     kv_cache_bytes: int = 0
     max_running: int = 64  # decode batch bound (EngineConfig.max_num_seqs)
+    # Requests a decode worker holds beyond max_running (waiting in its engine) before it refuses more:
+    # several routers admit into one worker, each counting only its own requests.
+    max_queued: int = 64
     max_batched_tokens: int = 2048  # token budget per step (EngineConfig.max_num_batched_tokens)
     mixed_steps: bool = False  # decode and prefill in one step (EngineConfig.mixed_steps)
     enable_prefix_caching: bool = (
@@ -96,6 +100,7 @@ class WorkerArgs:
             raise ValueError(f"role must be a Role, got {self.role!r}")
         if not self.router or not self.worker_id:
             raise ValueError("router and worker_id must not be empty")
+        split_routers(self.router)
         check_dtype(self.dtype)
         check_quantization(self.quantization)
         check_device(self.device)
@@ -103,6 +108,8 @@ class WorkerArgs:
         for name in ("threads", "block_size", "max_running", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued}")
         if self.kv_blocks < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_blocks and kv_cache_bytes must be >= 0")
         if self.kv_shared_memory and device_index(self.device) is not None:
@@ -140,7 +147,12 @@ class WorkerArgs:
         )
 
     def agent_config(self) -> AgentConfig:
+        """One router's agent (``router_address`` is the whole --router value until ``RouterSet``
+        gives each router its own)."""
         return AgentConfig(router_address=self.router, cluster_token=self.cluster_token, tls=self.tls)
+
+    def router_set_config(self) -> RouterSetConfig:
+        return RouterSetConfig(routers=self.router, agent=self.agent_config())
 
     def transfer_config(self) -> TransferConfig:
         """KV transfer settings: UCX on the network devices of this worker's host (or ``kv_interface``);

@@ -22,10 +22,11 @@ from pdserve.engine.registry import resolve_model
 from pdserve.proto import worker_pb2_grpc
 from pdserve.telemetry.exporter import model_load_gauge, process_registry, serve_metrics
 from pdserve.telemetry.gpu import add_gpu_metrics
-from pdserve.worker.agent import RouterAgent, run_worker
+from pdserve.worker.agent import run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.auth import refusal_counter
-from pdserve.worker.kv_events import EventSource, KvEventPublisher
+from pdserve.worker.kv_events import EventSource
+from pdserve.worker.router_set import RouterSet
 from pdserve.worker.shell import PoolServicer, ShellState, WorkerShell
 
 log = logging.getLogger(__name__)
@@ -145,12 +146,15 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
                 kv_layout=capacity.kv_layout,
                 tokenizer_digest=digest,
             )
-            agent = RouterAgent(
-                args.agent_config(), info, load=pool.servicer.load, on_drain=shell.begin_drain
-            )
             if capacity.prefix_cache is not None:
                 info.prefix_cache_salt = capacity.prefix_cache_salt
-                agent.kv_events = KvEventPublisher(capacity.prefix_cache)
+            agent = RouterSet(
+                args.router_set_config(),
+                info,
+                load=pool.servicer.load,
+                on_drain=shell.begin_drain,
+                events=capacity.prefix_cache,
+            )
             await run_worker(shell, agent, on_registered=lambda: _ready(startup, args, phases))
             failure = pool.failure
             if failure is not None:

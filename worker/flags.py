@@ -25,7 +25,13 @@ ROLE = Flag(
     field="role",
     to_field=Role,
 )
-ROUTER = Flag("--router", "the router's address, host:port", required=True, field="router")
+ROUTER = Flag(
+    "--router",
+    "the routers, host:port[,host:port...]: the worker registers with every one; a name that resolves to "
+    "several addresses (a Kubernetes headless Service) is one router per address, looked up again every 10 s",
+    required=True,
+    field="router",
+)
 HOST = Flag("--host", "the address to bind and register (a pod IP)", default=WorkerArgs.host, field="host")
 PORT = Flag("--port", "0: pick a free port", default=WorkerArgs.port, type=int_in(0, 65535), field="port")
 IDENTITY = (ROLE, ROUTER, HOST, PORT)
@@ -141,6 +147,14 @@ TUNING = (
         default=WorkerArgs.max_running,
         type=positive,
         field="max_running",
+    ),
+    Flag(
+        "--max-queued",
+        "requests a decode worker holds beyond --max-running (waiting) before it refuses more, which "
+        "the routers then route elsewhere",
+        default=WorkerArgs.max_queued,
+        type=nonneg,
+        field="max_queued",
     ),
     Flag(
         "--max-batched-tokens",

@@ -370,7 +370,9 @@ def test_remote_route_sends_prefill_first_token_before_decode_streams(model_dir)
             # The prefill started without waiting for D's ticket, which followed by AttachTicket.
             assert not prefill.transfer_ticket
             await p.wait_for(lambda: p.attached)
-            assert p.attached == [(first.request_id, f"ticket:{first.request_id}".encode())]
+            # Workers know a request as "<client id>@<router tag>": ids are unique per router only.
+            ((on_worker, ticket),) = p.attached
+            assert on_worker.startswith(f"{first.request_id}@") and ticket == f"ticket:{on_worker}".encode()
             assert d.requests[0].mode == worker_pb2.PREFILL_MODE_REMOTE
             d.decode_gate.set()
             tokens, text, msgs = await collect(call)
@@ -462,7 +464,8 @@ def test_max_tokens_1_on_a_remote_route_is_the_prefill_workers_answer_alone(mode
             assert not d.requests  # no decode call at all
             assert any(isinstance(q, worker_pb2.PrefillRequest) for q in p.requests)
             await p.wait_for(lambda: p.attached)
-            assert p.attached == [(msgs[-1].request_id, b"")]  # P drops the KV now, not at its timeout
+            ((on_worker, ticket),) = p.attached  # P drops the KV now, not at its timeout
+            assert on_worker.startswith(f"{msgs[-1].request_id}@") and ticket == b""
             p.tokens = [EOS]
             tokens, _, msgs = await collect(stub.Generate(request("the cat sat", max_tokens=1)))
             assert tokens == [EOS] and msgs[-1].finish_reason == "stop" and not d.requests
