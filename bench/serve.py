@@ -34,7 +34,8 @@ from pdserve.bench.metrics import RequestRecord, Slo, compute_metrics, parse_slo
 from pdserve.bench.plan import RunPlan, plan_run
 from pdserve.bench.report import format_summary, write_json
 from pdserve.proto import generation_pb2_grpc
-from pdserve.worker.tls import NO_TLS, TLSConfig, aio_channel
+from pdserve.worker.dial import router_aio_channel
+from pdserve.worker.tls import NO_TLS, TLSConfig
 
 DEFAULT_STATE_DIR = Path(".pdserve")  # the same default as the other `pdserve` subcommands
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -243,7 +244,7 @@ async def run_benchmark(config: BenchConfig, *, token_space: TokenSpace | None =
         config.workload, config.arrivals, config.num_prompts, config.warmup, config.seed, token_space
     )
     run_id = uuid.uuid4().hex[:8]  # request ids only: tells runs apart in router logs
-    async with aio_channel(config.router, config.tls) as channel:
+    async with router_aio_channel(config.router, config.tls) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), config.connect_timeout_s)
         except TimeoutError:
@@ -386,7 +387,7 @@ def resolve_target(router: str | None, state_dir: Path) -> tuple[str, str | None
     state = load_state(state_dir)
     if state is None:
         raise BenchError(f"no cluster in {state_dir} (run `pdserve up` there first, or pass --router)")
-    return state.router_address, state.model, state_tls(state)
+    return state.router_list, state.model, state_tls(state)
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:

@@ -127,7 +127,7 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
 
     from pdserve.deploy.local import cluster
     from pdserve.proto import generation_pb2_grpc
-    from pdserve.worker.tls import aio_channel
+    from pdserve.worker.dial import router_aio_channel
 
     clock = wall_clock()
     loop = asyncio.get_running_loop()
@@ -151,7 +151,7 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
             if watch.check(state, clock()):
                 loop.call_soon_threadsafe(restore_needed.set)
             if state is not None:
-                procs.append(("router", state.router.pid, "router"))
+                procs += [(p.id, p.pid, "router") for _, p in state.routers() if cluster.alive(p)]
                 procs += [
                     (w.id, w.pid, w.role.value if w.role else "?") for w in state.workers if cluster.alive(w)
                 ]
@@ -171,7 +171,7 @@ async def _run(cfg: SoakConfig, target: Target) -> dict[str, Any]:
     # The OpenAI front over HTTPS when the cluster has TLS: trust its CA, as the gRPC half does.
     connector = aiohttp.TCPConnector(ssl=target.tls.client_ssl_context() or True)
     async with (
-        aio_channel(target.router, target.tls) as ch,
+        router_aio_channel(target.router, target.tls) as ch,
         aiohttp.ClientSession(connector=connector) as session,
     ):
         stub = generation_pb2_grpc.GenerationStub(ch)

@@ -43,10 +43,10 @@ def _target(state_dir: Path, attached: bool) -> Target:
     if state is None:
         raise RuntimeError(f"no cluster in {state_dir}")
     token, tls = cluster.state_token(state), cluster.state_tls(state)
-    status = cluster.cluster_status(state.router_address, token=token, tls=tls)
+    status = cluster.cluster_status(cluster.live_router(state), token=token, tls=tls)
     shape = {r: sum(1 for w in state.workers if w.role and w.role.value == r) for r in ("prefill", "decode")}
     return Target(
-        state_dir, attached, state.router_address, status.http_url, status.metrics_url, state.model, shape,
+        state_dir, attached, state.router_list, status.http_url, status.metrics_url, state.model, shape,
         token, tls,
     )  # fmt: skip
 

@@ -10,7 +10,8 @@ from typing import Any, TextIO
 from google.protobuf import json_format
 
 from pdserve.proto import generation_pb2, generation_pb2_grpc, worker_pb2
-from pdserve.worker.tls import NO_TLS, TLSConfig, channel
+from pdserve.worker.dial import router_channel
+from pdserve.worker.tls import NO_TLS, TLSConfig
 
 ROLE_NAMES = {
     worker_pb2.ROLE_PREFILL: "prefill",
@@ -100,6 +101,16 @@ def status_table(doc: dict[str, Any]) -> str:
         lines[0] += f"; metrics {r['metrics_url']}"
     if r.get("http_url"):
         lines[0] += f"; OpenAI API {r['http_url']}/v1"
+    routers = doc.get("routers") or []
+    if len(routers) > 1:  # (`up --routers N`: each keeps its own registry of the same workers)
+        for x in routers:
+            if not x["alive"]:
+                seen = "exited"
+            elif x["workers"] is None:
+                seen = f"not answering ({x.get('error', '?')})"
+            else:
+                seen = f"sees {x['workers']} workers, {x['requests_running']} running"
+            lines.append(f"  router {x['address']} (pid {x['pid']}): {seen}")
     head = (
         "ID",
         "ROLE",
@@ -196,7 +207,8 @@ def build_request(
 def stream(
     address: str, request: generation_pb2.GenerateRequest, timeout_s: float | None, tls: TLSConfig = NO_TLS
 ) -> Iterator[generation_pb2.GenerateResponse]:
-    with channel(address, tls) as ch:
+    """``address``: one router or several (comma-separated): requests go round robin over them."""
+    with router_channel(address, tls) as ch:
         yield from generation_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s)
 
 

@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+import grpc
+
 from pdserve.cli import client
 from pdserve.cli.autoscale_cmds import autoscaler_status, autoscaler_table
 from pdserve.cli.common import cluster_token, say, tls_config
@@ -16,9 +18,11 @@ from pdserve.worker.tls import TLSConfig
 
 
 def _router_address(args: argparse.Namespace) -> str:
+    """The router to ask: --router, else a running router of the local cluster (any one: every worker
+    registers with every router)."""
     if getattr(args, "router", None):
         return args.router
-    return _state(args).router_address
+    return cluster.live_router(_state(args))
 
 
 def _state(args: argparse.Namespace) -> cluster.ClusterState:
@@ -28,11 +32,7 @@ def _state(args: argparse.Namespace) -> cluster.ClusterState:
         raise cluster.ClusterError(
             f"no cluster in {args.state_dir} (run `pdserve up` there first, or pass --router)"
         )
-    if not cluster.alive(state.router):
-        raise cluster.ClusterError(
-            f"the router of the cluster in {args.state_dir} (pid {state.router.pid}) has exited: "
-            "`pdserve down`, then `pdserve up` again"
-        )
+    cluster.live_router(state)  # (ClusterError when every router of it has exited)
     return state
 
 
@@ -49,6 +49,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     doc = client.status_dict(cluster.cluster_status(address, token=token, tls=_router_tls(args)))
     state = None if args.router else _state(args)
     if state is not None:
+        doc["routers"] = _routers(state, token, _router_tls(args))
         # Workers this cluster started whose process runs but the router does not list (loading, hung,
         # or dropped for missed heartbeats): the router's list alone would hide them.
         # And those whose process is gone (crashed, killed): the router forgot them, the state file still
@@ -69,6 +70,29 @@ def cmd_status(args: argparse.Namespace) -> int:
     table = client.status_table(doc) + ("" if scaler is None else "\n" + autoscaler_table(scaler))
     print(json.dumps(doc, indent=2) if args.json else table, flush=True)
     return 0
+
+
+def _routers(state: cluster.ClusterState, token: str, tls: TLSConfig) -> list[dict[str, object]]:
+    """Every router of the local cluster: its address, pid, whether it runs, and (when it answers) its
+    HTTP API and the workers it sees (each keeps its own registry)."""
+    rows: list[dict[str, object]] = []
+    for address, p in state.routers():
+        row: dict[str, object] = {"address": address, "pid": p.pid, "alive": cluster.alive(p)}
+        row.update(http_url="", metrics_url="", workers=None, requests_running=None)
+        if row["alive"]:
+            try:
+                st = cluster.cluster_status(address, token=token, tls=tls)
+            except grpc.RpcError as e:
+                row["error"] = e.code().name
+            else:
+                row.update(
+                    http_url=st.http_url,
+                    metrics_url=st.metrics_url,
+                    workers=len(st.workers),
+                    requests_running=st.requests_running,
+                )
+        rows.append(row)
+    return rows
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -118,8 +142,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
     )
+    # Round robin over every router of a local cluster (or those --router names).
+    target = args.router or _state(args).router_list
     client.print_stream(
-        client.stream(_router_address(args), req, args.timeout or None, _router_tls(args)),
+        client.stream(target, req, args.timeout or None, _router_tls(args)),
         sys.stdout,
         sys.stderr,
         args.json,

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import socket
 import sys
 from pathlib import Path
 
@@ -68,13 +70,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir
     old = cluster.load_state(state_dir)
-    if old is not None and cluster.alive(old.router):
+    if old is not None and any(cluster.alive(p) for _, p in old.routers()):
         raise cluster.ClusterError(
             f"a cluster is already running from {state_dir} "
             f"(router {old.router_address}); `pdserve down` it first"
         )
     if not 0 < args.port < 65536:
         raise cluster.ClusterError(f"--port must be in [1, 65535] for a local cluster, got {args.port}")
+    router_ports = [_router_ports(args, i) for i in range(args.routers)]
+    _check_free(args.host, router_ports)
     counts = {Role.PREFILL: args.prefill, Role.DECODE: args.decode, Role.BOTH: args.colocated}
     policy = autoscale_config(args) if args.autoscale else None
     warm = {Role.PREFILL: 0, Role.DECODE: 0}
@@ -118,12 +122,18 @@ def _up(args: argparse.Namespace) -> int:
     token_file = write_new_token(state_dir / "cluster-token")
     token = ["--cluster-token-file", str(token_file.resolve())]
     tls = tls_flags + token
-    router = cluster.spawn_router(
-        state_dir, args.host, args.port, args.model, forward(args, ROUTER_FLAGS) + cache + tls
-    )
+    routers = [
+        cluster.spawn_router(
+            state_dir, args.host, ports.grpc, args.model, forward(ports.args, ROUTER_FLAGS) + cache + tls, i
+        )
+        for i, ports in enumerate(router_ports)
+    ]
+    router = routers[0]
     state = cluster.ClusterState(
         router_address=host_port(args.host, args.port),
         router=router,
+        more_routers=tuple(routers[1:]),
+        more_router_addresses=tuple(host_port(args.host, p.grpc) for p in router_ports[1:]),
         model=args.model,
         dtype=args.dtype,
         threads=threads,
@@ -152,8 +162,13 @@ def _up(args: argparse.Namespace) -> int:
             f"; {w.id} on cpu {cluster.format_cpu_list(w.cpus)}" for w in state.workers if w.cpus
         )
         gpu = f" on {device} ({util:.2f} of its memory each)" if device != "cpu" else ""
+        started = (
+            f"router (pid {router.pid})"
+            if len(routers) == 1
+            else f"{len(routers)} routers (pids {', '.join(str(r.pid) for r in routers)})"
+        )
         say(
-            f"started router (pid {router.pid}) and {len(state.workers)} workers{gpu}, {threads} thread(s) "
+            f"started {started} and {len(state.workers)} workers{gpu}, {threads} thread(s) "
             f"each{pinned}; logs in {state_dir / 'logs'}"
         )
         cluster.wait_ready(state, {w.id for w in state.workers}, args.timeout, say)
@@ -180,17 +195,57 @@ def _up(args: argparse.Namespace) -> int:
         cluster.remove_state(state_dir)
         raise
     if args.http_port is not None:
-        status = cluster.cluster_status(
-            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
-        )
-        say(f"OpenAI-compatible API: {status.http_url}/v1")
-    print(state.router_address, flush=True)
+        urls = []
+        for address, _ in state.routers():
+            status = cluster.cluster_status(
+                address, token=cluster.state_token(state), tls=cluster.state_tls(state)
+            )
+            urls.append(f"{status.http_url}/v1")
+        say(f"OpenAI-compatible API: {', '.join(urls)}")
+    print(state.router_list, flush=True)
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _RouterPorts:
+    grpc: int
+    args: argparse.Namespace  # `up`'s flags with this router's HTTP and metrics ports
+
+
+def _router_ports(args: argparse.Namespace, index: int) -> _RouterPorts:
+    """Router ``index`` of ``up --routers``: the first router's ports + ``index`` (a port 0, any free one,
+    stays 0)."""
+    ns = argparse.Namespace(**vars(args))
+    for name in ("http_port", "metrics_port"):
+        port = getattr(args, name)
+        if port:
+            setattr(ns, name, port + index)
+    return _RouterPorts(args.port + index, ns)
+
+
+def _check_free(host: str, routers: list[_RouterPorts]) -> None:
+    """Every port the routers will serve on can be bound now (before anything starts)."""
+    for i, r in enumerate(routers):
+        named = [("gRPC", r.grpc), ("HTTP", r.args.http_port), ("metrics", r.args.metrics_port)]
+        for what, port in named:
+            if not port:
+                continue
+            if port > 65535:
+                raise cluster.ClusterError(f"router {i}'s {what} port would be {port}: lower the first one")
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the servers bind)
+                try:
+                    sock.bind((host, port))
+                except OSError as e:
+                    raise cluster.ClusterError(
+                        f"router {i}'s {what} port {port} on {host} is not free ({e.strerror}): "
+                        "router i serves on the first router's ports + i"
+                    ) from None
 
 
 def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
     workers = [w for w in state.workers if cluster.alive(w)]
-    if workers and drain_timeout_s > 0 and cluster.alive(state.router):
+    if workers and drain_timeout_s > 0 and any(cluster.alive(p) for _, p in state.routers()):
         say(
             f"draining {', '.join(w.id for w in workers)}: their requests in flight finish first (at most "
             f"{drain_timeout_s:.0f}s, --timeout)"
@@ -199,7 +254,7 @@ def _stop_all(state: cluster.ClusterState, drain_timeout_s: float) -> None:
             say(f"{wid} did not drain within {drain_timeout_s:.0f}s: stopped, cutting its requests in flight")
     else:
         cluster.stop_processes(workers, term_timeout_s=10.0)
-    cluster.stop_processes([state.router], term_timeout_s=15.0)
+    cluster.stop_processes([p for _, p in state.routers()], term_timeout_s=15.0)
     cluster.stop_processes(cluster.monitoring(state), term_timeout_s=15.0)
 
 

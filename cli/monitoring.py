@@ -18,10 +18,13 @@ from pdserve.worker.role import Role
 def write_targets(state_dir: Path, state: cluster.ClusterState) -> None:
     """List the router and every worker (their metrics URLs) in the Prometheus targets file, and the
     workers the cluster should have in the worker-count alert's rule file (re-read on SIGHUP)."""
-    status = cluster.cluster_status(
-        state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
-    )
-    groups = prometheus.targets(status)
+    token, tls = cluster.state_token(state), cluster.state_tls(state)
+    status = cluster.cluster_status(cluster.live_router(state), token=token, tls=tls)
+    groups = [g for g in prometheus.targets(status) if g["labels"] != {"worker": "router"}]
+    for i, (address, p) in enumerate(state.routers()):  # every router (each has its own /metrics)
+        if cluster.alive(p):
+            url = cluster.cluster_status(address, token=token, tls=tls).metrics_url
+            groups.insert(i, prometheus.target_group(url, f"router-{i}" if i else "router"))
     say(f"prometheus targets: {prometheus.write_targets(state_dir, groups)}")
     changed = prometheus.write_expected(
         state_dir, {r.value: sum(w.role is r for w in state.workers) for r in Role}

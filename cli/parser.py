@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         "for a demo or a test",
     )
     add_flags(p, UP_ROUTER_FLAGS)
+    p.add_argument(
+        "--routers",
+        type=int_in(1, 16),
+        default=1,
+        help="routers to start (default 1): router i serves on the first one's gRPC, HTTP and metrics "
+        "ports + i; every worker registers with every router, and clients may use any of them",
+    )
     http = p.add_mutually_exclusive_group()
     add_flags(http, (UP_HTTP_PORT,))
     http.add_argument(

@@ -83,6 +83,13 @@ ROUTER_FLAGS = (
         field="request_timeout_s",
     ),
     Flag(
+        "--shutdown-grace",
+        "seconds a stopping router (SIGTERM) gives its streams in flight to finish; it admits nothing new",
+        default=_D.shutdown_grace_s,
+        type=seconds(False),
+        field="shutdown_grace_s",
+    ),
+    Flag(
         "--metrics-port",
         "the router's /metrics port (0: any)",
         default=_D.metrics_port,

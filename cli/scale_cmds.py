@@ -40,18 +40,14 @@ def _scale(args: argparse.Namespace) -> int:
     if state is None:
         raise cluster.ClusterError(f"no cluster in {args.state_dir}")
     _refuse_while_autoscaled(state)
-    if not cluster.alive(state.router):
-        raise cluster.ClusterError(
-            f"the router of the cluster in {args.state_dir} (pid {state.router.pid}) has exited: "
-            "`pdserve down`, then `pdserve up` again"
-        )
+    cluster.live_router(state)  # (ClusterError when every router of it has exited)
     state, gone = cluster.live_workers(state)
     for w in gone:
         say(f"{w.id} (pid {w.pid}) had exited; dropped from the cluster")
     status = None
     if any(w.standby for w in state.workers):
         status = cluster.cluster_status(
-            state.router_address, token=cluster.state_token(state), tls=cluster.state_tls(state)
+            cluster.live_router(state), token=cluster.state_token(state), tls=cluster.state_tls(state)
         )
         state, adopted = cluster.adopt_promotions(state, status)
         for w in adopted:
@@ -179,7 +175,7 @@ def _promote_standby(
     for w in [w for w in state.workers if w.role is role and w.standby and cluster.alive(w)][:n]:
         # One not registered yet (still loading) is promoted too: the router remembers it, and it registers
         # into routing (counted serving here, it is not doubled by a cold start beside it).
-        cluster.promote_worker(state.router_address, w.id, token, tls)
+        cluster.promote_worker(cluster.live_router(state), w.id, token, tls)
         state = cluster.replace_worker(state, msgspec.structs.replace(w, standby=False))
         cluster.save_state(state_dir, state)
         promoted.append(w.id)

@@ -57,7 +57,9 @@ def _p99(histogram: str) -> str:
 
 
 def alerts(slo: SloThresholds = DEFAULT_SLO) -> tuple[Alert, ...]:
-    ready = f'sum by (role) ({rm.WORKERS}{{state="ready"}})'
+    # Every router counts every worker (each keeps its own registry): the workers ready are the most any
+    # router sees, not the sum over routers.
+    ready = f'max by (role) (sum by (role, instance) ({rm.WORKERS}{{state="ready"}}))'
     expected = f"sum by (role) ({WORKERS_EXPECTED})"
     refused = f'{rm.REJECTED}{{code=~"RESOURCE_EXHAUSTED|UNAVAILABLE"}}'
     return (

@@ -160,7 +160,13 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                     "Workers by role and state",
                     "As the router's registry sees them.",
                     "short",
-                    (Query(f"sum by (role, state) ({rm.WORKERS}{{{SEL}}})", "{{role}} {{state}}"),),
+                    (
+                        Query(
+                            # (each router counts every worker: the most any router sees)
+                            f"max by (role, state) (sum by (role, state, instance) ({rm.WORKERS}{{{SEL}}}))",
+                            "{{role}} {{state}}",
+                        ),
+                    ),
                 ),
                 PanelSpec(
                     "Autoscaler: pool sizes",

@@ -73,6 +73,11 @@ def write_expected(state_dir: Path, counts: dict[str, int]) -> bool:
     return True
 
 
+def target_group(metrics_url: str, name: str) -> dict[str, object]:
+    """One process's file_sd target group, labelled ``worker=name``."""
+    return {"targets": [_host_port(metrics_url)], "labels": {"worker": name}}
+
+
 def targets(status: worker_pb2.ClusterStatus) -> list[dict[str, object]]:
     """file_sd target groups: one per process with a metrics URL, labelled with its id."""
     groups: list[dict[str, object]] = []

@@ -249,7 +249,9 @@ def test_status_lists_a_worker_whose_process_exited_and_counts_it_in_its_pool(tm
     served = cluster.ProcessEntry(id="decode-1", pid=12, start=6, log="d1.log", role=Role.DECODE)
     gone = cluster.ProcessEntry(id="decode-2", pid=13, start=7, log="d2.log", role=Role.DECODE)
     cluster.save_state(tmp_path, fake_state(router, (served, gone), 3))
-    monkeypatch.setattr(cluster, "alive", lambda p: p.id != "decode-2")
+    alive = lambda p: p.id != "decode-2"  # noqa: E731
+    monkeypatch.setattr(cluster, "alive", alive)
+    monkeypatch.setattr(cluster.processes, "alive", alive)  # (``live_router``'s)
     entry = worker_pb2.WorkerEntry(
         info=worker_pb2.WorkerInfo(worker_id="decode-1", role=worker_pb2.ROLE_DECODE, address="127.0.0.1:2"),
         load=worker_pb2.WorkerLoad(worker_id="decode-1", state=worker_pb2.WORKER_STATE_READY),
@@ -260,6 +262,7 @@ def test_status_lists_a_worker_whose_process_exited_and_counts_it_in_its_pool(tm
     doc = json.loads(capsys.readouterr().out)
     assert [(w["id"], w["pid"], w["log"]) for w in doc["exited"]] == [("decode-2", 13, "d2.log")]
     assert doc["unregistered"] == []
+    assert [(r["address"], r["pid"], r["workers"]) for r in doc["routers"]] == [("127.0.0.1:1", 11, 1)]
     assert cli.main(["status", "--state-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert next(ln.split() for ln in table if ln.startswith("decode-2"))[:3] == [

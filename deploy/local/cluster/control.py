@@ -49,7 +49,7 @@ def worker_argv(
         "--role",
         role.value,
         "--router",
-        state.router_address,
+        state.router_list,
         "--host",
         state.host,
         "--port",
@@ -147,7 +147,8 @@ def remove_workers(
     drain_timeout_s: float,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[str]:
-    """Drain each worker through the router, wait for it to exit; SIGTERM/SIGKILL stragglers.
+    """Drain each worker through a router (any: the worker tells the others), wait for it to exit;
+    SIGTERM/SIGKILL stragglers.
 
     Returns the ids that did not drain in time (they were then stopped by signal).
     """
@@ -156,11 +157,13 @@ def remove_workers(
         # loading worker then never joins, a serving one drains as on the router's word. Left alone, it
         # would register and take requests while the rest drain, and the wait would run to its timeout.
         try:
-            if not rpc.drain_worker(state.router_address, e.id, rpc.state_token(state), rpc.state_tls(state)):
+            router = processes.live_router(state)
+            if not rpc.drain_worker(router, e.id, rpc.state_token(state), rpc.state_tls(state)):
                 progress(f"{e.id} is not registered with the router; stopping it by signal")
                 processes.send(e, signal.SIGTERM)
-        except grpc.RpcError as err:
-            progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")
+        except (grpc.RpcError, ClusterError) as err:
+            why = err.code().name if isinstance(err, grpc.RpcError) else str(err)
+            progress(f"could not ask a router to drain {e.id} ({why}); stopping it by signal")
             processes.send(e, signal.SIGTERM)
     stuck = _wait_drained(state, entries, drain_timeout_s, progress)
     processes.cut_drains(stuck)
@@ -187,9 +190,9 @@ def _running(state: ClusterState) -> dict[str, int]:
     """Requests each worker runs, as the router last heard ({} when it cannot say)."""
     try:
         status = rpc.cluster_status(
-            state.router_address, token=rpc.state_token(state), tls=rpc.state_tls(state)
+            processes.live_router(state), token=rpc.state_token(state), tls=rpc.state_tls(state)
         )
-    except grpc.RpcError:
+    except (grpc.RpcError, ClusterError):
         return {}
     return {e.info.worker_id: e.load.running for e in status.workers}
 
@@ -242,7 +245,7 @@ class LocalControl:
 
     def status(self, state: ClusterState) -> worker_pb2.ClusterStatus:
         return rpc.cluster_status(
-            state.router_address, token=rpc.state_token(state), tls=rpc.state_tls(state)
+            processes.live_router(state), token=rpc.state_token(state), tls=rpc.state_tls(state)
         )
 
     def start(self, state: ClusterState, role: Role, count: int, *, standby: bool = False) -> ClusterState:
@@ -250,11 +253,12 @@ class LocalControl:
 
     def promote(self, state: ClusterState, worker_id: str) -> worker_pb2.PromoteWorkerResponse:
         return rpc.promote_worker(
-            state.router_address, worker_id, rpc.state_token(state), rpc.state_tls(state)
+            processes.live_router(state), worker_id, rpc.state_token(state), rpc.state_tls(state)
         )
 
     def drain(self, state: ClusterState, worker_id: str) -> bool:
-        return rpc.drain_worker(state.router_address, worker_id, rpc.state_token(state), rpc.state_tls(state))
+        router = processes.live_router(state)
+        return rpc.drain_worker(router, worker_id, rpc.state_token(state), rpc.state_tls(state))
 
     def cut(self, workers: Sequence[ProcessEntry]) -> None:
         processes.cut_drains(workers)

@@ -85,11 +85,25 @@ def cli_argv(*args: str) -> list[str]:
 
 
 def spawn_router(
-    state_dir: Path, host: str, port: int, model: str, router_args: Sequence[str]
+    state_dir: Path, host: str, port: int, model: str, router_args: Sequence[str], index: int = 0
 ) -> ProcessEntry:
-    log = state_dir / "logs" / "router.log"
+    """Router ``index`` of the cluster (``up --routers``): ``router``, then ``router-1``, ``router-2``..."""
+    name = f"router-{index}" if index else "router"
+    log = state_dir / "logs" / f"{name}.log"
     argv = cli_argv("router", "--host", host, "--port", str(port), "--model", model, *router_args)
-    return spawn("router", argv, log, child_env(1))
+    return spawn(name, argv, log, child_env(1))
+
+
+def live_router(state: ClusterState) -> str:
+    """The address of a router of the cluster that runs (the first one that does): any router can be
+    asked anything, since every worker registers with every router. ClusterError when none runs."""
+    for address, p in state.routers():
+        if alive(p):
+            return address
+    pids = ", ".join(str(p.pid) for _, p in state.routers())
+    raise ClusterError(
+        f"no router of the cluster runs (pids {pids} have exited): `pdserve down`, then `pdserve up` again"
+    )
 
 
 def alive(p: ProcessEntry) -> bool:
@@ -180,7 +194,8 @@ def stop_survivors(state_dir: Path, term_timeout_s: float = 5.0) -> list[str]:
     if first:  # it starts workers: stop it, then read what it left in the state file
         stop_processes(first, term_timeout_s)
         state = load_state(state_dir) or state
-    procs = [p for p in (state.router, *state.workers, *monitoring(state)) if alive(p)]
+    routers = [p for _, p in state.routers()]
+    procs = [p for p in (*routers, *state.workers, *monitoring(state)) if alive(p)]
     stop_processes(procs, term_timeout_s)
     return [p.id for p in first + procs]
 
@@ -207,12 +222,17 @@ def wait_ready(
     timeout_s: float,
     progress: Callable[[str], None] = lambda _: None,
 ) -> None:
-    """Wait until the router serves and every worker in ``worker_ids`` is READY.
+    """Wait until every router serves and lists every worker in ``worker_ids`` READY.
 
     Raises ClusterError naming the process whose exit (or the timeout) ended the wait, with its log tail.
     """
     give_up = time.monotonic() + timeout_s
-    procs = [state.router] + [w for w in state.workers if w.id in worker_ids]
+    # Routers that had exited before the wait (one of several killed) are not waited for: the others
+    # serve. One that exits during the wait ends it, as a worker does.
+    routers = [(i, a, p) for i, (a, p) in enumerate(state.routers()) if alive(p)] or [
+        (0, state.router_address, state.router)
+    ]
+    procs = [p for _, _, p in routers] + [w for w in state.workers if w.id in worker_ids]
     last = ""
     while True:
         for p in procs:
@@ -220,7 +240,10 @@ def wait_ready(
                 raise ClusterError(
                     f"{p.id} (pid {p.pid}) exited while starting; last lines of {p.log}:\n{log_tail(p.log)}"
                 )
-        waiting = _not_ready(state.router_address, worker_ids, rpc.state_token(state), rpc.state_tls(state))
+        token, tls = rpc.state_token(state), rpc.state_tls(state)
+        waiting = set()
+        for i, address, _ in routers:
+            waiting |= _not_ready(address, f"router-{i}" if i else "router", worker_ids, token, tls)
         if not waiting:
             return
         note = f"waiting for: {', '.join(sorted(waiting))}"
@@ -235,13 +258,13 @@ def wait_ready(
         time.sleep(_POLL_S)
 
 
-def _not_ready(address: str, worker_ids: set[str], token: str, tls: TLSConfig) -> set[str]:
+def _not_ready(address: str, name: str, worker_ids: set[str], token: str, tls: TLSConfig) -> set[str]:
     if not rpc.router_serving(address, tls):
-        return {"router", *worker_ids}
+        return {name, *worker_ids}
     try:
         status = rpc.cluster_status(address, token=token, tls=tls)
     except grpc.RpcError:
-        return {"router", *worker_ids}
+        return {name, *worker_ids}
     # A warm-pool worker is ready once loaded and registered (STANDBY): it waits for its promotion.
     up = (worker_pb2.WORKER_STATE_READY, worker_pb2.WORKER_STATE_STANDBY)
     ready = {e.info.worker_id for e in status.workers if e.load.state in up}

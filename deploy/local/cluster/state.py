@@ -65,6 +65,20 @@ class ClusterState(msgspec.Struct, frozen=True):
     # `up --autoscale` (``deploy.local.autoscaler``): the process that sizes the pools; it owns `workers`
     # while it runs (`scale` refuses, `down` stops it first).
     autoscaler: ProcessEntry | None = None
+    # `up --routers N`: the routers after the first (router i serves on the first one's ports + i), with
+    # their addresses. Every worker registers with every router; any one of them can be asked anything.
+    more_routers: tuple[ProcessEntry, ...] = ()
+    more_router_addresses: tuple[str, ...] = ()
+
+    def routers(self) -> list[tuple[str, ProcessEntry]]:
+        """Every router of the cluster: (address, process), the first router first."""
+        more = zip(self.more_router_addresses, self.more_routers, strict=True)
+        return [(self.router_address, self.router), *more]
+
+    @property
+    def router_list(self) -> str:
+        """Every router's address, comma-separated: a worker's ``--router``, a client's target."""
+        return ",".join(address for address, _ in self.routers())
 
 
 class ClusterError(RuntimeError):
