@@ -8,9 +8,12 @@
   container's environment, and the preStop hook's shell line) parses with pdserve's own CLI
   parser, so a flag renamed in the CLI fails here instead of in a deployment (shown below with a
   renamed flag and with a misspelt one);
-- the pieces agree: workers register at the router's Service, probes and scrape annotations name
-  the ports the commands bind, the grace period outlasts the drain, each pool has its HPA on a
-  metric pdserve exports, and only the gpu overlay asks for GPUs.
+- the pieces agree: workers register with the routers' headless Service and drain through the
+  client-facing one, probes and scrape annotations name the ports the commands bind, the grace
+  period outlasts the drain, each pool has its HPA on a metric pdserve exports, and only the gpu
+  overlay asks for GPUs;
+- several routers run: an HPA of at least two owns their count, a rolling update keeps one ready,
+  and workers register with every router pod, ready or not, through a headless Service.
 """
 
 from __future__ import annotations
@@ -120,7 +123,10 @@ def test_every_object_validates_against_the_kubernetes_schema(rendered):
     overlay, docs = rendered
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["ConfigMap", "Deployment", "Deployment", "Deployment", "Service"] + ["HorizontalPodAutoscaler"] * 2
+        ["ConfigMap", "PodDisruptionBudget"]
+        + ["Deployment"] * 3
+        + ["Service"] * 2
+        + ["HorizontalPodAutoscaler"] * 3
     ), kinds
     versions = {kubernetes_validate.latest_version(), GRPC_PROBES_GA}
     for version in versions:
@@ -204,8 +210,8 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
         [c] = pod["spec"]["containers"]
         w = parsed[f"pdserve-{role}/worker args"]
         assert w.command == "worker" and w.role == role and w.cluster_token_file is not None
-        # registers with the router through its Service, at the Service's gRPC port
-        assert w.router == f"pdserve-router:{svc_ports['grpc']}"
+        # registers with every router through the headless Service, at the gRPC port
+        assert w.router == f"pdserve-router-workers:{svc_ports['grpc']}"
         assert w.host == FIELD_REFS["status.podIP"] and w.worker_id == FIELD_REFS["metadata.name"]
         from pdserve.worker.shell import REGISTERED_SERVICE
 
@@ -217,7 +223,9 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(w.metrics_port)
         assert pod["spec"]["terminationGracePeriodSeconds"] > w.drain_timeout
         drain = parsed[f"pdserve-{role}/worker preStop"]
-        assert drain.command == "drain" and drain.router == w.router and drain.worker_id == w.worker_id
+        # any ready router carries out a drain for all: the client-facing Service
+        assert drain.command == "drain" and drain.worker_id == w.worker_id
+        assert drain.router == f"pdserve-router:{svc_ports['grpc']}"
         assert drain.timeout < pod["spec"]["terminationGracePeriodSeconds"]
         # its own HPA, on a metric pdserve exports
         [hpa] = [h for h in hpas.values() if h["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]]
@@ -230,3 +238,48 @@ def test_the_manifests_agree_with_each_other_and_with_the_cli(rendered):
         assert (gpus == "1") == (overlay == "gpu"), (overlay, c["resources"])
         assert w.dtype == {"cpu": "float32", "gpu": "bfloat16"}[overlay]
         assert w.device == {"cpu": "cpu", "gpu": "cuda"}[overlay]
+
+
+def test_several_routers_run_and_workers_find_every_one(rendered):
+    _, docs = rendered
+    deployments, services = by_kind(docs, "Deployment"), by_kind(docs, "Service")
+    router = deployments["pdserve-router"]
+    pod = router["spec"]["template"]
+    # The HPA owns the count (a replicas field would reset it on every apply): at least two routers.
+    assert "replicas" not in router["spec"]
+    [hpa] = [
+        h
+        for h in by_kind(docs, "HorizontalPodAutoscaler").values()
+        if h["spec"]["scaleTargetRef"]
+        == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pdserve-router"}
+    ]
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    [metric] = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert pod["spec"]["containers"][0]["resources"]["requests"]["cpu"]  # what Utilization is a share of
+    # A rolling update adds the new router before an old one goes.
+    assert router["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    [pdb] = by_kind(docs, "PodDisruptionBudget").values()
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    [term] = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert (
+        term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    )
+
+    # Workers resolve the headless Service: one address per router pod, ready (tokenizer loaded, not
+    # draining) or not, at the router's gRPC port.
+    headless = services["pdserve-router-workers"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    assert headless["selector"].items() <= pod["metadata"]["labels"].items()
+    assert headless["selector"] == services["pdserve-router"]["spec"]["selector"]
+    [port] = headless["ports"]
+    assert port["targetPort"] == "grpc"
+    parsed = {where: build_parser().parse_args(argv) for where, argv in command_lines(docs)}
+    assert port["port"] == parsed["pdserve-router/router args"].port
+    for role in ("prefill", "decode"):
+        assert parsed[f"pdserve-{role}/worker args"].router == f"pdserve-router-workers:{port['port']}"
