@@ -43,6 +43,7 @@ from pdserve.worker.agent import AgentConfig, RouterAgent, run_worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.convert import ROLE_TO_PROTO, request_id_from_metadata
 from pdserve.worker.role import Role
+from pdserve.worker.router_set import RouterSet, RouterSetConfig
 from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, ShellConfig, WorkerShell
 
 # The test model: a WordLevel vocabulary, so ids("hello world") == [4, 5] and text is easy to check.
@@ -173,7 +174,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.changed = asyncio.Event()  # set on every start/cancel/hold, for tests to wait on
         self.active: set[str] = set()
         self.shell: WorkerShell | None = None
-        self.agent: RouterAgent | None = None
+        self.agent: RouterAgent | RouterSet | None = None
         # The pools' real metric objects, fed with the fake's own timings (``serve`` sets them).
         self.decode_metrics: DecodeMetrics | None = None
         self.prefill_metrics: PrefillMetrics | None = None
@@ -385,9 +386,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             kv_layout=self.kv_layout,
             tokenizer_digest=self.tokenizer_digest,
         )
-        self.agent = RouterAgent(
-            AgentConfig(router_address, **agent_kw), info, self.load, self.shell.begin_drain
-        )
+        config = AgentConfig(router_address, **agent_kw)
+        if "," in router_address:  # several routers: it joins every one
+            self.agent = RouterSet(
+                RouterSetConfig(router_address, config), info, self.load, self.shell.begin_drain
+            )
+        else:
+            self.agent = RouterAgent(config, info, self.load, self.shell.begin_drain)
         await self.agent.register()
         self.agent.start()
 

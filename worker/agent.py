@@ -111,7 +111,7 @@ class RouterAgent:
 
     def _registry(self) -> worker_pb2_grpc.RegistryStub:
         if self._stub is None:
-            options = _CHANNEL_OPTIONS
+            options: tuple[tuple[str, object], ...] = _CHANNEL_OPTIONS
             if self.config.tls_target_name and self.config.tls.enabled:
                 options += (("grpc.ssl_target_name_override", self.config.tls_target_name),)
             self._channel = aio_channel(self.config.router_address, self.config.tls, options)

@@ -138,6 +138,9 @@ class Cluster:
             running = {w["id"]: w["running"] for w in ws}
             missing = sorted(set(expected) - set(used))
             in_router = {k: router[k] for k in ("requests_running", "requests_waiting")}
+            for r in doc.get("routers", []):  # (every router of a cluster of several)
+                if r["alive"]:
+                    in_router[f"{r['address']} requests_running"] = r["requests_running"]
             if (
                 not missing
                 and all(v == 0 for v in used.values())
