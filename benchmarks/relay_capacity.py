@@ -57,6 +57,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def machine_busy_seconds() -> float:
+    """CPU-seconds every core of the machine spent busy (``/proc/stat``: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLK_TCK
+
+
 @dataclass
 class Proc:
     name: str
@@ -248,11 +254,13 @@ def run_case(
         for p in (*clients, *workers, *(r.proc for r in all_routers)):
             p.check_alive()
         before = {k: [cpu_seconds(p.pid) for p in ps] for k, ps in watched.items()}
+        busy0 = machine_busy_seconds()
         t0 = time.monotonic()
         if cfg.py_spy and len(routers) == 1 and streams == max(cfg.streams):
             profiler = start_profile(cfg, procs, routers[0], front, streams)
         time.sleep(max(end - time.monotonic(), 0.0))
         after = {k: [cpu_seconds(p.pid) for p in ps] for k, ps in watched.items()}
+        busy1 = machine_busy_seconds()
         t1 = time.monotonic()
         results = []
         for c in clients:
@@ -293,6 +301,9 @@ def run_case(
         "load_cpu_us_per_token": 1e6 * cpu["load"] / tokens if tokens else None,
         "worker_cpu_us_per_token": 1e6 * cpu["worker"] / tokens if tokens else None,
         "router_share_of_cpu": cpu["router"] / sum(cpu.values()) if sum(cpu.values()) else None,
+        # The machine's busy cores over the window, and those of processes this run did not start.
+        "machine_busy_cores": (busy1 - busy0) / window,
+        "other_cores": max(busy1 - busy0 - sum(cpu.values()), 0.0) / window,
         "requests_done": sum(r["requests_done"] for r in results),
         "errors": sum(r["errors"] for r in results),
         "first_error": next((r["first_error"] for r in results if r["first_error"]), ""),
@@ -483,8 +494,8 @@ def report(result: dict[str, Any]) -> str:
         f"{result['settings']['max_tokens']} tokens per request",
         "",
         "| front | streams | routers | tokens/s | router CPU us/token | router cores | load us/token | "
-        "worker us/token | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "worker us/token | other cores | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result["cases"]:
         us = c["router_cpu_us_per_token"]
@@ -492,7 +503,7 @@ def report(result: dict[str, Any]) -> str:
             f"| {c['front']} | {c['streams']} | {c['routers']} | {c['tokens_per_s']:,.0f} | "
             f"{'-' if us is None else f'{us:.1f}'} | {c['router_cores']:.2f} | "
             f"{c['load_cpu_us_per_token'] or 0:.1f} | {c['worker_cpu_us_per_token'] or 0:.1f} | "
-            f"{c['errors']} |"
+            f"{c['other_cores']:.2f} | {c['errors']} |"
         )
     lines.append("")
     for r in result["two_routers_over_one"]:
