@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -36,7 +37,6 @@ STREAM_TEXT = " the cat sat on the mat and looked at a dog"
 PROMPT_TEXT = " a short prompt of a few words"
 START_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 30.0
-CLIENT_START_S = 2.5  # a load process's start (imports, connections) before its warm-up counts
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -86,14 +86,15 @@ class Processes:
         self.log_dir = log_dir
         self.procs: list[Proc] = []
 
-    def start(self, name: str, argv: Sequence[str], stdout_pipe: bool = False) -> Proc:
+    def start(self, name: str, argv: Sequence[str], pipes: bool = False) -> Proc:
+        """``pipes``: its stdin and stdout are pipes to this process (else stdin is empty, stdout its log)."""
         log = self.log_dir / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN_FILE"}
         with log.open("wb") as err:
             popen = subprocess.Popen(
                 [sys.executable, "-m", *argv],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE if stdout_pipe else err,
+                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if pipes else err,
                 stderr=err,
                 start_new_session=True,
                 env=env,
@@ -112,8 +113,9 @@ class Processes:
         with_group(p.pid, signal.SIGKILL)  # (anything the group left behind)
         if p.popen.poll() is None:
             p.popen.wait(5.0)
-        if p.popen.stdout is not None:
-            p.popen.stdout.close()
+        for pipe in (p.popen.stdin, p.popen.stdout):
+            if pipe is not None:
+                pipe.close()
 
     def stop_all(self) -> None:
         for p in reversed(self.procs):
@@ -216,13 +218,23 @@ def settle(routers: Sequence[Router], procs: Sequence[Proc]) -> None:
     wait_until(idle, SETTLE_TIMEOUT_S, "the routers to finish the last case's requests", procs)
 
 
+def wait_for_line(p: Proc, expected: bytes, timeout_s: float) -> None:
+    """Until ``p`` prints ``expected`` on its stdout (bounded; its exit or another line is an error)."""
+    assert p.popen.stdout is not None
+    ready, _, _ = select.select([p.popen.stdout], [], [], timeout_s)
+    line = p.popen.stdout.readline().strip() if ready else b""
+    if line != expected:
+        p.check_alive()
+        raise RuntimeError(f"{p.name}: expected {expected!r} within {timeout_s:.0f}s, got {line!r}")
+
+
 def split(streams: int, parts: int) -> list[int]:
     """``streams`` over ``parts`` load processes as evenly as can be (none empty)."""
     parts = min(parts, streams)
     return [streams // parts + (1 if i < streams % parts else 0) for i in range(parts)]
 
 
-def run_case(
+def measure(
     procs: Processes,
     cfg: argparse.Namespace,
     front: str,
@@ -231,32 +243,39 @@ def run_case(
     all_routers: Sequence[Router],
     workers: Sequence[Proc],
     prompt_ids: Sequence[int],
+    profile: bool = False,
 ) -> dict[str, Any]:
-    """One front, concurrency and router count: load processes (two, or one for a single stream) spread
-    over ``routers``, each router taking the same share."""
+    """One window of one front, concurrency and router count: load processes (two, or one for a single
+    stream) spread over ``routers``, each router taking the same share. Raw sums, pooled by ``pool``."""
     shares = split(streams, 2)
     targets = [routers[i % len(routers)] for i in range(len(shares))]
-    start = time.monotonic() + CLIENT_START_S + cfg.warmup
-    end = start + cfg.duration
     clients = []
     for i, (n, r) in enumerate(zip(shares, targets, strict=True)):
         argv = [
             "benchmarks.relay_load", "--front", front,
             "--target", r.grpc_address if front == "grpc" else r.http_url,
             "--streams", str(n), "--max-tokens", str(cfg.max_tokens),
-            "--prompt-ids", ",".join(map(str, prompt_ids)), "--start", f"{start:.6f}", "--end", f"{end:.6f}",
+            "--prompt-ids", ",".join(map(str, prompt_ids)),
         ]  # fmt: skip
-        clients.append(procs.start(f"load-{front}-{streams}-{len(routers)}r-{i}", argv, stdout_pipe=True))
+        clients.append(procs.start(f"load-{front}-{streams}-{len(routers)}r-{i}", argv, pipes=True))
     watched = {"router": [r.proc for r in routers], "worker": list(workers), "load": clients}
     profiler = None
     try:
+        for c in clients:  # each imported and ready: the window is the same for all
+            wait_for_line(c, b"READY", START_TIMEOUT_S)
+        start = time.monotonic() + cfg.warmup
+        end = start + cfg.duration
+        for c in clients:
+            assert c.popen.stdin is not None
+            c.popen.stdin.write(f"{start:.6f} {end:.6f}\n".encode())
+            c.popen.stdin.flush()
         time.sleep(max(start - time.monotonic(), 0.0))
         for p in (*clients, *workers, *(r.proc for r in all_routers)):
             p.check_alive()
         before = {k: [cpu_seconds(p.pid) for p in ps] for k, ps in watched.items()}
         busy0 = machine_busy_seconds()
         t0 = time.monotonic()
-        if cfg.py_spy and len(routers) == 1 and streams == max(cfg.streams):
+        if profile:
             profiler = start_profile(cfg, procs, routers[0], front, streams)
         time.sleep(max(end - time.monotonic(), 0.0))
         after = {k: [cpu_seconds(p.pid) for p in ps] for k, ps in watched.items()}
@@ -272,51 +291,89 @@ def run_case(
         for c in clients:
             procs.stop(c)
             procs.procs.remove(c)
-    profile = finish_profile(profiler, procs) if profiler is not None else None
+    late = [c.name for c, r in zip(clients, results, strict=True) if r["late"]]
+    if late:  # its window started after the CPU readings did: its tokens would be undercounted
+        raise RuntimeError(f"{', '.join(late)} started after the window began: give it a --warmup")
+    prof = finish_profile(profiler, procs) if profiler is not None else None
     settle(all_routers, [r.proc for r in all_routers])
-    window = t1 - t0
-    cpu = {k: sum(a - b for a, b in zip(after[k], before[k], strict=True)) for k in watched}
-    per_router_cpu = [a - b for a, b in zip(after["router"], before["router"], strict=True)]
-    tokens = sum(r["window_tokens"] for r in results)
-    per_router_tokens = [
-        sum(res["window_tokens"] for res, t in zip(results, targets, strict=True) if t is r) for r in routers
-    ]
-    case: dict[str, Any] = {
-        "front": front,
-        "streams": streams,
-        "routers": len(routers),
+    m: dict[str, Any] = {
+        "window_s": t1 - t0,
+        "tokens": sum(r["window_tokens"] for r in results),
+        "tokens_per_router": [
+            sum(res["window_tokens"] for res, t in zip(results, targets, strict=True) if t is r)
+            for r in routers
+        ],
         "streams_per_router": [
             sum(n for n, t in zip(shares, targets, strict=True) if t is r) for r in routers
         ],
+        "cpu_s": {k: sum(a - b for a, b in zip(after[k], before[k], strict=True)) for k in watched},
+        "router_cpu_s_per_router": [a - b for a, b in zip(after["router"], before["router"], strict=True)],
+        "machine_busy_s": busy1 - busy0,
+        **{
+            k: sum(r[k] for r in results)
+            for k in ("requests_done", "errors", "usage_checked", "usage_mismatches")
+        },
+        "first_error": next((r["first_error"] for r in results if r["first_error"]), ""),
+    }
+    if prof is not None:
+        m["profile"] = prof
+    return m
+
+
+def pool(front: str, streams: int, routers: int, rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One case's figures over its rounds: sums of tokens, seconds and CPU-seconds (a ratio of sums, so a
+    short or slow round weighs what it relayed); the router's CPU per token of each round beside them."""
+    window = sum(m["window_s"] for m in rounds)
+    tokens = sum(m["tokens"] for m in rounds)
+    cpu = {k: sum(m["cpu_s"][k] for m in rounds) for k in rounds[0]["cpu_s"]}
+    busy = sum(m["machine_busy_s"] for m in rounds)
+
+    def per_token(seconds: float) -> float | None:
+        return 1e6 * seconds / tokens if tokens else None
+
+    case: dict[str, Any] = {
+        "front": front,
+        "streams": streams,
+        "routers": routers,
+        "rounds": len(rounds),
+        "streams_per_router": rounds[0]["streams_per_router"],
         "window_s": window,
         "tokens": tokens,
         "tokens_per_s": tokens / window,
-        "tokens_per_s_per_router": [t / window for t in per_router_tokens],
+        "tokens_per_s_per_router": [
+            sum(m["tokens_per_router"][i] for m in rounds) / window for i in range(routers)
+        ],
         "router_cpu_s": cpu["router"],
-        "router_cpu_s_per_router": per_router_cpu,
+        "router_cpu_s_per_router": [
+            sum(m["router_cpu_s_per_router"][i] for m in rounds) for i in range(routers)
+        ],
         "router_cores": cpu["router"] / window,
-        "router_cpu_us_per_token": 1e6 * cpu["router"] / tokens if tokens else None,
+        "router_cpu_us_per_token": per_token(cpu["router"]),
+        "router_cpu_us_per_token_by_round": [
+            1e6 * m["cpu_s"]["router"] / m["tokens"] if m["tokens"] else None for m in rounds
+        ],
         "load_cpu_s": cpu["load"],
         "worker_cpu_s": cpu["worker"],
-        "load_cpu_us_per_token": 1e6 * cpu["load"] / tokens if tokens else None,
-        "worker_cpu_us_per_token": 1e6 * cpu["worker"] / tokens if tokens else None,
+        "load_cpu_us_per_token": per_token(cpu["load"]),
+        "worker_cpu_us_per_token": per_token(cpu["worker"]),
         "router_share_of_cpu": cpu["router"] / sum(cpu.values()) if sum(cpu.values()) else None,
-        # The machine's busy cores over the window, and those of processes this run did not start.
-        "machine_busy_cores": (busy1 - busy0) / window,
-        "other_cores": max(busy1 - busy0 - sum(cpu.values()), 0.0) / window,
-        "requests_done": sum(r["requests_done"] for r in results),
-        "errors": sum(r["errors"] for r in results),
-        "first_error": next((r["first_error"] for r in results if r["first_error"]), ""),
-        "usage_checked": sum(r["usage_checked"] for r in results),
-        "usage_mismatches": sum(r["usage_mismatches"] for r in results),
+        # The machine's busy cores over the windows, and those of processes this run did not start.
+        "machine_busy_cores": busy / window,
+        "other_cores": max(busy - sum(cpu.values()), 0.0) / window,
+        **{
+            k: sum(m[k] for m in rounds)
+            for k in ("requests_done", "errors", "usage_checked", "usage_mismatches")
+        },
+        "first_error": next((m["first_error"] for m in rounds if m["first_error"]), ""),
     }
-    if profile is not None:
+    profiles = [m["profile"] for m in rounds if "profile" in m]
+    if profiles:
         case["profiled"] = True
-        case["profile"] = profile
+        case["profile"] = profiles[0]
     _log(
-        f"{front} {streams} streams, {len(routers)} router(s): {case['tokens_per_s']:,.0f} tok/s, router "
-        f"{case['router_cpu_us_per_token'] or 0:.1f} us/token ({case['router_cores']:.2f} cores), errors "
-        f"{case['errors']}"
+        f"{front} {streams} streams, {routers} router(s): {case['tokens_per_s']:,.0f} tok/s, router "
+        f"{case['router_cpu_us_per_token'] or 0:.1f} us/token ({case['router_cores']:.2f} cores), other "
+        f"{case['other_cores']:.2f} cores, errors {case['errors']}"
     )
     return case
 
@@ -460,12 +517,19 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
         _log(f"routers {[r.proc.pid for r in routers]}, workers {[w.pid for w in workers]}")
         for front in cfg.fronts:
             for streams in cfg.streams:
-                for n in (1, 2):
-                    if n == 2 and streams < 2:
-                        continue  # (one stream cannot be split)
-                    cases.append(
-                        run_case(procs, cfg, front, streams, routers[:n], routers, workers, prompt_ids)
-                    )
+                # (one stream cannot be split over two routers)
+                counts = (1,) if streams < 2 else (1, 2)
+                rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in counts}
+                for r in range(cfg.rounds):
+                    # Alternating which goes first: drift in the machine's speed hits both alike.
+                    for n in counts if r % 2 == 0 else counts[::-1]:
+                        profile = bool(cfg.py_spy) and n == 1 and r == 0 and streams == max(cfg.streams)
+                        rounds[n].append(
+                            measure(
+                                procs, cfg, front, streams, routers[:n], routers, workers, prompt_ids, profile
+                            )
+                        )
+                cases.extend(pool(front, streams, n, rounds[n]) for n in counts)
     finally:
         procs.stop_all()
     return {
@@ -478,6 +542,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
             "prompt_tokens": len(prompt_ids),
             "warmup_s": cfg.warmup,
             "window_s": cfg.duration,
+            "rounds": cfg.rounds,
             "load_processes_per_case": 2,
             "streamed_token_ids": token_ids,
         },
@@ -567,8 +632,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fronts", default=",".join(FRONTS), help=f"comma-separated, of {', '.join(FRONTS)}")
     p.add_argument("--workers", type=int, default=2, help="fake decode worker processes")
     p.add_argument("--max-tokens", type=int, default=256, help="output tokens per request")
-    p.add_argument("--warmup", type=float, default=None, help="seconds of load before the window (default 3)")
-    p.add_argument("--duration", type=float, default=None, help="the measured window, seconds (default 10)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of load before the window (default 2)")
+    p.add_argument(
+        "--duration", type=float, default=None, help="each round's measured window, seconds (default 5)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="windows per case, one and two routers alternating (default 3)",
+    )
     p.add_argument("--assume-streams-per-worker", type=int, default=64)
     p.add_argument("--assume-tokens-per-s-per-stream", type=float, default=30.0)
     p.add_argument(
@@ -585,14 +658,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default_streams = "1,64" if a.quick else "1,64,512"
     a.streams = tuple(int(s) for s in (a.streams or default_streams).split(",") if s)
     a.fronts = tuple(dict.fromkeys(f.strip() for f in a.fronts.split(",") if f.strip()))
-    a.warmup = a.warmup if a.warmup is not None else (1.0 if a.quick else 3.0)
-    a.duration = a.duration if a.duration is not None else (2.0 if a.quick else 10.0)
+    a.warmup = a.warmup if a.warmup is not None else (0.5 if a.quick else 2.0)
+    a.duration = a.duration if a.duration is not None else (1.5 if a.quick else 5.0)
+    a.rounds = a.rounds if a.rounds is not None else (1 if a.quick else 3)
     if not a.streams or min(a.streams) < 1:
         p.error("--streams: concurrencies >= 1")
     if not a.fronts or any(f not in FRONTS for f in a.fronts):
         p.error(f"--fronts: of {', '.join(FRONTS)}")
-    if a.workers < 1 or a.max_tokens < 1 or a.duration <= 0 or a.warmup < 0:
-        p.error("--workers, --max-tokens >= 1; --duration > 0; --warmup >= 0")
+    if a.workers < 1 or a.max_tokens < 1 or a.rounds < 1 or a.duration <= 0 or a.warmup <= 0:
+        p.error("--workers, --max-tokens, --rounds >= 1; --duration, --warmup > 0")
     return a
 
 

@@ -2,10 +2,11 @@
 
 ``--streams`` concurrent streams against one router front (``grpc``: ``pdserve.v1.Generation/Generate``;
 ``http``: streaming ``/v1/completions``), each asking for ``--max-tokens`` tokens with EOS ignored, again
-as soon as one ends, until ``--end``. The tokens received between ``--start`` and ``--end`` (both on
-CLOCK_MONOTONIC, which every process of the machine shares) are the window's; the result is one JSON line
-on stdout. A token is counted as it arrives: one per token id on gRPC, one per server-sent text event on
-HTTP (the benchmark streams tokens that each decode to text, so each gets its event; ``usage`` checks it).
+as soon as one ends. Once imported it prints ``READY`` and reads the window from stdin, ``START END`` on
+CLOCK_MONOTONIC (which every process of the machine shares); it streams from then until END and counts the
+tokens received between START and END; the result is one JSON line on stdout. A token is counted as it
+arrives: one per token id on gRPC, one per server-sent text event on HTTP (the benchmark streams tokens
+that each decode to text, so each gets its event; ``usage`` checks it).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Counts:
     usage_checked: int = 0
     usage_mismatches: int = 0
     first_error: str = ""
+    late: bool = False  # started after the window began (its count would miss the window's start)
 
     def error(self, what: str) -> None:
         self.errors += 1
@@ -97,6 +99,7 @@ async def run(args: argparse.Namespace) -> Counts:
     counts = Counts()
     loop = asyncio.get_running_loop()
     now_mono, now_loop = time.monotonic(), loop.time()
+    counts.late = now_mono >= args.start
 
     def snap(field: str) -> None:
         setattr(counts, field, counts.tokens)
@@ -153,12 +156,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--streams", type=int, required=True)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids")
-    p.add_argument("--start", type=float, required=True, help="window start, time.monotonic() seconds")
-    p.add_argument("--end", type=float, required=True, help="window end, time.monotonic() seconds")
     args = p.parse_args(argv)
     args.prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t]
-    if args.streams < 1 or args.end <= args.start:
-        p.error("--streams >= 1 and --end after --start")
+    if args.streams < 1:
+        p.error("--streams >= 1")
+    print("READY", flush=True)
+    line = sys.stdin.readline().split()
+    if len(line) != 2:
+        p.error("stdin: expected START END (time.monotonic() seconds)")
+    args.start, args.end = float(line[0]), float(line[1])
     import uvloop
 
     counts = uvloop.run(run(args))
