@@ -4,10 +4,10 @@ with two sharing the load: ``python -m benchmarks.relay_capacity [--quick] [--ou
 Fake decode workers (``benchmarks.fake_decode_worker``: no model, tokens as fast as the stream takes them)
 register with two ``pdserve router`` processes. For each front (gRPC ``Generation/Generate``, HTTP
 streaming ``/v1/completions``) and each concurrency, load processes (``benchmarks.relay_load``) run that
-many streams for a fixed window after a warm-up: first all against router A, then split evenly over A and
-B. Every process's utime + stime (``/proc/PID/stat``) is read at the window's start and end, so the routers'
-CPU-seconds per relayed token stand beside what the load and the workers used on the same cores. Every
-process started here is stopped when the run ends, whatever happens. Details: benchmarks/README.md.
+many streams for fixed windows after a warm-up, all against router A and split evenly over A and B in
+turn. Every process's utime + stime (``/proc/PID/stat``) is read at each window's start and end, so the
+routers' CPU-seconds per relayed token stand beside what the load and the workers used on the same cores.
+Every process started here is stopped when the run ends, whatever happens. Details: benchmarks/README.md.
 """
 
 from __future__ import annotations
