@@ -216,6 +216,9 @@ class RouterSet:
         old = self.agents.get(address)
         if old is not None:  # (its joining failed: a fresh agent tries again)
             self._drop_view(address)
+            task = asyncio.get_running_loop().create_task(old.close(deregister=False))
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
         cfg = dataclasses.replace(self.config.agent, router_address=address)
         if host and not address.startswith(host):
             cfg = dataclasses.replace(cfg, tls_target_name=host)

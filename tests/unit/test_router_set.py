@@ -194,9 +194,11 @@ def test_the_launcher_asks_a_router_that_runs(monkeypatch, tmp_path):
     asked: list[str] = []
     monkeypatch.setattr(rpc, "cluster_status", lambda address, **_: asked.append(address) or "status")
     monkeypatch.setattr(rpc, "drain_worker", lambda address, *_: asked.append(address) or True)
-    ctl = control.LocalControl(tmp_path)
+    monkeypatch.setattr(rpc, "promote_worker", lambda address, *_: asked.append(address) or "promoted")
+    ctl = control.LocalControl(tmp_path)  # (the autoscaler's hands)
     assert ctl.status(state) == "status" and ctl.drain(state, "decode-1")
-    assert asked == ["127.0.0.1:2", "127.0.0.1:2"]
+    assert ctl.promote(state, "decode-2") == "promoted"
+    assert asked == ["127.0.0.1:2"] * 3
     monkeypatch.setattr(processes, "alive", lambda p: False)
     with pytest.raises(local.ClusterError, match="no router of the cluster runs"):
         ctl.status(state)
