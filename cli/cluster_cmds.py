@@ -226,20 +226,24 @@ def _router_ports(args: argparse.Namespace, index: int) -> _RouterPorts:
 def _check_free(host: str, routers: list[_RouterPorts]) -> None:
     """Every port the routers will serve on can be bound now (before anything starts)."""
     for i, r in enumerate(routers):
-        named = [("gRPC", r.grpc), ("HTTP", r.args.http_port), ("metrics", r.args.metrics_port)]
-        for what, port in named:
+        named = [
+            ("gRPC", "--port", r.grpc),
+            ("the HTTP API", "--http-port", r.args.http_port),
+            ("metrics", "--metrics-port", r.args.metrics_port),
+        ]
+        for what, flag, port in named:
             if not port:
                 continue
+            which = f"{flag} + {i}, router {i}" if i else flag
             if port > 65535:
-                raise cluster.ClusterError(f"router {i}'s {what} port would be {port}: lower the first one")
+                raise cluster.ClusterError(f"cannot serve {what} on port {port} ({which}): lower {flag}")
             with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the servers bind)
                 try:
                     sock.bind((host, port))
                 except OSError as e:
                     raise cluster.ClusterError(
-                        f"router {i}'s {what} port {port} on {host} is not free ({e.strerror}): "
-                        "router i serves on the first router's ports + i"
+                        f"cannot serve {what} on port {port} ({which}) of {host}: {e.strerror}"
                     ) from None
 
 

@@ -56,9 +56,12 @@ def test_x_request_id_is_the_id_end_to_end_on_both_workers(model_dir):
             assert raw.headers["x-request-id"] == "abc-123"
             assert raw.parse().id == "abc-123" and raw.parse().choices[0].text == " hello world the cat"
             prefill = [r for r in p.requests if isinstance(r, worker_pb2.PrefillRequest)]
-            assert [r.request_id for r in prefill] == ["abc-123"] and p.metadata_ids == ["abc-123"]
+            # Workers know it as "<id>@<router tag>" (ids are unique per router); the metadata is the id.
+            assert [r.request_id.split("@")[0] for r in prefill] == ["abc-123"]
+            assert p.metadata_ids == ["abc-123"]
             assert d.requests[-1].mode == worker_pb2.PREFILL_MODE_REMOTE
-            assert [r.request_id for r in d.requests] == ["abc-123"] and d.metadata_ids == ["abc-123"]
+            assert [r.request_id.split("@")[0] for r in d.requests] == ["abc-123"]
+            assert d.metadata_ids == ["abc-123"]
 
             # Streaming chat: every chunk carries it, and so does the header.
             async with aiohttp.ClientSession() as http:
@@ -70,7 +73,7 @@ def test_x_request_id_is_the_id_end_to_end_on_both_workers(model_dir):
                     assert r.status == 200 and r.headers["X-Request-ID"] == "chat.42"
                     events = [ln for ln in (await r.text()).splitlines() if ln.startswith("data: {")]
                 assert events and all(json.loads(e[6:])["id"] == "chat.42" for e in events)
-            assert d.requests[-1].request_id == "chat.42" and d.metadata_ids[-1] == "chat.42"
+            assert d.requests[-1].request_id.startswith("chat.42@") and d.metadata_ids[-1] == "chat.42"
 
             # Without the header: a generated id of OpenAI's form, echoed all the same.
             raw = await sdk(server).completions.with_raw_response.create(
@@ -81,7 +84,7 @@ def test_x_request_id_is_the_id_end_to_end_on_both_workers(model_dir):
 
             # gRPC: request_id is the same thing (the proto says so), on the worker calls too.
             await collect(stub.Generate(g.GenerateRequest(request_id="grpc-7", prompt="the cat sat")))
-            assert d.requests[-1].request_id == d.metadata_ids[-1] == "grpc-7"
+            assert d.requests[-1].request_id.startswith("grpc-7@") and d.metadata_ids[-1] == "grpc-7"
 
     run(main())
 
@@ -121,7 +124,7 @@ def test_bad_and_duplicate_request_ids_are_refused_naming_the_field(model_dir):
 
 
 async def _started(w: FakeWorker, rid: str) -> None:
-    while rid not in w.started:
+    while not any(s.split("@")[0] == rid for s in w.started):  # (workers see "<id>@<router tag>")
         w.changed.clear()
         await w.changed.wait()
 

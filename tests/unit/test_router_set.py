@@ -200,7 +200,7 @@ def test_the_launcher_asks_a_router_that_runs(monkeypatch, tmp_path):
     assert ctl.promote(state, "decode-2") == "promoted"
     assert asked == ["127.0.0.1:2"] * 3
     monkeypatch.setattr(processes, "alive", lambda p: False)
-    with pytest.raises(local.ClusterError, match="no router of the cluster runs"):
+    with pytest.raises(local.ClusterError, match="every router of the cluster"):
         ctl.status(state)
 
 

@@ -157,17 +157,23 @@ def remove_workers(
         # loading worker then never joins, a serving one drains as on the router's word. Left alone, it
         # would register and take requests while the rest drain, and the wait would run to its timeout.
         try:
-            router = processes.live_router(state)
-            if not rpc.drain_worker(router, e.id, rpc.state_token(state), rpc.state_tls(state)):
+            if not rpc.drain_worker(_any_router(state), e.id, rpc.state_token(state), rpc.state_tls(state)):
                 progress(f"{e.id} is not registered with the router; stopping it by signal")
                 processes.send(e, signal.SIGTERM)
-        except (grpc.RpcError, ClusterError) as err:
-            why = err.code().name if isinstance(err, grpc.RpcError) else str(err)
-            progress(f"could not ask a router to drain {e.id} ({why}); stopping it by signal")
+        except grpc.RpcError as err:
+            progress(f"could not ask the router to drain {e.id} ({err.code().name}); stopping it by signal")
             processes.send(e, signal.SIGTERM)
     stuck = _wait_drained(state, entries, drain_timeout_s, progress)
     processes.cut_drains(stuck)
     return [p.id for p in stuck]
+
+
+def _any_router(state: ClusterState) -> str:
+    """A router that runs, else the first (a call to it fails, and its caller says so)."""
+    try:
+        return processes.live_router(state)
+    except ClusterError:
+        return state.router_address
 
 
 def _wait_drained(

@@ -100,10 +100,13 @@ def live_router(state: ClusterState) -> str:
     for address, p in state.routers():
         if alive(p):
             return address
-    pids = ", ".join(str(p.pid) for _, p in state.routers())
-    raise ClusterError(
-        f"no router of the cluster runs (pids {pids} have exited): `pdserve down`, then `pdserve up` again"
+    routers = state.routers()
+    which = (
+        f"the router of the cluster (pid {state.router.pid})"
+        if len(routers) == 1
+        else f"every router of the cluster (pids {', '.join(str(p.pid) for _, p in routers)})"
     )
+    raise ClusterError(f"{which} has exited: `pdserve down`, then `pdserve up` again")
 
 
 def alive(p: ProcessEntry) -> bool:
