@@ -101,6 +101,32 @@ static inline __attribute__((always_inline)) void prefill_item(
     }
 }
 
+/* In-place transpose of W vectors of W floats (r[i][j] -> r[j][i]): log2(W) stages, each pairing rows
+   b apart and interleaving their blocks of b lanes. */
+static inline void transpose_w(vf* r) {
+#define STAGE(B, LO, HI) \
+    for (int i = 0; i < W; i++) if (!(i & (B))) { \
+        const vf a = r[i], b = r[i + (B)]; \
+        r[i] = __builtin_shuffle(a, b, LO); r[i + (B)] = __builtin_shuffle(a, b, HI); }
+#if W == 16
+    const vi lo8 = {0,1,2,3,4,5,6,7,16,17,18,19,20,21,22,23};
+    const vi hi8 = {8,9,10,11,12,13,14,15,24,25,26,27,28,29,30,31};
+    const vi lo4 = {0,1,2,3,16,17,18,19,8,9,10,11,24,25,26,27};
+    const vi hi4 = {4,5,6,7,20,21,22,23,12,13,14,15,28,29,30,31};
+    const vi lo2 = {0,1,16,17,4,5,20,21,8,9,24,25,12,13,28,29};
+    const vi hi2 = {2,3,18,19,6,7,22,23,10,11,26,27,14,15,30,31};
+    const vi lo1 = {0,16,2,18,4,20,6,22,8,24,10,26,12,28,14,30};
+    const vi hi1 = {1,17,3,19,5,21,7,23,9,25,11,27,13,29,15,31};
+    STAGE(8, lo8, hi8) STAGE(4, lo4, hi4) STAGE(2, lo2, hi2) STAGE(1, lo1, hi1)
+#else
+    const vi lo4 = {0,1,2,3,8,9,10,11}, hi4 = {4,5,6,7,12,13,14,15};
+    const vi lo2 = {0,1,8,9,4,5,12,13}, hi2 = {2,3,10,11,6,7,14,15};
+    const vi lo1 = {0,8,2,10,4,12,6,14}, hi1 = {1,9,3,11,5,13,7,15};
+    STAGE(4, lo4, hi4) STAGE(2, lo2, hi2) STAGE(1, lo1, hi1)
+#endif
+#undef STAGE
+}
+
 /* Key j's K (vsel 0) or V (vsel 1) row of KV head h: from contiguous k / v rows kv_stride apart, or,
    with a table, from the paged cache layer kv [N, 2, B, Hkv, D]. */
 typedef struct {
@@ -143,14 +169,13 @@ static int prefill_attention_impl(const void* q, const key_src_t* ks, void* out,
         for (int64_t ht = 0; ht < n_kv_heads * (npad / W); ht++) {  /* widen: K in tiles, V as rows */
             const int64_t h = ht / (npad / W), j0 = ht % (npad / W) * W, nj = total - j0 < W ? total - j0 : W;
             float* tile = kt + h * D * npad + j0 * D;  /* [D][W] */
-            for (int64_t t = 0; t < W; t++) {
-                float row[512];  /* D <= 512 (cpu_kernels.supports) */
-                const char* kr = t < nj ? key_row(ks, j0 + t, h, D, 0, esz) : NULL;
-                for (int64_t c = 0; c < NC; c++) {
-                    const vf x = kr ? ld(kr + c * W * esz, dt) : (vf){0};
-                    memcpy(row + c * W, &x, sizeof x);
-                }
-                for (int64_t d = 0; d < D; d++) tile[d * W + t] = row[d];
+            const char* kr[W];
+            for (int64_t t = 0; t < W; t++) kr[t] = t < nj ? key_row(ks, j0 + t, h, D, 0, esz) : NULL;
+            for (int64_t c = 0; c < NC; c++) {  /* W keys x W dims at a time, transposed in registers */
+                vf blk[W];
+                for (int64_t t = 0; t < W; t++) blk[t] = kr[t] ? ld(kr[t] + c * W * esz, dt) : (vf){0};
+                transpose_w(blk);
+                memcpy(tile + c * W * W, blk, sizeof blk);
             }
             for (int64_t t = 0; t < W; t++) {
                 vf* vr = vv + (h * npad + j0 + t) * NC;
