@@ -164,13 +164,23 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Attend ``q [T, H, D]`` over the fresh ``k, v [T, Hkv, D]`` (already written to the cache) and, for
     prompts continuing a cached prefix, over the cache; returns ``[T, H * D]``. With ``kernels``, fresh
-    prompts go through ``CpuKernels.prefill_attention`` (SDPA's CPU kernel is slow on small heads);
-    prompts with a cached prefix through SDPA."""
+    prompts go through ``CpuKernels.prefill_attention`` (SDPA's CPU kernel is slow on small heads), prompts
+    with a cached prefix through ``CpuKernels.prefill_attention_paged``, which reads the blocks in place;
+    else SDPA (over a gathered copy of the cached blocks)."""
     t, n_h, d = q.shape
+    if kernels is not None and len(meta.seqs) == 1:  # one prompt: its rows are the whole output
+        s = meta.seqs[0]
+        if s.table is None:
+            return kernels.prefill_attention(q, k, v)
+        return kernels.prefill_attention_paged(q, kv_layer, s.table, s.start_pos)
     out = torch.empty(t, n_h, d, dtype=q.dtype, device=q.device)  # [T, H, D]
     for s in meta.seqs:
         if s.table is None and kernels is not None:
             rows = kernels.prefill_attention(q[s.start : s.end], k[s.start : s.end], v[s.start : s.end])
+            out[s.start : s.end] = rows.view(-1, n_h, d)
+            continue
+        if kernels is not None:
+            rows = kernels.prefill_attention_paged(q[s.start : s.end], kv_layer, s.table, s.start_pos)
             out[s.start : s.end] = rows.view(-1, n_h, d)
             continue
         qs = q[s.start : s.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

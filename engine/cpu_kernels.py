@@ -283,6 +283,52 @@ class CpuKernels:
         )
         return out
 
+    def prefill_attention_paged(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, table: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """Causal attention of new tokens continuing a cached prefix: ``q [n, H, D]`` (rows may be strided,
+        heads contiguous) at positions ``[start, start + n)``, against keys ``[0, start + n)`` of one cache
+        layer ``kv_layer [N, 2, B, Hkv, D]`` (the new tokens' K/V already stored) in the blocks of ``table``
+        (int64, at least ``ceil((start + n) / B)`` ids) -> ``[n, H * D]``, as ``prefill_attention``."""
+        n, n_h, d = q.shape
+        _, _, b, n_kv, kv_d = kv_layer.shape
+        if not (
+            q.stride(2) == 1
+            and q.stride(1) == d
+            and kv_d == d
+            and kv_layer.is_contiguous()
+            and q.dtype == kv_layer.dtype
+            and table.dtype == torch.int64
+            and table.is_contiguous()
+            and start >= 0
+            and table.numel() * b >= start + n
+        ):
+            raise ValueError(
+                "prefill_attention_paged needs row-major q heads, a contiguous cache layer of q's dtype and "
+                "an int64 block table covering start + n positions"
+            )
+        out = torch.empty(n, n_h * d, dtype=q.dtype, device=q.device)  # [n, H * D]
+        _check(
+            self.lib.prefill_attention_paged(
+                q.data_ptr(),
+                kv_layer.data_ptr(),
+                table.data_ptr(),
+                out.data_ptr(),
+                start,
+                n,
+                b,
+                n_h,
+                n_kv,
+                d,
+                q.stride(0),
+                d**-0.5,
+                _DTYPE_CODES[q.dtype],
+                torch.get_num_threads(),
+            ),
+            "prefill_attention_paged",
+        )
+        return out
+
     def add_rms_norm(
         self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
@@ -601,6 +647,7 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         "bf16_dot_peak": [i64, i32, ptr],
         "linear_packed": [ptr] * 5 + [i64] * 4 + [i32, i32, i32],
         "prefill_attention": [ptr] * 4 + [i64] * 6 + [f32, i32, i32],
+        "prefill_attention_paged": [ptr] * 4 + [i64] * 7 + [f32, i32, i32],
         "pack_linear_weight": [ptr, ptr, i64, i64, i64, i32],
         "linear_bf16_pairs": [i64],
         "linear_panel_width": [],

@@ -3,10 +3,11 @@
    The weight is packed once at load (pack_linear_weight) into panels of LP = 2W output columns,
    [N / LP][K][LP] (N padded with zero columns), so a panel is one contiguous stream: each thread takes a
    contiguous run of panels and reads its weights exactly once from memory, whatever M. Within a panel,
-   rows of x go LM_ROWS at a time: LM_ROWS x 2 vector accumulators, 2 weight vectors and one broadcast
-   stay in registers (15 of AVX2's 16: the classic 6 x 16 micro-kernel; 8 rows with AVX-512's 32, which
-   measured 1-7% faster at 8-256 rows in float32 on a Zen 5 EPYC), and the panel is re-read from
-   cache for the next rows. Accumulation is float32 for every dtype, in k order, rounded once on store. */
+   rows of x go up to LM_ROWS at a time (the M rows shared evenly by the tiles): LM_ROWS x 2 vector
+   accumulators, 2 weight vectors and one broadcast stay in registers (15 of AVX2's 16: the classic
+   6 x 16 micro-kernel; 8 rows with AVX-512's 32, which measured 1-7% faster at 8-256 rows in float32 on
+   a Zen 5 EPYC), and the panel is re-read from cache for the next rows. Accumulation is float32 for
+   every dtype, in k order, rounded once on store. */
 #define LP (2 * W)
 #if W == 16
 #define LM_ROWS 8  /* AVX-512's 32 registers: 16 accumulators */
@@ -103,10 +104,11 @@ static inline void store_tile_row(char* y, int64_t r, vf a0, vf a1, const char* 
     else store_panel_row(y + (r * N + n0) * esz, a0, a1, bias, n0, nn, dt);
 }
 
-static inline __attribute__((always_inline)) void linear_tile(
-    const char* x, const char* wp, const float* scales, int64_t group, const char* bias, char* y, int64_t K,
-    int64_t N, int64_t n0, int64_t nn, const int rows, const int splits, const int dt, const int wt,
-    const char* pf, const char* pf_end, const int pf_lines, const int act)
+/* The products of a tile of `rows` rows of x by one panel, into out[r][0..1] (unrounded float32). */
+static inline __attribute__((always_inline)) void linear_tile_acc(
+    const char* x, const char* wp, const float* scales, int64_t group, int64_t K, const int rows,
+    const int splits, const int dt, const int wt, const char* pf, const char* pf_end, const int pf_lines,
+    vf out[LM_ROWS][2])
 {
     const int wq = wt == WT_I8;
     const int64_t esz = dt == 0 ? 4 : 2, wsz = wq ? 1 : wt == 0 ? 4 : 2, G = wq ? group : K;
@@ -149,7 +151,66 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
     for (int sp = 1; sp < splits; sp++)
         for (int r = 0; r < rows; r++) { acc[0][r][0] += acc[sp][r][0]; acc[0][r][1] += acc[sp][r][1]; }
-    for (int r = 0; r < rows; r++) store_tile_row(y, r, acc[0][r][0], acc[0][r][1], bias, N, n0, nn, dt, act);
+    for (int r = 0; r < rows; r++) { out[r][0] = acc[0][r][0]; out[r][1] = acc[0][r][1]; }
+}
+
+/* linear_tile_acc for each row count (with its accumulator splits, linear_rows') in a function of its own
+   per dtype pair. Inlined into linear_packed's body, or beside the stores (whose SiLU calls expf, which
+   clobbers every vector register), GCC spilled an accumulator of the full AVX2 tile, and the store and
+   reload in every k step made the chain through it the bound, far below the FMA peak. */
+#if LM_ROWS > 6
+#define MORE_ROW_CASES(DT, WT) \
+        case 6: linear_tile_acc(x, wp, scales, group, K, 6, 1, DT, WT, pf, pf_end, pf_lines, out); break; \
+        case 7: linear_tile_acc(x, wp, scales, group, K, 7, 1, DT, WT, pf, pf_end, pf_lines, out); break;
+#else
+#define MORE_ROW_CASES(DT, WT)
+#endif
+#define TILE_ACC_FN(DT, WT) \
+    static __attribute__((noinline)) void linear_tile_acc_##DT##_##WT( \
+        const char* x, const char* wp, const float* scales, int64_t group, int64_t K, const int rows, \
+        const char* pf, const char* pf_end, const int pf_lines, vf out[LM_ROWS][2]) { \
+        switch (rows) { \
+        case 1: linear_tile_acc(x, wp, scales, group, K, 1, 4, DT, WT, NULL, NULL, 0, out); break; \
+        case 2: linear_tile_acc(x, wp, scales, group, K, 2, 2, DT, WT, NULL, NULL, 0, out); break; \
+        case 3: linear_tile_acc(x, wp, scales, group, K, 3, 2, DT, WT, NULL, NULL, 0, out); break; \
+        case 4: linear_tile_acc(x, wp, scales, group, K, 4, 1, DT, WT, pf, pf_end, pf_lines, out); break; \
+        case 5: linear_tile_acc(x, wp, scales, group, K, 5, 1, DT, WT, pf, pf_end, pf_lines, out); break; \
+        MORE_ROW_CASES(DT, WT) \
+        default: linear_tile_acc(x, wp, scales, group, K, LM_ROWS, 1, DT, WT, pf, pf_end, pf_lines, out); \
+        } \
+    }
+TILE_ACC_FN(0, 0)
+TILE_ACC_FN(1, 1)
+TILE_ACC_FN(2, 2)
+TILE_ACC_FN(1, 0)
+TILE_ACC_FN(2, 0)
+TILE_ACC_FN(0, 3)
+TILE_ACC_FN(1, 3)
+TILE_ACC_FN(2, 3)
+#undef TILE_ACC_FN
+#undef MORE_ROW_CASES
+
+/* `rows` rows of x (rows <= LM_ROWS) by one panel, stored into y (store_tile_row). 1-3 rows: bound by
+   memory, without prefetches (as in linear_rows_bf16_pairs), and with k split over 4 or 2 accumulator
+   sets, as the FMA chains alone would wait on each other. */
+static inline __attribute__((always_inline)) void linear_tile(
+    const char* x, const char* wp, const float* scales, int64_t group, const char* bias, char* y, int64_t K,
+    int64_t N, int64_t n0, int64_t nn, const int rows, const int dt, const int wt, const char* pf,
+    const char* pf_end, const int pf_lines, const int act)
+{
+    vf out[LM_ROWS][2];
+#define ACC(DT, WT) linear_tile_acc_##DT##_##WT(x, wp, scales, group, K, rows, pf, pf_end, pf_lines, out)
+    if (wt == WT_I8) {
+        if (dt == 0) ACC(0, 3); else if (dt == 1) ACC(1, 3); else ACC(2, 3);
+    } else if (wt == 0) {
+        if (dt == 0) ACC(0, 0); else if (dt == 1) ACC(1, 0); else ACC(2, 0);
+    } else if (dt == 1) {
+        ACC(1, 1);
+    } else {
+        ACC(2, 2);
+    }
+#undef ACC
+    for (int r = 0; r < rows; r++) store_tile_row(y, r, out[r][0], out[r][1], bias, N, n0, nn, dt, act);
 }
 
 #ifdef HAVE_BF16_DOT
@@ -256,29 +317,16 @@ static inline __attribute__((always_inline)) void linear_rows(
     int64_t next_bytes, const int act)
 {
     const int64_t tiles = (M + LM_ROWS - 1) / LM_ROWS, ycols = act ? N / 2 : N;
-    for (int64_t m0 = 0; m0 < M; m0 += LM_ROWS) {
+    /* The rows shared evenly by the tiles (32 rows on AVX2: 6, 6, 5, 5, 5, 5), not full tiles and a short
+       last one: a tile of fewer than 4 rows takes about as long as one of 4 (FMA latency). */
+    for (int64_t m0 = 0, t = 0; m0 < M; t++) {
         const char* xm = x + m0 * K * (dt == 0 ? 4 : 2);
         char* ym = y + m0 * ycols * (dt == 0 ? 4 : 2);
         const char *pf, *pf_end;
-        const int pf_lines = next_panel_share(next, next_bytes, m0 / LM_ROWS, tiles, K, &pf, &pf_end);
-#define TILE(R, S) \
-    linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, R, S, dt, wt, pf, pf_end, pf_lines, act)
-#define TILE_NO_PF(R, S) \
-    linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, R, S, dt, wt, NULL, NULL, 0, act)
-        switch (M - m0 < LM_ROWS ? (int)(M - m0) : LM_ROWS) {  /* constant row counts: registers */
-            case 1: TILE_NO_PF(1, 4); break;  /* as in linear_rows_bf16_pairs */
-            case 2: TILE_NO_PF(2, 2); break;
-            case 3: TILE_NO_PF(3, 2); break;
-            case 4: TILE(4, 1); break;
-            case 5: TILE(5, 1); break;
-#if LM_ROWS > 6
-            case 6: TILE(6, 1); break;
-            case 7: TILE(7, 1); break;
-#endif
-            default: TILE(LM_ROWS, 1); break;
-        }
-#undef TILE
-#undef TILE_NO_PF
+        const int pf_lines = next_panel_share(next, next_bytes, t, tiles, K, &pf, &pf_end);
+        const int rows = (int)(M / tiles + (t < M % tiles));
+        linear_tile(xm, w, s, group, bias, ym, K, N, n0, nn, rows, dt, wt, pf, pf_end, pf_lines, act);
+        m0 += rows;
     }
 }
 

@@ -8,7 +8,10 @@
    block's G query heads as rows: scores by broadcast-FMA over W-key tiles (no horizontal sums), a causal
    softmax per row in float32 (expf vectorized), P x V by broadcast-FMA over V rows, every key loop
    stopping at the last key its rows may see. Head sizes of 4 and 8 vectors are compiled as constants, so
-   the accumulators stay in registers. Largest blocks first, dynamic schedule. */
+   the accumulators stay in registers. Largest blocks first, dynamic schedule.
+   prefill_attention_paged: the same for new tokens that continue a cached prefix: queries at positions
+   [start, start + n), keys [0, start + n) read through a block table from one layer of the paged cache
+   (which already holds the new tokens' K/V), widened the same way. */
 #define PA_Q 32
 #define PA_SR 8  /* score rows per register group */
 
@@ -16,7 +19,7 @@
    repeat row r0 and are not stored. */
 static inline __attribute__((always_inline)) void prefill_pv_group(
     const float* sc, const float* inv, const vf* vh, char* out, int64_t npad, int64_t r0, int64_t nr,
-    int64_t nk, int64_t p0, int64_t G, int64_t h, int64_t n_heads, int64_t c0, const int PVR, const int PVC,
+    int64_t nk, int64_t q0, int64_t G, int64_t h, int64_t n_heads, int64_t c0, const int PVR, const int PVC,
     const int NC, const int dt)
 {
     const int64_t D = (int64_t)NC * W, esz = dt == 0 ? 4 : 2;
@@ -35,7 +38,7 @@ static inline __attribute__((always_inline)) void prefill_pv_group(
     }
     for (int i = 0; i < nr; i++) {
         const int64_t r = r0 + i;
-        char* o = out + ((p0 + r / G) * n_heads * D + (h * G + r % G) * D + c0 * W) * esz;
+        char* o = out + ((q0 + r / G) * n_heads * D + (h * G + r % G) * D + c0 * W) * esz;
         for (int c = 0; c < PVC; c++) st(o + c * W * esz, a[i][c] * inv[r], dt);
     }
 }
@@ -44,14 +47,15 @@ static inline __attribute__((always_inline)) void prefill_pv_group(
    [rows] inverse sums; qf: [rows rounded up to PA_SR][D] scaled float32 queries. */
 static inline __attribute__((always_inline)) void prefill_item(
     const char* qc, const float* kh, const vf* vh, char* out, float* sc, float* qf, int64_t npad,
-    int64_t p0, int64_t np, int64_t h, int64_t G, int64_t n_heads, int64_t q_stride, float scale,
-    int64_t RP, const int NC, const int dt)
+    int64_t p0, int64_t np, int64_t q0, int64_t qblock, int64_t h, int64_t G, int64_t n_heads,
+    int64_t q_stride, float scale, int64_t RP, const int NC, const int dt)
 {
+    /* p0: the block's first position (keys 0 .. p0 + r / G for row r); q0: its row in q and out */
     const int64_t D = (int64_t)NC * W, esz = dt == 0 ? 4 : 2, rows = np * G;
     const int64_t rows_p = (rows + PA_SR - 1) / PA_SR * PA_SR;
     float* inv = sc + RP * npad;
     for (int64_t r = 0; r < rows; r++) {  /* row r: position p0 + r / G, query head h * G + r % G */
-        const char* qr = qc + ((p0 + r / G) * q_stride + (h * G + r % G) * D) * esz;
+        const char* qr = qc + ((q0 + r / G) * q_stride + (h * G + r % G) * D) * esz;
         for (int c = 0; c < NC; c++) {
             const vf x = ld(qr + c * W * esz, dt) * scale;
             memcpy(qf + r * D + c * W, &x, sizeof x);
@@ -85,7 +89,7 @@ static inline __attribute__((always_inline)) void prefill_item(
        W == 8: 12 of 16). Each row's loop stops at its group's last key; a row's keys past its own last
        (causal) are read as 0 from sc: zero them first. */
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t len = p0 + r / G + 1, group_end = p0 + (PA_Q * G - 1) / G + 1;
+        const int64_t len = p0 + r / G + 1, group_end = p0 + (qblock * G - 1) / G + 1;
         for (int64_t j = len; j < group_end && j < npad; j++) sc[r * npad + j] = 0.f;
     }
     const int PVC = NC % 4 == 0 ? 4 : NC % 2 == 0 ? 2 : 1, PVR = (W == 16 ? 16 : 12) / PVC;
@@ -93,20 +97,68 @@ static inline __attribute__((always_inline)) void prefill_item(
         const int64_t nr = rows - r0 < PVR ? rows - r0 : PVR;
         const int64_t nk = p0 + (r0 + nr - 1) / G + 1;
         for (int64_t c0 = 0; c0 < NC; c0 += PVC)
-            prefill_pv_group(sc, inv, vh, out, npad, r0, nr, nk, p0, G, h, n_heads, c0, PVR, PVC, NC, dt);
+            prefill_pv_group(sc, inv, vh, out, npad, r0, nr, nk, q0, G, h, n_heads, c0, PVR, PVC, NC, dt);
     }
 }
 
-int prefill_attention(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t n_heads,
-                      int64_t n_kv_heads, int64_t D, int64_t q_stride, int64_t kv_stride, float scale, int dt,
-                      int num_threads)
+/* In-place transpose of W vectors of W floats (r[i][j] -> r[j][i]): log2(W) stages, each pairing rows
+   b apart and interleaving their blocks of b lanes. */
+static inline void transpose_w(vf* r) {
+#define STAGE(B, LO, HI) \
+    for (int i = 0; i < W; i++) if (!(i & (B))) { \
+        const vf a = r[i], b = r[i + (B)]; \
+        r[i] = __builtin_shuffle(a, b, LO); r[i + (B)] = __builtin_shuffle(a, b, HI); }
+#if W == 16
+    const vi lo8 = {0,1,2,3,4,5,6,7,16,17,18,19,20,21,22,23};
+    const vi hi8 = {8,9,10,11,12,13,14,15,24,25,26,27,28,29,30,31};
+    const vi lo4 = {0,1,2,3,16,17,18,19,8,9,10,11,24,25,26,27};
+    const vi hi4 = {4,5,6,7,20,21,22,23,12,13,14,15,28,29,30,31};
+    const vi lo2 = {0,1,16,17,4,5,20,21,8,9,24,25,12,13,28,29};
+    const vi hi2 = {2,3,18,19,6,7,22,23,10,11,26,27,14,15,30,31};
+    const vi lo1 = {0,16,2,18,4,20,6,22,8,24,10,26,12,28,14,30};
+    const vi hi1 = {1,17,3,19,5,21,7,23,9,25,11,27,13,29,15,31};
+    STAGE(8, lo8, hi8) STAGE(4, lo4, hi4) STAGE(2, lo2, hi2) STAGE(1, lo1, hi1)
+#else
+    const vi lo4 = {0,1,2,3,8,9,10,11}, hi4 = {4,5,6,7,12,13,14,15};
+    const vi lo2 = {0,1,8,9,4,5,12,13}, hi2 = {2,3,10,11,6,7,14,15};
+    const vi lo1 = {0,8,2,10,4,12,6,14}, hi1 = {1,9,3,11,5,13,7,15};
+    STAGE(4, lo4, hi4) STAGE(2, lo2, hi2) STAGE(1, lo1, hi1)
+#endif
+#undef STAGE
+}
+
+/* Key j's K (vsel 0) or V (vsel 1) row of KV head h: from contiguous k / v rows kv_stride apart, or,
+   with a table, from the paged cache layer kv [N, 2, B, Hkv, D]. */
+typedef struct {
+    const char *k, *v;  /* contiguous rows (table NULL) */
+    int64_t kv_stride;
+    const char* kv;  /* paged layer (table set) */
+    const int64_t* table;
+    int64_t B, tok_stride;
+} key_src_t;
+
+static inline const char* key_row(const key_src_t* ks, int64_t j, int64_t h, int64_t D, int vsel,
+                                  int64_t esz) {
+    if (!ks->table) return (vsel ? ks->v : ks->k) + (j * ks->kv_stride + h * D) * esz;
+    const int64_t B = ks->B, row = (ks->table[j / B] * 2 + vsel) * B + j % B;
+    return ks->kv + (row * ks->tok_stride + h * D) * esz;
+}
+
+/* Queries at positions [start, start + n) (rows 0 .. n - 1 of q and out) against keys [0, start + n). */
+static int prefill_attention_impl(const void* q, const key_src_t* ks, void* out, int64_t start, int64_t n,
+                                  int64_t n_heads, int64_t n_kv_heads, int64_t D, int64_t q_stride,
+                                  float scale, int dt, int num_threads)
 {
-    if (D % W || n_heads % n_kv_heads || dt < 0 || dt > 2 || n < 1) return -1;
+    if (D % W || n_heads % n_kv_heads || dt < 0 || dt > 2 || n < 1 || start < 0) return -1;
     if (num_threads < 1) num_threads = 1;
-    const int64_t G = n_heads / n_kv_heads, NC = D / W, esz = dt == 0 ? 4 : 2;
-    const int64_t npad = (n + W - 1) / W * W, R = PA_Q * G;
-    const int64_t blocks = (n + PA_Q - 1) / PA_Q, items = n_kv_heads * blocks;
-    const char *qc = (const char*)q, *kc = (const char*)k, *vc = (const char*)v;
+    const int64_t G = n_heads / n_kv_heads, NC = D / W, esz = dt == 0 ? 4 : 2, total = start + n;
+    const int64_t npad = (total + W - 1) / W * W, R = PA_Q * G;
+    /* Query blocks of PA_Q positions, halved (down to 8) while there are too few items to share out:
+       a row's result does not depend on its block. */
+    int64_t qblock = PA_Q;
+    while (qblock > 8 && n_kv_heads * ((n + qblock - 1) / qblock) < 2 * num_threads) qblock /= 2;
+    const int64_t blocks = (n + qblock - 1) / qblock, items = n_kv_heads * blocks;
+    const char* qc = (const char*)q;
     float* kt = (float*)aligned_alloc(64, sizeof(float) * n_kv_heads * D * npad);
     vf* vv = (vf*)aligned_alloc(64, sizeof(vf) * n_kv_heads * npad * NC);
     if (!kt || !vv) { free(kt); free(vv); return -2; }
@@ -115,20 +167,20 @@ int prefill_attention(const void* q, const void* k, const void* v, void* out, in
     {
         #pragma omp for schedule(static)
         for (int64_t ht = 0; ht < n_kv_heads * (npad / W); ht++) {  /* widen: K in tiles, V as rows */
-            const int64_t h = ht / (npad / W), j0 = ht % (npad / W) * W, nj = n - j0 < W ? n - j0 : W;
+            const int64_t h = ht / (npad / W), j0 = ht % (npad / W) * W, nj = total - j0 < W ? total - j0 : W;
             float* tile = kt + h * D * npad + j0 * D;  /* [D][W] */
-            for (int64_t t = 0; t < W; t++) {
-                float row[512];  /* D <= 512 (cpu_kernels.supports) */
-                for (int64_t c = 0; c < NC; c++) {
-                    const vf x = t < nj ? ld(kc + ((j0 + t) * kv_stride + h * D + c * W) * esz, dt) : (vf){0};
-                    memcpy(row + c * W, &x, sizeof x);
-                }
-                for (int64_t d = 0; d < D; d++) tile[d * W + t] = row[d];
+            const char* kr[W];
+            for (int64_t t = 0; t < W; t++) kr[t] = t < nj ? key_row(ks, j0 + t, h, D, 0, esz) : NULL;
+            for (int64_t c = 0; c < NC; c++) {  /* W keys x W dims at a time, transposed in registers */
+                vf blk[W];
+                for (int64_t t = 0; t < W; t++) blk[t] = kr[t] ? ld(kr[t] + c * W * esz, dt) : (vf){0};
+                transpose_w(blk);
+                memcpy(tile + c * W * W, blk, sizeof blk);
             }
             for (int64_t t = 0; t < W; t++) {
                 vf* vr = vv + (h * npad + j0 + t) * NC;
-                for (int64_t c = 0; c < NC; c++)
-                    vr[c] = t < nj ? ld(vc + ((j0 + t) * kv_stride + h * D + c * W) * esz, dt) : (vf){0};
+                const char* vsrc = t < nj ? key_row(ks, j0 + t, h, D, 1, esz) : NULL;
+                for (int64_t c = 0; c < NC; c++) vr[c] = vsrc ? ld(vsrc + c * W * esz, dt) : (vf){0};
             }
         }
         const int64_t RP = (R + PA_SR - 1) / PA_SR * PA_SR;
@@ -142,11 +194,11 @@ int prefill_attention(const void* q, const void* k, const void* v, void* out, in
         for (int64_t it = 0; it < items; it++) {
             if (!sc || !qf) continue;
             const int64_t blk = blocks - 1 - it / n_kv_heads, h = it % n_kv_heads;
-            const int64_t p0 = blk * PA_Q, np = n - p0 < PA_Q ? n - p0 : PA_Q;
+            const int64_t q0 = blk * qblock, np = n - q0 < qblock ? n - q0 : qblock;
             const float* kh = kt + h * D * npad;
             const vf* vh = vv + h * npad * NC;
-#define ITEM(NCC, DT) prefill_item(qc, kh, vh, (char*)out, sc, qf, npad, p0, np, h, G, n_heads, q_stride, \
-                                   scale, RP, NCC, DT)
+#define ITEM(NCC, DT) prefill_item(qc, kh, vh, (char*)out, sc, qf, npad, start + q0, np, q0, qblock, h, G, \
+                                   n_heads, q_stride, scale, RP, NCC, DT)
 #define ITEM_DT(NCC) switch (dt) { case 0: ITEM(NCC, 0); break; case 1: ITEM(NCC, 1); break; \
                                    default: ITEM(NCC, 2); break; }
             switch (NC) {
@@ -163,4 +215,26 @@ int prefill_attention(const void* q, const void* k, const void* v, void* out, in
     free(kt);
     free(vv);
     return failed ? -2 : 0;
+}
+
+int prefill_attention(const void* q, const void* k, const void* v, void* out, int64_t n, int64_t n_heads,
+                      int64_t n_kv_heads, int64_t D, int64_t q_stride, int64_t kv_stride, float scale, int dt,
+                      int num_threads)
+{
+    const key_src_t ks = {.k = (const char*)k, .v = (const char*)v, .kv_stride = kv_stride};
+    return prefill_attention_impl(q, &ks, out, 0, n, n_heads, n_kv_heads, D, q_stride, scale, dt,
+                                  num_threads);
+}
+
+/* New tokens continuing a cached prefix: q [n] rows q_stride apart (positions start .. start + n - 1),
+   kv one cache layer [N, 2, B, Hkv, D] holding positions [0, start + n) in the blocks of table
+   [ceil((start + n) / B)], out [n, H * D]. */
+int prefill_attention_paged(const void* q, const void* kv, const int64_t* table, void* out, int64_t start,
+                            int64_t n, int64_t B, int64_t n_heads, int64_t n_kv_heads, int64_t D,
+                            int64_t q_stride, float scale, int dt, int num_threads)
+{
+    if (B < 1 || !table) return -1;
+    const key_src_t ks = {.kv = (const char*)kv, .table = table, .B = B, .tok_stride = n_kv_heads * D};
+    return prefill_attention_impl(q, &ks, out, start, n, n_heads, n_kv_heads, D, q_stride, scale, dt,
+                                  num_threads);
 }

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import DecodeMeta, decode_attention, write_kv
+from pdserve.engine.attention import DecodeMeta, PrefillMeta, decode_attention, prefill_attention, write_kv
 from pdserve.engine.cpu_kernels import CSRC_DIR, SOURCE_FILES, kernel_source, supports
 from pdserve.engine.model import apply_rope, rms_norm
 from pdserve.engine.sampler import seeded_race, token_seed
@@ -75,6 +75,41 @@ def test_prefill_attention_matches_torch(kernels_every_isa, dtype, n_h, n_kv, d,
     want = F.scaled_dot_product_attention(*heads, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     assert got.shape == (n, n_h * d) and got.dtype == dtype
     _close(got, want.reshape(n, n_h * d).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n_h", "n_kv", "d", "block"), [(9, 3, 64, 16), (8, 2, 128, 32), (6, 1, 16, 5)])
+@pytest.mark.parametrize(("start", "n"), [(768, 32), (5, 1), (16, 16), (33, 70), (100, 3)])
+def test_prefill_over_a_cached_prefix_matches_torch(kernels_every_isa, dtype, n_h, n_kv, d, block, start, n):
+    """New tokens after ``start`` cached ones, their K/V already in scattered blocks: the paged kernel
+    against SDPA over the gathered blocks (the torch path), as one prompt and beside a fresh one."""
+    g = torch.Generator().manual_seed(start * 7 + n + d)
+    n_blocks = -(-(start + n) // block) + 4
+    kv = torch.randn(n_blocks, 2, block, n_kv, d, generator=g).to(dtype)  # [N, 2, B, Hkv, D]
+    table = torch.randperm(n_blocks, generator=g)[: -(-(start + n) // block)].tolist()
+    fresh_table = sorted(set(range(n_blocks)) - set(table))[:1]
+    for items in ([(n, table, start)], [(3, fresh_table, 0), (n, table, start)]):
+        meta = PrefillMeta.build(items, block, n_blocks, torch.device("cpu"))
+        t = sum(i[0] for i in items)
+        qkv = torch.randn(t, (n_h + 2 * n_kv) * d, generator=g).to(dtype)
+        q = qkv[:, : n_h * d].view(t, n_h, d)  # strided rows, as in the model
+        k = qkv[:, n_h * d : (n_h + n_kv) * d].view(t, n_kv, d)
+        v = qkv[:, (n_h + n_kv) * d :].view(t, n_kv, d)
+        write_kv(kv, meta.k_rows, meta.v_rows, k, v)
+        got = prefill_attention(kv, meta, q, k, v, kernels_every_isa)
+        assert got.shape == (t, n_h * d) and got.dtype == dtype
+        _close(got, prefill_attention(kv.float(), meta, q.float(), k.float(), v.float(), None), dtype)
+
+
+def test_prefill_attention_paged_refuses_what_it_cannot_read(kernels_every_isa):
+    kv, q = torch.zeros(4, 2, 16, 1, 16), torch.randn(4, 2, 16)
+    table = torch.tensor([0, 1], dtype=torch.int64)
+    with pytest.raises(ValueError, match="prefill_attention_paged"):
+        kernels_every_isa.prefill_attention_paged(q, kv, table, 29)  # the table covers 32 positions, not 33
+    with pytest.raises(ValueError, match="prefill_attention_paged"):
+        kernels_every_isa.prefill_attention_paged(q, kv, table.int(), 0)
+    with pytest.raises(ValueError, match="prefill_attention_paged"):
+        kernels_every_isa.prefill_attention_paged(q.bfloat16(), kv, table, 0)
 
 
 def test_prefill_attention_refuses_what_it_cannot_read(kernels_every_isa):
