@@ -175,12 +175,11 @@ def prefill_attention(
         return kernels.prefill_attention_paged(q, kv_layer, s.table, s.start_pos)
     out = torch.empty(t, n_h, d, dtype=q.dtype, device=q.device)  # [T, H, D]
     for s in meta.seqs:
-        if s.table is None and kernels is not None:
-            rows = kernels.prefill_attention(q[s.start : s.end], k[s.start : s.end], v[s.start : s.end])
-            out[s.start : s.end] = rows.view(-1, n_h, d)
-            continue
         if kernels is not None:
-            rows = kernels.prefill_attention_paged(q[s.start : s.end], kv_layer, s.table, s.start_pos)
+            if s.table is None:
+                rows = kernels.prefill_attention(q[s.start : s.end], k[s.start : s.end], v[s.start : s.end])
+            else:
+                rows = kernels.prefill_attention_paged(q[s.start : s.end], kv_layer, s.table, s.start_pos)
             out[s.start : s.end] = rows.view(-1, n_h, d)
             continue
         qs = q[s.start : s.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
