@@ -4,50 +4,97 @@
    at h * D; out: [n, H * D] contiguous. First every KV head's K is widened to float32 and transposed in
    tiles of W keys, kt[h][j / W][d][W] (a vector holds W keys' d-th element, and a tile is one contiguous
    D x W block: a plain [d][j] transpose put the rows of one tile a whole prompt apart, all in the same
-   few L1 sets), and V widened, vv[h][j][D]. Then items = (KV head, block of PA_Q positions) with the
-   block's G query heads as rows: scores by broadcast-FMA over W-key tiles (no horizontal sums), a causal
-   softmax per row in float32 (expf vectorized), P x V by broadcast-FMA over V rows, every key loop
-   stopping at the last key its rows may see. Head sizes of 4 and 8 vectors are compiled as constants, so
-   the accumulators stay in registers. Largest blocks first, dynamic schedule.
+   few L1 sets), and V widened, vv[h][j][D] (float32 V is read in place). Then items = (KV head, block of
+   PA_Q positions) with the block's G query heads as rows: scores by broadcast-FMA over W-key tiles (no
+   horizontal sums), a causal softmax per row in float32 (an inlined vector exp), P x V by broadcast-FMA
+   over V rows into float32 sums, every key loop stopping at the last key its rows may see. Scores and
+   P x V go through the keys in chunks small enough for L1, every row group over one chunk before the
+   next. Head sizes of 4 and 8 vectors are compiled as constants, so the accumulators stay in registers.
+   Largest blocks first, dynamic schedule.
    prefill_attention_paged: the same for new tokens that continue a cached prefix: queries at positions
    [start, start + n), keys [0, start + n) read through a block table from one layer of the paged cache
    (which already holds the new tokens' K/V), widened the same way. */
 #define PA_Q 32
-#define PA_SR 8  /* score rows per register group */
+/* Score register group: PA_SR rows x PA_KT key tiles. With 16 registers (W == 8), 6 rows x 2 tiles keep 12
+   FMA chains in flight for 8 loads a step (8 rows x 1 tile: 8 chains for 9 loads). */
+#if W == 16
+#define PA_SR 8
+#define PA_KT 1
+#else
+#define PA_SR 6
+#define PA_KT 2
+#endif
+#ifndef PA_KC
+#define PA_KC 64  /* keys per L1 chunk (a multiple of PA_KT * W) */
+#endif
 
-/* P x V for rows [r0, r0 + nr) (nr <= PVR) and column vectors [c0, c0 + PVC) of one item; rows beyond nr
-   repeat row r0 and are not stored. */
+/* Key j's K (vsel 0) or V (vsel 1) row of KV head h: from contiguous k / v rows kv_stride apart, or,
+   with a table, from the paged cache layer kv [N, 2, B, Hkv, D]. */
+typedef struct {
+    const char *k, *v;  /* contiguous rows (table NULL) */
+    int64_t kv_stride;
+    const char* kv;  /* paged layer (table set) */
+    const int64_t* table;
+    int64_t B, tok_stride;
+} key_src_t;
+
+static inline const char* key_row(const key_src_t* ks, int64_t j, int64_t h, int64_t D, int vsel,
+                                  int64_t esz) {
+    if (!ks->table) return (vsel ? ks->v : ks->k) + (j * ks->kv_stride + h * D) * esz;
+    const int64_t B = ks->B, row = (ks->table[j / B] * 2 + vsel) * B + j % B;
+    return ks->kv + (row * ks->tok_stride + h * D) * esz;
+}
+
+/* e^x for x <= 0 (a softmax's terms) in float32 vectors, inlined (libmvec's expf is a call per vector):
+   Cephes' expf, x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial in r times 2^n; x below -87 is
+   read as -87 (e^-87 < 2e-38 adds nothing next to the row's largest term, 1). */
+static inline vf exp_nonpos(vf x) {
+    const vi low = x < -87.f;
+    x = (vf)(((vi)x & ~low) | ((vi)((vf){0} - 87.f) & low));
+    const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  /* truncates: ceil(y - 1/2) */
+    const vf fn = __builtin_convertvector(n, vf);
+    const vf r = x - fn * 0.693359375f - fn * -2.12194440e-4f;
+    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.f;
+    return p * (vf)((n + 127) << 23);
+}
+
+/* P x V for rows [r0, r0 + nr) (nr <= PVR), column vectors [c0, c0 + PVC) and keys [j0, j1) of one item
+   (vrow[j - j0]: key j's V row), added to the float32 sums acc [rows][D]; rows beyond nr repeat row r0
+   and are not stored. */
 static inline __attribute__((always_inline)) void prefill_pv_group(
-    const float* sc, const float* inv, const vf* vh, char* out, int64_t npad, int64_t r0, int64_t nr,
-    int64_t nk, int64_t q0, int64_t G, int64_t h, int64_t n_heads, int64_t c0, const int PVR, const int PVC,
-    const int NC, const int dt)
+    const float* sc, const float* const* vrow, float* acc, int64_t npad, int64_t r0, int64_t nr, int64_t j0,
+    int64_t j1, int64_t c0, const int PVR, const int PVC, const int NC)
 {
-    const int64_t D = (int64_t)NC * W, esz = dt == 0 ? 4 : 2;
+    const int64_t D = (int64_t)NC * W;
     vf a[16][4];
     const float* pr[16];
     for (int i = 0; i < PVR; i++) {
         pr[i] = sc + (r0 + (i < nr ? i : 0)) * npad;
-        for (int c = 0; c < PVC; c++) a[i][c] = (vf){0};
+        const float* ar = acc + (r0 + (i < nr ? i : 0)) * D + c0 * W;
+        for (int c = 0; c < PVC; c++) memcpy(&a[i][c], ar + c * W, sizeof(vf));
     }
-    for (int64_t j = 0; j < nk; j++) {
-        const vf* vj = vh + j * NC + c0;
+    for (int64_t j = j0; j < j1; j++) {
+        vf vj[4];
+        for (int c = 0; c < PVC; c++) memcpy(&vj[c], vrow[j - j0] + (c0 + c) * W, sizeof(vf));
         for (int i = 0; i < PVR; i++) {
             const float pj = pr[i][j];
             for (int c = 0; c < PVC; c++) a[i][c] += pj * vj[c];
         }
     }
-    for (int i = 0; i < nr; i++) {
-        const int64_t r = r0 + i;
-        char* o = out + ((q0 + r / G) * n_heads * D + (h * G + r % G) * D + c0 * W) * esz;
-        for (int c = 0; c < PVC; c++) st(o + c * W * esz, a[i][c] * inv[r], dt);
-    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < PVC; c++) memcpy(acc + (r0 + i) * D + (c0 + c) * W, &a[i][c], sizeof(vf));
 }
 
 /* One item: KV head h, positions [p0, p0 + np). sc: [rows rounded up to PA_SR][npad] scores, then
    [rows] inverse sums; qf: [rows rounded up to PA_SR][D] scaled float32 queries. */
 static inline __attribute__((always_inline)) void prefill_item(
-    const char* qc, const float* kh, const vf* vh, char* out, float* sc, float* qf, int64_t npad,
-    int64_t p0, int64_t np, int64_t q0, int64_t qblock, int64_t h, int64_t G, int64_t n_heads,
+    const char* qc, const float* kh, const vf* vh, const key_src_t* ks, char* out, float* sc, float* qf,
+    int64_t npad, int64_t p0, int64_t np, int64_t q0, int64_t qblock, int64_t h, int64_t G, int64_t n_heads,
     int64_t q_stride, float scale, int64_t RP, const int NC, const int dt)
 {
     /* p0: the block's first position (keys 0 .. p0 + r / G for row r); q0: its row in q and out */
@@ -62,18 +109,29 @@ static inline __attribute__((always_inline)) void prefill_item(
         }
     }
     memset(qf + rows * D, 0, sizeof(float) * (rows_p - rows) * D);
-    for (int64_t r0 = 0; r0 < rows; r0 += PA_SR) {  /* scores of PA_SR rows, W keys at a time */
+    /* Keys in chunks of PA_KC, every row group over one chunk before the next: the chunk's K (and below,
+       its V and scores) stays in L1 while all rows use it. */
+    for (int64_t k0 = 0; k0 < npad; k0 += PA_KC)
+    for (int64_t r0 = 0; r0 < rows; r0 += PA_SR) {  /* scores of PA_SR rows, PA_KT x W keys at a time */
         const int64_t nr = rows - r0 < PA_SR ? rows - r0 : PA_SR;
         const int64_t nk = p0 + (r0 + nr - 1) / G + 1;  /* keys the group's last row sees */
-        for (int64_t j0 = 0; j0 < nk; j0 += W) {
-            const float* tile = kh + j0 * D;  /* [D][W] */
-            vf a[PA_SR];
-            for (int i = 0; i < PA_SR; i++) a[i] = (vf){0};
+        const int64_t k1 = nk < k0 + PA_KC ? nk : k0 + PA_KC;
+        for (int64_t j0 = k0; j0 < k1; j0 += PA_KT * W) {  /* npad is whole groups of PA_KT tiles */
+            const float* tile = kh + j0 * D;  /* PA_KT tiles [D][W], one after the other */
+            vf a[PA_SR][PA_KT];
+            for (int i = 0; i < PA_SR; i++)
+                for (int t = 0; t < PA_KT; t++) a[i][t] = (vf){0};
             for (int64_t d = 0; d < D; d++) {
-                vf kd; memcpy(&kd, tile + d * W, sizeof kd);
-                for (int i = 0; i < PA_SR; i++) a[i] += qf[(r0 + i) * D + d] * kd;
+                vf kd[PA_KT];
+                for (int t = 0; t < PA_KT; t++) memcpy(&kd[t], tile + t * D * W + d * W, sizeof kd[t]);
+                for (int i = 0; i < PA_SR; i++) {
+                    const float qd = qf[(r0 + i) * D + d];
+                    for (int t = 0; t < PA_KT; t++) a[i][t] += qd * kd[t];
+                }
             }
-            for (int i = 0; i < nr; i++) memcpy(sc + (r0 + i) * npad + j0, &a[i], sizeof a[i]);
+            for (int i = 0; i < nr; i++)
+                for (int t = 0; t < PA_KT; t++)
+                    memcpy(sc + (r0 + i) * npad + j0 + t * W, &a[i][t], sizeof(vf));
         }
     }
     for (int64_t r = 0; r < rows; r++) {  /* causal softmax: row r sees keys 0 .. p0 + r / G */
@@ -81,8 +139,23 @@ static inline __attribute__((always_inline)) void prefill_item(
         const int64_t len = p0 + r / G + 1;
         float mx = sr[0], sum = 0.f;
         for (int64_t j = 1; j < len; j++) mx = sr[j] > mx ? sr[j] : mx;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < len; j++) { const float e = expf(sr[j] - mx); sr[j] = e; sum += e; }
+        vf sums = {0};
+        int64_t j = 0;
+        for (; j + W <= len; j += W) {
+            vf x; memcpy(&x, sr + j, sizeof x);
+            const vf e = exp_nonpos(x - mx);
+            memcpy(sr + j, &e, sizeof e);
+            sums += e;
+        }
+        if (j < len) {  /* rows are whole vectors wide; lanes past len (later keys' scores, or unset) -> 0 */
+            vf x; memcpy(&x, sr + j, sizeof x);
+            vi lane;
+            for (int i = 0; i < W; i++) lane[i] = i;
+            const vf e = (vf)((vi)exp_nonpos(x - mx) & (lane < (vi){0} + (int32_t)(len - j)));
+            memcpy(sr + j, &e, sizeof e);
+            sums += e;
+        }
+        for (int i = 0; i < W; i++) sum += sums[i];
         inv[r] = 1.f / sum;
     }
     /* P x V: register groups of PVR rows x PVC column vectors (W == 16: 16 accumulators of 32 registers;
@@ -92,12 +165,30 @@ static inline __attribute__((always_inline)) void prefill_item(
         const int64_t len = p0 + r / G + 1, group_end = p0 + (qblock * G - 1) / G + 1;
         for (int64_t j = len; j < group_end && j < npad; j++) sc[r * npad + j] = 0.f;
     }
-    const int PVC = NC % 4 == 0 ? 4 : NC % 2 == 0 ? 2 : 1, PVR = (W == 16 ? 16 : 12) / PVC;
-    for (int64_t r0 = 0; r0 < rows; r0 += PVR) {
-        const int64_t nr = rows - r0 < PVR ? rows - r0 : PVR;
-        const int64_t nk = p0 + (r0 + nr - 1) / G + 1;
-        for (int64_t c0 = 0; c0 < NC; c0 += PVC)
-            prefill_pv_group(sc, inv, vh, out, npad, r0, nr, nk, q0, G, h, n_heads, c0, PVR, PVC, NC, dt);
+    const int PVC = W == 8 && NC % 2 == 0 ? 2 : NC % 4 == 0 ? 4 : NC % 2 == 0 ? 2 : 1;
+    const int PVR = (W == 16 ? 16 : 12) / PVC;
+    float* acc = qf;  /* the queries are done with: [rows][D] float32 sums */
+    memset(acc, 0, sizeof(float) * rows * D);
+    const float* vrow[PA_KC];  /* the chunk's V rows: float32 ones in place, others widened */
+    for (int64_t k0 = 0; k0 < npad; k0 += PA_KC) {
+        int64_t vend = k0;  /* vrow is set for keys [k0, vend) */
+        for (int64_t r0 = 0; r0 < rows; r0 += PVR) {
+            const int64_t nr = rows - r0 < PVR ? rows - r0 : PVR;
+            const int64_t nk = p0 + (r0 + nr - 1) / G + 1;
+            const int64_t k1 = nk < k0 + PA_KC ? nk : k0 + PA_KC;
+            for (; vend < k1; vend++)
+                vrow[vend - k0] = dt == 0 ? (const float*)key_row(ks, vend, h, D, 1, 4)
+                                          : (const float*)(vh + vend * NC);
+            for (int64_t c0 = 0; c0 < NC && k0 < k1; c0 += PVC)
+                prefill_pv_group(sc, vrow, acc, npad, r0, nr, k0, k1, c0, PVR, PVC, NC);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        char* o = out + ((q0 + r / G) * n_heads * D + (h * G + r % G) * D) * esz;
+        for (int c = 0; c < NC; c++) {
+            vf x; memcpy(&x, acc + r * D + c * W, sizeof x);
+            st(o + c * W * esz, x * inv[r], dt);
+        }
     }
 }
 
@@ -127,23 +218,6 @@ static inline void transpose_w(vf* r) {
 #undef STAGE
 }
 
-/* Key j's K (vsel 0) or V (vsel 1) row of KV head h: from contiguous k / v rows kv_stride apart, or,
-   with a table, from the paged cache layer kv [N, 2, B, Hkv, D]. */
-typedef struct {
-    const char *k, *v;  /* contiguous rows (table NULL) */
-    int64_t kv_stride;
-    const char* kv;  /* paged layer (table set) */
-    const int64_t* table;
-    int64_t B, tok_stride;
-} key_src_t;
-
-static inline const char* key_row(const key_src_t* ks, int64_t j, int64_t h, int64_t D, int vsel,
-                                  int64_t esz) {
-    if (!ks->table) return (vsel ? ks->v : ks->k) + (j * ks->kv_stride + h * D) * esz;
-    const int64_t B = ks->B, row = (ks->table[j / B] * 2 + vsel) * B + j % B;
-    return ks->kv + (row * ks->tok_stride + h * D) * esz;
-}
-
 /* Queries at positions [start, start + n) (rows 0 .. n - 1 of q and out) against keys [0, start + n). */
 static int prefill_attention_impl(const void* q, const key_src_t* ks, void* out, int64_t start, int64_t n,
                                   int64_t n_heads, int64_t n_kv_heads, int64_t D, int64_t q_stride,
@@ -152,7 +226,7 @@ static int prefill_attention_impl(const void* q, const key_src_t* ks, void* out,
     if (D % W || n_heads % n_kv_heads || dt < 0 || dt > 2 || n < 1 || start < 0) return -1;
     if (num_threads < 1) num_threads = 1;
     const int64_t G = n_heads / n_kv_heads, NC = D / W, esz = dt == 0 ? 4 : 2, total = start + n;
-    const int64_t npad = (total + W - 1) / W * W, R = PA_Q * G;
+    const int64_t npad = (total + PA_KT * W - 1) / (PA_KT * W) * (PA_KT * W), R = PA_Q * G;
     /* Query blocks of PA_Q positions, halved (down to 8) while there are too few items to share out:
        a row's result does not depend on its block. */
     int64_t qblock = PA_Q;
@@ -177,7 +251,7 @@ static int prefill_attention_impl(const void* q, const key_src_t* ks, void* out,
                 transpose_w(blk);
                 memcpy(tile + c * W * W, blk, sizeof blk);
             }
-            for (int64_t t = 0; t < W; t++) {
+            for (int64_t t = 0; t < W && dt != 0; t++) {  /* float32 V is read in place */
                 vf* vr = vv + (h * npad + j0 + t) * NC;
                 const char* vsrc = t < nj ? key_row(ks, j0 + t, h, D, 1, esz) : NULL;
                 for (int64_t c = 0; c < NC; c++) vr[c] = vsrc ? ld(vsrc + c * W * esz, dt) : (vf){0};
@@ -197,8 +271,8 @@ static int prefill_attention_impl(const void* q, const key_src_t* ks, void* out,
             const int64_t q0 = blk * qblock, np = n - q0 < qblock ? n - q0 : qblock;
             const float* kh = kt + h * D * npad;
             const vf* vh = vv + h * npad * NC;
-#define ITEM(NCC, DT) prefill_item(qc, kh, vh, (char*)out, sc, qf, npad, start + q0, np, q0, qblock, h, G, \
-                                   n_heads, q_stride, scale, RP, NCC, DT)
+#define ITEM(NCC, DT) prefill_item(qc, kh, vh, ks, (char*)out, sc, qf, npad, start + q0, np, q0, qblock, h, \
+                                   G, n_heads, q_stride, scale, RP, NCC, DT)
 #define ITEM_DT(NCC) switch (dt) { case 0: ITEM(NCC, 0); break; case 1: ITEM(NCC, 1); break; \
                                    default: ITEM(NCC, 2); break; }
             switch (NC) {
