@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import grpc
+import msgspec
 import pytest
 
 from pdserve.engine.prefix_hash import RemovedBlock, StoredBlock
@@ -18,6 +19,7 @@ from pdserve.worker.args import WorkerArgs
 from pdserve.worker.dial import SERVICE_CONFIG, router_target
 from pdserve.worker.role import Role
 from pdserve.worker.router_set import EventFanout, resolve_routers, split_routers
+from tests.e2e.cluster_harness import fake_state
 from tests.fake_workers import FakeWorker, ids
 from tests.unit.test_router_server import cluster, model_dir, request, run, until  # noqa: F401
 
@@ -179,15 +181,8 @@ def test_the_launcher_asks_a_router_that_runs(monkeypatch, tmp_path):
 
     first = local.ProcessEntry(id="router", pid=1, start=1, log="r.log")
     second = local.ProcessEntry(id="router-1", pid=2, start=2, log="r1.log")
-    state = local.ClusterState(
-        router_address="127.0.0.1:1",
-        router=first,
-        model="m",
-        dtype="float32",
-        threads=1,
-        host="127.0.0.1",
-        more_routers=(second,),
-        more_router_addresses=("127.0.0.1:2",),
+    state = msgspec.structs.replace(
+        fake_state(first), more_routers=(second,), more_router_addresses=("127.0.0.1:2",)
     )
     assert state.router_list == "127.0.0.1:1,127.0.0.1:2"
     monkeypatch.setattr(processes, "alive", lambda p: p.id != "router")  # the first router died
