@@ -78,14 +78,14 @@ bench-openai: $(STAMP)
 # Type-checked by `make lint`: the pure modules (the team's design rule 7: mypy-clean) and the router's request path.
 MYPY_MODULES := engine.block_manager engine.prefix_hash engine.params engine.scheduler engine.device kv_transfer.wire kv_transfer.plan \
 	kv_transfer.errors kv_transfer.auth kv_transfer.config prefill_pool.scheduler worker.role worker.auth \
-	router.policy router.registry router.jobs router.validate router.metrics router.relay \
+	router.policy router.registry router.jobs router.validate router.metrics router.relay router.moves \
 	router.attempt router.stream router.errors router.ops router.channels \
 	router.openai.protocol router.openai.tokenize router.autoscale kv_transfer.writers.cma \
 	router.membership prefill_pool.request prefill_pool.push prefill_pool.tickets worker.flagspec worker.flags \
 	kv_transfer.writers.select router.kv_index worker.kv_events telemetry.prefix_cache router.budget \
 	router.logprobs router.openai.logprobs \
 	engine.structured engine.tools router.openai.structured router.openai.tools engine.choices \
-	router.openai.choices worker.router_set worker.dial
+	router.openai.choices engine.speculative worker.router_set worker.dial
 # The folders that install as pdserve.* (pyproject.toml [tool.setuptools.package-dir]).
 PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router cli bench deploy
 lint: $(STAMP)

@@ -74,10 +74,12 @@ class _Pair:
         rma: bool = True,
         device: str = "cpu",
         kv_shared: bool = False,
+        digest: bool = True,
     ) -> None:
+        config = TransferConfig(same_host=shm, deadline_s=60.0, rma=rma, rma_over_tcp=rma, digest=digest)
         spec = PeerSpec(
             num_blocks=num_blocks,
-            config=TransferConfig(same_host=shm, deadline_s=60.0, rma=rma, rma_over_tcp=rma),
+            config=config,
             env=(("UCX_TLS", tls), *ucx_env),
             device=device,
             **layout,

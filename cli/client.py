@@ -72,6 +72,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
         "address": status.router_address,
         "requests_running": status.requests_running,
         "requests_waiting": status.requests_waiting,
+        "streams_moving": status.streams_moving,  # live moves under way (docs/live_migration.md)
         "metrics_url": status.metrics_url,
         "http_url": status.http_url,  # the OpenAI-compatible API's base URL; empty: off
     }
@@ -97,6 +98,8 @@ def _dtype_cell(w: dict[str, Any]) -> str:
 def status_table(doc: dict[str, Any]) -> str:
     r, t = doc["router"], doc["totals"]
     lines = [f"router {r['address']}: {r['requests_running']} running, {r['requests_waiting']} waiting"]
+    if r.get("streams_moving"):
+        lines[0] += f", {r['streams_moving']} moving"
     if r.get("metrics_url"):
         lines[0] += f"; metrics {r['metrics_url']}"
     if r.get("http_url"):

@@ -7,7 +7,7 @@ import dataclasses
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import RoutingPolicy
-from pdserve.worker.flagspec import Flag, int_in, nonneg, seconds
+from pdserve.worker.flagspec import Flag, Switch, int_in, nonneg, seconds
 
 _D = RouterConfig()
 
@@ -19,6 +19,25 @@ ROUTER_FLAGS = (
         default=_D.max_migrations,
         type=nonneg,
         field="max_migrations",
+    ),
+    Flag(
+        "--no-live-migration",
+        "leave streams on a draining decode worker until they end (default: each moves live, with its KV, to "
+        "another decode worker with room, so the drain takes as long as the transfers)",
+        default=_D.live_migration,
+        switch=Switch.OFF,
+        dest="live_migration",
+        field="live_migration",
+    ),
+    Flag(
+        "--no-rebalance",
+        "never move streams to even the decode batches (default: a stream moves live off a decode worker "
+        "running at least 1.5x the pool's mean of this router's streams and 4 more than the least busy, "
+        "one at a time, until it is within 1.2x)",
+        default=_D.rebalance,
+        switch=Switch.OFF,
+        dest="rebalance",
+        field="rebalance",
     ),
     Flag(
         "--max-prefill-queue-tokens",

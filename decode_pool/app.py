@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop
 from pdserve.decode_pool.metrics import DecodeMetrics
+from pdserve.decode_pool.migration import StreamExport
 from pdserve.decode_pool.remote import RemotePrefill
 from pdserve.decode_pool.servicer import DecodeServicer
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -43,6 +44,7 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
         threads=args.threads,
         detokenize=False,  # the router applies stop strings; a worker stops on token ids and lengths
         kv_shared_memory=args.kv_shared_memory,
+        speculative_config=args.speculative_config(),
     )
 
 
@@ -60,6 +62,7 @@ class DecodePool:
         self.shell = shell
         self.loop: EngineLoop | None = None
         self.remote: RemotePrefill | None = None
+        self.export: StreamExport | None = None
         self.failure: BaseException | None = None  # the engine died: the worker drains and exits with it
 
     def _fatal(self, err: EngineDied) -> None:
@@ -81,12 +84,17 @@ class DecodePool:
         engine = self.loop.engine
         # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
         compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
-        if self.args.role is Role.DECODE:
-            self.remote = RemotePrefill(
-                self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
-            )
+        # Every decode-capable worker receives KV: a remote prefill's (role decode) and a stream moved here
+        # live (either role); and it exports its own streams' KV when they move away.
+        self.remote = RemotePrefill(
+            self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
+        )
+        if self.args.role is Role.DECODE:  # (a colocated worker's starts with its first stream moved in)
             await self.remote.start()
-        self.servicer.attach(self.loop, self.remote)
+        self.export = StreamExport(self.loop, compat, self.transfer_config, self.registry)
+        self.servicer.attach(
+            self.loop, self.remote, self.export, remote_prefill=self.args.role is Role.DECODE
+        )
         return Capacity(
             engine.block_manager.num_blocks,
             engine.max_model_len,
@@ -99,6 +107,8 @@ class DecodePool:
         )
 
     async def close(self) -> None:
+        if self.export is not None:
+            await self.export.close()
         if self.remote is not None:
             await self.remote.close()
         if self.loop is not None:

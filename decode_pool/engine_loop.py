@@ -39,6 +39,7 @@ class _Op(enum.Enum):
     ADD = "add"
     ADD_PREFILLED = "add_prefilled"
     ADD_CHOICES = "add_choices"  # an n > 1 request's open choices, moved here after some output
+    ADD_MIGRATED = "add_migrated"  # a decoding stream moved here live, its KV in blocks it holds
     ABORT = "abort"
     CALL = "call"
     STOP = "stop"
@@ -188,6 +189,15 @@ class EngineLoop:
         self._put_cmd(_Cmd(_Op.ADD_PREFILLED, request_id, (list(prompt_token_ids), firsts, params), queue=q))
         return q
 
+    def submit_migrated(
+        self, request_id: Hashable, token_ids: Sequence[int], output_offset: int, params: SamplingParams
+    ) -> asyncio.Queue[QueueItem]:
+        """A decoding stream moved here live (``LLMEngine.add_migrated_request``)."""
+        q: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._queues[request_id] = q
+        self._put_cmd(_Cmd(_Op.ADD_MIGRATED, request_id, (list(token_ids), output_offset, params), queue=q))
+        return q
+
     def submit_choices(
         self,
         request_id: Hashable,
@@ -297,6 +307,8 @@ class EngineLoop:
                 eng.add_request(cmd.request_id, *cmd.args)
             elif cmd.op is _Op.ADD_CHOICES:
                 eng.add_resumed_choices(cmd.request_id, *cmd.args)
+            elif cmd.op is _Op.ADD_MIGRATED:
+                eng.add_migrated_request(cmd.request_id, *cmd.args)
             else:
                 for delta in eng.add_prefilled_choices(cmd.request_id, *cmd.args):
                     self._put(cmd.request_id, delta)

@@ -1,6 +1,7 @@
 """Remote prefill on a decode worker: reserve KV blocks, hand out the transfer ticket, fail a stalled
-transfer, and adopt the request into the engine once its KV is complete. Who frees the blocks at each
-step is the contract in ``kv_transfer/__init__.py``."""
+transfer, and adopt the request into the engine once its KV is complete. A stream moved here live from
+another decode worker (``migration.py`` is the other end) comes the same way, its source as the writer.
+Who frees the blocks at each step is the contract in ``kv_transfer/__init__.py``."""
 
 from __future__ import annotations
 
@@ -41,12 +42,17 @@ class RemotePrefill:
         shared_fd = eng.runner.kv_shared_fd
         self.receiver = KVReceiver(eng.runner.kv, eng.block_manager, compat, config, registry, shared_fd)
         self.pending = 0  # requests reserved but not yet adopted
+        self._started: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
-        await self.receiver.start()
+        """Start receiving (idempotent; concurrent callers wait for the one start)."""
+        if self._started is None:
+            self._started = asyncio.ensure_future(self.receiver.start())
+        await asyncio.shield(self._started)
 
     async def close(self) -> None:
-        await self.receiver.close()
+        if self._started is not None:
+            await self.receiver.close()
 
     async def run(
         self,
@@ -55,19 +61,28 @@ class RemotePrefill:
         params: SamplingParams,
         context: grpc.aio.ServicerContext,
         deadline_s: float | None,
+        output_offset: int = 0,
     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """``output_offset`` > 0: a stream moved here live, ``prompt`` its prompt and output tokens so
+        far; the KV written is that of all its tokens but the last."""
         # Validate before reserving anything: a bad request must not cost blocks.
         await self.loop.call(lambda e: e.validate_request(prompt, params))
+        await self.start()  # (a colocated worker's receiver starts with the first stream moved to it)
         eng = self.loop.engine
         bm = eng.block_manager
+        kv_tokens = len(prompt) - 1 if output_offset else len(prompt)
         # The prompt's cached prefix is held, not received: the ticket tells P to send only the rest.
-        hashes = block_hashes(prompt, bm.block_size, eng.cache_salt) if bm.enable_prefix_caching else []
+        hashes = (
+            block_hashes(prompt[:kv_tokens], bm.block_size, eng.cache_salt)
+            if bm.enable_prefix_caching
+            else []
+        )
         try:
-            ticket = self.receiver.reserve(rid, len(prompt), deadline_s, hashes)
+            ticket = self.receiver.reserve(rid, kv_tokens, deadline_s, hashes)
         except OutOfBlocksError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker has no room: {e}")
         self.pending += 1
-        adoption = asyncio.ensure_future(self._adopt(rid, prompt, params))
+        adoption = asyncio.ensure_future(self._adopt(rid, prompt, params, output_offset))
         try:
             yield worker_pb2.WorkerGenerateResponse(transfer_ticket=ticket.encode())
             # Not cancelled by a cancel of this stream: whichever way the transfer ends, exactly one side
@@ -111,9 +126,11 @@ class RemotePrefill:
         """Until a failed reservation's blocks are back (bounded: the receiver's settle timeouts)."""
         await blocks_freed(self.loop.engine.block_manager, rid, 3 * self.config.settle_timeout_s)
 
-    async def _adopt(self, rid: str, prompt: list[int], params: SamplingParams):
+    async def _adopt(self, rid: str, prompt: list[int], params: SamplingParams, output_offset: int):
         result = await self.receiver.wait(rid)
         # From here the blocks are the engine's: it frees them on finish or abort.
+        if output_offset:
+            return self.loop.submit_migrated(rid, prompt, output_offset, params)
         return self.loop.submit_prefilled(rid, prompt, result.first_token_id, params, result.choice_token_ids)
 
     def _give_up(self, rid: str, adoption: asyncio.Future) -> None:

@@ -13,10 +13,11 @@ import grpc
 
 from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop, StepFailed
 from pdserve.decode_pool.metrics import DecodeMetrics
+from pdserve.decode_pool.migration import StreamExport
 from pdserve.decode_pool.remote import RemotePrefill, blocks_freed
 from pdserve.decode_pool.stream import relay_deltas
 from pdserve.engine.params import SamplingParams
-from pdserve.kv_transfer import TransferConfig
+from pdserve.kv_transfer import TransferConfig, TransferError
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.worker.convert import request_id_from_metadata, sampling_params_from_proto
 from pdserve.worker.shell import RETRY_ELSEWHERE_KEY, PoolServicer, WorkerShell
@@ -51,9 +52,18 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         self.transfer_config = transfer_config
         self.loop: EngineLoop | None = None
         self.remote: RemotePrefill | None = None
+        self.export: StreamExport | None = None
+        self.remote_prefill = False  # takes REMOTE mode (role decode); MIGRATE needs only ``remote``
 
-    def attach(self, loop: EngineLoop, remote: RemotePrefill | None) -> None:
-        self.loop, self.remote = loop, remote
+    def attach(
+        self,
+        loop: EngineLoop,
+        remote: RemotePrefill | None,
+        export: StreamExport | None = None,
+        remote_prefill: bool = True,
+    ) -> None:
+        self.loop, self.remote, self.export = loop, remote, export
+        self.remote_prefill = remote_prefill and remote is not None
 
     def load(self) -> worker_pb2.WorkerLoad:
         if self.loop is None:
@@ -63,6 +73,8 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         s = eng.scheduler
         self.metrics.set_kv_usage(bm.num_used, bm.num_blocks)
         self.metrics.set_preemptions(s.num_preemptions)
+        if eng.speculator is not None:
+            self.metrics.set_speculation(eng.speculator.stats)
         self.metrics.prefix_cache.update(
             s.prefix_query_tokens, s.prefix_hit_tokens, bm.num_evictions, bm.num_cached
         )
@@ -100,12 +112,20 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                     grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before decode started"
                 )
         remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
+        migrate = request.mode == worker_pb2.PREFILL_MODE_MIGRATE
         if remote and request.output_offset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "output_offset needs local prefill mode")
-        if remote and request.resumed_choices:
+        if (remote or migrate) and request.resumed_choices:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "resumed_choices needs local prefill mode")
-        if remote and self.remote is None:
+        if remote and not self.remote_prefill:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "remote prefill needs role decode")
+        if migrate and not 0 < request.output_offset < len(request.prompt_token_ids):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a migrated stream needs output_offset in [1, len(prompt_token_ids))",
+            )
+        if migrate and self.remote is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker takes no migrated streams")
         if self.admitted >= self.admit_limit:
             self.metrics.refused_full.inc()
             await context.abort(
@@ -130,7 +150,8 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
         """Generate, admitted: the local or remote choreography of one attempt."""
         assert self.loop is not None
         rid, prompt = request.request_id, list(request.prompt_token_ids)
-        remote = request.mode == worker_pb2.PREFILL_MODE_REMOTE
+        remote = request.mode in (worker_pb2.PREFILL_MODE_REMOTE, worker_pb2.PREFILL_MODE_MIGRATE)
+        offset = request.output_offset if request.mode == worker_pb2.PREFILL_MODE_MIGRATE else 0
         # A new attempt of an id means the router gave the earlier one up: end it in the engine now (its
         # stream's own abort may come later), before this attempt validates (a call the engine thread
         # runs after it) and reserves blocks under the id.
@@ -146,7 +167,7 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
                     assert self.remote is not None
                     # RemotePrefill frees on its own paths (the receiver before adoption, the engine after).
                     async for msg in self.remote.run(
-                        rid, prompt, params, context, self.transfer_deadline(timeout)
+                        rid, prompt, params, context, self.transfer_deadline(timeout), offset
                     ):
                         yield msg
                 else:
@@ -176,6 +197,43 @@ class DecodeServicer(PoolServicer, worker_pb2_grpc.WorkerServicer):
             )
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    # -- live migration, the side a stream leaves (migration.py) ----------------
+    async def Suspend(self, request: worker_pb2.SuspendRequest, context):  # noqa: N802
+        export = await self._export(context)
+        try:
+            outputs, kv_tokens = await export.suspend(request.request_id)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return worker_pb2.SuspendResponse(output_token_ids=outputs, kv_tokens=kv_tokens)
+
+    async def Resume(self, request: worker_pb2.SuspendRequest, context):  # noqa: N802
+        export = await self._export(context)
+        try:
+            if not await export.resume(request.request_id):
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"request {request.request_id} is not suspended here"
+                )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return worker_pb2.Empty()
+
+    async def ExportKV(self, request: worker_pb2.ExportKVRequest, context):  # noqa: N802
+        export = await self._export(context)
+        try:
+            stats = await export.export(request.request_id, request.transfer_ticket)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.ABORTED, f"the KV of {request.request_id} did not move: {e}")
+        self.metrics.migrated_out(stats.bytes)
+        return worker_pb2.ExportKVResponse(transfer_bytes=stats.bytes, transfer_seconds=stats.seconds)
+
+    async def _export(self, context) -> StreamExport:
+        if self.export is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not loaded yet")
+        assert self.export is not None
+        return self.export
 
     def transfer_deadline(self, timeout: float | None) -> float:
         """A reservation lives as long as the request may: a prompt queued on a busy prefill worker is

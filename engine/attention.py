@@ -96,6 +96,9 @@ class DecodeMeta:
     mask: torch.Tensor | None  # [Bsz, 1, 1, M * B] bool: key position <= query position (torch path only)
     max_blocks: int  # M
     max_len: int
+    # [n_seqs + 1] starts of runs of consecutive positions of one sequence (a speculative step's verified
+    # rows, which the C kernel attends together); None when every row is its own sequence.
+    seq_rows: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -106,12 +109,19 @@ class DecodeMeta:
         device: torch.device,
         with_mask: bool = True,
     ) -> DecodeMeta:
-        """``items``: (position, block_table) per sequence, in batch order. The C kernel needs no mask."""
+        """``items``: (position, block_table) per row, in batch order; rows that continue the previous row
+        (the same table object, the next position) are one sequence's verified positions. The C kernel
+        needs no mask."""
         m = max(-(-(pos + 1) // block_size) for pos, _ in items)
         positions: list[int] = []
         rows: list[int] = []
         flat: list[int] = []
-        for pos, table in items:
+        starts: list[int] = []
+        prev: tuple[int, Sequence[int] | None] = (-2, None)
+        for i, (pos, table) in enumerate(items):
+            if not (table is prev[1] and pos == prev[0] + 1):
+                starts.append(i)
+            prev = (pos, table)
             _check_table(table, pos + 1, block_size, num_blocks)
             positions.append(pos)
             rows.append(table[pos // block_size] * 2 * block_size + pos % block_size)
@@ -133,6 +143,11 @@ class DecodeMeta:
             mask=mask,
             max_blocks=m,
             max_len=max(positions) + 1,
+            seq_rows=(
+                torch.tensor([*starts, len(items)], dtype=torch.int64, device=device)
+                if len(starts) < len(items)
+                else None
+            ),
         )
 
 
@@ -212,7 +227,7 @@ def decode_attention(
     prefetch hint for the C kernel."""
     if kernels is not None:
         return kernels.decode_attention(
-            kv_layer, q, meta.tables, meta.lens, meta.max_blocks, meta.max_len, next_kv_layer
+            kv_layer, q, meta.tables, meta.lens, meta.max_blocks, meta.max_len, next_kv_layer, meta.seq_rows
         )
     assert meta.mask is not None, "the torch decode path needs DecodeMeta built with_mask"
     bsz, n_h, d = q.shape

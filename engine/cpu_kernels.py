@@ -201,10 +201,13 @@ class CpuKernels:
         max_blocks: int,
         max_len: int,
         next_kv_layer: torch.Tensor | None = None,
+        seq_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``kv_layer [N, 2, B, Hkv, D]``, ``q [Bsz, H, D]`` (rows may be strided), ``tables [Bsz * M]``,
         ``lens [Bsz]`` int64 -> ``[Bsz, H * D]`` in the cache dtype. ``next_kv_layer`` (same shape and
-        dtype): the layer that attends next, whose rows of the same blocks are prefetched into cache."""
+        dtype): the layer that attends next, whose rows of the same blocks are prefetched into cache.
+        ``seq_rows``: None, or int64 ``[n_seqs + 1]`` starts of runs of rows sharing one table (one
+        sequence's consecutive positions), whose K/V the kernel reads once for the whole run."""
         bsz, n_h, d = q.shape
         _, _, b, n_kv, _ = kv_layer.shape
         if not (
@@ -214,6 +217,7 @@ class CpuKernels:
             and q.dtype == kv_layer.dtype
             and tables.is_contiguous()
             and lens.is_contiguous()
+            and (seq_rows is None or (seq_rows.is_contiguous() and seq_rows.dtype == torch.int64))
         ):
             raise ValueError("decode kernel needs a contiguous cache layer and row-major q heads")
         if next_kv_layer is not None and not (
@@ -231,6 +235,8 @@ class CpuKernels:
                 out.data_ptr(),
                 tables.data_ptr(),
                 lens.data_ptr(),
+                None if seq_rows is None else seq_rows.data_ptr(),
+                0 if seq_rows is None else len(seq_rows) - 1,
                 bsz,
                 max_blocks,
                 b,
@@ -639,7 +645,7 @@ def load_cpu_kernels(cache_dir: Path, isa: str | None = None) -> CpuKernels | No
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
-        "paged_decode_attention": [ptr] * 6 + [i64] * 8 + [f32, i32, i32],
+        "paged_decode_attention": [ptr] * 7 + [i64] * 9 + [f32, i32, i32],
         "add_rms_norm": [ptr] * 4 + [i64, i64, f32, i32, i32],
         "rope_store": [ptr, i64, i64, i64, i64, i64] + [ptr] * 6 + [i32, i32],
         "silu_mul": [ptr, ptr, i64, i64, i32, i32],

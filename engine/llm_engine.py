@@ -15,12 +15,13 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.choices import child_ids, fork_row_ids, fork_rows, split_first_tokens
+from pdserve.engine.config import ModelConfig
 from pdserve.engine.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     check_device,
@@ -31,8 +32,8 @@ from pdserve.engine.device import (
 )
 from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler
 from pdserve.engine.logprob_requests import LogprobRequests
-from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
+from pdserve.engine.logprobs import TokenLogprob, token_logprobs
+from pdserve.engine.model_runner import Backend, DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import check_quantization
@@ -40,7 +41,16 @@ from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import Batch, BatchKind, Scheduler, SchedulerConfig
 from pdserve.engine.sequence import FinishReason
 from pdserve.engine.sequence import Sequence as EngineSequence
+from pdserve.engine.speculative import (
+    DraftProposer,
+    SpeculativeConfig,
+    SpeculativeMethod,
+    Speculator,
+    accepted_prefix,
+    speculative_config_from_dict,
+)
 from pdserve.engine.stopping import StopStringMatcher
+from pdserve.engine.tensor_parallel import start_group
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -94,6 +104,13 @@ class EngineConfig:
     # Reuse the K/V of full blocks a prompt shares with earlier sequences (vLLM's automatic prefix
     # caching): finished sequences' blocks stay cached until their room is needed.
     enable_prefix_caching: bool = True
+    # Speculative decoding of decoding streams (``engine.speculative``): a SpeculativeConfig, or the same
+    # as a dict (vLLM's ``speculative_config``, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``);
+    # None: off. Output is the same token for token either way.
+    speculative_config: SpeculativeConfig | None = None
+    # Tensor parallelism (``engine.tensor_parallel``): the model split over this many processes of one
+    # host, each caching its own KV heads, with ``threads`` torch threads each; CPU (gloo) only.
+    tensor_parallel_size: int = 1
     # Resolved on this host when the config is made (``engine.device``): the device and dtype the engine
     # runs on, which it reports. A device this host lacks fails here, before anything loads.
     resolved_device: str = dataclasses.field(init=False)
@@ -107,7 +124,7 @@ class EngineConfig:
         check_quantization(self.quantization)
         check_device(self.device)
         check_gpu_memory_utilization(self.gpu_memory_utilization)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -121,6 +138,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ValueError("give num_blocks or kv_cache_bytes, not both")
+        spec = self.speculative_config
+        if isinstance(spec, dict):
+            object.__setattr__(self, "speculative_config", speculative_config_from_dict(spec))
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(
+                f"speculative_config must be a SpeculativeConfig, a dict or None, got {type(spec).__name__}"
+            )
         device = resolve_device(self.device)
         object.__setattr__(self, "resolved_device", device)
         object.__setattr__(self, "resolved_dtype", resolve_dtype(self.dtype, device))
@@ -185,17 +209,7 @@ class LLMEngine:
         if isinstance(model, ModelRunner):
             self.runner = model
         else:
-            self.runner = ModelRunner(
-                model,
-                dtype=config.torch_dtype,
-                device=config.resolved_device,
-                block_size=config.block_size,
-                num_blocks=config.num_blocks,
-                kv_cache_bytes=config.kv_cache_bytes,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                quantization=config.quantization,
-                kv_shared=config.kv_shared_memory,
-            )
+            self.runner = self._runner(Path(model), config)
         self.tokenizer = tokenizer
         mc = self.runner.config
         self.max_model_len = min(
@@ -223,7 +237,9 @@ class LLMEngine:
             self.block_manager,
         )
         self.sampler = self.runner.sampler(self.eos_token_ids, seed=config.seed)
-        self.runner.prepare_decode(config.max_num_seqs, cuda_graphs=not config.enforce_eager)
+        # A verify step decodes each stream's last token and proposals as rows of their own.
+        spec_rows = 1 + (config.speculative_config.num_speculative_tokens if config.speculative_config else 0)
+        self.runner.prepare_decode(config.max_num_seqs * spec_rows, cuda_graphs=not config.enforce_eager)
         self.runner.prepare_prefill(config.max_num_batched_tokens, cuda_graphs=not config.enforce_eager)
         self._text: dict[Hashable, _TextState] = {}
         # Requests that asked for logprobs (none: every step runs as if logprobs did not exist).
@@ -232,6 +248,13 @@ class LLMEngine:
         self.constrained = ConstrainedSequences(
             GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
         )
+        # Speculative decoding of decoding streams (None: off).
+        spec = config.speculative_config
+        self.speculator = speculator = Speculator(spec) if spec is not None else None
+        if speculator is not None and speculator.config.method is SpeculativeMethod.DRAFT:
+            speculator.proposer = DraftProposer(
+                _TruncatedTarget(self.runner, self.block_manager, speculator.config.layers_of(mc.num_layers))
+            )
         self.num_steps = 0  # batches run since start
         self.last_batch: Batch | None = None  # what the latest step ran (the worker's step metrics)
         log.info(
@@ -245,6 +268,36 @@ class LLMEngine:
             self.runner.block_size,
             "on" if config.enable_prefix_caching else "off",
         )
+
+    @staticmethod
+    def _runner(model: Path, config: EngineConfig) -> ModelRunner:
+        kwargs: dict[str, Any] = {
+            "dtype": config.torch_dtype,
+            "device": config.resolved_device,
+            "block_size": config.block_size,
+            "num_blocks": config.num_blocks,
+            "kv_cache_bytes": config.kv_cache_bytes,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "quantization": config.quantization,
+        }
+        if config.tensor_parallel_size == 1:
+            return ModelRunner(model, kv_shared=config.kv_shared_memory, **kwargs)
+        if config.kv_shared_memory:
+            raise ValueError("kv_shared_memory is not supported with tensor_parallel_size > 1")
+        follower_kwargs = {**kwargs, "model_dir": str(model), "dtype": str(config.torch_dtype).split(".")[-1]}
+        tp = start_group(
+            ModelConfig.from_dir(model), config.tensor_parallel_size, follower_kwargs, config.threads or 1
+        )
+        try:
+            return ModelRunner(model, tensor_parallel=tp, **kwargs)
+        except BaseException:
+            tp.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (if any); the engine serves nothing after."""
+        if self.runner.tp is not None:
+            self.runner.tp.close()
 
     @property
     def device(self) -> str:
@@ -303,6 +356,49 @@ class LLMEngine:
         self._text[request_id] = self._new_text_state(params, prompt_token_ids)
         self._logprobs.add(request_id, params, len(prompt_token_ids))
         self.constrained.add(request_id, matcher)
+
+    def add_migrated_request(
+        self,
+        request_id: Hashable,
+        token_ids: Sequence[int],
+        output_offset: int,
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Adopt a decoding stream moved here live (``Scheduler.add_migrated``): ``token_ids`` is its prompt
+        and its ``output_offset`` output tokens so far, whose K/V (all but the last token's) fill the blocks
+        ``block_manager`` holds under ``request_id``; ``params`` count what is left. Its next token is
+        output ``output_offset``, sampled as the worker it came from would have. On ValueError the blocks
+        stay with the caller."""
+        params = SamplingParams() if params is None else params
+        if params.prompt_logprobs is not None:
+            raise ValueError("a live-migrated stream has sent its prompt logprobs already")
+        self.validate_request(token_ids, params)
+        matcher = self.constrained.new(params, token_ids[len(token_ids) - output_offset :])
+        seq = self.scheduler.add_migrated(request_id, list(token_ids), output_offset, params)
+        self._text[request_id] = self._new_text_state(params, token_ids)
+        self._logprobs.add_prefilled(seq.seq_id, params)
+        self.constrained.add(request_id, matcher)
+
+    def suspend(self, request_id: Hashable) -> tuple[list[int], int]:
+        """Hold a decoding request of one choice out of the batches, its blocks kept, at this step
+        boundary (its KV is about to move): its output tokens so far (those it came with included) and the
+        tokens whose K/V its blocks hold. ValueError when it is not decoding here."""
+        seq = self.scheduler.suspend(request_id)
+        outputs = seq.prompt_token_ids[seq.num_prompt_tokens - seq.output_offset :] + seq.output_token_ids
+        return outputs, seq.num_computed_tokens
+
+    def pin(self, request_id: Hashable) -> tuple[list[int], int]:
+        """A suspended request's blocks are read elsewhere from now until ``unpin``: they stay held even
+        if it ends meanwhile. Returns the blocks holding its K/V (token order) and its last token."""
+        blocks = self.scheduler.pin(request_id)
+        return blocks, self.scheduler.suspended[request_id].last_token_id
+
+    def unpin(self, request_id: Hashable) -> None:
+        self.scheduler.unpin(request_id)
+
+    def resume(self, request_id: Hashable) -> bool:
+        """Undo ``suspend``: the request decodes here again. False when it is not suspended."""
+        return self.scheduler.resume(request_id)
 
     def add_resumed_choices(
         self,
@@ -409,6 +505,10 @@ class LLMEngine:
         seqs = [it.seq for it in batch.sample_items]
         # The constrained rows' masks are filled while the forward runs.
         masks = self.constrained.start_masks([s.seq_id for s in seqs]) if self.constrained else None
+        if self.speculator is not None and batch.kind is BatchKind.DECODE:
+            proposals = self._propose(batch)
+            if proposals is not None:
+                return self._speculative_step(batch, proposals, masks)
         if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
             return self._logprob_step(batch, masks)
         logits = self._forward(batch)  # [n_sample, V]
@@ -516,6 +616,116 @@ class LLMEngine:
         ]
         return pre, dec
 
+    # -- speculative decoding ------------------------------------------------
+    def _propose(self, batch: Batch) -> list[list[int]] | None:
+        """Each decoding stream's proposal for this step; None when no stream proposes. A stream's
+        lookahead blocks are reserved before it is asked (a draft writes K/V there), and one that cannot
+        get them proposes nothing. Streams under a grammar and requests that turned speculation off
+        propose nothing."""
+        spec = self.speculator
+        assert spec is not None
+        reserve = self.scheduler.reserve_lookahead
+        constrained, max_len = self.constrained, self.max_model_len
+        seqs = [it.seq for it in batch.items]
+        limits: list[int] = []
+        for seq in seqs:
+            p = seq.params
+            n = 0
+            if p.speculative and not (constrained and seq.seq_id in constrained):
+                n_out = len(seq.output_token_ids)
+                total = len(seq.prompt_token_ids) + n_out
+                # The step makes one token anyway; each accepted proposal one more.
+                n = spec.limit(seq, min(p.max_tokens - n_out, max_len - total) - 1)
+                if n and not reserve(seq, total + n):
+                    n = 0
+            limits.append(n)
+        if not any(limits):
+            return None
+        proposals = spec.propose(seqs, limits)
+        return proposals if any(proposals) else None
+
+    def _speculative_step(
+        self, batch: Batch, proposals: list[list[int]], masks: Future[TokenMask] | None
+    ) -> list[RequestOutputDelta]:
+        """A decode step that verifies proposals: one forward over each stream's last token and its
+        proposal (as decode rows), the target's sample at every position, and each stream's
+        samples up to the first that differs from its proposal, applied token by token as single steps
+        would (stop checks, stop strings, grammar, logprobs). One delta per stream."""
+        assert self.speculator is not None
+        items = batch.items
+        seqs = [it.seq for it in items]
+        tables = self.block_manager.live_tables([s.seq_id for s in seqs])
+        # Each position of each stream is a decode item of its own: every item's K/V are stored before
+        # any attends, so position j attends to the proposals before it, with the paged decode kernel
+        # single steps use (its cost grows with the positions, not with a copy of the context).
+        token_ids: list[int] = []
+        positions: list[int] = []
+        rows_tables: list[list[int]] = []
+        row_seq: list[int] = []
+        for i, (it, prop, table) in enumerate(zip(items, proposals, tables, strict=True)):
+            token_ids.append(it.seq.last_token_id)
+            token_ids += prop
+            positions += range(it.start, it.start + len(prop) + 1)
+            rows_tables += [table] * (len(prop) + 1)
+            row_seq += [i] * (len(prop) + 1)
+        logits = self.runner.decode_columns(token_ids, positions, rows_tables)
+        tokens = self._sample_speculative(seqs, proposals, logits, row_seq, masks)
+        spec = self.speculator
+        spec.stats.verify_steps += 1
+        lp = self._logprobs
+        deltas: list[RequestOutputDelta] = []
+        row = 0
+        for seq, prop in zip(seqs, proposals, strict=True):
+            samples = tokens[row : row + len(prop) + 1]
+            accepted = accepted_prefix(prop, samples)
+            if prop:
+                spec.record(seq, len(prop), accepted)
+            got: list[RequestOutputDelta] = []
+            for token in samples[: accepted + 1]:
+                if seq.is_finished:  # a stop, or aborted between schedule and now
+                    break
+                self.scheduler.append_verified(seq, token)
+                if self.constrained:
+                    self._end_on_grammar([seq])
+                got += self._emit([seq])
+            if got:
+                delta = _merged(got)
+                if lp and seq.seq_id in lp.ids:
+                    top = seq.params.logprobs
+                    entries = None
+                    if top is not None:
+                        emitted = list(delta.new_token_ids)
+                        entries = token_logprobs(
+                            logits[row : row + len(emitted)], emitted, [top] * len(emitted)
+                        )
+                    delta = lp.attach(delta, {})
+                    if entries is not None:
+                        delta = delta._replace(logprobs=tuple(entries))
+                deltas.append(delta)
+            row += len(prop) + 1
+        return deltas
+
+    def _sample_speculative(
+        self,
+        seqs: list[EngineSequence],
+        proposals: list[list[int]],
+        logits: torch.Tensor,
+        row_seq: list[int],
+        masks: Future[TokenMask] | None,
+    ) -> list[int]:
+        """The target's sample at every row of a verify forward: row ``j`` of a stream samples as its
+        output token ``n + j`` would without speculation, the proposals before it taken as its outputs
+        (seeded noise, min_tokens and penalties see them)."""
+        if masks is None and all(s.params.argmax_only for s in seqs):
+            return self.sampler.argmax_tokens(logits)
+        rows: list[SampleRow] = []
+        for seq, prop in zip(seqs, proposals, strict=True):
+            p, outs = seq.params, seq.output_token_ids
+            for j in range(len(prop) + 1):
+                seen = outs + prop[:j] if j and p.adjusts_logits else outs
+                rows.append(SampleRow(p, len(outs) + j, seq.output_offset, seq.prompt_token_ids, seen))
+        return self.sampler(logits, rows, None if masks is None else masks.result().spread(row_seq))
+
     # -- logprobs ------------------------------------------------------------
     def _logprob_step(self, batch: Batch, masks: Future[TokenMask] | None) -> list[RequestOutputDelta]:
         """``step`` where some request asked for logprobs: the prompt chunks of those whose prompt logprobs
@@ -598,6 +808,35 @@ class LLMEngine:
                 )
             )
         return deltas
+
+
+class _TruncatedTarget:
+    """The self-speculative draft (``SpeculativeMethod.DRAFT``): the target's first ``num_layers`` layers,
+    its final norm and LM head, greedy. It reads and writes those layers' K/V in the target's own cache:
+    what it writes past a stream's computed length is written again by the verify forward."""
+
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, num_layers: int) -> None:
+        if runner.backend is Backend.TRITON:
+            raise ValueError("speculative method 'draft' runs on the CPU backends only")
+        self.runner, self.block_manager, self.num_layers = runner, block_manager, num_layers
+
+    def next_tokens(
+        self, seqs: list[EngineSequence], token_ids: list[int], positions: list[int]
+    ) -> list[int]:
+        tables = self.block_manager.live_tables([s.seq_id for s in seqs])
+        items = [DecodeItem(t, p, tb) for t, p, tb in zip(token_ids, positions, tables, strict=True)]
+        logits = self.runner.decode(items, num_layers=self.num_layers)
+        return self.runner.argmax(logits).tolist()
+
+
+def _merged(deltas: list[RequestOutputDelta]) -> RequestOutputDelta:
+    """One stream's consecutive single-token deltas of a step as one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    return deltas[-1]._replace(
+        new_token_ids=tuple(t for d in deltas for t in d.new_token_ids),
+        new_text="".join(d.new_text for d in deltas),
+    )
 
 
 def engine_config_fields() -> frozenset[str]:

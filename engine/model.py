@@ -250,15 +250,17 @@ def forward_hidden(
     kv: torch.Tensor,
     attend: AttendFn,
     layer_hook: LayerHook | None = None,
+    num_layers: int | None = None,
 ) -> torch.Tensor:
-    """Run every decoder layer over flattened tokens ``[T]``; returns the final hidden states ``[T, hidden]``
-    before the last norm. Each layer's K/V go into ``kv[layer]`` before it attends."""
+    """Run every decoder layer (or the first ``num_layers``: a self-speculative draft) over flattened
+    tokens ``[T]``; returns the final hidden states ``[T, hidden]`` before the last norm. Each layer's K/V go
+    into ``kv[layer]`` before it attends."""
     eps = config.rms_norm_eps
     x = F.embedding(token_ids, weights.embed)  # [T, hidden]; a fresh tensor, so the residual adds go in place
     # The last sub-block's output, added into x by the next norm (None: nothing, or already added into x
     # by the product itself).
     res: torch.Tensor | None = None
-    for i, lw in enumerate(weights.layers):
+    for i, lw in enumerate(weights.layers[:num_layers]):
         qkv = ops.norm_linear(lw.qkv, x, res, lw.input_norm, eps)  # [T, (H + 2Hkv) * D]
         q, k, v = ops.rope_store(kv[i], qkv)
         o = attend(i, q, k, v)  # [T, H * D]

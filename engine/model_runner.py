@@ -7,7 +7,9 @@ is handed. A step builds its index tensors once, runs the layers over the batch 
 
 from __future__ import annotations
 
+import functools
 import os
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from pdserve.engine.model import (
 )
 from pdserve.engine.quant import check_quantization
 from pdserve.engine.sampler import Sampler, seeded_race
+from pdserve.engine.tensor_parallel import ReducingStepOps, TensorParallel
 from pdserve.engine.weights import ModelWeights, choose_linear
 
 if TYPE_CHECKING:
@@ -124,6 +127,29 @@ def _kept_rows(
     return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
+def _mirrored(fn: Callable) -> Callable:
+    """A runner method that touches the model or the KV cache: under tensor parallelism rank 0 hands the
+    call to its followers first, so every rank runs it (and its collectives) in the same order. Calls made
+    from inside such a call are not sent again."""
+
+    @functools.wraps(fn)
+    def run(self: ModelRunner, *args: object, **kwargs: object) -> object:
+        tp = self.tp
+        if tp is None or not tp.leads or self._mirror_depth:
+            return fn(self, *args, **kwargs)
+        try:
+            tp.send((fn.__name__, args, kwargs))
+        except (pickle.PicklingError, AttributeError, TypeError) as e:  # a callable: a layer hook
+            raise ValueError(f"{fn.__name__} with such arguments cannot run tensor-parallel: {e}") from e
+        self._mirror_depth += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._mirror_depth -= 1
+
+    return run
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -139,6 +165,7 @@ class ModelRunner:
         quantization: str = "none",
         kernel_isa: str | None = None,
         kv_shared: bool = False,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """Load the model and allocate the KV cache.
 
@@ -150,7 +177,9 @@ class ModelRunner:
         (``EngineEnv.kernel_isa``; default ``PDSERVE_KERNEL_ISA``, else native): tests run every ISA path.
         ``kv_shared`` (CPU only): the KV cache in shared memory (``hugepages.SharedTensor``; its memfd is
         ``kv_shared_fd``), which a prefill worker of this host writes with plain copies; it has huge pages
-        only where shared memory gets them (``shared_memory_huge_pages``).
+        only where shared memory gets them (``shared_memory_huge_pages``). ``tensor_parallel``: this rank's
+        group (``engine.tensor_parallel``): the runner loads its shard of the model, caches its KV heads
+        only, and returns the whole vocabulary's logits; on rank 0 every forward runs on all ranks.
         """
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -160,10 +189,17 @@ class ModelRunner:
         self.quantization = check_quantization(quantization)
         self.model_dir = Path(model_dir)
         self.config = ModelConfig.from_dir(self.model_dir)
+        self.tp = tensor_parallel
+        self._mirror_depth = 0
+        self._kept: KeptRows | None = None  # tensor parallelism: each rank's latest kept rows
+        # What this process runs: the whole model, or its rank's heads and columns.
+        self.shard_config = self.config if self.tp is None else self.tp.layout.local_config(self.config)
+        if self.tp is not None and torch.device(device).type != "cpu":
+            raise ValueError("tensor parallelism runs on CPU (gloo) only")
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
-        c = self.config
+        c = self.shard_config
         elt = torch.empty((), dtype=dtype).element_size()
         self.kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * elt
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
@@ -209,7 +245,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.linear_kind = choose_linear(dtype, self.device, lib, quantization=quantization)
         self.weights = ModelWeights.load(
-            self.model_dir, c, dtype, self.device, self.linear_kind, lib, quantization
+            self.model_dir,
+            self.config,
+            dtype,
+            self.device,
+            self.linear_kind,
+            lib,
+            quantization,
+            shard=None if self.tp is None else self.tp.layout,
         )
         self.rope = RopeTables.build(c, dtype, self.device)
         self._phase_s["model_load"] = time.perf_counter() - t0
@@ -338,6 +381,7 @@ class ModelRunner:
             with_mask=self.kernels is None,
         )
 
+    @_mirrored
     def prefill(
         self, items: Sequence[PrefillItem], layer_hook: LayerHook | None = None, all_logits: bool = False
     ) -> torch.Tensor:
@@ -356,7 +400,7 @@ class ModelRunner:
             hidden, meta, ops = self._prefill_hidden(items, ids, layer_hook)
             if not all_logits:
                 hidden = hidden.index_select(0, meta.last_rows)  # [n, hidden]
-            return logits(self.weights, self.config, hidden, ops)
+            return self._logits(hidden, ops)
 
     def _prefill_hidden(
         self, items: Sequence[PrefillItem], ids: list[int], layer_hook: LayerHook | None
@@ -379,6 +423,7 @@ class ModelRunner:
         hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend, layer_hook)
         return hidden, meta, ops
 
+    @_mirrored
     def prefill_keeping(
         self, items: Sequence[PrefillItem], keep: Sequence[bool], layer_hook: LayerHook | None = None
     ) -> tuple[torch.Tensor, KeptRows]:
@@ -393,13 +438,31 @@ class ModelRunner:
             return self._prefill_triton_keeping(items, layer_hook, _kept_rows(lengths, keep, 0, self.device))
         with torch.inference_mode():
             hidden, meta, ops = self._prefill_hidden(items, ids, layer_hook)
-            out = logits(self.weights, self.config, hidden.index_select(0, meta.last_rows), ops)
+            out = self._logits(hidden.index_select(0, meta.last_rows), ops)
             return out, self._keep(hidden, _kept_rows(lengths, keep, 0, self.device), ops)
 
     def _keep(self, hidden: torch.Tensor, rows: torch.Tensor, ops: StepOps) -> KeptRows:
         kept = hidden.index_select(0, rows)  # [n_kept, hidden]: the step's activations are freed
-        return KeptRows(len(kept), lambda a, b: logits(self.weights, self.config, kept[a:b], ops))
+        rows_logits = KeptRows(len(kept), lambda a, b: self._logits(kept[a:b], ops))
+        if self.tp is None:
+            return rows_logits
+        self._kept = rows_logits  # every rank keeps its own; rank 0's reads go through kept_logits
+        return KeptRows(len(kept), self.kept_logits)
 
+    @_mirrored
+    def kept_logits(self, start: int, end: int) -> torch.Tensor:
+        """Tensor parallelism: rows ``[start, end)`` of the latest kept rows' logits, made on every rank."""
+        if self._kept is None:
+            raise RuntimeError("no kept rows to read")
+        return self._kept.logits(start, end)
+
+    def _logits(self, hidden: torch.Tensor, ops: StepOps) -> torch.Tensor:
+        """float32 logits ``[T, V]`` of final hidden states: under tensor parallelism each rank's vocabulary
+        slice, gathered."""
+        out = logits(self.weights, self.config, hidden, ops)
+        return out if self.tp is None else self.tp.gather_vocab(out)
+
+    @_mirrored
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """For each ``(src, dst)`` pair, block ``dst`` takes block ``src``'s K/V in every layer: a forked
         choice's own copy of the partial block it shared (``BlockManager.fork_prefix``)."""
@@ -433,11 +496,16 @@ class ModelRunner:
             eos_token_ids, seed=seed, device=self.kv.device, argmax=self.argmax, race=self.seeded_race
         )
 
-    def decode(self, items: Sequence[DecodeItem]) -> torch.Tensor:
-        """One token per sequence; returns float32 logits ``[n_items, V]``."""
+    @_mirrored
+    def decode(self, items: Sequence[DecodeItem], num_layers: int | None = None) -> torch.Tensor:
+        """One token per sequence; returns float32 logits ``[n_items, V]``. ``num_layers``: only the first
+        that many layers, then the final norm and LM head (a self-speculative draft; CPU backends): their
+        K/V are written as a full step writes them."""
         if not items:
             raise ValueError("decode needs at least one item")
         self._check_decode(items)
+        if num_layers is not None and self.backend is Backend.TRITON:
+            raise ValueError("a truncated (draft) forward runs on the CPU backends only")
         if self.backend is Backend.TRITON:
             if self._decoder is None:
                 self.prepare_decode(max(64, len(items)), cuda_graphs=False)
@@ -456,9 +524,12 @@ class ModelRunner:
         with torch.inference_mode():
             token_ids = torch.tensor([it.token_id for it in items], dtype=torch.int64, device=self.device)
             ops = self._ops(meta.positions, meta.k_rows, meta.v_rows)
-            hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend)
-            return logits(self.weights, self.config, hidden, ops)
+            hidden = forward_hidden(
+                self.weights, self.config, token_ids, ops, self.kv, attend, num_layers=num_layers
+            )
+            return self._logits(hidden, ops)
 
+    @_mirrored
     def decode_columns(
         self, token_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]]
     ) -> torch.Tensor:
@@ -470,6 +541,7 @@ class ModelRunner:
         with torch.inference_mode():
             return self._decoder.run_columns(token_ids, positions, tables)
 
+    @_mirrored
     def step(self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem]) -> torch.Tensor:
         """Decode tokens and prefill chunks in one forward: every product reads its weights once for both.
 
@@ -486,8 +558,9 @@ class ModelRunner:
             return torch.cat([self.decode(decode), self.prefill(prefill)])
         with torch.inference_mode():
             hidden, ops, rows = self._step_hidden(prefill, decode)
-            return logits(self.weights, self.config, hidden.index_select(0, rows), ops)
+            return self._logits(hidden.index_select(0, rows), ops)
 
+    @_mirrored
     def step_keeping(
         self, prefill: Sequence[PrefillItem], decode: Sequence[DecodeItem], keep: Sequence[bool]
     ) -> tuple[torch.Tensor, KeptRows]:
@@ -501,7 +574,7 @@ class ModelRunner:
         lengths = [len(it.token_ids) for it in prefill]
         with torch.inference_mode():
             hidden, ops, rows = self._step_hidden(prefill, decode)
-            out = logits(self.weights, self.config, hidden.index_select(0, rows), ops)
+            out = self._logits(hidden.index_select(0, rows), ops)
             return out, self._keep(hidden, _kept_rows(lengths, keep, len(decode), self.device), ops)
 
     def _step_hidden(
@@ -592,9 +665,13 @@ class ModelRunner:
         return out, KeptRows(len(kept), lambda a, b: logits(self.weights, self.config, kept[a:b], ops))
 
     def _ops(self, positions: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor) -> StepOps:
+        c = self.shard_config
+        ops: StepOps
         if self.kernels is not None:
-            return KernelStepOps(self.kernels, self.config, self.rope, positions, k_rows, v_rows)
-        return TorchStepOps(self.config, self.rope, positions, k_rows, v_rows)
+            ops = KernelStepOps(self.kernels, c, self.rope, positions, k_rows, v_rows)
+        else:
+            ops = TorchStepOps(c, self.rope, positions, k_rows, v_rows)
+        return ops if self.tp is None else ReducingStepOps(ops, self.tp)
 
 
 def _cuda_num_blocks(

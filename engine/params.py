@@ -80,6 +80,9 @@ class SamplingParams:
     # The output matches this grammar (``engine.structured``; enforced by the sampler's token masks).
     structured_outputs: StructuredOutputsParams | None = None
     n: int = 1
+    # False: this request is never speculated on a worker that speculates (``engine.speculative``); its
+    # output is the same either way.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Normalise before checking: a bare string is one stop string, not characters.
@@ -110,6 +113,8 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain an empty string")
         if any(t < 0 for t in self.stop_token_ids):

@@ -114,6 +114,12 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []  # ordered by arrival
         self.running: list[Sequence] = []
+        # Decoding sequences held out of the batches (``suspend``): their blocks stay, nothing preempts them.
+        self.suspended: dict[Hashable, Sequence] = {}
+        # Ids whose blocks another thread reads (a suspended stream's KV on its way out): a finish keeps
+        # their blocks until ``unpin``, so what is read is never another request's.
+        self._pinned: set[Hashable] = set()
+        self._free_on_unpin: set[Hashable] = set()
         self._seqs: dict[Hashable, Sequence] = {}
         self._arrivals = 0
         self.num_preemptions = 0  # since start, for metrics
@@ -194,6 +200,73 @@ class Scheduler:
             self._append(s, token)
         return seqs
 
+    def add_migrated(
+        self, seq_id: Hashable, token_ids: Seq[int], output_offset: int, params: SamplingParams
+    ) -> Sequence:
+        """Adopt a decoding stream moved here live: ``token_ids`` is its prompt and every output token so
+        far (the last ``output_offset`` of them), and the blocks held under ``seq_id`` hold the K/V of all
+        but the last, which the next decode step computes, as on the worker it came from."""
+        bm = self.block_manager
+        if seq_id in self._seqs:
+            raise ValueError(f"request id {seq_id!r} is already in use")
+        if not 0 < output_offset < len(token_ids):
+            raise ValueError(f"output_offset must be in [1, len(token_ids)), got {output_offset}")
+        if params.n != 1:
+            raise ValueError("a live-migrated stream has one choice (n = 1)")
+        computed = len(token_ids) - 1
+        if seq_id not in bm or bm.capacity(seq_id) < computed:
+            raise ValueError(f"request {seq_id!r} holds no blocks covering its {computed} computed tokens")
+        self.check_fits(len(token_ids), params)
+        seq = self._new_seq(seq_id, token_ids, params)
+        seq.output_offset = output_offset
+        seq.num_computed_tokens = computed
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        if self._cache_bs:  # its full blocks are complete: cache hits from now on
+            self._commit(seq, 0, computed)
+        self.choices.added(seq)
+        return seq
+
+    def suspend(self, seq_id: Hashable) -> Sequence:
+        """Hold a decoding sequence out of the batches (its KV is about to move); ValueError when it is not
+        a decoding sequence of one choice."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING:
+            state = "unknown" if seq is None else seq.status.value
+            raise ValueError(f"request {seq_id!r} is not decoding here ({state})")
+        if seq.params.n != 1 or seq_id in self.choices:
+            raise ValueError(f"request {seq_id!r} has several choices: it cannot move live")
+        self.running.remove(seq)
+        seq.status = SequenceStatus.SUSPENDED
+        self.suspended[seq_id] = seq
+        return seq
+
+    def pin(self, seq_id: Hashable) -> list[int]:
+        """Keep a suspended sequence's blocks until ``unpin``, whatever ends it meanwhile; returns the
+        blocks holding its computed tokens' K/V, in token order."""
+        seq = self.suspended.get(seq_id)
+        if seq is None:
+            raise ValueError(f"request {seq_id!r} is not suspended here")
+        self._pinned.add(seq_id)
+        bs = self.block_manager.block_size
+        return self.block_manager.block_table(seq_id)[: -(-seq.num_computed_tokens // bs)]
+
+    def unpin(self, seq_id: Hashable) -> None:
+        """Undo ``pin``; blocks of a sequence that ended meanwhile are freed now."""
+        self._pinned.discard(seq_id)
+        if seq_id in self._free_on_unpin:
+            self._free_on_unpin.discard(seq_id)
+            self.block_manager.free(seq_id)
+
+    def resume(self, seq_id: Hashable) -> bool:
+        """Put a suspended sequence back into the batches; False when it is not suspended."""
+        seq = self.suspended.pop(seq_id, None)
+        if seq is None:
+            return False
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
     def add_choices(
         self,
         request_id: Hashable,
@@ -239,8 +312,12 @@ class Scheduler:
         if seq.is_finished:
             return
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        self.block_manager.free(seq.seq_id)
+        if seq.seq_id in self._pinned:
+            self._free_on_unpin.add(seq.seq_id)
+        else:
+            self.block_manager.free(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
+        self.suspended.pop(seq.seq_id, None)
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
@@ -258,6 +335,8 @@ class Scheduler:
         if seq is not None:
             self.finish(seq, FinishReason.ABORT)
             return True
+        if seq_id in self._pinned:  # ended already; its blocks go at ``unpin``
+            return False
         return self.block_manager.free(seq_id)
 
     def has_unfinished(self) -> bool:
@@ -496,6 +575,24 @@ class Scheduler:
                 finish(seq, reason)
             out.append(seq)
         return out
+
+    def reserve_lookahead(self, seq: Sequence, num_tokens: int) -> bool:
+        """Cover ``num_tokens`` positions of a decoding sequence with blocks for a speculative step (its
+        proposals' K/V are written before they are verified); False (nothing changed) when out of blocks.
+        Blocks reserved for proposals that are rejected stay in its table (tables only grow) and are
+        written again by later steps."""
+        return self._reserve(seq, num_tokens)
+
+    def append_verified(self, seq: Sequence, token_id: int) -> None:
+        """A speculative step computed ``seq``'s last token and sampled ``token_id`` after it: the last
+        token is cached now (committing a block it filled) and the new one is appended and stop-checked.
+        Called once per token the step gives the sequence, in order, while it is unfinished."""
+        start = seq.num_computed_tokens
+        end = seq.num_computed_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        bs = self._cache_bs
+        if bs and end // bs > start // bs:  # filled a block: before a finish frees them
+            self._commit(seq, start, end)
+        self._append(seq, token_id)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """``parent``'s other choices (``ChoiceGroups.fork``), queued by their status."""

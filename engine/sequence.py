@@ -6,8 +6,12 @@ import enum
 from collections.abc import Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.speculative import StreamState
 
 
 class SequenceStatus(enum.Enum):
@@ -15,6 +19,7 @@ class SequenceStatus(enum.Enum):
     # so prompt and outputs are recomputed.
     WAITING = "waiting"  # queued; may hold blocks for a partially prefilled prompt
     RUNNING = "running"  # all but the last token cached; decodes each step
+    SUSPENDED = "suspended"  # RUNNING, held out of the batches while its KV moves to another worker
     FINISHED = "finished"
 
 
@@ -59,6 +64,8 @@ class Sequence:
         self.request_id: Hashable = seq_id
         self.index = 0
         self.forks = params.n - 1
+        # Speculative decoding's state for this stream (``engine.speculative``), made when first asked.
+        self.spec: StreamState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,7 @@ path, where per-op overhead matters as much as FLOPs); on CPU each matrix is rep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from enum import StrEnum
@@ -21,6 +22,7 @@ from pdserve.engine.cpu_kernels import CpuKernels
 from pdserve.engine.env import EngineEnv
 from pdserve.engine.hugepages import HugePageArena
 from pdserve.engine.quant import INT8_GROUP, check_quantization, dequantize_int8, quantize_int8
+from pdserve.engine.tensor_parallel import ShardLayout, shard_state_dict
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -248,8 +250,12 @@ class ModelWeights:
         kind: LinearKind = LinearKind.PLAIN,
         kernels: CpuKernels | None = None,
         quantization: str = "none",
+        lm_head_rows: int | None = None,
     ) -> ModelWeights:
         """Consume ``sd`` (entries are popped so unfused copies are freed as we go).
+
+        ``lm_head_rows``: the LM head's rows where they are not the vocabulary (a tensor-parallel rank's
+        slice of it, ``engine.tensor_parallel``).
 
         ``kind``: the matmul layout (``choose_linear``); PANELS needs ``kernels``. ``quantization``:
         ``none`` or ``int8`` (``engine.quant``: every matmul weight, the LM head included; not the
@@ -308,7 +314,8 @@ class ModelWeights:
             sd.pop("lm_head.weight", None)
             lm_head = linear(embed)  # packing copies; unpacked it is the same tensor
         else:
-            lm_head = linear(check("lm_head", take("lm_head.weight"), (c.vocab_size, c.hidden_size)))
+            rows = c.vocab_size if lm_head_rows is None else lm_head_rows
+            lm_head = linear(check("lm_head", take("lm_head.weight"), (rows, c.hidden_size)))
         return cls(embed=embed, layers=tuple(layers), final_norm=take("model.norm.weight"), lm_head=lm_head)
 
     @classmethod
@@ -321,8 +328,15 @@ class ModelWeights:
         kind: LinearKind = LinearKind.PLAIN,
         kernels: CpuKernels | None = None,
         quantization: str = "none",
+        shard: ShardLayout | None = None,
     ) -> ModelWeights:
-        return cls.from_state_dict(load_state_dict(path, dtype, device), config, kind, kernels, quantization)
+        """``shard``: load only a tensor-parallel rank's part (``engine.tensor_parallel``)."""
+        sd = load_state_dict(path, dtype, device)
+        if shard is None:
+            return cls.from_state_dict(sd, config, kind, kernels, quantization)
+        sd = shard_state_dict(sd, config, shard)
+        local = dataclasses.replace(shard.local_config(config), tie_word_embeddings=False)  # its own slice
+        return cls.from_state_dict(sd, local, kind, kernels, quantization, lm_head_rows=len(shard.vocab))
 
     def decode_bytes(self) -> int:
         """Weight bytes one decode step reads: every layer, the final norm and the LM head (not the embedding

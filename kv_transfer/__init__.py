@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.kv_transfer.config import Backend, FaultConfig, TransferConfig
 from pdserve.kv_transfer.errors import (
     AbortedError,
+    ChecksumError,
     DeadlineError,
     FailureReason,
     IncompatibleError,
@@ -98,6 +99,7 @@ __all__ = [
     "AbortedError",
     "Backend",
     "BlockPool",
+    "ChecksumError",
     "DeadlineError",
     "FailureReason",
     "FaultConfig",

@@ -28,6 +28,8 @@ class FaultConfig:
     out at once (a slow control path: the receiver may end the reservation before Open comes).
     ``ignore_revokes``: never answer the receiver's revoke of an un-opened reservation (a sender
     frozen in its event loop), so the receiver's forced path runs.
+    ``corrupt_transfers``: the first this many transfers get one byte flipped in flight (in the first
+    run of their last layer), after the sender took its digest: the receiver's check must catch it.
     """
 
     drop_layers: frozenset[int] = frozenset()
@@ -35,16 +37,25 @@ class FaultConfig:
     delay_layers: frozenset[int] | None = None
     open_delay_s: float = 0.0
     ignore_revokes: bool = False
+    corrupt_transfers: int = 0
 
     def __post_init__(self) -> None:
         if self.delay_s < 0 or self.open_delay_s < 0:
             raise ValueError(f"delays must be >= 0, got {self.delay_s}, {self.open_delay_s}")
+        if self.corrupt_transfers < 0:
+            raise ValueError(f"corrupt_transfers must be >= 0, got {self.corrupt_transfers}")
         if any(layer < 0 for layer in self.drop_layers):
             raise ValueError("drop_layers must be non-negative layer indices")
 
     @property
     def active(self) -> bool:
-        return bool(self.drop_layers) or self.delay_s > 0 or self.open_delay_s > 0 or self.ignore_revokes
+        return (
+            bool(self.drop_layers)
+            or self.delay_s > 0
+            or self.open_delay_s > 0
+            or self.ignore_revokes
+            or self.corrupt_transfers > 0
+        )
 
     def delay_for(self, layer: int) -> float:
         if self.delay_s == 0.0:
@@ -85,6 +96,10 @@ class TransferConfig:
     environment sets it): with such segments puts beat the tagged push, while with UCX's own 8 KB a put
     goes out as many small fragments, sent by both the calling thread and the progress thread, and loses.
     True: puts over tcp whatever the segment size; False: the tagged push there.
+    ``digest``: the writer sends a digest of every layer it wrote (``kvbuf.layer_digests``), and the receiver
+    checks what landed against it before the request runs; a mismatch fails the transfer (reason
+    ``checksum``). Host memory only (a KV cache on a GPU sends none). Both sides' setting counts: the
+    writer computes only when asked to, the receiver checks whatever digests come.
     """
 
     backend: Backend = Backend.UCX
@@ -96,6 +111,7 @@ class TransferConfig:
     same_host: bool = True
     rma: bool = True
     rma_over_tcp: bool | None = None
+    digest: bool = True
     faults: FaultConfig = field(default_factory=FaultConfig)
     # The cluster token both ends prove in the handshake (auth.py); "": neither proves nor checks.
     cluster_token: str = field(default="", repr=False)

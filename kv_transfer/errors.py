@@ -16,6 +16,7 @@ class FailureReason(StrEnum):
     REJECTED = "rejected"  # the receiver does not know the transfer (expired, unknown id)
     UNAUTHENTICATED = "unauthenticated"  # a side did not prove the cluster token (auth.py)
     TRANSPORT = "transport"  # any other transport error
+    CHECKSUM = "checksum"  # the landed KV does not match the writer's digest (wire.Complete.digests)
 
 
 class TransferError(RuntimeError):
@@ -46,6 +47,10 @@ class UnauthenticatedError(TransferError):
     reason = FailureReason.UNAUTHENTICATED
 
 
+class ChecksumError(TransferError):
+    reason = FailureReason.CHECKSUM
+
+
 _BY_REASON: dict[FailureReason, type[TransferError]] = {
     FailureReason.ABORTED: AbortedError,
     FailureReason.DEADLINE: DeadlineError,
@@ -54,6 +59,7 @@ _BY_REASON: dict[FailureReason, type[TransferError]] = {
     FailureReason.REJECTED: RejectedError,
     FailureReason.UNAUTHENTICATED: UnauthenticatedError,
     FailureReason.TRANSPORT: TransferError,
+    FailureReason.CHECKSUM: ChecksumError,
 }
 
 

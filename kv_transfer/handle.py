@@ -25,7 +25,7 @@ from pdserve.kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from pdserve.kv_transfer.kvbuf import ready_marker
+from pdserve.kv_transfer.kvbuf import layer_digests, ready_marker
 from pdserve.kv_transfer.plan import Segment, layer_tag, tag_base
 from pdserve.kv_transfer.transport import Connection, DataOp, RemoteWriter, describe
 
@@ -46,6 +46,9 @@ T = TypeVar("T")
 _READY_SPIN_S = 2e-3
 _READY_POLL_S = 1e-3
 _BOOKS_LAG_S = 0.005  # direct writes: how often the loop is woken to book them, at most
+# Digests of a transfer larger than this are taken on a worker thread (xxhash releases the GIL), so the
+# event loop serves other streams meanwhile; smaller ones cost less than the hop.
+_DIGEST_INLINE_BYTES = 4 << 20
 # RMA: a Progress frame at most this often while layers are put (the decode side's stall watch sees no
 # puts land before Complete; a frame a half second costs nothing next to a layer's data).
 PROGRESS_INTERVAL_S = 0.5
@@ -101,6 +104,8 @@ class HandleOwner(Protocol):
 
     def forget(self, handle: SenderHandle) -> None: ...
 
+    def take_corruption(self) -> bool: ...
+
 
 class SenderHandle:
     def __init__(
@@ -154,6 +159,9 @@ class SenderHandle:
         self._region = region
         self._accepted = self._writer is None or eager
         self._held: list[tuple[int, float]] = []
+        # Fault injection (FaultConfig.corrupt_transfers): the last layer's first run gets a flipped byte.
+        self._corrupt = sender.take_corruption() if self._spans.host else False
+        self._corrupted: Any = None  # the bad bytes, alive while a send or put may read them
         # Each layer's runs, in bytes from the layer's start on either side: (source, destination, length).
         unit = self._spans.block_bytes
         self._runs = [(seg.src_start * unit, seg.dst_start * unit, seg.num_blocks * unit) for seg in segments]
@@ -318,6 +326,10 @@ class SenderHandle:
         self._settled.clear()
         for seg in self._segments:
             src = spans.span(layer, seg.src_start, seg.num_blocks)
+            if self._corrupt and layer == self.num_layers - 1 and seg.index == 0:
+                src = self._corrupted = src.copy()
+                src[0] ^= 0xFF
+                log.warning("fault injection: flipping a byte of layer %d of %s", layer, self.request_id)
             self._op_ids += 1
             done = partial(self._sent, self._op_ids, layer, pushed_at, seg.num_blocks * unit)
             self._ops[self._op_ids] = send(src, self._tag_base | layer_tag(layer, seg.index), done)
@@ -348,12 +360,35 @@ class SenderHandle:
         try:
             if count == 1:
                 self._writer.write_runs(local, layer * dst_stride, self._runs)
+                if self._corrupt and layer == self.num_layers - 1:
+                    self._write_flipped_byte(layer)
             else:
                 offset = layer * dst_stride
                 self._writer.write_layers(local, src_stride, offset, dst_stride, count, self._runs)
         except TransferError as exc:
             return 0, exc
         return self._run_bytes, None
+
+    def _write_flipped_byte(self, layer: int) -> None:
+        """Fault injection: put the first byte of ``layer``'s first run again, flipped."""
+        import numpy as np
+
+        assert self._writer is not None and self._region is not None
+        first = self._segments[0]
+        bad = self._corrupted = np.array(self._spans.span(layer, first.src_start, 1)[:1]) ^ 0xFF
+        log.warning("fault injection: flipping a byte of layer %d of %s", layer, self.request_id)
+        dst = layer * self._region.layer_bytes
+        self._writer.write_runs(bad.ctypes.data, dst, [(0, self._runs[0][1], 1)])
+
+    async def _digests(self) -> tuple[int, ...]:
+        """Every layer's digest of what this transfer wrote (``wire.Complete.digests``); () when the
+        configuration asks for none or the KV is in device memory."""
+        if not self._sender.config.digest or not self._spans.host:
+            return ()
+        runs = [(seg.src_start, seg.num_blocks) for seg in self._segments]
+        if self._run_bytes * self.num_layers <= _DIGEST_INLINE_BYTES:
+            return layer_digests(self._spans, runs, self.num_layers)
+        return await asyncio.to_thread(layer_digests, self._spans, runs, self.num_layers)
 
     def _account_put(self, layer: int, seconds: float, nbytes: int, err: TransferError | None) -> None:
         """The loop's books of one layer's puts (issued here or written by the forward thread)."""
@@ -515,8 +550,12 @@ class SenderHandle:
                 self._landed(await self.until(self._flush_started(), "the puts to land"))
             # Sent before the data has landed: D acks once both are in, saving a round trip.
             put = len(self._sent_layers) if self._writer is not None else -1
+            digests = await self._digests()
+            if self._error is not None:  # (failed while the digests were taken)
+                raise self._error
             self._sender.send(
-                self._peer, wire.Complete(self.transfer_id, first_token_id, put, tuple(choice_token_ids))
+                self._peer,
+                wire.Complete(self.transfer_id, first_token_id, put, tuple(choice_token_ids), digests),
             )
             await self.until(self.complete_ack, "the completion ack")
             # The ack says every byte landed, so no send reads P's blocks any more; the sends'

@@ -5,10 +5,11 @@ unit one data message moves.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import xxhash
 
 from pdserve.kv_transfer.wire import PROTOCOL_VERSION, KVCompat
 
@@ -62,13 +63,29 @@ class KVSpans:
         self.block_bytes = block_bytes(kv)
         self.layer_bytes = self.num_blocks * self.block_bytes
         flat = as_bytes(kv)  # [L * N * block_bytes]
-        self.flat: Any = flat.numpy() if kv.device.type == "cpu" else flat
+        self.host = kv.device.type == "cpu"
+        self.flat: Any = flat.numpy() if self.host else flat
         self.address: int = flat.data_ptr()  # of block 0 of layer 0, for one-sided writes by address
 
     def span(self, layer: int, first_block: int, num_blocks: int) -> Any:
         """The bytes of ``kv[layer, first_block : first_block + num_blocks]``."""
         start = (layer * self.num_blocks + first_block) * self.block_bytes
         return self.flat[start : start + num_blocks * self.block_bytes]
+
+
+def layer_digests(spans: KVSpans, runs: Sequence[tuple[int, int]], num_layers: int) -> tuple[int, ...]:
+    """Per layer, the xxh3-64 of its bytes in ``runs`` (first block, block count), in order: what a
+    transfer wrote, hashed by the writer from its blocks and by the receiver from its own (the runs of
+    both sides cover the same tokens in the same order). Host memory only: () for device memory."""
+    if not spans.host:
+        return ()
+    out = []
+    for layer in range(num_layers):
+        h = xxhash.xxh3_64()
+        for first, count in runs:
+            h.update(spans.span(layer, first, count))
+        out.append(h.intdigest())
+    return tuple(out)
 
 
 def scratch(kv: torch.Tensor, nbytes: int) -> Any:

@@ -21,6 +21,7 @@ from pdserve.kv_transfer.config import TransferConfig
 from pdserve.kv_transfer.drain import Drains
 from pdserve.kv_transfer.errors import (
     AbortedError,
+    ChecksumError,
     DeadlineError,
     FailureReason,
     PeerDiedError,
@@ -28,7 +29,7 @@ from pdserve.kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
+from pdserve.kv_transfer.kvbuf import KVSpans, check_kv, layer_digests
 from pdserve.kv_transfer.metrics import Role, TransferMetrics
 from pdserve.kv_transfer.plan import MAX_CONN_IDS, MAX_LAYERS, build_segments, layer_tag, tag_base
 from pdserve.kv_transfer.reservation import (
@@ -45,6 +46,7 @@ from pdserve.kv_transfer.transports import make_transport
 log = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096  # recently ended transfers remembered, to answer late messages precisely
+_DIGEST_INLINE_BYTES = 4 << 20  # larger transfers are checked on a worker thread (handle.py's twin)
 
 
 class KVReceiver:
@@ -291,6 +293,7 @@ class KVReceiver:
                     return
                 rx.first_token_id = msg.first_token_id
                 rx.choice_token_ids = msg.choice_token_ids
+                rx.digests = msg.digests
                 if rx.rma:  # sent after the sender's flush: every put has landed
                     self._rma_landed(rx)
                 self._maybe_finish(rx)
@@ -405,6 +408,7 @@ class KVReceiver:
             return self._refuse(peer, msg, FailureReason.REJECTED, str(exc))
         rx.conn, rx.peer = peer.conn, peer
         peer.transfers.add(rx)
+        rx.runs = [(seg.dst_start, seg.num_blocks) for seg in segments]
         rx.state = RxState.OPEN
         rx.opened_at = time.perf_counter()  # (not uvloop's loop.time(): whole milliseconds)
         if msg.rma:
@@ -512,8 +516,37 @@ class KVReceiver:
         self._maybe_free(rx)
 
     def _maybe_finish(self, rx: Reservation) -> None:
-        if rx.layers_done < self._compat.num_layers or rx.first_token_id is None:
+        if rx.layers_done < self._compat.num_layers or rx.first_token_id is None or rx.verifying:
             return
+        if rx.digests:
+            # Every writer has stopped (all receives landed; puts flushed before Complete): check what
+            # landed before the request may run on it.
+            rx.verifying = True
+            if rx.bytes <= _DIGEST_INLINE_BYTES:
+                self._verified(rx, self._digests_match(rx))
+            else:
+                task = asyncio.ensure_future(asyncio.to_thread(self._digests_match, rx))
+                task.add_done_callback(lambda t: self._verified(rx, not t.cancelled() and t.result()))
+            return
+        self._finish(rx)
+
+    def _digests_match(self, rx: Reservation) -> bool:
+        return layer_digests(self._spans, rx.runs, self._compat.num_layers) == rx.digests
+
+    def _verified(self, rx: Reservation, ok: bool) -> None:
+        if rx.state is not RxState.OPEN:  # failed meanwhile (an abort, the deadline)
+            return
+        if ok:
+            self._finish(rx)
+            return
+        self._fail(
+            rx,
+            ChecksumError(f"the KV of {rx.request_id!r} that landed does not match its writer's digest"),
+            notify=True,
+        )
+
+    def _finish(self, rx: Reservation) -> None:
+        assert rx.first_token_id is not None  # (_maybe_finish's condition)
         self._send(rx.conn, wire.CompleteAck(rx.transfer_id))  # first: P waits for it
         rx.state = RxState.DONE
         self._end(rx, None)

@@ -96,6 +96,9 @@ class Reservation:
     # (Loop time.) A connection that could put into the blocks was closed by this side, whose sender
     # may live on and still be writing: once failed, the blocks are freed no sooner than this.
     hold_until: float = 0.0
+    runs: list[tuple[int, int]] = field(default_factory=list)  # the Open's runs here: (first block, count)
+    digests: tuple[int, ...] = ()  # the writer's, from Complete (wire.Complete.digests)
+    verifying: bool = False  # the digests are being checked
 
     @property
     def targets(self) -> list[int]:

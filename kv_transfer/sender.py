@@ -100,6 +100,14 @@ class KVSender:
         self._name = name
         self._transport: Transport | None = None
         self._peers: dict[str, _Peer] = {}
+        self._corruptions_left = self.config.faults.corrupt_transfers
+
+    def take_corruption(self) -> bool:
+        """Fault injection: whether the next transfer gets a byte flipped in flight."""
+        if self._corruptions_left <= 0:
+            return False
+        self._corruptions_left -= 1
+        return True
 
     async def open(self, ticket: wire.TransferTicket | bytes, src_block_ids: Sequence[int]) -> SenderHandle:
         """Start a transfer of P's blocks ``src_block_ids`` (the prompt's whole table, token order) into the

@@ -13,7 +13,7 @@ from pdserve.kv_transfer.errors import IncompatibleError
 
 # Bump on any change to these messages or to the tag layout (plan.py): it is part of the compatibility
 # hash, so peers of different versions refuse each other at the handshake, before any data moves.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -142,6 +142,9 @@ class Complete(msgspec.Struct, frozen=True, tag="complete"):
     # A request of n > 1 choices: the first tokens of choices 1.. (choice 0's is first_token_id), which
     # the decode side forks from the one prompt's KV.
     choice_token_ids: tuple[int, ...] = ()
+    # Per layer, the writer's xxh3-64 of the bytes it wrote (the layer's blocks in token order,
+    # kvbuf.layer_digests), which the receiver checks before the request runs. Empty: not computed.
+    digests: tuple[int, ...] = ()
 
 
 class Progress(msgspec.Struct, frozen=True, tag="progress"):

@@ -29,6 +29,7 @@ class PrefillMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREFILL_MODE_UNSPECIFIED: _ClassVar[PrefillMode]
     PREFILL_MODE_LOCAL: _ClassVar[PrefillMode]
     PREFILL_MODE_REMOTE: _ClassVar[PrefillMode]
+    PREFILL_MODE_MIGRATE: _ClassVar[PrefillMode]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -42,6 +43,7 @@ WORKER_STATE_STANDBY: WorkerState
 PREFILL_MODE_UNSPECIFIED: PrefillMode
 PREFILL_MODE_LOCAL: PrefillMode
 PREFILL_MODE_REMOTE: PrefillMode
+PREFILL_MODE_MIGRATE: PrefillMode
 
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "mode", "deadline_unix", "output_offset", "resumed_choices")
@@ -262,20 +264,22 @@ class WorkerEntry(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., last_heartbeat_unix: _Optional[float] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("router_address", "workers", "requests_running", "requests_waiting", "metrics_url", "http_url")
+    __slots__ = ("router_address", "workers", "requests_running", "requests_waiting", "metrics_url", "http_url", "streams_moving")
     ROUTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     HTTP_URL_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_MOVING_FIELD_NUMBER: _ClassVar[int]
     router_address: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerEntry]
     requests_running: int
     requests_waiting: int
     metrics_url: str
     http_url: str
-    def __init__(self, router_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerEntry, _Mapping]]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., metrics_url: _Optional[str] = ..., http_url: _Optional[str] = ...) -> None: ...
+    streams_moving: int
+    def __init__(self, router_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerEntry, _Mapping]]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., metrics_url: _Optional[str] = ..., http_url: _Optional[str] = ..., streams_moving: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -302,3 +306,33 @@ class PromoteWorkerResponse(_message.Message):
     found: bool
     serving: bool
     def __init__(self, found: _Optional[bool] = ..., serving: _Optional[bool] = ...) -> None: ...
+
+class SuspendRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SuspendResponse(_message.Message):
+    __slots__ = ("output_token_ids", "kv_tokens")
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_tokens: int
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+
+class ExportKVRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_ticket")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TICKET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_ticket: bytes
+    def __init__(self, request_id: _Optional[str] = ..., transfer_ticket: _Optional[bytes] = ...) -> None: ...
+
+class ExportKVResponse(_message.Message):
+    __slots__ = ("transfer_bytes", "transfer_seconds")
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_bytes: int
+    transfer_seconds: float
+    def __init__(self, transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...

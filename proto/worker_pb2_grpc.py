@@ -59,6 +59,21 @@ class WorkerStub:
                 request_serializer=pdserve_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.Suspend = channel.unary_unary(
+                '/pdserve.internal.v1.Worker/Suspend',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.SuspendRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.SuspendResponse.FromString,
+                _registered_method=True)
+        self.ExportKV = channel.unary_unary(
+                '/pdserve.internal.v1.Worker/ExportKV',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.ExportKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.ExportKVResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/pdserve.internal.v1.Worker/Resume',
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.SuspendRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -94,6 +109,27 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Suspend(self, request, context):
+        """Live migration of a decoding stream, driven by the router that routes it: Suspend holds it out of the
+        batches at a step boundary; ExportKV writes its KV into another worker's reservation; Resume undoes
+        Suspend when the move fails. The stream's Generate call ends (its cancel) once the move is done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +157,21 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=pdserve_dot_proto_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=pdserve_dot_proto_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'Suspend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Suspend,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.SuspendRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.SuspendResponse.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.ExportKVRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.ExportKVResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.SuspendRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +309,87 @@ class Worker:
             '/pdserve.internal.v1.Worker/Drain',
             pdserve_dot_proto_dot_worker__pb2.DrainRequest.SerializeToString,
             pdserve_dot_proto_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Suspend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.Worker/Suspend',
+            pdserve_dot_proto_dot_worker__pb2.SuspendRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.SuspendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.Worker/ExportKV',
+            pdserve_dot_proto_dot_worker__pb2.ExportKVRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.ExportKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.Worker/Resume',
+            pdserve_dot_proto_dot_worker__pb2.SuspendRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,9 +14,19 @@ from pdserve.proto import generation_pb2, worker_pb2
 from pdserve.router.channels import WorkerChannels
 from pdserve.router.errors import RelayError, outcome
 from pdserve.router.jobs import Job
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.moves import Finished, LiveMove
 from pdserve.router.ops import RouterOps
 from pdserve.router.registry import Worker
-from pdserve.router.stream import Output, ReadAheadBudget, Write, deliver, relay_stream
+from pdserve.router.stream import (
+    DecodeStream,
+    MoveRequested,
+    Output,
+    ReadAheadBudget,
+    Write,
+    deliver,
+    relay_stream,
+)
 from pdserve.router.validate import Prepared, RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -28,12 +38,18 @@ class Attempt:
     """Runs one try of a routed job (``run``); the migration loop (``relay.Relay``) runs the next."""
 
     def __init__(
-        self, tokenizer: RouterTokenizer, channels: WorkerChannels, ops: RouterOps, budget: ReadAheadBudget
+        self,
+        tokenizer: RouterTokenizer,
+        channels: WorkerChannels,
+        ops: RouterOps,
+        budget: ReadAheadBudget,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._tok = tokenizer
         self._channels = channels
         self._ops = ops
         self._budget = budget
+        self.mover = LiveMove(channels, ops, budget, metrics)
 
     async def run(
         self, job: Job, prep: Prepared, out: Output, write: Write, timeout: float | None, deadline_unix: float
@@ -87,7 +103,26 @@ class Attempt:
             finished, pending = await self._remote_start(job, prep, dcall, out, write, timeout, deadline_unix)
             if finished:
                 return
-        await relay_stream(job, d, dcall, out, write, pending, self._budget, self._ops, choices)
+        stream: DecodeStream | None = None
+        while True:
+            try:
+                await relay_stream(
+                    job, d, dcall, out, write, pending, self._budget, self._ops, choices, stream
+                )
+                return
+            except MoveRequested as mv:  # (a live move: the stream goes on, here or on another worker)
+                try:
+                    moved = await self.mover.run(job, prep, out, write, d, mv.stream, timeout, deadline_unix)
+                except Finished:
+                    mv.stream.close(self._budget)
+                    return
+                except BaseException:
+                    mv.stream.close(self._budget)
+                    raise
+                if moved is None:
+                    stream = mv.stream
+                else:
+                    d, dcall, pending, stream = moved.worker, moved.call, None, None
 
     async def _resumed_choices(
         self, prep: Prepared, out: Output, write: Write

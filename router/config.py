@@ -44,6 +44,12 @@ class RouterConfig:
     # A stream whose worker fails (dies, drops the call, loses its KV transfer) moves to a healthy worker
     # this many times at most, continuing from the tokens already sent (0: never; the request fails).
     max_migrations: int = 3
+    # A stream on a draining decode worker moves live, with its KV, to another decode worker (router/moves.py)
+    # rather than holding the drain until it ends. Off: the drain waits for it.
+    live_migration: bool = True
+    # ... and streams move live, one at a time, off a decode worker running far more of this router's streams
+    # than the pool's mean (router/moves.py, RebalanceConfig). Needs live_migration.
+    rebalance: bool = True
     # On SIGTERM: how long in-flight requests may run before the server cancels them.
     shutdown_grace_s: float = 10.0
     # Prometheus /metrics on host:metrics_port (0: a free port, shown by `pdserve status`).

@@ -228,6 +228,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             requests_waiting=router.admission.waiting,
             metrics_url=router.metrics_url,
             http_url=router.http_url,
+            streams_moving=router.relay.streams_moving if router.relay is not None else 0,
         )
 
     async def PromoteWorker(

@@ -4,7 +4,7 @@ workers. Pure: no grpc, no torch."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,6 +57,10 @@ class Job:
         "probe",
         "prefill_tokens",
         "predicted_ttft_s",
+        "move",
+        "move_after",
+        "moved_at",
+        "wake",
     )
 
     def __init__(self, request_id: str, prompt_len: int, arrival: float | None = None) -> None:
@@ -78,7 +82,21 @@ class Job:
         self.failure: Failure | None = None
         self.probe: PrefixProbe | None = None  # what each worker caches of its prompt (the KV index)
         self.prefill_tokens = 0  # counted against the worker that prefills it, while prefill_claimed
+        # Live migration: why its stream should move off its decode worker now ("": it should not), not
+        # asked again before ``move_after`` (time.monotonic()); ``wake`` tells its relay at once.
+        self.move = ""
+        self.move_after = 0.0
+        self.moved_at = 0.0  # time.monotonic() of its last live move (0: never)
+        self.wake: Callable[[], None] | None = None
         self.predicted_ttft_s = 0.0  # admission's prediction (0: none was made)
+
+    def request_move(self, cause: str) -> None:
+        """Ask the job's relay to move its stream live (``cause``: why; a label of the move metrics)."""
+        if self.move or time.monotonic() < self.move_after:
+            return
+        self.move = cause
+        if self.wake is not None:
+            self.wake()
 
     def uses(self, worker_id: str) -> bool:
         r = self.route
@@ -143,6 +161,14 @@ class Ledger:
         if n > job.kv_blocks:
             self._bump(self._kv_blocks, route.decode, n - job.kv_blocks, "assigned_kv_blocks")
             job.kv_blocks = n
+
+    def move(self, job: Job, route: Route, seq_len: int) -> None:
+        """The job's stream moved live to ``route``'s decode worker, holding ``seq_len`` tokens there: its
+        counts go with it (nothing is prefilled)."""
+        self.release(job)
+        job.prompt_len = seq_len
+        self.claim(job, route)
+        self.release_prefill(job)
 
     def release_prefill(self, job: Job) -> None:
         """The prefill call ended (either way): its tokens no longer queue on that worker. Idempotent."""

@@ -189,6 +189,31 @@ class RouterMetrics:
         )
         for reason in MIGRATION_REASONS:
             self._migrations.labels(ROLE, reason)
+        self._live_moves = Counter(
+            "pdserve_router_live_moves_total",
+            "Live moves of decoding streams with their KV to another decode worker, by cause (drain, "
+            "rebalance) and "
+            "outcome (moved; declined: not now, e.g. no worker with room; failed: the stream stayed).",
+            ["role", "cause", "outcome"],
+            registry=reg,
+        )
+        for cause in ("drain", "rebalance"):
+            for outcome in ("moved", "declined", "failed"):
+                self._live_moves.labels(ROLE, cause, outcome)
+        self._live_move_bytes = Counter(
+            "pdserve_router_live_move_kv_bytes",
+            "KV bytes written moving streams live (the workers' transfer sizes).",
+            ["role"],
+            registry=reg,
+        ).labels(ROLE)
+        self._live_move_pause = Histogram(
+            "pdserve_router_live_move_pause_seconds",
+            "Per moved stream: from its pause on the worker it left to its KV landing on the other (no token "
+            "comes meanwhile).",
+            ["role"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=reg,
+        ).labels(ROLE)
         self._routes = Counter(
             "pdserve_router_routes_total",
             "Routing decisions, by where the prompt is prefilled and why (policy.RouteReason).",
@@ -277,6 +302,13 @@ class RouterMetrics:
     def migrated(self, reason: str) -> None:
         """One stream moved to another worker (``reason``: one of ``MIGRATION_REASONS``)."""
         self._migrations.labels(ROLE, reason).inc()
+
+    def live_move(self, cause: str, outcome: str, seconds: float, kv_bytes: int) -> None:
+        """One live move tried (``moves.LiveMove``): how it ended, how long it took, the KV it moved."""
+        self._live_moves.labels(ROLE, cause, outcome).inc()
+        if outcome == "moved":
+            self._live_move_pause.observe(seconds)
+            self._live_move_bytes.inc(kv_bytes)
 
     def rejected(self, code_name: str) -> None:
         """One request refused before admission with this gRPC status (``StatusCode.name``)."""

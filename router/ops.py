@@ -35,6 +35,15 @@ class RouterOps(Protocol):
         """``w`` refused a decode reservation for room: it is counted full a while."""
         ...
 
+    def move_target(self, job: Job, avoid: Worker, seq_len: int) -> Route | None:
+        """Where the job's stream of ``seq_len`` tokens could move live now: a READY decoding worker other
+        than ``avoid`` with room (nothing is claimed yet); None when none has."""
+        ...
+
+    def moved(self, job: Job, route: Route, seq_len: int) -> None:
+        """The job's stream moved live to ``route``'s decode worker, where it holds ``seq_len`` tokens."""
+        ...
+
     async def reroute(
         self, job: Job, prompt_len: int, wait_s: float, avoid: str = "", remote: bool = False
     ) -> Route | NoRoute:

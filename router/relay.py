@@ -51,7 +51,12 @@ class Relay:
         self._ops = ops
         self._metrics = metrics
         self._max_migrations = max_migrations
-        self._attempt = Attempt(tokenizer, channels, ops, self.read_ahead)
+        self._attempt = Attempt(tokenizer, channels, ops, self.read_ahead, metrics)
+
+    @property
+    def streams_moving(self) -> int:
+        """Live moves under way (``moves.LiveMove``)."""
+        return self._attempt.mover.moving
 
     async def run(
         self, job: Job, prep: Prepared, write: Write, timeout: float | None, deadline_unix: float

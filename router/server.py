@@ -99,6 +99,8 @@ class RouterServer:
             await self.stop(0.0)  # nothing of a failed start stays bound
             raise
         self._sweep = asyncio.get_running_loop().create_task(self.router.membership.sweep_forever())
+        if self.config.live_migration:
+            self.router.move_watch.start()
         log.info("router listening on %s", self.router.address)
         return self.router.address
 
@@ -160,6 +162,7 @@ class RouterServer:
         if self._server is not None:
             await self._server.stop(1.0)
             self._server = None
+        await self.router.move_watch.stop()
         if self._sweep is not None:
             self._sweep.cancel()
             try:

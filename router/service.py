@@ -18,6 +18,7 @@ from pdserve.router.jobs import Job, Ledger, NoRoute
 from pdserve.router.kv_index import KvIndex, PromptProbe
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.moves import MoveWatch, RebalanceConfig
 from pdserve.router.policy import (
     Admission,
     AdmissionClosed,
@@ -59,6 +60,8 @@ class Router:
             self.metrics,
             config.heartbeat_interval_s,
         )
+        # Started by the server when live migration is on.
+        self.move_watch = MoveWatch(self.registry, self.ledger, RebalanceConfig(enabled=config.rebalance))
         self.address = config.bind_address  # the bound address once the server has started
         self.tokenizer: RouterTokenizer | None = None  # None until loaded: Generate is UNAVAILABLE
         self.limits = ModelLimits()
@@ -255,6 +258,14 @@ class Router:
 
     def worker_full(self, w: Worker) -> None:
         self.membership.worker_full(w)
+
+    def move_target(self, job: Job, avoid: Worker, seq_len: int) -> Route | None:
+        ready = [w for w in self.registry.ready() if w.worker_id != avoid.worker_id]
+        routing = RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL, policy=self.routing.policy)
+        return choose_route(ready, seq_len, routing, job.total_tokens, False, job.probe)
+
+    def moved(self, job: Job, route: Route, seq_len: int) -> None:
+        self.ledger.move(job, route, seq_len)
 
     def worker_failed(self, w: Worker, dead: bool, reason: str) -> None:
         self.membership.worker_failed(w, dead, reason)

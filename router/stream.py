@@ -195,6 +195,60 @@ async def _deliver_prompt_only(out: Output, finish: str, write: Write) -> bool:
     return True
 
 
+class DecodeStream:
+    """D's stream as the relay reads it: the reader task that reads it ahead of the client, and what it read.
+    It outlives one ``relay_stream`` when a live move pauses the relay (the call must stay open: cancelling
+    a read cancels the call)."""
+
+    __slots__ = ("reader", "ahead", "started")
+
+    def __init__(self, reader: asyncio.Future, ahead: asyncio.Queue[Any]) -> None:
+        self.reader = reader
+        self.ahead = ahead
+        self.started = False  # a message was read off it
+
+    def close(self, budget: ReadAheadBudget) -> None:
+        """Stop reading (this cancels D's call once the reader was mid-read)."""
+        self.reader.cancel()  # (it puts nothing more: a put it waits in is cancelled with it)
+        budget.give(self.ahead.qsize())
+
+
+class MoveRequested(Exception):
+    """The relay paused for a live move of its stream (``Job.request_move``); D's stream is ``stream``."""
+
+    def __init__(self, stream: DecodeStream) -> None:
+        super().__init__("live move requested")
+        self.stream = stream
+
+
+_MOVE = object()  # the sentinel ``Job.wake`` puts into a stream's read-ahead: a move is asked
+
+
+async def next_message(stream: DecodeStream, budget: ReadAheadBudget) -> Any:
+    """The next item D's reader put (a message, EOF, an error or the move sentinel)."""
+    ahead = stream.ahead
+    m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
+    if m is not _MOVE:
+        budget.give(1)
+    return m
+
+
+def open_stream(
+    job: Job,
+    dcall: Any,
+    pending: asyncio.Future | None,
+    prompt_tokens: int,
+    choices: int,
+    budget: ReadAheadBudget,
+    ops: RouterOps,
+) -> DecodeStream:
+    ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
+    reader = asyncio.ensure_future(
+        _read_ahead(job, dcall, pending, ahead, prompt_tokens, choices, budget, ops)
+    )
+    return DecodeStream(reader, ahead)
+
+
 async def relay_stream(
     job: Job,
     d: Worker,
@@ -205,22 +259,37 @@ async def relay_stream(
     budget: ReadAheadBudget,
     ops: RouterOps,
     choices: int = 1,
+    stream: DecodeStream | None = None,
 ) -> None:
     """Relay D's stream until its finish (or a stop string). The hot loop. ``choices``: how many choices
     D runs (``n``, or a migrated request's open ones); its stream ends with their last finish.
+    ``stream``: D's stream as an earlier, paused relay left it (None: open one). Raises MoveRequested,
+    leaving the stream open, when the job is asked to move live (``Job.request_move``).
 
     D is read ahead of the client's writes (``_read_ahead``): a client that reads slowly, or not at
     all, holds back only its own stream, never D's, and D's claim ends with D's stream."""
-    ahead: asyncio.Queue[Any] = asyncio.Queue(_READ_AHEAD)
-    reader = asyncio.ensure_future(
-        _read_ahead(job, dcall, pending, ahead, out.prompt_tokens, choices, budget, ops)
-    )
+    if stream is None:
+        stream = open_stream(job, dcall, pending, out.prompt_tokens, choices, budget, ops)
+    ahead = stream.ahead
+
+    def wake() -> None:
+        if not ahead.full():  # (full: messages flow, and each is followed by a look at job.move)
+            ahead.put_nowait(_MOVE)
+
+    job.wake = wake
+    paused = False
     try:
-        m = await ahead.get()
-        budget.give(1)
-        job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
-        ops.release_prefill(job)  # a local prefill's tokens no longer queue on D
         while True:
+            m = await next_message(stream, budget)
+            if m is _MOVE:  # (asked before D's first message: the move waits for it)
+                if job.move and stream.started:
+                    paused = True
+                    raise MoveRequested(stream)
+                continue
+            if not stream.started:
+                stream.started = True
+                job.prefill_pending = False  # D streams only once all KV landed: P no longer matters
+                ops.release_prefill(job)  # a local prefill's tokens no longer queue on D
             if isinstance(m, BaseException):
                 raise m
             if m is _EOF:
@@ -234,8 +303,9 @@ async def relay_stream(
             lps = m.logprobs if lp is not None else ()
             if await deliver(out, m.token_ids, m.first_index, m.finish_reason, write, lps, m.index):
                 return
-            m = ahead.get_nowait() if not ahead.empty() else await ahead.get()
-            budget.give(1)
+            if job.move:
+                paused = True
+                raise MoveRequested(stream)
     except grpc.aio.AioRpcError as e:
         raise classify(job, d, "decode", e, ops) from None
     except asyncio.CancelledError as e:
@@ -244,8 +314,9 @@ async def relay_stream(
             raise failed from None
         raise
     finally:
-        reader.cancel()  # (it puts nothing more: a put it waits in is cancelled with it)
-        budget.give(ahead.qsize())
+        job.wake = None
+        if not paused:
+            stream.close(budget)
 
 
 async def _read_ahead(

@@ -200,6 +200,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.timeouts.append(context.time_remaining())
         self.active.add(rid)
         self._note()  # tests wait on ``active`` too (wait_for sleeps until the next note)
+        finished = False  # the finish went out: a cancel after it is the caller hanging up, not a cancel
         try:
             if self.refuse_room:
                 self.refuse_room -= 1
@@ -243,6 +244,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             hold_at = 1 if rid.startswith("hold-") else self.hold_at
             step_start = time.perf_counter()
             if offset and offset == len(self.tokens):  # every token was sent but the finish
+                finished = bool(self.finish)
                 yield worker_pb2.WorkerGenerateResponse(first_index=offset, finish_reason=self.finish)
             for i in range(offset, len(self.tokens)):
                 t = self.tokens[i]
@@ -254,6 +256,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 finish = self.finish if i == last else ""
                 msg = worker_pb2.WorkerGenerateResponse(first_index=i, token_ids=[t], finish_reason=finish)
                 _fake_logprobs(msg, request, remote)
+                finished = bool(finish)
                 yield msg
                 await asyncio.sleep(0)
                 if self.decode_metrics is not None:
@@ -262,7 +265,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     step_start = now
         except (asyncio.CancelledError, GeneratorExit):
             # A stream cancelled while the handler waits at a ``yield`` is closed there (GeneratorExit).
-            self.cancelled.append(rid)
+            if not finished:
+                self.cancelled.append(rid)
             self._note()
             raise
         finally:

@@ -18,6 +18,7 @@ from pdserve.engine.device import (
     device_index,
 )
 from pdserve.engine.quant import check_quantization
+from pdserve.engine.speculative import SpeculativeConfig
 from pdserve.kv_transfer.config import FaultConfig, TransferConfig
 from pdserve.kv_transfer.netif import interfaces_for_host
 from pdserve.proto import worker_pb2
@@ -84,6 +85,8 @@ class WorkerArgs:
     # 64 KB segments (pdserve's default UCX_TCP_TX_SEG_SIZE), tagged messages on tcp with smaller ones
     # (TransferConfig.rma_over_tcp); always: puts over tcp whatever the segments; never: tagged always.
     kv_puts: str = "auto"
+    # The writer's digest of every KV layer it wrote, checked by the receiver (TransferConfig.digest).
+    kv_digest: bool = True
     # TLS on the worker's gRPC port and on its calls to the router (``worker.tls``); NO_TLS: plain.
     tls: TLSConfig = NO_TLS
     # Decode side: a KV transfer that has started (its Open arrived) and shows no progress this long fails,
@@ -92,6 +95,14 @@ class WorkerArgs:
     kv_stall_timeout_s: float = 30.0
     # Failure injection for tests: every KV layer is sent this much later (the transfer outlives token 0).
     kv_fault_delay_s: float = 0.0
+    # Failure injection for tests: the first this many transfers this worker sends get a byte flipped.
+    kv_fault_corrupt_transfers: int = 0
+    # Speculative decoding on a decode or colocated worker (``engine.speculative``): "" off, "ngram" or
+    # "draft" (the model's first draft_layers layers; 0: a quarter of them), proposing up to
+    # num_speculative_tokens tokens per stream per step.
+    speculative: str = ""
+    num_speculative_tokens: int = 4
+    draft_layers: int = 0
     # A warm-pool worker: loads, registers and heartbeats, but the router routes to it only once promoted.
     standby: bool = False
 
@@ -116,8 +127,10 @@ class WorkerArgs:
             raise ValueError("kv_shared_memory keeps the KV cache in host memory: it needs device cpu")
         if self.kv_puts not in KV_PUTS:
             raise ValueError(f"kv_puts must be one of {', '.join(KV_PUTS)}, got {self.kv_puts!r}")
-        if self.kv_stall_timeout_s <= 0 or self.kv_fault_delay_s < 0:
-            raise ValueError("kv_stall_timeout_s must be > 0 and kv_fault_delay_s >= 0")
+        if self.kv_stall_timeout_s <= 0 or self.kv_fault_delay_s < 0 or self.kv_fault_corrupt_transfers < 0:
+            raise ValueError(
+                "kv_stall_timeout_s must be > 0, kv_fault_delay_s and kv_fault_corrupt_transfers >= 0"
+            )
         if self.load_failure_linger_s < 0:
             raise ValueError(f"load_failure_linger_s must be >= 0, got {self.load_failure_linger_s}")
         if not 0 <= self.metrics_port < 65536:
@@ -125,7 +138,21 @@ class WorkerArgs:
         if not self.kv_interface:
             interfaces_for_host(self.host)  # no interface carries --host: say so now, not at a transfer
         self.transfer_config()  # checks kv_interface
+        self.speculative_config()  # checks speculative and num_speculative_tokens
         self.tls.check_server()
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The engine's speculative decoding settings (None: off); ValueError naming a bad flag."""
+        if not self.speculative:
+            return None
+        try:
+            return SpeculativeConfig(
+                method=self.speculative,
+                num_speculative_tokens=self.num_speculative_tokens,
+                draft_layers=self.draft_layers,
+            )
+        except ValueError as e:
+            raise ValueError(f"--speculative / --num-speculative-tokens / --draft-layers: {e}") from None
 
     def kv_cache_bytes_or(self, default: int) -> int | None:
         """The KV cache size a pool asks its engine for: ``kv_cache_bytes`` when given; None when
@@ -164,8 +191,11 @@ class WorkerArgs:
             same_host=self.kv_cross_memory,
             rma=self.kv_puts != "never",
             rma_over_tcp={"auto": None, "always": True, "never": False}[self.kv_puts],
+            digest=self.kv_digest,
             cluster_token=self.cluster_token,
-            faults=FaultConfig(delay_s=self.kv_fault_delay_s),
+            faults=FaultConfig(
+                delay_s=self.kv_fault_delay_s, corrupt_transfers=self.kv_fault_corrupt_transfers
+            ),
         )
 
     def worker_info(

@@ -30,6 +30,7 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
     "n",
+    "speculative",
 )
 _LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
 ROLE_TO_PROTO = {

@@ -7,6 +7,7 @@ import argparse
 
 from pdserve.engine.device import DEVICE_HELP, DTYPE_CHOICES
 from pdserve.engine.quant import QUANTIZATIONS
+from pdserve.engine.speculative import SpeculativeMethod
 from pdserve.worker.args import KV_PUTS, WorkerArgs
 from pdserve.worker.flagspec import Flag, Switch, device, fraction, int_in, nonneg, positive, seconds
 from pdserve.worker.role import Role
@@ -180,6 +181,32 @@ TUNING = (
         field="enable_prefix_caching",
     ),
     Flag(
+        "--speculative",
+        "speculative decoding on a decode or colocated worker: ngram proposes each stream's next tokens "
+        "from an earlier occurrence of its last few (prompt lookup), draft from the model's own first "
+        "--draft-layers layers (self-speculative, CPU); one forward verifies them and the output is the "
+        "same token for token (default: off)",
+        default=WorkerArgs.speculative,
+        choices=tuple(m.value for m in SpeculativeMethod),
+        field="speculative",
+    ),
+    Flag(
+        "--num-speculative-tokens",
+        "the most tokens --speculative proposes per stream per step (fewer for a stream whose proposals "
+        "miss) (default %(default)s)",
+        default=WorkerArgs.num_speculative_tokens,
+        type=int_in(1, 16),
+        field="num_speculative_tokens",
+    ),
+    Flag(
+        "--draft-layers",
+        "--speculative draft: how many of the model's first layers (with its LM head) draft the proposals "
+        "(default: a quarter of them)",
+        default=WorkerArgs.draft_layers,
+        type=nonneg,
+        field="draft_layers",
+    ),
+    Flag(
         "--kv-stall-timeout",
         "seconds a started KV transfer may make no progress before the decode worker fails it: no layer "
         "landed, or with one-sided writes (puts, cross-memory, shared memory) none reported put by the "
@@ -218,7 +245,24 @@ TUNING = (
         choices=KV_PUTS,
         field="kv_puts",
     ),
+    Flag(
+        "--no-kv-digest",
+        "send no digest of the KV a transfer writes (default: the writer hashes every layer it wrote and "
+        "the receiver checks what landed before the request runs, failing the transfer on a mismatch; host "
+        "memory only)",
+        default=WorkerArgs.kv_digest,
+        switch=Switch.OFF,
+        dest="kv_digest",
+        field="kv_digest",
+    ),
     # Failure injection for tests: hidden from --help.
+    Flag(
+        "--kv-fault-corrupt-transfers",
+        argparse.SUPPRESS,
+        default=WorkerArgs.kv_fault_corrupt_transfers,
+        type=int,
+        field="kv_fault_corrupt_transfers",
+    ),
     Flag(
         "--kv-fault-delay",
         argparse.SUPPRESS,

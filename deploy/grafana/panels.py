@@ -26,6 +26,10 @@ KV_TRANSFER_FAILURES = "pdserve_kv_transfer_failures_total"
 KV_TRANSFER_LAYER_SECONDS = "pdserve_kv_transfer_layer_seconds"
 KV_TRANSFER_INFLIGHT = "pdserve_kv_transfer_inflight"
 KV_TRANSFER_OPENED = "pdserve_kv_transfer_opened_total"
+# Made by the router (router/moves.py): streams moved live with their KV.
+LIVE_MOVES = "pdserve_router_live_moves_total"
+LIVE_MOVE_PAUSE = "pdserve_router_live_move_pause_seconds"
+LIVE_MOVE_BYTES = "pdserve_router_live_move_kv_bytes_total"
 AUTOSCALER_DECISIONS = "pdserve_autoscaler_decisions_total"  # deploy.local.autoscaler
 AUTOSCALER_TARGET = "pdserve_autoscaler_target_workers"
 AUTOSCALER_CURRENT = "pdserve_autoscaler_current_workers"
@@ -297,6 +301,74 @@ def serving_rows() -> list[tuple[str, list[PanelSpec]]]:
                     "Transfers open or reserved, per side.",
                     "short",
                     (Query(f"sum by (role) ({KV_TRANSFER_INFLIGHT}{{{SEL}}})", "{{role}}"),),
+                ),
+            ],
+        ),
+        (
+            "Speculative decoding",
+            [
+                PanelSpec(
+                    "Acceptance rate",
+                    "Proposed tokens the target accepted over tokens proposed (--speculative), per role.",
+                    "percentunit",
+                    (
+                        Query(
+                            f"{rate(dm.SPEC_ACCEPTED_TOKENS + '_total', 'role')} / "
+                            f"{rate(dm.SPEC_DRAFT_TOKENS + '_total', 'role')}",
+                            "{{role}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Tokens per verify",
+                    "Mean tokens a proposing stream gets from one verify forward (accepted proposals plus "
+                    "the one it samples anyway); 1 is no gain.",
+                    "none",
+                    (
+                        Query(
+                            f"{rate(dm.SPEC_EMITTED_TOKENS + '_total', 'role')} / "
+                            f"{rate(dm.SPEC_DRAFTS + '_total', 'role')}",
+                            "{{role}}",
+                        ),
+                    ),
+                ),
+                PanelSpec(
+                    "Proposed and accepted",
+                    "Per second: tokens proposed, accepted, and verify forwards run.",
+                    "short",
+                    (
+                        Query(rate(dm.SPEC_DRAFT_TOKENS + "_total", "role"), "proposed {{role}}"),
+                        Query(rate(dm.SPEC_ACCEPTED_TOKENS + "_total", "role"), "accepted {{role}}"),
+                        Query(rate(dm.SPEC_VERIFY_STEPS + "_total", "role"), "verify steps {{role}}"),
+                    ),
+                ),
+            ],
+        ),
+        (
+            "Stream moves",
+            [
+                PanelSpec(
+                    "Streams moved",
+                    "Per second: streams moved live with their KV, by cause (drain, rebalance) and outcome "
+                    "(declined: not now; failed: it stayed where it was), and streams moved by re-prefill "
+                    "after their worker failed, by what failed.",
+                    "reqps",
+                    (
+                        Query(rate(LIVE_MOVES, "cause, outcome"), "live: {{cause}} {{outcome}}"),
+                        Query(rate(rm.MIGRATIONS, "reason"), "re-prefill: {{reason}}"),
+                    ),
+                ),
+                PanelSpec(
+                    "Live move pause",
+                    "Per moved stream: from its pause on the worker it left to its KV landing on the other.",
+                    "s",
+                    quantiles(LIVE_MOVE_PAUSE),
+                ),
+                PanelSpec(
+                    "KV moved by live moves",
+                    "KV bytes written moving streams live.",
+                    "Bps",
+                    (Query(rate(LIVE_MOVE_BYTES), "moved"),),
                 ),
             ],
         ),

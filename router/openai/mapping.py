@@ -121,6 +121,8 @@ def _sampling(
         s.min_tokens = _bounded("min_tokens", req.min_tokens, 0, _UINT32)
     if req.ignore_eos is not None:
         s.ignore_eos = req.ignore_eos
+    if req.speculative is not None:
+        s.speculative = req.speculative
     if req.stop is not None:
         s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
     if req.stop_token_ids is not None:

@@ -37,6 +37,7 @@ class _GenerationFields(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] | None = None  # vLLM extension
     min_tokens: int | None = None  # vLLM extension
     ignore_eos: bool | None = None  # vLLM extension
+    speculative: bool | None = None  # pdserve extension: false never speculates on this request
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -392,6 +393,7 @@ _PARAM_NAMES = {
     "logit_bias": "logit_bias",
     "structured_outputs": "response_format",
     "n": "n",
+    "speculative": "speculative",
     "request_id": "X-Request-ID",  # the HTTP front takes the id from that header
     "logprobs": "logprobs",
     "prompt_logprobs": "prompt_logprobs",

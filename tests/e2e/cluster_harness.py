@@ -296,6 +296,21 @@ def worker_load(address: str, metadata: tuple[tuple[str, str], ...] = ()) -> wor
         return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.Empty(), timeout=5, metadata=metadata)
 
 
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus metric's samples at ``url`` whose labels include ``labels``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 def run_all(address: str, reqs) -> dict[str, tuple[list[int], str, str]]:
     """All requests concurrently (one thread each); returns id -> (tokens, text, finish_reason)."""
     import concurrent.futures as cf

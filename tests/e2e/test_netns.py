@@ -139,7 +139,7 @@ def _start(net: Net, state_dir: Path, model: Path) -> cluster.ClusterState:
     router = _spawn(
         net, state_dir, "router",
         ["router", "--host", r, "--port", str(ROUTER_PORT), "--local-prefill-threshold", "1",
-         "--max-migrations", "3"],
+         "--max-migrations", "3", "--heartbeat-timeout", "10"],
         None,
     )  # fmt: skip
     common = [
@@ -223,7 +223,10 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns, tiny_served_
             want = {rid: f.result()[0] for rid, f in runs.items()}
         assert all(len(ids) == CUT_RUN_TOKENS for ids in want.values())
         moved = {n: _metric(by_id[n]["metrics_url"], "pdserve_kv_transfer_bytes_total") for n in by_id}
-        assert moved["decode_a"] > 0 and moved["decode_b"] > 0, f"KV bytes received over the veths: {moved}"
+        # A prefill worker whose heartbeat a loaded host starved would send these to local prefill instead
+        # (the 10 s heartbeat timeout above); the router's routes say which it was.
+        remote = _metric(c.status()["router"]["metrics_url"], 'pdserve_router_routes_total{reason="remote"')
+        assert moved["decode_a"] > 0 and moved["decode_b"] > 0, f"KV bytes over the veths: {moved}, {remote=}"
         # Every UCX lane is tcp, with pdserve's 64 KB segments: one-sided puts (--kv-puts auto).
         puts = _metric(by_id["prefill"]["metrics_url"], 'pdserve_kv_transfer_opened_total{path="puts"')
         assert puts == _metric(by_id["prefill"]["metrics_url"], "pdserve_kv_transfer_opened_total") > 0

@@ -1,7 +1,9 @@
 """Prefix caching across processes, on a tiny random model with the default model's vocabulary (the router
 tokenizes and checks it as a real one): a 1P+2D cluster routes by KV state, moves only the blocks the decode
 worker lacks, reports cached tokens on both fronts and stays exact; faults with shared prefixes leak and
-double-free nothing (each worker checks its block pool's invariants at every heartbeat here).
+double-free nothing (each worker checks its block pool's invariants at every heartbeat here). The shared
+cluster's decode workers speculate (``--speculative ngram``), so every test here also checks that
+speculative decoding in PD changes no token.
 
 Exactness: a suffix computed over cached K/V sums floats in another order than one pass, so a sequence may
 differ from the oracle after a step whose top-2 logits are within 1e-5; the tiny model's peaked logits
@@ -45,16 +47,16 @@ def oracle(tiny_served):
 
     model = load_reference(tiny_served)
 
-    def greedy(ids: list[int]) -> tuple[list[int], int]:
+    def greedy(ids: list[int], n: int = MAX_TOKENS) -> tuple[list[int], int]:
         """(tokens, how many of them to compare): comparison stops after a near tie."""
         x = torch.tensor([ids])
         out: list[int] = []
-        compare = MAX_TOKENS
+        compare = n
         with torch.no_grad():
-            for step in range(MAX_TOKENS):
+            for step in range(n):
                 logits = model(x).logits[0, -1]
                 top = torch.topk(logits, 2).values
-                if float(top[0] - top[1]) < 1e-5 and compare == MAX_TOKENS:
+                if float(top[0] - top[1]) < 1e-5 and compare == n:
                     compare = step + 1
                 tok = int(logits.argmax())
                 out.append(tok)
@@ -70,6 +72,9 @@ def pd_cluster(tiny_served, tmp_path_factory):
     extra = (
         *("--model", str(tiny_served), "--kv-cache-mib", "64", "--http-port", "0"),
         *("--local-prefill-threshold", str(THRESHOLD)),
+        *("--speculative", "ngram", "--num-speculative-tokens", "3"),
+        # Byte counts assume each route: a starved heartbeat must not drop the prefill worker meanwhile.
+        *("--heartbeat-timeout", "15"),
     )
     try:
         with running_cluster(tmp_path_factory.mktemp("pc"), prefill=1, decode=2, extra=extra) as c:
@@ -78,19 +83,22 @@ def pd_cluster(tiny_served, tmp_path_factory):
         os.environ.pop("PDSERVE_CHECK_BLOCKS", None)
 
 
-def _request(rid: str, ids: list[int]) -> generation_pb2.GenerateRequest:
+def _request(rid: str, ids: list[int], **sampling) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         request_id=rid,
         prompt_token_ids=generation_pb2.TokenIds(ids=ids),
-        sampling=generation_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        sampling=generation_pb2.SamplingParams(
+            **{"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, **sampling}
+        ),
     )
 
 
-def _run(c, rid: str, ids: list[int]) -> tuple[list[int], generation_pb2.Usage]:
+def _run(c, rid: str, ids: list[int], **sampling) -> tuple[list[int], generation_pb2.Usage]:
     with c.channel() as ch:
         out: list[int] = []
         usage = None
-        for m in c.stub(ch).Generate(_request(rid, ids), timeout=120, metadata=c.token_metadata()):
+        request = _request(rid, ids, **sampling)
+        for m in c.stub(ch).Generate(request, timeout=120, metadata=c.token_metadata()):
             out += m.token_ids
             if m.finish_reason:
                 usage = m.usage
@@ -248,6 +256,28 @@ def test_a_cancelled_request_whose_prefix_others_share_frees_only_its_own(pd_clu
         _check_exact(results[rid], toks, rid)
     c.assert_no_leaks()
     _no_broken_invariants(c)
+
+
+def test_speculating_decode_workers_stay_exact_in_pd(pd_cluster, oracle):
+    """Prompts of one repeated token make the tiny model loop, so the n-gram proposer proposes and the
+    decode workers verify (and accept) proposals on remotely prefilled streams: the tokens equal the
+    oracle's and those of the same requests with speculation turned off per request."""
+    n = 24
+    before = _sum(pd_cluster, "pdserve_spec_decode_num_accepted_tokens_total", "decode")
+    for i in range(4):
+        ids = [1000 + i] * (THRESHOLD + 8)  # prefilled remotely
+        got, _ = _run(pd_cluster, f"spec-{i}", ids, max_tokens=n)
+        off, _ = _run(pd_cluster, f"spec-off-{i}", ids, max_tokens=n, speculative=False)
+        want = oracle(ids, n)
+        _check_exact(got, want, f"spec-{i}")
+        _check_exact(off, want, f"spec-off-{i}")
+
+    def accepted() -> bool:
+        return _sum(pd_cluster, "pdserve_spec_decode_num_accepted_tokens_total", "decode") > before
+
+    wait_until(accepted, 10, "a decode worker's heartbeat to count accepted proposals")
+    pd_cluster.assert_no_leaks()
+    _no_broken_invariants(pd_cluster)
 
 
 def test_eviction_under_pressure_while_transfers_write(tiny_served, oracle, tmp_path):

@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import time
-import urllib.request
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from pdserve.worker.tls import NO_TLS
 from tests.e2e.cluster_harness import (
     Cluster,
     ThreadedStreams,
+    metric_sum,
     pdserve,
     run_all,
     running_cluster,
@@ -82,11 +82,6 @@ def three_routers(tmp_path_factory, tiny_served_model):
         yield c
 
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-
 def test_two_routers_admitting_at_once_never_overcommit_a_worker(three_routers: Cluster):
     """Two routers, each free to send a decode worker 8 requests, 40 requests at once: each worker refuses
     what would exceed its --max-running plus --max-queued, the routers route those again, every request
@@ -101,8 +96,10 @@ def test_two_routers_admitting_at_once_never_overcommit_a_worker(three_routers: 
         got = {k: v for h in halves for k, v in h.result().items()}
     assert all(len(ids) == 24 and reason == "length" for ids, _, reason in got.values()), got
     decoders = [w for w in doc["workers"] if w["role"] == "decode"]
-    refused = sum(_metric(w["metrics_url"], "pdserve_worker_requests_refused_full_total") for w in decoders)
-    preempted = sum(_metric(w["metrics_url"], "pdserve_decode_preemptions_total") for w in decoders)
+    refused = sum(
+        metric_sum(w["metrics_url"], "pdserve_worker_requests_refused_full_total") for w in decoders
+    )
+    preempted = sum(metric_sum(w["metrics_url"], "pdserve_decode_preemptions_total") for w in decoders)
     assert refused > 0 and preempted == 0, (refused, preempted)
     c.assert_no_leaks(timeout_s=15)
 

@@ -123,7 +123,9 @@ def _transfers_by_path(c) -> dict[str, float]:  # type: ignore[no-untyped-def]
     }
 
 
-REMOTE_PREFILL = ("--local-prefill-threshold", "1")  # every prompt prefilled remotely
+# Every prompt prefilled remotely. A generous heartbeat timeout: on a starved machine a prefill worker
+# dropped for missed heartbeats sends its prompts to the decode worker, and the transfer counts fall short.
+REMOTE_PREFILL = ("--local-prefill-threshold", "1", "--heartbeat-timeout", "15")
 
 
 @pytest.fixture(scope="class")

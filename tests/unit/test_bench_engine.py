@@ -52,6 +52,7 @@ def _tiny_run(model_dir, dtype: str, batches: str) -> dict:
     return bench.run(cfg)
 
 
+@pytest.mark.slow  # seconds of work: make test runs it, test-fast does not
 def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
     result = _tiny_run(tiny_llama_dir, "float32", "1,2")
     m = result["machine"]
@@ -67,6 +68,7 @@ def test_engine_bench_rows_on_a_tiny_model(tiny_llama_dir) -> None:
     assert {r["bound_peak"] for r in result["rows"] if r["phase"] in ("bound", "linear")} == {"f32_fma"}
 
 
+@pytest.mark.slow  # seconds of work: make test runs it, test-fast does not
 def test_bf16_rows_are_bounded_by_the_bf16_peak_where_there_is_one(tiny_llama_dir) -> None:
     result = _tiny_run(tiny_llama_dir, "bfloat16", "1")
     m = result["machine"]
@@ -77,6 +79,7 @@ def test_bf16_rows_are_bounded_by_the_bf16_peak_where_there_is_one(tiny_llama_di
         assert kinds == {"bf16_dot"} and m["bf16_dot_peak_gflops"] > 0
 
 
+@pytest.mark.slow  # seconds of work: make test runs it, test-fast does not
 def test_engine_bench_int8_rows_and_quality(tiny_llama_dir) -> None:
     cfg, _ = bench.parse_args(
         [
@@ -168,6 +171,7 @@ def test_engine_bench_hands_cuda_to_the_gpu_suite(monkeypatch) -> None:
     assert (defaults.prefill_len, defaults.prompt_len, defaults.new_tokens) == (1024, 128, 64)
 
 
+@pytest.mark.slow  # seconds of work: make test runs it, test-fast does not
 def test_gpu_suite_runs_on_cpu(tmp_path, capsys) -> None:
     from benchmarks import engine_cuda
 
@@ -185,7 +189,7 @@ def test_gpu_suite_runs_on_cpu(tmp_path, capsys) -> None:
     assert pre["tokens"] == 16 and pre["runner_ms"] > 0 and pre["llm_ms"] > 0 and pre["transformers_ms"] > 0
     for batch in (1, 2):
         r = rows[("decode", batch)]
-        assert r["runner_tok_s"] > 0 and r["transformers_tok_s"] > 0
+        assert r["runner_tok_s"] > 0 and "transformers_error" not in r
         assert "transformers_static_tok_s" not in r
         assert r["bound_tok_s"] > 0 and r["bound_bytes_per_step"] > result["work"]["weight_bytes_per_step"]
         # t(N) - t(1) can come out <= 0 for 3 tiny steps on a busy host: then it is None, never negative

@@ -197,6 +197,7 @@ class SlowFake(FakeGeneration):
             yield msg
 
 
+@pytest.mark.slow  # seconds of work: make test runs it, test-fast does not
 def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     """ABBA order, the same request stream for every shape, skipping after --stop-below, outputs."""
     fast, slow = FakeGeneration(), SlowFake(step_s=0.1)

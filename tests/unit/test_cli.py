@@ -300,6 +300,17 @@ def test_status_lists_a_running_worker_the_router_does_not_and_its_pool():
     ]
 
 
+def test_status_shows_streams_moving_live():
+    from pdserve.cli import client
+
+    status = worker_pb2.ClusterStatus(router_address="127.0.0.1:1", requests_running=5, streams_moving=3)
+    doc = client.status_dict(status, now_unix=0.0)
+    assert doc["router"]["streams_moving"] == 3
+    assert "5 running, 0 waiting, 3 moving" in client.status_table(doc).splitlines()[0]
+    quiet = client.status_dict(worker_pb2.ClusterStatus(router_address="127.0.0.1:1"), now_unix=0.0)
+    assert "moving" not in client.status_table(quiet).splitlines()[0]
+
+
 def test_a_long_drain_says_what_it_still_waits_for(monkeypatch):
     """`down` (and `scale`) drained 3 long streams for 37 s without a word; now every few seconds it names
     the workers still draining, what they run, and the time left."""

@@ -42,6 +42,40 @@ def test_decode_attention_matches_torch(kernels_every_isa, dtype, n_h, n_kv, d, 
     _close(decode_attention(kv, meta, q, kernels_every_isa), decode_attention(kv, meta, q, None), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n_h", "n_kv", "d", "block"), [(9, 3, 64, 16), (8, 2, 128, 32), (64, 2, 16, 16)])
+@pytest.mark.parametrize("runs", [(5,), (1, 5, 3, 1, 2), (2, 2, 2, 2, 2, 2)])
+@pytest.mark.parametrize("threads", [1, 4])  # few sequences on many threads: their rows split into chunks
+def test_verified_rows_attend_together_exactly_as_alone(
+    kernels_every_isa, dtype, n_h, n_kv, d, block, runs, threads, monkeypatch
+):
+    # A speculative step's rows: each sequence's consecutive positions share its table object, and the
+    # kernel reads their K/V once for all of them. Every row's output equals that row attended alone, bit
+    # for bit (the same sums in the same order), and the torch oracle within rounding.
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(n_h + d + len(runs))
+    n_blocks = 160
+    kv = torch.randn(n_blocks, 2, block, n_kv, d, generator=g).to(dtype)
+    perm = torch.randperm(n_blocks, generator=g).tolist()
+    items: list[tuple[int, list[int]]] = []
+    for i, n in enumerate(runs):
+        start = (7, 90, block - 2, 1, 3 * block, 40)[i]
+        nb = -(-(start + n) // block)
+        table, perm = perm[:nb], perm[nb:]
+        items += [(start + j, table) for j in range(n)]
+    meta = DecodeMeta.build(items, block, n_blocks, torch.device("cpu"))
+    assert meta.seq_rows is not None and meta.seq_rows.tolist()[-1] == len(items)
+    assert len(meta.seq_rows) == len(runs) + 1
+    qkv = torch.randn(len(items), (n_h + 2 * n_kv) * d, generator=g).to(dtype)
+    q = qkv[:, : n_h * d].view(len(items), n_h, d)
+    got = decode_attention(kv, meta, q, kernels_every_isa)
+    for i, (pos, table) in enumerate(items):
+        alone = DecodeMeta.build([(pos, list(table))], block, n_blocks, torch.device("cpu"))
+        assert alone.seq_rows is None
+        assert torch.equal(got[i], decode_attention(kv, alone, q[i : i + 1], kernels_every_isa)[0]), i
+    _close(got, decode_attention(kv, meta, q, None), dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_next_layer_prefetch_changes_nothing(kernels_every_isa, dtype):
     g = torch.Generator().manual_seed(7)

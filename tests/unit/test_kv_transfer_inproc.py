@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.engine.block_manager import BlockManager, OutOfBlocksError
 from pdserve.kv_transfer import (
     AbortedError,
+    ChecksumError,
     DeadlineError,
     FaultConfig,
     IncompatibleError,
@@ -366,6 +367,50 @@ def test_deadline_with_a_dropped_layer() -> None:
             )
             == 1
         )
+        await tx.close()
+        await rx.close()
+
+    run(main)
+    dec.leak_check()
+    pre.leak_check()
+
+
+@pytest.mark.parametrize("digest", [True, False])
+def test_a_byte_flipped_in_flight_fails_the_checksum(digest: bool) -> None:
+    """The sender's first transfer gets one byte flipped after its digest was taken: the receiver's check
+    fails it on both sides (reason checksum) and frees the blocks; the next transfer lands intact. Without
+    digests the same flip goes unseen (what the check is for)."""
+    dec, pre = make_side(seed=11), make_side(seed=12)
+    faulty = replace(CONFIG, digest=digest, faults=FaultConfig(corrupt_transfers=1))
+
+    async def main() -> None:
+        registry = CollectorRegistry()
+        rx = await start_receiver(dec, registry=registry)
+        tx = KVSender(pre.kv, compat_for(pre.kv, "tiny"), faulty, registry=registry)
+        src = pre.blocks.allocate("r", 21)
+        for rid in ("bad", "good"):
+            ticket = rx.reserve(rid, 21)
+            handle = await tx.open(ticket, src)
+            push_from_thread(handle, range(L))
+            if rid == "bad" and digest:
+                with pytest.raises(ChecksumError):
+                    await handle.complete(5)
+                with pytest.raises(ChecksumError, match="does not match its writer's digest"):
+                    await rx.wait(rid)
+                await settle(dec)
+                assert rid not in dec.blocks
+                continue
+            await handle.complete(5)
+            result = await rx.wait(rid)
+            intact = same_bytes(dec.kv[:, list(result.block_ids)], pre.kv[:, src])
+            assert intact is (rid == "good"), "the fault flipped nothing" if rid == "bad" else "corrupted"
+            dec.blocks.free(rid)
+        for role in ("prefill", "decode"):
+            failed = registry.get_sample_value(
+                "pdserve_kv_transfer_failures_total", {"role": role, "reason": "checksum"}
+            )
+            assert failed == (1 if digest else 0), role
+        pre.blocks.free("r")
         await tx.close()
         await rx.close()
 

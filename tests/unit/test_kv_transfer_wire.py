@@ -64,6 +64,7 @@ def test_control_messages_roundtrip() -> None:
         wire.Open(7, "r", (3, 1, 2)),
         wire.Progress(7, 12),
         wire.Complete(7, 42),
+        wire.Complete(7, 42, 30, (), (0, 2**64 - 1, 12345)),  # every layer's digest (xxh3-64)
         wire.CompleteAck(7),
         wire.Abort(7, "aborted", "client went away", (0, 1, 2)),
         wire.Abort(7, "deadline", "late"),

@@ -220,3 +220,89 @@ def test_the_prefill_queue_bound_refuses_at_once():
         assert (await big.admit(Job("big", 500), None)).prefill is not None
 
     asyncio.run(go())
+
+
+# -- live moves: a decoding stream and its KV move to another engine ----------------------------------------
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=N, ignore_eos=True),
+        SamplingParams(
+            temperature=0.0, max_tokens=N, ignore_eos=True, presence_penalty=-1.0, repetition_penalty=1.3
+        ),
+    ],
+    ids=["greedy", "seeded", "greedy-penalties"],
+)
+@pytest.mark.parametrize(("k", "cached"), [(1, False), (6, True)], ids=["k1-cold", "k6-prefix-cached"])
+def test_a_suspended_stream_moved_with_its_kv_gives_the_undisturbed_tokens(tiny_llama_dir, params, k, cached):
+    """Suspend after ``k`` tokens, copy the blocks' K/V into another engine (what the export's transfer
+    does), adopt it there (``add_migrated_request``): the rest equals the undisturbed run's, with output
+    counts going on from ``k``, and the destination prefills nothing (its steps only decode). With
+    ``cached`` the destination already caches the prompt's first block (its prefix cache): the move
+    reuses it, as a reservation with a cached prefix does."""
+    cfg = EngineConfig(dtype="float32", num_blocks=64, block_size=4)
+    src, dst = LLMEngine(tiny_llama_dir, None, cfg), LLMEngine(tiny_llama_dir, None, cfg)
+    prompt = PROMPT * 2  # 12 tokens: three full blocks
+    want, _ = _run(src, "ref", prompt, params)
+    if cached:
+        _run(dst, "warm", prompt[:5], dataclasses.replace(params, max_tokens=1))
+    src.add_request("s", prompt, params)
+    got: list[int] = []
+    while len(got) < k:
+        for d in src.step():
+            got += d.new_token_ids
+    outputs, kv_tokens = src.suspend("s")
+    assert outputs == got == want[:k] and kv_tokens == len(prompt) + k - 1
+    assert src.step() == []  # suspended: nothing runs
+    src_blocks, last = src.pin("s")
+    assert last == got[-1]
+    tokens = prompt + outputs
+    bm = dst.block_manager
+    from pdserve.engine.prefix_hash import block_hashes
+
+    hashes = block_hashes(tokens[:kv_tokens], bm.block_size, dst.cache_salt)
+    reused = bm.allocate_prefixed("s", kv_tokens, hashes[: (kv_tokens - 1) // bm.block_size])
+    assert reused == (1 if cached else 0)
+    dst_blocks = bm.block_table("s")
+    dst.runner.kv[:, dst_blocks[reused:]] = src.runner.kv[:, src_blocks[reused:]]
+    src.abort("s")  # the stream ends on the source (its relay's call cancelled) while still pinned
+    assert "s" in src.block_manager  # ... its blocks stay until unpinned
+    src.unpin("s")
+    assert "s" not in src.block_manager
+    rest = dataclasses.replace(params, max_tokens=N - k)
+    dst.add_migrated_request("s", tokens, k, rest)
+    counts = []
+    while dst.has_unfinished():
+        for d in dst.step():
+            assert dst.last_batch is not None and dst.last_batch.kind.value == "decode"
+            got += d.new_token_ids
+            counts.append(d.num_output_tokens)
+    assert got == want
+    assert counts == list(range(k + 1, N + 1))
+    for e in (src, dst):
+        assert e.block_manager.num_used == 0
+
+
+def test_suspend_refuses_what_is_not_decoding_and_resume_continues(tiny_llama_dir):
+    eng = LLMEngine(tiny_llama_dir, None, EngineConfig(dtype="float32", num_blocks=32))
+    params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+    want, _ = _run(eng, "ref", PROMPT, params)
+    with pytest.raises(ValueError, match="not decoding here"):
+        eng.suspend("nobody")
+    eng.add_request("w", PROMPT, params)
+    with pytest.raises(ValueError, match="not decoding here"):
+        eng.suspend("w")  # waiting: not prefilled yet
+    got = list(eng.step()[0].new_token_ids)
+    eng.suspend("w")
+    assert eng.step() == [] and eng.resume("w") and not eng.resume("w")
+    while eng.has_unfinished():
+        for d in eng.step():
+            got += d.new_token_ids
+    assert got == want and eng.block_manager.num_used == 0
+    eng.add_request("n", PROMPT, dataclasses.replace(params, n=2))
+    eng.step()
+    with pytest.raises(ValueError, match="several choices"):
+        eng.suspend("n")
+    eng.abort("n")
+    assert eng.block_manager.num_used == 0

@@ -101,6 +101,16 @@ def test_penalties_and_logit_bias_map_onto_the_proto_on_both_endpoints():
     assert not s.HasField("presence_penalty") and not s.HasField("repetition_penalty") and not s.logit_bias
 
 
+def test_speculative_false_reaches_the_engine_params_and_unset_leaves_the_default():
+    from pdserve.worker.convert import sampling_params_from_proto
+
+    s = completion(prompt="x", speculative=False).sampling
+    assert s.HasField("speculative") and s.speculative is False
+    assert sampling_params_from_proto(s).speculative is False
+    s = chat(messages=[{"role": "user", "content": "x"}]).sampling
+    assert not s.HasField("speculative") and sampling_params_from_proto(s).speculative is True
+
+
 def test_chat_maps_messages_text_parts_and_max_completion_tokens():
     r = chat(
         messages=[

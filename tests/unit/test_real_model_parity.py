@@ -155,11 +155,29 @@ def test_model_runner_greedy_equals_transformers(model_dir, reference, hf_model)
         assert tokens == expected
 
 
-def test_llm_chat_greedy_equals_transformers(cache_dir, reference, hf_model):
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        None,
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft", "num_speculative_tokens": 2},
+    ],
+    ids=["plain", "ngram", "draft"],
+)
+def test_llm_chat_greedy_equals_transformers(cache_dir, reference, hf_model, speculative):
+    """Plain, and with n-gram speculative decoding (its verify rows sum as the decode rows do here: the
+    tokens are compared whole)."""
     from pdserve.engine import LLM, SamplingParams
 
     eos = (hf_model.generation_config.eos_token_id,)
-    llm = LLM(model=DEFAULT_MODEL, dtype="float32", cache_dir=cache_dir, num_blocks=64, threads=2)
+    llm = LLM(
+        model=DEFAULT_MODEL,
+        dtype="float32",
+        cache_dir=cache_dir,
+        num_blocks=64,
+        threads=2,
+        speculative_config=speculative,
+    )
     outputs = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert len(outputs) == len(CHATS)
     for output, (prompt, expected) in zip(outputs, reference, strict=True):
@@ -168,3 +186,6 @@ def test_llm_chat_greedy_equals_transformers(cache_dir, reference, hf_model):
         stopped_early = len(_strip_eos(expected, eos)) < MAX_TOKENS
         assert output.finish_reason == ("stop" if stopped_early else "length")
         assert output.text == llm.tokenizer.decode(output.token_ids)
+    if speculative is not None:  # proposals were verified, and some stood
+        stats = llm.engine.speculator.stats
+        assert stats.verify_steps > 0 and stats.accepted_tokens > 0

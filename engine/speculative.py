@@ -1,0 +1,257 @@
+"""Speculative decoding on the decode side: proposals, the adaptive rule, and exact acceptance.
+
+A proposer guesses a decoding stream's next few tokens; one verify forward computes the target's logits at
+the stream's last token and at every proposed one; the target samples each position as it would have
+without speculation (the same sampler row, seeded noise included), and a proposal is accepted while it
+equals that sample. The stream gets the samples up to and including the first that differs from the
+proposal, so its output is the non-speculative output, token for token (docs/speculative_decoding.md).
+Pure Python: imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+from pdserve.engine.sequence import Sequence
+
+# A stream whose proposals were wholly rejected ``FREE_MISSES`` times in a row proposes nothing for 2, 4,
+# ... steps, up to ``MAX_PAUSE_STEPS``: a one-token proposal costs a decode step little, so a few misses
+# are worth the tries (a copied span often starts after one).
+FREE_MISSES = 2
+MAX_PAUSE_STEPS = 16
+
+
+class SpeculativeMethod(enum.StrEnum):
+    NGRAM = "ngram"  # prompt lookup: continue an earlier occurrence of the stream's last n tokens
+    # Self-speculative: the target's first ``draft_layers`` layers and its LM head propose greedily. Their
+    # K/V are the target's own for those layers, so the draft needs no cache and no prefill of its own.
+    DRAFT = "draft"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: SpeculativeMethod | str = SpeculativeMethod.NGRAM
+    num_speculative_tokens: int = 4  # k: the most tokens proposed per stream per step
+    # The n-gram proposer matches the stream's last n tokens, longest first, for n in [min, max].
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # Adaptive: shrink a stream's k to what it last accepted plus one, and pause a stream whose proposals
+    # keep being wholly rejected (``FREE_MISSES``, ``MAX_PAUSE_STEPS``), so open-ended output is not slowed.
+    adaptive: bool = True
+    # method "draft": how many of the target's first layers the draft runs (0: a quarter of them).
+    draft_layers: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "method", SpeculativeMethod(self.method))
+        except ValueError:
+            known = ", ".join(m.value for m in SpeculativeMethod)
+            raise ValueError(f"speculative method must be one of {known}, got {self.method!r}") from None
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 16):
+            raise ValueError(
+                f"prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 16, got {lo}, {hi}"
+            )
+        d = self.draft_layers
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ValueError(f"draft_layers must be an integer >= 0, got {d!r}")
+
+    def layers_of(self, num_layers: int) -> int:
+        """The draft's layer count for a target of ``num_layers``; ValueError when it is not fewer."""
+        d = self.draft_layers or max(1, num_layers // 4)
+        if d >= num_layers:
+            raise ValueError(f"draft_layers must be fewer than the model's {num_layers} layers, got {d}")
+        return d
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """For each stream, up to its limit of guesses of the tokens that follow its tokens (``[]``: none;
+        a limit of 0 asks for none). Their lookahead blocks are reserved already."""
+        ...
+
+
+class DraftModel(Protocol):
+    def next_tokens(self, seqs: list[Sequence], token_ids: list[int], positions: list[int]) -> list[int]:
+        """The draft's greedy token after each stream's ``token_ids[i]`` at ``positions[i]`` (whose K/V it
+        stores in the stream's blocks, as a step would)."""
+        ...
+
+
+class _NgramIndex:
+    """Where each n-gram of a stream's tokens last occurred with a token after it, for n in [lo, hi]: built
+    once from the prompt, extended as tokens arrive, so a lookup costs a few dict reads."""
+
+    __slots__ = ("lo", "hi", "last", "indexed")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        # n -> n-gram -> the position of its last token (a token follows it)
+        self.last: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+        self.indexed = 0  # n-grams ending before this position are in ``last``
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the n-grams that now have a following token: those ending before ``len(tokens) - 1``."""
+        end = len(tokens) - 1
+        for n, table in self.last.items():
+            for j in range(max(self.indexed, n - 1), end):
+                table[tuple(tokens[j - n + 1 : j + 1])] = j
+        self.indexed = max(self.indexed, end)
+
+    def lookup(self, tokens: list[int], max_tokens: int) -> list[int]:
+        for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
+            j = self.last[n].get(tuple(tokens[-n:]))
+            if j is not None:
+                return tokens[j + 1 : j + 1 + max_tokens]
+        return []
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the stream's last n
+    tokens (prompt and output alike), the longest n in [min, max] that occurred."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [self.lookup(seq, n) if n > 0 else [] for seq, n in zip(seqs, limits, strict=True)]
+
+    def lookup(self, seq: Sequence, max_tokens: int) -> list[int]:
+        state = _state(seq)
+        if state.index is None:
+            state.index = _NgramIndex(self.lo, self.hi)
+        tokens = seq.token_ids()
+        state.index.extend(tokens)
+        return state.index.lookup(tokens, max_tokens)
+
+
+class DraftProposer:
+    """A draft model's greedy guesses, made for every proposing stream at once, one draft step per token
+    (the streams that want fewer leave the batch early)."""
+
+    def __init__(self, model: DraftModel) -> None:
+        self.model = model
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in seqs]
+        rows = [i for i, n in enumerate(limits) if n > 0]
+        tokens = [seqs[i].last_token_id for i in rows]
+        positions = [seqs[i].num_tokens - 1 for i in rows]
+        while rows:
+            guesses = self.model.next_tokens([seqs[i] for i in rows], tokens, positions)
+            going: list[int] = []
+            for i, t in zip(rows, guesses, strict=True):
+                out[i].append(t)
+                if len(out[i]) < limits[i]:
+                    going.append(i)
+            rows = going
+            tokens = [out[i][-1] for i in rows]
+            positions = [seqs[i].num_tokens - 1 + len(out[i]) for i in rows]
+        return out
+
+
+@dataclass(slots=True)
+class StreamState:
+    """A stream's speculation state, kept on its ``Sequence`` (so it ends with it)."""
+
+    k: int  # the most it proposes next
+    pause: int = 0  # steps left before it proposes again
+    misses: int = 0  # consecutive wholly rejected proposals
+    index: _NgramIndex | None = None
+
+
+def _state(seq: Sequence) -> StreamState:
+    st = seq.spec
+    if st is None:
+        st = seq.spec = StreamState(k=0)
+    return st
+
+
+@dataclass
+class SpeculationStats:
+    """Since start, for metrics: verify forwards run, tokens proposed, proposals accepted, and tokens
+    emitted by verify forwards (accepted proposals plus each stream's one sampled token)."""
+
+    verify_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    streams_verified: int = 0  # (stream, verify forward) pairs that carried a proposal
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a stream gets per verify forward it took part in with a proposal."""
+        return self.emitted_tokens / self.streams_verified if self.streams_verified else 0.0
+
+
+class Speculator:
+    """Decides each stream's proposal for a decode step and keeps the adaptive rule and the stats."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        # The draft proposer needs the engine's model: the engine sets it (``DraftProposer``).
+        self.proposer: Proposer = NgramProposer(config)
+        self.stats = SpeculationStats()
+
+    def limit(self, seq: Sequence, room: int) -> int:
+        """The most ``seq`` proposes for the next step: its own k, at most ``room`` (what its budget and
+        context allow after the one token the step makes anyway); 0 while it rests."""
+        st = _state(seq)
+        if st.k == 0:
+            st.k = self.config.num_speculative_tokens
+        if st.pause:
+            st.pause -= 1
+            return 0
+        return max(min(st.k, room), 0)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return self.proposer.propose(seqs, limits)
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A verify forward checked ``proposed`` tokens of ``seq`` and accepted the first ``accepted``."""
+        s = self.stats
+        s.proposed_tokens += proposed
+        s.accepted_tokens += accepted
+        s.emitted_tokens += accepted + 1
+        s.streams_verified += 1
+        if not self.config.adaptive:
+            return
+        st = _state(seq)
+        if accepted == 0:
+            st.misses += 1
+            if st.misses > FREE_MISSES:
+                st.pause = min(1 << (st.misses - FREE_MISSES), MAX_PAUSE_STEPS)
+            st.k = 1
+            return
+        st.misses = 0
+        full = self.config.num_speculative_tokens
+        st.k = min(full, accepted + 1) if accepted < proposed else min(full, 2 * st.k)
+
+
+def accepted_prefix(proposal: list[int], samples: list[int]) -> int:
+    """How many proposed tokens stand: the longest run of ``proposal`` equal to the target's samples at the
+    same positions (``samples`` has one more entry, the sample after the last proposal)."""
+    n = 0
+    for guess, sample in zip(proposal, samples, strict=False):
+        if guess != sample:
+            break
+        n += 1
+    return n
+
+
+def speculative_config_from_dict(options: dict) -> SpeculativeConfig:
+    """A ``SpeculativeConfig`` from vLLM-style options; ValueError naming an unknown one."""
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown speculative_config option(s) {unknown}; known: {sorted(known)}")
+    return SpeculativeConfig(**options)

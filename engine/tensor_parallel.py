@@ -1,0 +1,283 @@
+"""Tensor parallelism inside one engine: a group of N processes on ``torch.distributed`` (gloo on CPU).
+
+Each rank holds 1/N of every layer, Megatron-style: the q heads and the KV heads they read (a KV head is
+replicated when N exceeds their count, as vLLM does), the MLP's intermediate columns, and a slice of the LM
+head's vocabulary; the embedding and the norms are whole on every rank. The qkv and gate_up products are
+column-parallel (no communication), o_proj and down row-parallel: their partial sums are all-reduced before
+the residual add. The logits are all-gathered from the vocabulary slices. Each rank's KV cache holds its
+own heads only.
+
+Rank 0 runs the engine (scheduler, sampler, block manager) and every forward; the other ranks follow it
+call by call: the runner sends each forward's arguments to them over a pipe (``TensorParallel.send``) and
+they make the same call (``tp_follower``), so every rank runs the same collectives in the same order. A
+follower exits when its pipe closes (rank 0 gone); a collective that a dead rank never joins fails after
+``COLLECTIVE_TIMEOUT_S``, never gloo's 30-minute default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.config import ModelConfig
+
+# A collective that a rank never joins (it died, or hangs) fails after this long.
+COLLECTIVE_TIMEOUT_S = 30.0
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What rank ``rank`` of ``size`` holds of a model: q heads, KV heads, intermediate columns and LM-head
+    vocabulary rows, each a range of the whole model's."""
+
+    rank: int
+    size: int
+    q_heads: range
+    kv_heads: range
+    intermediate: range
+    vocab: range
+    vocab_chunk: int  # rows every rank's logits are padded to for the all-gather
+    vocab_size: int
+
+    @classmethod
+    def of(cls, config: ModelConfig, rank: int, size: int) -> ShardLayout:
+        """ValueError naming ``tensor_parallel_size`` where the model's heads or MLP do not divide."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if not 0 <= rank < size:
+            raise ValueError(f"rank must be in [0, {size}), got {rank}")
+        h, h_kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
+        if h % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide the model's {h} attention heads: "
+                f"use one of {_divisors(h)}"
+            )
+        if h_kv % size and size % h_kv:
+            raise ValueError(
+                f"tensor_parallel_size {size} neither divides nor is a multiple of the model's {h_kv} "
+                "KV heads"
+            )
+        if inter % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide the model's intermediate size {inter}"
+            )
+        per_q = h // size
+        if size <= h_kv:
+            per_kv = h_kv // size
+            kv = range(rank * per_kv, (rank + 1) * per_kv)
+        else:  # each KV head on size / h_kv ranks: those whose q heads read it
+            kv = range(rank // (size // h_kv), rank // (size // h_kv) + 1)
+        per_i = inter // size
+        chunk = -(-config.vocab_size // size)
+        return cls(
+            rank=rank,
+            size=size,
+            q_heads=range(rank * per_q, (rank + 1) * per_q),
+            kv_heads=kv,
+            intermediate=range(rank * per_i, (rank + 1) * per_i),
+            vocab=range(min(rank * chunk, config.vocab_size), min((rank + 1) * chunk, config.vocab_size)),
+            vocab_chunk=chunk,
+            vocab_size=config.vocab_size,
+        )
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The config this rank's layers run as: its heads and intermediate size (the vocabulary stays
+        whole: the embedding is)."""
+        return dataclasses.replace(
+            config,
+            num_heads=len(self.q_heads),
+            num_kv_heads=len(self.kv_heads),
+            intermediate_size=len(self.intermediate),
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def shard_state_dict(
+    sd: dict[str, torch.Tensor], config: ModelConfig, layout: ShardLayout
+) -> dict[str, torch.Tensor]:
+    """``sd`` (HF names, whole model) cut to ``layout``'s rank, in place: q/k/v rows of its heads,
+    o_proj columns of its q heads, gate/up rows and down columns of its intermediate range, and its
+    vocabulary rows as ``lm_head.weight`` (the embedding stays whole)."""
+    d = config.head_dim
+
+    def rows(t: torch.Tensor, r: range, per: int = 1) -> torch.Tensor:
+        return t[r.start * per : r.stop * per].contiguous()
+
+    def cols(t: torch.Tensor, r: range, per: int = 1) -> torch.Tensor:
+        return t[:, r.start * per : r.stop * per].contiguous()
+
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        for n in ("weight", "bias"):
+            if p + f"self_attn.q_proj.{n}" in sd:
+                sd[p + f"self_attn.q_proj.{n}"] = rows(sd[p + f"self_attn.q_proj.{n}"], layout.q_heads, d)
+            for kv in "kv":
+                name = p + f"self_attn.{kv}_proj.{n}"
+                if name in sd:
+                    sd[name] = rows(sd[name], layout.kv_heads, d)
+        sd[p + "self_attn.o_proj.weight"] = cols(sd[p + "self_attn.o_proj.weight"], layout.q_heads, d)
+        for n in ("gate_proj", "up_proj"):
+            sd[p + f"mlp.{n}.weight"] = rows(sd[p + f"mlp.{n}.weight"], layout.intermediate)
+        sd[p + "mlp.down_proj.weight"] = cols(sd[p + "mlp.down_proj.weight"], layout.intermediate)
+    head = sd["model.embed_tokens.weight"] if config.tie_word_embeddings else sd["lm_head.weight"]
+    sd["lm_head.weight"] = rows(head, layout.vocab)
+    return sd
+
+
+class TensorParallel:
+    """One rank's membership of its group: the gloo process group for the collectives inside a forward,
+    and, on rank 0, the pipes that carry each forward's call to the followers."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        group: Any,  # a ProcessGroupGloo
+        followers: list[Connection] | None = None,
+        processes: list[subprocess.Popen] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.group = group
+        self.followers = followers or []
+        self.processes = processes or []
+        self.store: dist.Store | None = None
+        self.closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    @property
+    def leads(self) -> bool:
+        return self.layout.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place (contiguous); returns it."""
+        self.group.allreduce([t]).wait()
+        return t
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits ``[T, its vocab rows]`` -> the whole ``[T, V]`` on each rank."""
+        t, chunk = local.shape[0], self.layout.vocab_chunk
+        padded = local.new_zeros(t, chunk)
+        padded[:, : local.shape[1]] = local
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self.group.allgather([parts], [padded]).wait()
+        return torch.cat(parts, dim=1)[:, : self.layout.vocab_size]
+
+    def send(self, call: tuple[str, tuple, dict]) -> None:
+        """Rank 0: hand a forward's call to every follower before running it."""
+        for c in self.followers:
+            c.send(call)
+
+    def close(self) -> None:
+        """Rank 0: close the pipes (each follower exits) and wait for the processes."""
+        if self.closed:
+            return
+        self.closed = True
+        for c in self.followers:
+            c.close()
+        for p in self.processes:
+            try:
+                p.wait(timeout=COLLECTIVE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class ReducingStepOps:
+    """A rank's ``StepOps``: its own products, with the row-parallel ones (o_proj, down) all-reduced over
+    the group before anything adds them to the residual stream."""
+
+    def __init__(self, inner: Any, tp: TensorParallel) -> None:
+        self.inner, self.tp = inner, tp
+
+    def linear(self, lin: Any, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.linear(lin, x)
+
+    def norm_linear(
+        self, lin: Any, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.inner.norm_linear(lin, x, res, weight, eps)
+
+    def residual(self, lin: Any, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        return self._reduced(self.inner.residual(lin, a, x))
+
+    def down(self, lin: Any, gate_up: torch.Tensor, applied: bool, x: torch.Tensor) -> torch.Tensor | None:
+        return self._reduced(self.inner.down(lin, gate_up, applied, x))
+
+    def add_rms_norm(
+        self, x: torch.Tensor, res: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        return self.inner.add_rms_norm(x, res, weight, eps)
+
+    def rope_store(
+        self, kv_layer: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.inner.rope_store(kv_layer, qkv)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.inner.silu_mul(gate_up)
+
+    def _reduced(self, partial: torch.Tensor | None) -> torch.Tensor:
+        if partial is None:  # a product that added itself into x: its partial sum would be lost
+            raise RuntimeError("tensor parallelism needs the row-parallel products' residuals unfused")
+        return self.tp.all_reduce(partial.contiguous())
+
+
+def gloo_group(store: dist.Store, rank: int, size: int) -> Any:  # a ProcessGroupGloo (its stubs lack the ops)
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch keeps it private
+    opts._timeout = COLLECTIVE_TIMEOUT
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # one host: loopback
+    return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, opts)
+
+
+def start_group(
+    config: ModelConfig, size: int, runner_kwargs: Mapping[str, Any], threads: int
+) -> TensorParallel:
+    """Rank 0's side: start ranks 1..size-1 as processes that load their shards of the model with
+    ``runner_kwargs`` (JSON-able ``ModelRunner`` arguments) and ``threads`` torch threads each, and join
+    them in a gloo group. ValueError when the model does not divide."""
+    layout = ShardLayout.of(config, 0, size)
+    store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    conns: list[Connection] = []
+    procs: list[subprocess.Popen] = []
+    spec = json.dumps(dict(runner_kwargs))
+    try:
+        for rank in range(1, size):
+            ours, theirs = socket.socketpair()
+            argv = [
+                sys.executable, "-m", "pdserve.engine.tp_follower",
+                "--rank", str(rank), "--size", str(size), "--store-port", str(store.port),
+                "--pipe-fd", str(theirs.fileno()), "--threads", str(threads), "--runner", spec,
+            ]  # fmt: skip
+            procs.append(subprocess.Popen(argv, pass_fds=[theirs.fileno()]))
+            theirs.close()
+            conns.append(Connection(ours.detach()))
+        group = gloo_group(store, 0, size)
+    except BaseException:
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
+    tp = TensorParallel(layout, group, conns, procs)
+    tp.store = store  # the group's rendezvous lives as long as it does
+    return tp

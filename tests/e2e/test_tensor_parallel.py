@@ -1,0 +1,171 @@
+"""Tensor parallelism inside one engine (``engine.tensor_parallel``): N processes on gloo, each with its
+heads, MLP columns, vocabulary slice and KV heads, give the tokens of one process and of transformers.
+
+Exactness rule: the all-reduce of the row-parallel products sums the ranks' partial sums in another order
+than one process sums a whole row, so a sequence is compared up to the first step whose top-2 reference
+logits are within 1e-5 (``compared_steps``), and its logits agree within 1e-4 up to there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.model_runner import ModelRunner, PrefillItem
+from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
+from pdserve.engine.tensor_parallel import start_group
+from tests.unit.test_llm import assert_no_leak, hf_greedy, prompts_of
+from tests.unit.test_prefix_cache import compared_steps, generate_with_logits
+
+STEPS = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory) -> Path:
+    """A random Llama with 8 heads over 4 KV heads (head_dim 16, so the C kernels run), tied embeddings
+    and a vocabulary no TP size divides."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tp-gqa")
+    torch.manual_seed(3)
+    cfg = LlamaConfig(
+        vocab_size=509, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.15,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, rope_theta=10000.0,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval().save_pretrained(path)
+    return path
+
+
+def _followers(llm: LLM) -> list[subprocess.Popen]:
+    tp = llm.engine.runner.tp
+    assert tp is not None
+    return list(tp.processes)
+
+
+def _assert_exact(got, got_logits, want, want_logits, oracle=None) -> None:
+    for g, gl, w, wl, o in zip(got, got_logits, want, want_logits, oracle or [None] * len(want), strict=True):
+        n = compared_steps(gl, wl)
+        assert n > STEPS // 2, "too many near ties to compare: pick other prompts"
+        assert g.token_ids[:n] == w.token_ids[:n]
+        if o is not None:
+            assert w.token_ids[:n] == o[:n]
+
+
+@pytest.mark.parametrize("size", [2, 4])  # 4: each of the 4 KV heads on one rank; 8 > 4 would replicate
+def test_tp_greedy_equals_one_process_and_transformers(gqa_model, size):
+    prompts = prompts_of([3, 17, 40, 9], seed=5, vocab=509)
+    one = LLM(gqa_model, dtype="float32", threads=1, num_blocks=96)
+    want, want_logits = generate_with_logits(one, prompts, GREEDY)
+    oracle = [hf_greedy(gqa_model, p, STEPS) for p in prompts]
+    llm = LLM(gqa_model, dtype="float32", threads=1, num_blocks=96, tensor_parallel_size=size)
+    try:
+        assert llm.engine.runner.shard_config.num_heads == 8 // size
+        assert llm.engine.runner.kv.shape[-2] == 4 // size  # each rank caches its KV heads only
+        got, got_logits = generate_with_logits(llm, prompts, GREEDY)
+        _assert_exact(got, got_logits, want, want_logits, oracle)
+        assert_no_leak(llm)
+    finally:
+        procs = _followers(llm)
+        llm.engine.close()
+    assert all(p.poll() is not None for p in procs), "every follower exits when the engine closes"
+
+
+def test_replicated_kv_heads_and_prompt_logprobs(tiny_llama_dir):
+    # The tiny Llama has 4 heads over 2 KV heads: at TP=4 each KV head lives on two ranks. Prompt
+    # logprobs read the kept rows' logits after the step, on every rank.
+    prompts = prompts_of([6, 21], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+    want = LLM(tiny_llama_dir, dtype="float32", threads=1).generate(prompts, params)
+    llm = LLM(tiny_llama_dir, dtype="float32", threads=1, tensor_parallel_size=4)
+    try:
+        assert llm.engine.runner.kv.shape[-2] == 1
+        got = llm.generate(prompts, params)
+        for g, w in zip(got, want, strict=True):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert len(g.prompt_logprobs) == len(w.prompt_logprobs) > 1
+            for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
+                assert a.token_id == b.token_id and a.top_ids == b.top_ids
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert_no_leak(llm)
+    finally:
+        llm.engine.close()
+
+
+def test_smollm2_at_tp3_equals_one_process(smollm2_cache):
+    # SmolLM2: 9 heads over 3 KV heads, one KV head per rank; its real vocabulary is split three ways.
+    model = resolve_model(DEFAULT_MODEL, smollm2_cache, progress=False)
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 30] * k for k in (1, 3)]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    one = LLM(model, dtype="float32", threads=1, num_blocks=64)
+    want, want_logits = generate_with_logits(one, prompts, params)
+    del one
+    llm = LLM(model, dtype="float32", threads=1, num_blocks=64, tensor_parallel_size=3)
+    try:
+        got, got_logits = generate_with_logits(llm, prompts, params)
+        _assert_exact(got, got_logits, want, want_logits)
+        assert_no_leak(llm)
+    finally:
+        llm.engine.close()
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's 9 attention"):
+        LLM(model, dtype="float32", threads=1, tensor_parallel_size=2)
+
+
+def test_runner_logits_agree_and_no_kv_crosses_the_group(gqa_model, monkeypatch):
+    # The whole vocabulary's logits of a prefill, at TP=2 against one process, within 1e-4 of the largest;
+    # the only tensors through the group are the activations' partial sums and the logits.
+    sent: list[int] = []
+    one = ModelRunner(gqa_model, num_blocks=16)
+    kwargs = {"model_dir": str(gqa_model), "dtype": "float32", "num_blocks": 16}
+    tp = start_group(one.config, 2, kwargs, threads=1)
+    try:
+        runner = ModelRunner(gqa_model, num_blocks=16, tensor_parallel=tp)
+        real_reduce, real_gather = tp.all_reduce, tp.gather_vocab
+        monkeypatch.setattr(tp, "all_reduce", lambda t: sent.append(t.shape[-1]) or real_reduce(t))
+        monkeypatch.setattr(tp, "gather_vocab", lambda t: sent.append(-1) or real_gather(t))
+        items = [PrefillItem(list(range(3, 40)), [0, 1, 2]), PrefillItem(list(range(50, 61)), [3])]
+        got = runner.prefill(items, all_logits=True)
+        want = one.prefill(items, all_logits=True)
+        assert got.shape == want.shape == (48, 509)
+        assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+        hidden = one.config.hidden_size
+        assert sent == [hidden, hidden] * one.config.num_layers + [-1]  # never K/V (Hkv * D wide)
+    finally:
+        tp.close()
+
+
+def test_followers_die_with_a_killed_rank0(gqa_model, tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pdserve.engine import LLM
+        llm = LLM({str(gqa_model)!r}, dtype="float32", threads=1, tensor_parallel_size=2)
+        print(" ".join(str(p.pid) for p in llm.engine.runner.tp.processes), flush=True)
+        time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 1, line
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            assert time.monotonic() < deadline, "a follower outlived rank 0"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
