@@ -13,6 +13,7 @@ import torch
 
 from pdserve.kv_transfer.errors import TransferError
 from pdserve.kv_transfer.kvbuf import scratch
+from pdserve.kv_transfer.metrics import TransferMetrics
 from pdserve.kv_transfer.plan import MAX_SEGMENTS, layer_tag, tag_base
 from pdserve.kv_transfer.reservation import Drain, PrefillConn
 
@@ -28,8 +29,11 @@ class Drains:
     ``settle_timeout_s``, and drops the connection if even that stalls.
     """
 
-    def __init__(self, kv: torch.Tensor, block_bytes: int, settle_timeout_s: float) -> None:
+    def __init__(
+        self, kv: torch.Tensor, block_bytes: int, settle_timeout_s: float, metrics: TransferMetrics
+    ) -> None:
         self._kv = kv
+        self._metrics = metrics
         self._block_bytes = block_bytes
         self._num_layers = kv.shape[0]
         self._max_blocks = kv.shape[1]
@@ -102,6 +106,7 @@ class Drains:
         if not drain.unsettled:
             return
         if not drain.drained:
+            self._metrics.settle_timed_out()  # the sender never said which layers it sent
             self._cancel_unsent(drain, set())
             drain.grace = asyncio.get_running_loop().call_later(
                 self._settle_timeout_s, self._force, peer, drain

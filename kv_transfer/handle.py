@@ -626,6 +626,7 @@ class SenderHandle:
             await asyncio.wait_for(self._settled.wait(), timeout)
         except TimeoutError:
             log.warning("transfer %s: %d sends unsettled; cancelling", self.request_id, len(self._ops))
+            self._sender.metrics.settle_timed_out()
             for op in list(self._ops.values()):
                 op.cancel()
             try:
@@ -656,6 +657,8 @@ class SenderHandle:
             await asyncio.wait_for(self._flush(), timeout)
             return notify
         except (TimeoutError, TransferError) as exc:
+            if isinstance(exc, TimeoutError):
+                self._sender.metrics.settle_timed_out()
             # Unconfirmed puts: say nothing the receiver would free on; the broken connection
             # (it frees on that, see receiver.py) is the only safe word left.
             log.warning("transfer %s: puts not confirmed (%r); closing the connection", self.request_id, exc)

@@ -93,6 +93,13 @@ class _Families:
             ["role", "path"],
             registry=registry,
         )
+        self.settle_timeouts = Counter(
+            "pdserve_kv_transfer_settle_timeouts_total",
+            "Failed transfers whose in-flight messages did not settle within the settle timeout and were "
+            "cancelled (a stalled link or peer), counted by the side that gave up waiting.",
+            ["role"],
+            registry=registry,
+        )
         self.inflight = Gauge(
             "pdserve_kv_transfer_inflight",
             "Transfers currently reserved or open.",
@@ -121,6 +128,7 @@ class TransferMetrics:
         self._failures = fam.failures
         self._layer = fam.layer.labels(role=role.value)
         self._inflight = fam.inflight.labels(role=role.value)
+        self._settle_timeouts = fam.settle_timeouts.labels(role=role.value)
         # Create every reason's series up front so dashboards see zeros, not gaps.
         for reason in FailureReason:
             self._failures.labels(role=role.value, reason=reason.value)
@@ -137,6 +145,9 @@ class TransferMetrics:
 
     def transfer_failed(self, reason: FailureReason) -> None:
         self._failures.labels(role=self.role.value, reason=reason.value).inc()
+
+    def settle_timed_out(self) -> None:
+        self._settle_timeouts.inc()
 
     def layer_done(self, seconds: float) -> None:
         self._layer.observe(seconds)

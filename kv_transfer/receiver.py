@@ -77,10 +77,10 @@ class KVReceiver:
         self._compat = compat
         self._hash = compat.hash()
         self._config = config or TransferConfig()
-        self._drains = Drains(kv, self._spans.block_bytes, self._config.settle_timeout_s)
+        self.metrics = TransferMetrics(Role.DECODE, registry)
+        self._drains = Drains(kv, self._spans.block_bytes, self._config.settle_timeout_s, self.metrics)
         self._conn_ids = ConnIds(MAX_CONN_IDS)
         self._nonces = auth.SeenNonces()
-        self.metrics = TransferMetrics(Role.DECODE, registry)
         self._transport: Transport | None = None
         self._by_request: dict[str, Reservation] = {}
         self._by_transfer: dict[int, Reservation] = {}
@@ -665,6 +665,7 @@ class KVReceiver:
         if rx.revoking:
             if not rx.revoke_forced:
                 rx.revoke_forced = True
+                self.metrics.settle_timed_out()
                 log.warning(
                     "transfer %s: %d connections did not answer its revoke in %ss; closing them and "
                     "holding its blocks %ss more",
@@ -689,6 +690,7 @@ class KVReceiver:
             return
         if rx.rma:
             if rx.conn is not None and rx.conn.alive:
+                self.metrics.settle_timed_out()
                 log.warning(
                     "transfer %s: no AbortAck from the RMA sender in %ss; closing the connection and "
                     "holding its blocks %ss more",
@@ -710,6 +712,7 @@ class KVReceiver:
         if not rx.drained:
             self._drain(rx, ())
             return
+        self.metrics.settle_timed_out()
         log.warning(
             "transfer %s: %d receives still in flight; closing the connection", rx.request_id, rx.unsettled
         )
