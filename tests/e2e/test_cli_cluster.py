@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -17,12 +16,7 @@ from pdserve.worker.auth import token_metadata
 from pdserve.worker.role import Role
 from tests.e2e.cluster_harness import fake_state, stop_cluster
 from tests.fake_workers import make_model_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def test_up_after_a_router_crash_stops_what_the_old_cluster_left_running(tmp_path, capsys):

@@ -11,12 +11,7 @@ import openai
 from pdserve.cli import main as cli
 from pdserve.deploy.local import cluster
 from tests.fake_workers import make_model_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def test_up_with_http_port_shows_the_url_in_status(tmp_path, capsys):

@@ -15,12 +15,7 @@ from pdserve.deploy.local import cluster
 from pdserve.proto import worker_pb2
 from pdserve.worker.role import Role
 from tests.e2e.cluster_harness import fake_state
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def test_parser_defaults_and_validation():
@@ -195,7 +190,6 @@ def test_up_fails_with_the_log_tail_and_stops_what_it_started(tmp_path, capsys):
 def test_router_start_errors_name_what_failed_not_the_model(capsys):
     """A port in use and a bad setting are one line naming them (they were reported as the model failing
     to load, and a taken gRPC port as a traceback)."""
-    import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -31,6 +31,7 @@ from pdserve.router.validate import ModelLimits
 from pdserve.worker.agent import RegistrationError
 from pdserve.worker.role import Role
 from tests.fake_workers import CONTEXT, EOS, ID, FakeWorker, Transfers, ids, make_model_dir
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -1057,9 +1058,7 @@ def test_agent_retries_until_router_is_up_and_reregisters_when_forgotten(model_d
     attempts = register_attempts(monkeypatch)
 
     async def main():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         w = FakeWorker("b1", Role.BOTH, ids("hello"))
         joining = asyncio.ensure_future(w.start(f"127.0.0.1:{port}", retry_interval_s=0.05))
         await until(lambda: len(attempts) >= 3, what="three failed registration attempts")
@@ -1092,9 +1091,7 @@ def test_a_workers_readiness_service_is_serving_only_while_registered(model_dir,
     attempts = register_attempts(monkeypatch)
 
     async def main():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         w = FakeWorker("b1", Role.BOTH, ids("hello world"))  # a "hold-" request holds after "hello"
         shell = WorkerShell(ShellConfig(host="127.0.0.1", drain_timeout_s=10.0, stop_grace_s=0.1))
         address = await shell.start(lambda srv: worker_pb2_grpc.add_WorkerServicer_to_server(w, srv))
@@ -1171,9 +1168,7 @@ def test_a_worker_told_to_stop_while_it_waits_for_its_router_stops_at_once(model
     attempts = register_attempts(monkeypatch)
 
     async def main():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]  # nothing listens here
+        port = free_port()  # nothing listens here
         w = FakeWorker("b1", Role.BOTH, ids("hello"))
         shell = WorkerShell(ShellConfig(host="127.0.0.1", drain_timeout_s=10.0, stop_grace_s=0.1))
         address = await shell.start(lambda srv: worker_pb2_grpc.add_WorkerServicer_to_server(w, srv))
@@ -1254,9 +1249,7 @@ def test_an_agent_that_gives_up_says_what_the_last_try_got(model_dir):
     with it."""
 
     async def main():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         w = FakeWorker("b1", Role.BOTH, ids("hello"))
         with pytest.raises(RegistrationError, match=r"did not answer within 0.3s \(last: UNAVAILABLE: "):
             await w.start(f"127.0.0.1:{port}", retry_interval_s=0.05, register_timeout_s=0.3)
