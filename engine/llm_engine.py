@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -506,9 +507,21 @@ class LLMEngine:
         # The constrained rows' masks are filled while the forward runs.
         masks = self.constrained.start_masks([s.seq_id for s in seqs]) if self.constrained else None
         if self.speculator is not None and batch.kind is BatchKind.DECODE:
+            began = time.perf_counter()
             proposals = self._propose(batch)
             if proposals is not None:
-                return self._speculative_step(batch, proposals, masks)
+                deltas = self._speculative_step(batch, proposals, masks)
+                rows = len(batch.items) + sum(map(len, proposals))
+            else:
+                deltas = self._plain_step(batch, masks)
+                rows = len(batch.items)
+            # (what the adaptive rule weighs a proposed token's cost by)
+            self.speculator.observe_step(rows, time.perf_counter() - began)
+            return deltas
+        return self._plain_step(batch, masks)
+
+    def _plain_step(self, batch: Batch, masks: Future[TokenMask] | None) -> list[RequestOutputDelta]:
+        seqs = [it.seq for it in batch.sample_items]
         if self._logprobs:  # (some request asked for logprobs: the other steps do no work for them)
             return self._logprob_step(batch, masks)
         logits = self._forward(batch)  # [n_sample, V]
@@ -627,6 +640,7 @@ class LLMEngine:
         reserve = self.scheduler.reserve_lookahead
         constrained, max_len = self.constrained, self.max_model_len
         seqs = [it.seq for it in batch.items]
+        spec.plan(len(seqs))
         limits: list[int] = []
         for seq in seqs:
             p = seq.params

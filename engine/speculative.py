@@ -21,6 +21,8 @@ from pdserve.engine.sequence import Sequence
 # are worth the tries (a copied span often starts after one).
 FREE_MISSES = 2
 MAX_PAUSE_STEPS = 16
+# A stream none of whose proposed tokens would pay at its acceptance rests this long, then proposes anew.
+PROBE_PAUSE_STEPS = 4
 
 
 class SpeculativeMethod(enum.StrEnum):
@@ -37,8 +39,8 @@ class SpeculativeConfig:
     # The n-gram proposer matches the stream's last n tokens, longest first, for n in [min, max].
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    # Adaptive: shrink a stream's k to what it last accepted plus one, and pause a stream whose proposals
-    # keep being wholly rejected (``FREE_MISSES``, ``MAX_PAUSE_STEPS``), so open-ended output is not slowed.
+    # Adaptive: propose as many of k as pay at the stream's acceptance and the step's cost (``Speculator``),
+    # and rest a stream whose proposals keep being wholly rejected, so open-ended output is not slowed.
     adaptive: bool = True
     # method "draft": how many of the target's first layers the draft runs (0: a quarter of them).
     draft_layers: int = 0
@@ -159,17 +161,62 @@ class DraftProposer:
 class StreamState:
     """A stream's speculation state, kept on its ``Sequence`` (so it ends with it)."""
 
-    k: int  # the most it proposes next
+    # Decayed counts of its proposals' accepted tokens and of their rejections (at most one a proposal):
+    # accepted / (accepted + rejected) estimates the chance that its next proposed token stands. The
+    # prior is one of each (an even chance) until its own proposals say otherwise.
+    accepted: float = 1.0
+    rejected: float = 1.0
     pause: int = 0  # steps left before it proposes again
     misses: int = 0  # consecutive wholly rejected proposals
+    probing: bool = False  # resting because no token paid: it proposes one when the rest ends
     index: _NgramIndex | None = None
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
 
 
 def _state(seq: Sequence) -> StreamState:
     st = seq.spec
     if st is None:
-        st = seq.spec = StreamState(k=0)
+        st = seq.spec = StreamState()
     return st
+
+
+# How fast a stream's acceptance estimate forgets (per proposal) and the step-cost fit forgets (per step).
+ACCEPTANCE_DECAY = 0.7
+STEP_COST_DECAY = 0.97
+# The share of a decode step its rows cost, assumed until the fit has seen steps of different sizes.
+DEFAULT_ROW_SHARE = 0.2
+
+
+class StepCost:
+    """A decode step's seconds as ``a + b * rows``, fitted by least squares over recent steps (exponential
+    forgetting): ``b`` is what one more verified row adds to the step it rides in."""
+
+    def __init__(self) -> None:
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = STEP_COST_DECAY
+        self._n = self._n * d + 1.0
+        self._x = self._x * d + rows
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + rows * rows
+        self._xy = self._xy * d + rows * seconds
+
+    def row_share(self, rows: int) -> float:
+        """``b * rows / (a + b * rows)``: the share of a step of ``rows`` rows that goes with its rows (the
+        rest is paid once a step: weights read, launches). ``DEFAULT_ROW_SHARE`` until steps of different
+        sizes were seen."""
+        spread = self._n * self._xx - self._x * self._x
+        if self._n < 4 or spread < 0.5 * self._n * self._n:  # (row counts' variance below 0.5)
+            return DEFAULT_ROW_SHARE
+        b = (self._n * self._xy - self._x * self._y) / spread
+        a = (self._y - b * self._x) / self._n
+        b, a = max(b, 0.0), max(a, 0.0)
+        step = a + b * rows
+        return b * rows / step if step > 0 else DEFAULT_ROW_SHARE
 
 
 @dataclass
@@ -194,24 +241,54 @@ class SpeculationStats:
 
 
 class Speculator:
-    """Decides each stream's proposal for a decode step and keeps the adaptive rule and the stats."""
+    """Decides each stream's proposal for a decode step and keeps the adaptive rule and the stats.
+
+    The adaptive rule weighs a proposed token's chance against its cost. The j-th token of a stream's
+    proposal stands with chance ``p**j`` (``p``: the stream's acceptance estimate) and costs one row of the
+    verify forward; a step of ``B`` streams makes ``B`` tokens for ``a + b * B`` seconds. So the j-th token
+    pays while ``p**j / b > B / (a + b * B)``, i.e. ``p**j`` exceeds the step's row share (``StepCost``):
+    small when weights dominate a step (batch 1, memory-bound devices), large when rows do (big batches
+    on a compute-bound CPU). A stream proposes at least one token while it is not resting; one whose
+    proposals keep being wholly rejected rests (``FREE_MISSES``, ``MAX_PAUSE_STEPS``)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         # The draft proposer needs the engine's model: the engine sets it (``DraftProposer``).
         self.proposer: Proposer = NgramProposer(config)
         self.stats = SpeculationStats()
+        self.step_cost = StepCost()
+        self._row_share = DEFAULT_ROW_SHARE  # of the step being planned (``plan``)
+
+    def plan(self, streams: int) -> None:
+        """A decode step of ``streams`` streams is about to be proposed for."""
+        self._row_share = self.step_cost.row_share(streams)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step (verifying or not) of ``rows`` rows took ``seconds``."""
+        self.step_cost.observe(rows, seconds)
 
     def limit(self, seq: Sequence, room: int) -> int:
-        """The most ``seq`` proposes for the next step: its own k, at most ``room`` (what its budget and
-        context allow after the one token the step makes anyway); 0 while it rests."""
+        """The most ``seq`` proposes for the next step: what pays at its acceptance, at most k and at most
+        ``room`` (what its budget and context allow after the one token the step makes anyway); 0 while
+        it rests."""
         st = _state(seq)
-        if st.k == 0:
-            st.k = self.config.num_speculative_tokens
         if st.pause:
             st.pause -= 1
             return 0
-        return max(min(st.k, room), 0)
+        k = self.config.num_speculative_tokens
+        if self.config.adaptive:
+            p, share, n = st.acceptance, self._row_share, 0
+            chance = p
+            while n < k and chance > share:
+                n += 1
+                chance *= p
+            if n == 0 and not st.probing:
+                # Not even its first token pays: rest, then try one (its estimate would never move else).
+                st.pause, st.probing = PROBE_PAUSE_STEPS, True
+                return 0
+            st.probing = False
+            k = max(n, 1)
+        return max(min(k, room), 0)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         return self.proposer.propose(seqs, limits)
@@ -226,15 +303,14 @@ class Speculator:
         if not self.config.adaptive:
             return
         st = _state(seq)
+        st.accepted = st.accepted * ACCEPTANCE_DECAY + accepted
+        st.rejected = st.rejected * ACCEPTANCE_DECAY + (accepted < proposed)
         if accepted == 0:
             st.misses += 1
             if st.misses > FREE_MISSES:
                 st.pause = min(1 << (st.misses - FREE_MISSES), MAX_PAUSE_STEPS)
-            st.k = 1
             return
         st.misses = 0
-        full = self.config.num_speculative_tokens
-        st.k = min(full, accepted + 1) if accepted < proposed else min(full, 2 * st.k)
 
 
 def accepted_prefix(proposal: list[int], samples: list[int]) -> int:

@@ -26,12 +26,15 @@ from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sequence import Sequence
 from pdserve.engine.speculative import (
+    DEFAULT_ROW_SHARE,
     FREE_MISSES,
     MAX_PAUSE_STEPS,
+    PROBE_PAUSE_STEPS,
     DraftProposer,
     NgramProposer,
     SpeculativeConfig,
     Speculator,
+    StepCost,
     accepted_prefix,
 )
 from tests.unit.test_llm import assert_no_leak, hf_greedy, prompts_of
@@ -132,28 +135,60 @@ def test_ngram_proposes_the_continuation_of_the_longest_most_recent_match():
     assert prop.propose([seq, other, seq], [4, 4, 0]) == [[], [], []]
 
 
-def test_the_adaptive_rule_pauses_missing_streams_and_grows_k_back():
+def _fitted(a: float, b: float) -> StepCost:
+    cost = StepCost()
+    for rows in (1, 2, 3, 4, 5) * 4:
+        cost.observe(rows, a + b * rows)
+    return cost
+
+
+def test_the_step_cost_fit_gives_the_share_of_a_step_its_rows_cost():
+    cost = StepCost()
+    for _ in range(20):  # one size of step only: nothing to fit a slope to
+        cost.observe(8, 0.1)
+    assert cost.row_share(8) == DEFAULT_ROW_SHARE
+    cost = _fitted(a=0.9, b=0.1)
+    assert cost.row_share(1) == pytest.approx(0.1) and cost.row_share(9) == pytest.approx(0.5)
+
+
+def test_the_adaptive_rule_weighs_acceptance_against_the_step_cost_and_rests_missing_streams():
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    spec.step_cost = _fitted(a=0.9, b=0.1)
+    spec.plan(1)  # batch 1: a row costs a tenth of the step
     seq = Sequence("s", [1, 2], GREEDY, 0)
+    assert spec.limit(seq, 10) == 3  # the prior even chance: 1/2, 1/4, 1/8 > 1/10 > 1/16
+    spec.record(seq, 3, 3)  # all accepted: the fourth token pays too
     assert spec.limit(seq, 10) == 4
-    for _ in range(FREE_MISSES):  # wholly rejected: k drops to one, and a few misses are free
+    assert spec.limit(seq, 3) == 3 and spec.limit(seq, 0) == 0  # the room caps it
+    for _ in range(FREE_MISSES):  # wholly rejected: fewer tokens, and a few misses are free
         spec.record(seq, 4, 0)
-    assert spec.limit(seq, 10) == 1
-    spec.record(seq, 1, 0)  # one miss too many: pause 2 steps
-    assert [spec.limit(seq, 10) for _ in range(3)] == [0, 0, 1]
-    spec.record(seq, 1, 0)  # and again: pause 4
-    assert [spec.limit(seq, 10) for _ in range(5)] == [0, 0, 0, 0, 1]
-    spec.record(seq, 1, 1)  # all accepted: k doubles back towards 4, and the misses are forgiven
-    assert spec.limit(seq, 10) == 2
-    spec.record(seq, 2, 2)
-    assert spec.limit(seq, 10) == 4
-    spec.record(seq, 4, 1)  # one of four: next time two
-    assert spec.limit(seq, 3) == 2 and spec.limit(seq, 1) == 1 and spec.limit(seq, 0) == 0  # the room caps it
+    assert 1 <= spec.limit(seq, 10) < 4
+    spec.record(seq, 1, 0)  # one miss too many: rest 2 steps
+    assert [spec.limit(seq, 10) for _ in range(3)][:2] == [0, 0]
+    spec.record(seq, 1, 0)  # and again: rest 4
+    assert [spec.limit(seq, 10) for _ in range(5)][:4] == [0, 0, 0, 0]
     for _ in range(12):
         spec.record(seq, 1, 0)
     assert seq.spec is not None and seq.spec.pause == MAX_PAUSE_STEPS
+    spec.record(seq, 1, 1)  # an accepted token forgives the misses
+    assert seq.spec.misses == 0
+
+    sure = Sequence("t", [1, 2], GREEDY, 0)
+    for _ in range(3):
+        spec.record(sure, 4, 4)
+    assert spec.limit(sure, 10) == 4
+    spec.step_cost = _fitted(a=0.01, b=0.1)
+    spec.plan(8)  # 8 streams where rows cost nearly all of a step: not even a 96% token pays
+    # It rests, then tries one token (so that its estimate can move), and rests again if that does not pay.
+    assert [spec.limit(sure, 10) for _ in range(PROBE_PAUSE_STEPS + 3)] == [0] * (PROBE_PAUSE_STEPS + 1) + [
+        1,
+        0,
+    ]
+    fixed = Speculator(SpeculativeConfig(num_speculative_tokens=4, adaptive=False))
+    fixed.plan(8)
+    assert fixed.limit(Sequence("u", [1, 2], GREEDY, 0), 10) == 4
     s = spec.stats
-    assert s.verify_steps == 0 and s.streams_verified == FREE_MISSES + 2 + 3 + 12
+    assert s.verify_steps == 0 and s.streams_verified == 1 + FREE_MISSES + 2 + 12 + 1 + 3
     assert 0 < s.acceptance_rate < 1 and s.mean_accepted_length > 1
 
 
