@@ -34,7 +34,7 @@ import pytest
 from pdserve.deploy.local import cluster
 from pdserve.proto import generation_pb2, generation_pb2_grpc
 from pdserve.worker.role import Role
-from tests.e2e.cluster_harness import Cluster, ThreadedStreams, generate, worker_load
+from tests.e2e.cluster_harness import Cluster, ThreadedStreams, generate, metric_sum, worker_load
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ MAX_TOKENS = 48
 # The run whose link is cut streams longer, so that the cut lands mid-stream on a fast machine too (the
 # victim is picked by asking the workers at once; a tiny-model token takes milliseconds); greedy, so all
 # its tokens are the undisturbed run's (which streams as many).
-CUT_RUN_TOKENS = 512
+CUT_RUN_TOKENS = 1500
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -139,7 +139,7 @@ def _start(net: Net, state_dir: Path, model: Path) -> cluster.ClusterState:
     router = _spawn(
         net, state_dir, "router",
         ["router", "--host", r, "--port", str(ROUTER_PORT), "--local-prefill-threshold", "1",
-         "--max-migrations", "3", "--heartbeat-timeout", "10"],
+         "--max-migrations", "3", "--heartbeat-timeout", "10", "--no-rebalance"],
         None,
     )  # fmt: skip
     common = [
@@ -254,8 +254,10 @@ def test_router_and_workers_in_separate_namespaces(tmp_path, netns, tiny_served_
         for a, r in zip(again, reqs, strict=True):
             got = streams.got[a.request_id]  # no gap, no duplicate
             assert len(got) == CUT_RUN_TOKENS and got == want[r.request_id], a.request_id
-        migrations = _metric(c.status()["router"]["metrics_url"], "pdserve_router_migrations_total")
-        assert migrations >= 1, "the cut-off worker's streams were migrated"
+        router_metrics = c.status()["router"]["metrics_url"]
+        migrations = _metric(router_metrics, "pdserve_router_migrations_total")
+        moved_live = metric_sum(router_metrics, "pdserve_router_live_moves_total", outcome="moved")
+        assert migrations >= 1, f"the cut-off worker's streams were not migrated ({busy=}, {moved_live=})"
         assert resumed_s < 60, resumed_s
 
         netns.link(victim, up=True)  # the cut-off worker frees what it held once it can hear again
