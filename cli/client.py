@@ -49,6 +49,8 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 1),  # measured; 0: not yet
                 "model": info.model,
                 "device": info.device or "cpu",  # a worker that leaves the field empty runs on the CPU
+                # processes of its tensor-parallel group (rank 0 registers; the others follow it)
+                "tensor_parallel_size": max(info.tensor_parallel_size, 1),
                 "dtype": info.dtype,
                 "quantization": info.quantization or "none",
                 "kv_layout": info.kv_layout,
@@ -95,6 +97,12 @@ def _dtype_cell(w: dict[str, Any]) -> str:
     return (w["dtype"] or "-") + ("" if quant == "none" else f"/{quant}")
 
 
+def _device_cell(w: dict[str, Any]) -> str:
+    """``cpu``, or ``cpu x2`` for a worker whose model is split over a tensor-parallel group of 2."""
+    tp = w.get("tensor_parallel_size", 1)
+    return w["device"] + ("" if tp == 1 else f" x{tp}")
+
+
 def status_table(doc: dict[str, Any]) -> str:
     r, t = doc["router"], doc["totals"]
     lines = [f"router {r['address']}: {r['requests_running']} running, {r['requests_waiting']} waiting"]
@@ -131,7 +139,7 @@ def status_table(doc: dict[str, Any]) -> str:
             w["id"],
             w["role"],
             w["state"],
-            w["device"],
+            _device_cell(w),
             _dtype_cell(w),
             w["address"],
             str(w["running"]),

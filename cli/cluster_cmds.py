@@ -148,6 +148,7 @@ def _up(args: argparse.Namespace) -> int:
         tls_ca=tls_config.ca_file,
         device=device,
         gpu_memory_utilization=util,
+        colocated_tp=args.colocated_tp,
     )
     # Written before any wait, so `down` finds whatever was started even if `up` dies.
     cluster.save_state(state_dir, state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import msgspec
 from prometheus_client import CollectorRegistry
 
 from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop
@@ -45,7 +46,12 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
         detokenize=False,  # the router applies stop strings; a worker stops on token ids and lengths
         kv_shared_memory=args.kv_shared_memory,
         speculative_config=args.speculative_config(),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
+
+
+class RankLost(RuntimeError):
+    """A process of the worker's tensor-parallel group is gone: no forward can run any more."""
 
 
 class DecodePool:
@@ -84,6 +90,14 @@ class DecodePool:
         engine = self.loop.engine
         # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
         compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
+        layout = compat
+        tp = engine.runner.tp
+        if tp is not None:
+            # Its rank 0's cache holds that rank's heads only: the cluster checks the model's whole KV
+            # shape, and transfers (which would carry rank 0's heads alone) fail its record's check.
+            layout = msgspec.structs.replace(compat, num_kv_heads=engine.runner.config.num_kv_heads)
+            loop = self.loop
+            tp.watch(lambda why: loop.fail(RankLost(why)))
         # Every decode-capable worker receives KV: a remote prefill's (role decode) and a stream moved here
         # live (either role); and it exports its own streams' KV when they move away.
         self.remote = RemotePrefill(
@@ -101,7 +115,7 @@ class DecodePool:
             engine.dtype,
             engine.device,
             engine.runner.startup_seconds,
-            compat.describe(),
+            layout.describe(),
             engine.block_manager if engine.block_manager.enable_prefix_caching else None,
             engine.cache_salt,
         )

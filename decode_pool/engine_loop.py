@@ -328,7 +328,14 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - the thread must not end silently
             self._die(e)
 
+    def fail(self, cause: BaseException) -> None:
+        """The engine can serve nothing more (a tensor-parallel rank is gone): as if its thread had died of
+        ``cause``. Safe from any thread; the first death is the one reported."""
+        self._die(cause)
+
     def _die(self, cause: BaseException) -> None:
+        if self.failure is not None:  # (a second death, e.g. the thread's own after ``fail``)
+            return
         err = EngineDied(f"the engine thread died: {cause!r}")
         err.__cause__ = cause
         log.critical("%s", err, exc_info=cause)

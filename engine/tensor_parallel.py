@@ -22,9 +22,10 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -187,6 +188,25 @@ class TensorParallel:
         """Rank 0: hand a forward's call to every follower before running it."""
         for c in self.followers:
             c.send(call)
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Rank 0: call ``on_lost(why)`` once, from a thread of its own, when a follower dies while the group
+        is open. A follower never writes to its pipe, so the pipe turning readable is its end (EOF): no
+        polling, and the worker hears of it at once rather than at its next collective's timeout."""
+
+        def run() -> None:
+            try:
+                ended = wait(self.followers)
+            except OSError:  # (the pipes were closed under the wait: close() ran)
+                return
+            if self.closed or not ended:
+                return
+            rank = self.followers.index(ended[0]) + 1  # type: ignore[arg-type]
+            pid = self.processes[rank - 1].pid if rank <= len(self.processes) else "?"
+            on_lost(f"tensor-parallel rank {rank} (pid {pid}) of {self.size} is gone")
+
+        if self.followers:
+            threading.Thread(target=run, name="tp-watch", daemon=True).start()
 
     def close(self) -> None:
         """Rank 0: close the pipes (each follower exits) and wait for the processes."""

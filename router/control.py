@@ -118,6 +118,7 @@ class RegistryService(worker_pb2_grpc.RegistryServicer):
             instance=info.instance,
             standby=info.standby,
             prefix_cache_salt=info.prefix_cache_salt,
+            tensor_parallel_size=max(info.tensor_parallel_size, 1),
         )
         now = time.monotonic()
         holder = router.registry.held_by_another(w, now)

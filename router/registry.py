@@ -53,7 +53,14 @@ class Worker:
     prefix_cache_salt: str = ""  # its block hashes' salt (WorkerInfo.prefix_cache_salt); "": no prefix cache
     kv_blocks_cached: int = 0  # held by its prefix cache only (free to evict): by the last heartbeat
     prefill_tokens_per_s: float = 0.0  # its measured prefill rate, by the last heartbeat (0: not yet)
+    tensor_parallel_size: int = 1  # the processes of its tensor-parallel group (WorkerInfo)
     extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def moves_live(self) -> bool:
+        """Its streams can move live to another worker and others' to it: not a tensor-parallel group's,
+        whose KV is spread over its ranks (a stream there re-prefills where it goes)."""
+        return self.tensor_parallel_size <= 1
 
     @property
     def kv_blocks_free(self) -> int:

@@ -105,6 +105,8 @@ class WorkerArgs:
     draft_layers: int = 0
     # A warm-pool worker: loads, registers and heartbeats, but the router routes to it only once promoted.
     standby: bool = False
+    # The model split over this many processes (``engine.tensor_parallel``); colocated CPU workers only.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -139,7 +141,27 @@ class WorkerArgs:
             interfaces_for_host(self.host)  # no interface carries --host: say so now, not at a transfer
         self.transfer_config()  # checks kv_interface
         self.speculative_config()  # checks speculative and num_speculative_tokens
+        self._check_tensor_parallel()
         self.tls.check_server()
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
+        if tp == 1:
+            return
+        if self.role is not Role.BOTH:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} needs --role both: a prefill or decode worker moves its KV to "
+                "another worker, and a transfer between tensor-parallel groups (each rank writing its heads) "
+                "is not built yet"
+            )
+        if device_index(self.device) is not None:
+            raise ValueError(
+                f"--tensor-parallel-size {tp} runs on CPUs (gloo) only, not on --device {self.device}"
+            )
+        if self.kv_shared_memory:
+            raise ValueError(f"--tensor-parallel-size {tp} and --kv-shared-memory do not go together")
 
     def speculative_config(self) -> SpeculativeConfig | None:
         """The engine's speculative decoding settings (None: off); ValueError naming a bad flag."""
@@ -233,4 +255,5 @@ class WorkerArgs:
             kv_layout=kv_layout,
             tokenizer_digest=tokenizer_digest,
             instance=INSTANCE,
+            tensor_parallel_size=self.tensor_parallel_size,
         )

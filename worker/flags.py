@@ -73,7 +73,16 @@ GPU_MEMORY_UTILIZATION = Flag(
 )
 # (its default, all the cores this process may run on, is resolved at start)
 THREADS = Flag("--threads", "torch threads (default: all cores)", type=positive)
-ENGINE = (DTYPE, QUANTIZATION, DEVICE, GPU_MEMORY_UTILIZATION, THREADS)
+TENSOR_PARALLEL_SIZE = Flag(
+    "--tensor-parallel-size",
+    "split the model over this many processes on this host (attention heads, MLP columns, the vocabulary "
+    "and the KV cache's heads; gloo on loopback), each with --threads torch threads; a colocated (--role "
+    "both) CPU worker only; its streams re-prefill rather than move live (default %(default)s)",
+    default=WorkerArgs.tensor_parallel_size,
+    type=positive,
+    field="tensor_parallel_size",
+)
+ENGINE = (DTYPE, QUANTIZATION, DEVICE, GPU_MEMORY_UTILIZATION, THREADS, TENSOR_PARALLEL_SIZE)
 
 # -- the process: its id, its pool standing, its stop -------------------------------------------------------
 WORKER_ID = Flag("--worker-id", "default: ROLE-HOST-PID")  # (resolved at start)

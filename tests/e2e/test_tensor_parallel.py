@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -169,3 +170,68 @@ def test_followers_die_with_a_killed_rank0(gqa_model, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_dead_follower_is_heard_at_once(gqa_model):
+    """Rank 0 hears of a follower's death from its pipe (EOF), not from a collective's timeout."""
+    llm = LLM(gqa_model, dtype="float32", threads=1, tensor_parallel_size=2)
+    tp = llm.engine.runner.tp
+    assert tp is not None
+    lost: list[str] = []
+    heard = threading.Event()
+    tp.watch(lambda why: (lost.append(why), heard.set()))
+    try:
+        follower = tp.processes[0]
+        follower.kill()
+        assert heard.wait(10), "rank 0 did not hear of its follower's death"
+        assert lost == [f"tensor-parallel rank 1 (pid {follower.pid}) of 2 is gone"]
+    finally:
+        llm.engine.close()
+
+
+def _followers_of(pid: int) -> list[psutil.Process]:
+    children = psutil.Process(pid).children()
+    return [p for p in children if "pdserve.engine.tp_follower" in " ".join(p.cmdline())]
+
+
+def test_colocated_groups_serve_and_a_dead_rank_takes_its_worker_out(tmp_path, tiny_served_model):
+    """`up --colocated 2 --colocated-tp 2`: two workers of two processes each, shown as such by `status`.
+    SIGKILL of one worker's follower under 8 streams: that worker stops (its rank 0 hears at once), its
+    streams re-prefill on the other and every client gets the undisturbed tokens; no process of the dead
+    worker is left, and the survivor ends holding no KV block."""
+    from tests.e2e.cluster_harness import (
+        migrations,
+        run_all,
+        running_cluster,
+        streaming,
+        wait_until,
+        worker_load,
+    )
+    from tests.e2e.test_live_migration_e2e import _requests
+
+    extra = ("--colocated-tp", "2", "--heartbeat-timeout", "15")
+    with running_cluster(tmp_path, colocated=2, model=tiny_served_model, extra=extra) as c:
+        workers = c.workers()
+        assert [(w["role"], w["tensor_parallel_size"]) for w in workers] == [("both", 2), ("both", 2)]
+        assert all(len(_followers_of(c.worker_pid(w["id"]))) == 1 for w in workers)
+        want = run_all(c.address, _requests("ref", 300)[:8])
+        reqs = _requests("tp", 300)[:8]
+        meta = c.token_metadata()
+        with streaming(c, reqs, after=4) as streams:
+            assert streams.wait_streaming(120)
+            victim = max(workers, key=lambda w: worker_load(w["address"], meta).running)
+            survivor = next(w for w in workers if w["id"] != victim["id"])
+            rank0 = psutil.Process(c.worker_pid(victim["id"]))
+            (follower,) = _followers_of(rank0.pid)
+            follower.kill()
+            streams.join(180)
+        assert not streams.errors, streams.errors
+        for r in reqs:
+            assert streams.got[r.request_id] == want["ref-" + r.request_id.split("-", 1)[1]][0], r.request_id
+        assert sum(migrations(c).values()) > 0, "no stream moved off the broken worker"
+
+        def gone(p: psutil.Process) -> bool:
+            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+
+        wait_until(lambda: gone(rank0) and gone(follower), 60, "the broken worker's processes to exit")
+        c.assert_no_leaks(workers=[survivor["id"]])

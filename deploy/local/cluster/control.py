@@ -68,6 +68,11 @@ def worker_argv(
         worker_id,
         *(("--cpus", placement.format_cpu_list(cpus)) if cpus else ()),
         *(("--standby",) if standby else ()),
+        *(
+            ("--tensor-parallel-size", str(state.colocated_tp))
+            if role is Role.BOTH and state.colocated_tp > 1
+            else ()
+        ),
         *state.worker_flags,
     )
 

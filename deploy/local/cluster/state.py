@@ -69,6 +69,8 @@ class ClusterState(msgspec.Struct, frozen=True):
     # their addresses. Every worker registers with every router; any one of them can be asked anything.
     more_routers: tuple[ProcessEntry, ...] = ()
     more_router_addresses: tuple[str, ...] = ()
+    # `up --colocated-tp N`: every colocated worker is a tensor-parallel group of N processes.
+    colocated_tp: int = 1
 
     def routers(self) -> list[tuple[str, ProcessEntry]]:
         """Every router of the cluster: (address, process), the first router first."""

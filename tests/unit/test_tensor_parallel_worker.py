@@ -1,0 +1,74 @@
+"""A tensor-parallel worker's plumbing, in process: the flag's checks, what `up` starts, how the router
+treats a group (no live moves in or out), and what `pdserve status` shows. The group itself runs in
+tests/e2e/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pdserve.cli import client, serve_cmds
+from pdserve.cli import main as cli
+from pdserve.decode_pool.app import engine_config
+from pdserve.deploy.local.cluster.control import worker_argv
+from pdserve.deploy.local.cluster.state import ProcessEntry
+from pdserve.proto import worker_pb2
+from pdserve.router.registry import Worker
+from pdserve.worker.args import WorkerArgs
+from pdserve.worker.role import Role
+from tests.e2e.cluster_harness import fake_state
+
+
+def _args(role: Role, **kw) -> WorkerArgs:
+    return WorkerArgs(role=role, router="r:1", worker_id="w", **kw)
+
+
+def test_the_flag_splits_a_colocated_cpu_worker_and_names_itself_elsewhere():
+    assert engine_config(_args(Role.BOTH, tensor_parallel_size=2)).tensor_parallel_size == 2
+    assert engine_config(_args(Role.DECODE)).tensor_parallel_size == 1
+    for role in (Role.PREFILL, Role.DECODE):
+        with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 needs --role both"):
+            _args(role, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 runs on CPUs \(gloo\) only"):
+        _args(Role.BOTH, tensor_parallel_size=2, device="cuda:0")
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size must be >= 1"):
+        _args(Role.BOTH, tensor_parallel_size=0)
+    a = cli.build_parser().parse_args(
+        ["worker", "--role", "both", "--router", "r:1", "--tensor-parallel-size", "3"]
+    )
+    w = serve_cmds.worker_args(a, "h", 1, cpus=2)
+    assert w.tensor_parallel_size == 3
+    info = w.worker_info("h:1", kv_blocks_total=1, context_length=8, pid=1, dtype="float32", device="cpu")
+    assert info.tensor_parallel_size == 3
+
+
+def test_up_starts_colocated_workers_as_groups_and_the_others_alone():
+    parsed = cli.build_parser().parse_args(["up", "--colocated", "1", "--colocated-tp", "2"])
+    assert parsed.colocated_tp == 2
+    router = ProcessEntry(id="router", pid=1, start=1, log="r.log")
+    state = msgspec.structs.replace(fake_state(router), colocated_tp=2)
+    place = {"device": "cpu", "gpu_memory_utilization": 0.9, "threads": 1, "cpus": (), "standby": False}
+    both = worker_argv(state, Role.BOTH, "both-1", **place)
+    decode = worker_argv(state, Role.DECODE, "decode-2", **place)
+    assert both[both.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in decode
+
+
+def test_a_group_neither_sends_nor_takes_streams_live():
+    group = Worker("both-1", Role.BOTH, "a:1", 10, 16, 8, tensor_parallel_size=2)
+    alone = Worker("both-2", Role.BOTH, "a:2", 10, 16, 8)
+    assert not group.moves_live and alone.moves_live
+
+
+def test_status_shows_a_groups_size():
+    status = worker_pb2.ClusterStatus(router_address="127.0.0.1:1")
+    for wid, tp in (("both-1", 2), ("both-2", 0)):
+        e = status.workers.add()
+        e.info.worker_id, e.info.role, e.info.device = wid, worker_pb2.ROLE_BOTH, "cpu"
+        e.info.tensor_parallel_size = tp
+        e.load.state = worker_pb2.WORKER_STATE_READY
+    doc = client.status_dict(status, now_unix=0.0)
+    assert [w["tensor_parallel_size"] for w in doc["workers"]] == [2, 1]
+    table = client.status_table(doc).splitlines()
+    assert "cpu x2" in next(ln for ln in table if ln.startswith("both-1"))
+    assert "x" not in next(ln for ln in table if ln.startswith("both-2")).split()[3]
