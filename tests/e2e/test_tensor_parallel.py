@@ -198,9 +198,11 @@ def test_colocated_groups_serve_and_a_dead_rank_takes_its_worker_out(tmp_path, t
     """`up --colocated 2 --colocated-tp 2`: two workers of two processes each, shown as such by `status`.
     SIGKILL of one worker's follower under 8 streams: that worker stops (its rank 0 hears at once), its
     streams re-prefill on the other and every client gets the undisturbed tokens; no process of the dead
-    worker is left, and the survivor ends holding no KV block."""
+    worker is left, and the survivor ends holding no KV block. `scale` then starts a group in its place,
+    and `drain` ends that group's two processes."""
     from tests.e2e.cluster_harness import (
         migrations,
+        pdserve,
         run_all,
         running_cluster,
         streaming,
@@ -234,4 +236,15 @@ def test_colocated_groups_serve_and_a_dead_rank_takes_its_worker_out(tmp_path, t
             return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
 
         wait_until(lambda: gone(rank0) and gone(follower), 60, "the broken worker's processes to exit")
+        c.assert_no_leaks(workers=[survivor["id"]])
+
+        # Scale and drain act on a group: the replacement is a group of two, and its drain ends both.
+        pdserve("scale", "--colocated", "2", "--state-dir", str(c.state_dir), timeout=120)  # (one is dead)
+        (new,) = [w for w in c.workers() if w["id"] not in (victim["id"], survivor["id"])]
+        assert new["tensor_parallel_size"] == 2, new
+        new_rank0 = psutil.Process(c.worker_pid(new["id"]))
+        (new_follower,) = _followers_of(new_rank0.pid)
+        state_dir = str(c.state_dir)
+        pdserve("drain", "--worker-id", new["id"], "--state-dir", state_dir, "--timeout", "60", timeout=90)
+        wait_until(lambda: gone(new_rank0) and gone(new_follower), 30, "the drained group to exit")
         c.assert_no_leaks(workers=[survivor["id"]])
