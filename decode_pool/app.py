@@ -83,7 +83,9 @@ class DecodePool:
             tokenizer = None
         # Built on its own stepping thread: that one thread makes every CPU-kernel call of this process.
         self.loop = await EngineLoop.build(
-            lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)), on_fatal=self._fatal
+            lambda: LLMEngine(model_dir, tokenizer, engine_config(self.args)),
+            on_fatal=self._fatal,
+            step_delay_s=self.args.fault_step_delay_s,
         )
         self.loop.on_step(self.metrics.observe_batch)
         self.loop.on_step_failed(self.metrics.prefill.failed_steps.inc)

@@ -65,11 +65,17 @@ class EngineLoop:
     deltas fed with ``call_soon_threadsafe``."""
 
     def __init__(
-        self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, idle_wait_s: float = 0.05
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        idle_wait_s: float = 0.05,
+        step_delay_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self._loop = loop
         self._idle_wait_s = idle_wait_s
+        self._step_delay_s = step_delay_s  # failure injection for tests (WorkerArgs.fault_step_delay_s)
         self._cmds: queue.SimpleQueue[_Cmd] = queue.SimpleQueue()
         self._queues: dict[Hashable, asyncio.Queue[QueueItem]] = {}  # (event loop) the newest attempt's
         # (Engine thread) whose attempt the engine's request under an id is: its deltas go to that queue
@@ -89,6 +95,7 @@ class EngineLoop:
         factory: Callable[[], LLMEngine],
         *,
         idle_wait_s: float = 0.05,
+        step_delay_s: float = 0.0,
         on_fatal: Callable[[EngineDied], None] | None = None,
     ) -> EngineLoop:
         """Build the engine with ``factory()`` on the loop's own thread, then start stepping there. Use this
@@ -99,7 +106,7 @@ class EngineLoop:
 
         def main() -> None:
             try:
-                engine_loop = cls(factory(), loop, idle_wait_s=idle_wait_s)
+                engine_loop = cls(factory(), loop, idle_wait_s=idle_wait_s, step_delay_s=step_delay_s)
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
                 cls._resolve_on(loop, built, exc=e)
                 return
@@ -407,6 +414,8 @@ class EngineLoop:
             self._failures.succeeded()
             stuck = eng.last_batch is None
             dt = time.perf_counter() - t0
+            if self._step_delay_s and not stuck:
+                time.sleep(self._step_delay_s)
             self.last_batch_size = len(deltas)
             if eng.last_batch is not None:
                 self._step_done(dt, eng.last_batch)

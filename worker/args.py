@@ -97,6 +97,9 @@ class WorkerArgs:
     kv_fault_delay_s: float = 0.0
     # Failure injection for tests: the first this many transfers this worker sends get a byte flipped.
     kv_fault_corrupt_transfers: int = 0
+    # Failure injection for tests: the engine waits this long after every step (streams outlast what a
+    # test does to them mid-stream on however fast a host).
+    fault_step_delay_s: float = 0.0
     # Speculative decoding on a decode or colocated worker (``engine.speculative``): "" off, "ngram" or
     # "draft" (the model's first draft_layers layers; 0: a quarter of them), proposing up to
     # num_speculative_tokens tokens per stream per step.
@@ -129,6 +132,8 @@ class WorkerArgs:
             raise ValueError("kv_shared_memory keeps the KV cache in host memory: it needs device cpu")
         if self.kv_puts not in KV_PUTS:
             raise ValueError(f"kv_puts must be one of {', '.join(KV_PUTS)}, got {self.kv_puts!r}")
+        if self.fault_step_delay_s < 0:
+            raise ValueError(f"fault_step_delay_s must be >= 0, got {self.fault_step_delay_s}")
         if self.kv_stall_timeout_s <= 0 or self.kv_fault_delay_s < 0 or self.kv_fault_corrupt_transfers < 0:
             raise ValueError(
                 "kv_stall_timeout_s must be > 0, kv_fault_delay_s and kv_fault_corrupt_transfers >= 0"

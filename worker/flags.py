@@ -280,6 +280,13 @@ TUNING = (
         field="kv_fault_delay_s",
     ),
     Flag(
+        "--fault-step-delay",
+        argparse.SUPPRESS,
+        default=WorkerArgs.fault_step_delay_s,
+        type=float,
+        field="fault_step_delay_s",
+    ),
+    Flag(
         "--worker-module",
         "module whose `async serve(args: WorkerArgs)` runs the worker (default: the role's pool)",
     ),

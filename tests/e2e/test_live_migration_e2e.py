@@ -158,16 +158,18 @@ def test_moves_survive_a_killed_destination_a_killed_source_and_a_flipped_byte(t
 
     # (The killed workers are seen dead by their calls at once; a heartbeat timeout ends the last wait. It
     # is long enough that a worker starved of CPU on a loaded host is not taken for dead meanwhile.)
+    # Every engine step waits 10 ms: the streams are mid-way when the drain comes however fast the host (a
+    # tiny-model token takes a millisecond; streams that start a second apart could end before it).
     extra = (
-        *("--max-running", "32", "--heartbeat-timeout", "15"),
+        *("--max-running", "32", "--heartbeat-timeout", "15", "--fault-step-delay", "0.01"),
         *("--kv-fault-delay", "2", "--kv-fault-corrupt-transfers", "1"),
         *("--speculative", "draft", "--num-speculative-tokens", "2"),
     )
     with running_cluster(tmp_path, colocated=4, model=tiny_served_model, extra=extra) as c:
-        want = run_all(c.address, _requests("ref", 1200)[:4])
+        want = run_all(c.address, _requests("ref", 600)[:4])
         for victim in ("destination", "source"):
             t0 = time.monotonic()
-            reqs = _requests(victim, 1200)[:4]
+            reqs = _requests(victim, 600)[:4]
             live = c.workers()
             meta = c.token_metadata()
             with streaming(c, reqs, after=8) as streams:

@@ -356,7 +356,8 @@ def test_killed_decode_worker_streams_move_to_the_other_and_lose_nothing(tmp_pat
         assert not streams.errors, streams.errors
         for r in reqs:
             assert streams.got[r.request_id] == want[r.request_id][0], r.request_id
-        assert victim["id"] not in {w["id"] for w in c.workers()}
+        # (the router drops it once a call or a heartbeat finds it dead: not always by the streams' end)
+        wait_until(lambda: victim["id"] not in {w["id"] for w in c.workers()}, 30, "the router to drop it")
         c.assert_no_leaks()
         assert migrations(c).get("decode_failed", 0) >= 1, "the killed worker's streams were migrated"
 
