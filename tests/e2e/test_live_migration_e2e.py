@@ -76,7 +76,11 @@ def test_drain_moves_every_stream_live_with_exact_tokens(tmp_path, tiny_served_m
     proposes at every step), so streams move between verify steps and go on speculating where they land."""
     import threading
 
-    extra = ("--max-running", "32", "--heartbeat-timeout", "15", "--speculative", "draft")
+    # 10 ms a step: no stream ends on its own before its worker's drain moves it, however fast the host.
+    extra = (
+        *("--max-running", "32", "--heartbeat-timeout", "15", "--speculative", "draft"),
+        *("--fault-step-delay", "0.01"),
+    )
     with running_cluster(tmp_path, decode=1, colocated=2, model=tiny_served_model, extra=extra) as c:
         ref = run_all(c.address, _requests("ref"))
         reqs = _requests("moved")

@@ -36,7 +36,8 @@ CHAT = [{"role": "user", "content": "Name a large ocean."}]
 @pytest.fixture(scope="module")
 def http_cluster(tmp_path_factory, tiny_served_model):
     """One colocated worker for the module, its HTTP front on a free port."""
-    extra = ("--http-port", str(free_port()))
+    # (a heartbeat timeout a loaded 2-core host does not starve: one worker, nothing to fail over to)
+    extra = ("--http-port", str(free_port()), "--heartbeat-timeout", "15")
     dest = tmp_path_factory.mktemp("openai-e2e")
     with running_cluster(dest, colocated=1, model=tiny_served_model, extra=extra) as c:
         c.http_url = c.status()["router"]["http_url"]
@@ -47,7 +48,7 @@ def http_cluster(tmp_path_factory, tiny_served_model):
 @pytest.fixture(scope="module")
 def pd_http_cluster(tmp_path_factory, tiny_served_model):
     """1P+1D, every prompt prefilled on the prefill worker (its KV pushed to the decode worker)."""
-    extra = ("--http-port", str(free_port()), "--local-prefill-threshold", "1")
+    extra = ("--http-port", str(free_port()), "--local-prefill-threshold", "1", "--heartbeat-timeout", "15")
     dest = tmp_path_factory.mktemp("openai-e2e-pd")
     with running_cluster(dest, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         c.http_url = c.status()["router"]["http_url"]
