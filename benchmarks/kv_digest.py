@@ -19,7 +19,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.kv_transfer import SMOLLM2, TRANSPORTS, _Pair
+from benchmarks.local_cluster import free_port, pdserve
 from pdserve.bench.machine import machine_info
 from pdserve.bench.report import emit_json
 
@@ -74,23 +74,6 @@ def transfer_costs(tokens: int, reps: int, dtype: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _pdserve(*args: str, timeout: float = 900) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
-    if out.returncode:
-        raise RuntimeError(f"pdserve {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
-    return out.stdout
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def request_costs(tokens: int, requests: int, rounds: int, seed: int = 5) -> dict[str, Any]:
     import grpc
 
@@ -102,7 +85,7 @@ def request_costs(tokens: int, requests: int, rounds: int, seed: int = 5) -> dic
     for rnd in range(rounds):
         for mode in ("on", "off"):
             with tempfile.TemporaryDirectory() as tmp:
-                port = _free_port()
+                port = free_port()
                 args = [
                     "up",
                     *("--prefill", "1", "--decode", "1", "--colocated", "0", "--no-http"),
@@ -111,7 +94,7 @@ def request_costs(tokens: int, requests: int, rounds: int, seed: int = 5) -> dic
                     *(() if mode == "on" else ("--no-kv-digest",)),
                 ]
                 _log(f"round {rnd + 1}: digest {mode}: starting 1P+1D")
-                _pdserve(*args)
+                pdserve(*args)
                 try:
                     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
                         stub = generation_pb2_grpc.GenerationStub(ch)
@@ -131,7 +114,7 @@ def request_costs(tokens: int, requests: int, rounds: int, seed: int = 5) -> dic
                                 first[mode].append(at[0])
                                 second[mode].append(at[1])
                 finally:
-                    _pdserve("down", "--state-dir", tmp, "--timeout", "20", timeout=120)
+                    pdserve("down", "--state-dir", tmp, "--timeout", "20", timeout=120)
     med = {
         k: {m: statistics.median(v) for m, v in d.items()} for k, d in (("first", first), ("second", second))
     }

@@ -25,9 +25,7 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchmarks.local_cluster import free_port, pdserve
 from pdserve.bench.machine import machine_info
 from pdserve.bench.report import emit_json
 
@@ -44,21 +43,6 @@ _WARM_TOKENS = 16
 
 def _log(msg: str) -> None:
     print(f"[live_migration] {msg}", file=sys.stderr, flush=True)
-
-
-def _pdserve(*args: str, timeout: float = 900) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
-    if out.returncode:
-        raise RuntimeError(f"pdserve {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
-    return out.stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -79,17 +63,17 @@ class _Cluster:
     def __init__(self, extra: tuple[str, ...] = ()) -> None:
         # (Its logs go with it: PDSERVE_BENCH_KEEP=1 keeps the state dir.)
         self.dir = tempfile.mkdtemp(prefix="pdserve-live-migration-")
-        self.port = _free_port()
+        self.port = free_port()
         self.extra = extra
 
     def __enter__(self) -> _Cluster:
         args = ("--prefill", "0", "--decode", "1", "--colocated", "0", "--no-http", "--threads", "1")
-        _pdserve("up", *args, "--pin-cpus", "--port", str(self.port), "--state-dir", self.dir, *self.extra)
+        pdserve("up", *args, "--pin-cpus", "--port", str(self.port), "--state-dir", self.dir, *self.extra)
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
-            _pdserve("down", "--state-dir", self.dir, "--timeout", "30", timeout=180)
+            pdserve("down", "--state-dir", self.dir, "--timeout", "30", timeout=180)
         finally:
             if not os.environ.get("PDSERVE_BENCH_KEEP"):
                 shutil.rmtree(self.dir, ignore_errors=True)
@@ -99,10 +83,10 @@ class _Cluster:
         return f"127.0.0.1:{self.port}"
 
     def status(self) -> dict[str, Any]:
-        return json.loads(_pdserve("status", "--json", "--state-dir", self.dir, timeout=60))
+        return json.loads(pdserve("status", "--json", "--state-dir", self.dir, timeout=60))
 
     def grow(self) -> None:
-        _pdserve("scale", "--decode", "2", "--state-dir", self.dir)
+        pdserve("scale", "--decode", "2", "--state-dir", self.dir)
 
     def token_metadata(self) -> tuple[tuple[str, str], ...]:
         from pdserve.deploy.local import cluster

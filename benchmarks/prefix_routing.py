@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from benchmarks.local_cluster import free_port, pdserve
 
 POLICIES = ("kv-aware", "load")
 RESULTS_DIR = Path("benchmarks/results")
@@ -190,25 +191,6 @@ class RequestResult:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "first_token"}
 
 
-def _pdserve(*args: str, timeout: float = 900) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"pdserve {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}")
-    return out.stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def stream(
     stub: Any, prompt: Prompt, result: RequestResult, output_len: int, timeout_s: float, request_id: str
 ) -> None:
@@ -287,7 +269,7 @@ def send_all(
 
 def cluster_view(state_dir: Path) -> tuple[str, str, dict[str, str]]:
     """The router's gRPC address and metrics URL, and each decode worker's metrics URL by id."""
-    status = json.loads(_pdserve("status", "--json", "--state-dir", str(state_dir), timeout=60))
+    status = json.loads(pdserve("status", "--json", "--state-dir", str(state_dir), timeout=60))
     decoders = {w["id"]: w["metrics_url"] for w in status["workers"] if w["role"] == "decode"}
     return status["router"]["address"], status["router"]["metrics_url"], decoders
 
@@ -306,12 +288,12 @@ def run_policy(
     up = [
         "up", "--prefill", "1", "--decode", "2", "--colocated", "0", "--routing-policy", policy,
         "--kv-cache-mib", str(mib), "--threads", str(cfg.threads), "--dtype", cfg.dtype,
-        "--model", cfg.model, "--port", str(_free_port()), "--state-dir", str(state_dir),
+        "--model", cfg.model, "--port", str(free_port()), "--state-dir", str(state_dir),
         "--timeout", str(START_TIMEOUT_S), "--no-http",
     ]  # fmt: skip
     _log(f"{policy}: pdserve {' '.join(up)}")
     try:
-        _pdserve(*up)
+        pdserve(*up)
         address, router_metrics, decoders = cluster_view(state_dir)
         if len(decoders) != 2:
             raise RuntimeError(f"expected 2 decode workers, the router lists {sorted(decoders)}")

