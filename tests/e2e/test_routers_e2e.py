@@ -33,9 +33,10 @@ pytestmark = pytest.mark.slow
 # Prompts of 16 tokens prefill on the decode worker, of 96 on the prefill worker: both routes. Each router
 # sends a decode worker up to 8 requests; the worker itself holds no more than 8 (no queue), whoever sent.
 # A SIGTERMed router lets its streams (1,000 tokens each, below) run to their end however slow the host.
+# Every engine step waits 10 ms, so a burst's requests overlap however fast the host.
 FLAGS = (
     "--routers", "3", "--local-prefill-threshold", "64", "--max-running", "8", "--max-queued", "0",
-    "--shutdown-grace", "300",
+    "--shutdown-grace", "300", "--fault-step-delay", "0.01",
 )  # fmt: skip
 
 

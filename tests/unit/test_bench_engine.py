@@ -92,7 +92,10 @@ def test_engine_bench_int8_rows_and_quality(tiny_llama_dir) -> None:
     rows = {(r["phase"], r["batch"], r["quantization"]): r for r in result["rows"] if r["phase"] != "quality"}
     for batch in (1, 2):
         q8, fp = rows[("decode", batch, "int8")], rows[("decode", batch, "none")]
-        assert q8["vs_unquantized"] == pytest.approx(q8["pdserve_tok_s"] / fp["pdserve_tok_s"], abs=6e-3)
+        # Rates and the ratio are rounded to 0.01 each: the bound is those roundings' (a host's stall can
+        # make one rate small and the ratio large).
+        a, b = q8["pdserve_tok_s"], fp["pdserve_tok_s"]
+        assert abs(q8["vs_unquantized"] - a / b) <= 5e-3 + (a / b) * (5e-3 / a + 5e-3 / b) + 1e-9
         assert "vs_unquantized" not in fp
     assert ("floor", 1, "none") in rows and ("floor", 1, "int8") not in rows
     info = result["machine"]["pdserve"]

@@ -200,7 +200,9 @@ class SlowFake(FakeGeneration):
 @pytest.mark.slow  # seconds of work: make test runs it, test-fast does not
 def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     """ABBA order, the same request stream for every shape, skipping after --stop-below, outputs."""
-    fast, slow = FakeGeneration(), SlowFake(step_s=0.1)
+    # The slow fake's tokens take 167-500 ms each, the fast one's a few ms: a TPOT SLO of 100 ms tells them
+    # apart with room for a loaded host, where the fake routers share this process with the bench.
+    fast, slow = FakeGeneration(), SlowFake(step_s=0.5)
     started, stopped = [], []
     monkeypatch.setattr("pdserve.bench.sweep.model_token_space", lambda model: ALL_OK)
 
@@ -221,7 +223,7 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
         cfg = SweepConfig(
             shapes=(Shape(1, 1), Shape(colocated=2)),
             rates=(200.0, 100.0, 300.0),  # swept in increasing order
-            bench=_bench(slo=Slo(ttft_ms=10_000, tpot_ms=20)),
+            bench=_bench(slo=Slo(ttft_ms=10_000, tpot_ms=100)),
             cluster=ClusterSpec(threads=1),
             out_dir=tmp_path / "out",
             stop_below=0.5,
@@ -236,7 +238,7 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     fast_doc, slow_doc = doc["shapes"]["1P+1D"], doc["shapes"]["2C"]
     assert [p["rate"] for p in fast_doc["points"]] == [100.0, 200.0, 300.0]
     assert [p["slo_attainment"] for p in fast_doc["points"]] == [1.0, 1.0, 1.0]
-    assert slow_doc["points"][0]["slo_attainment"] == 0.0  # every token takes >= 33 ms > 20 ms
+    assert slow_doc["points"][0]["slo_attainment"] == 0.0  # every token takes >= 167 ms > 100 ms
     assert slow_doc["points"][0]["tpot_attainment"] == 0.0
     assert slow_doc["points"][0]["ttft_attainment"] == 1.0
     assert all(p.get("skipped") for p in slow_doc["points"][1:])  # below --stop-below at the first rate
@@ -273,9 +275,9 @@ def test_sweep_logic_with_fake_clusters(tmp_path, monkeypatch):
     assert doc["plots"]["cdf_rate"] == 100.0  # the highest rate both shapes ran
     # The same requests rescored under other SLO pairs: TPOT 0.75x..2x, TTFT 0.5x..2x of the sweep's.
     scan = {(r["ttft_ms"], r["tpot_ms"]): r for r in doc["slo_scan"]}
-    assert len(scan) == 12 and scan[(10_000, 20)]["goodput_rps"] == {"1P+1D": 300.0, "2C": 0.0}
-    assert scan[(20_000, 40)]["ratio"] == math.inf  # the slow fake's tokens take 33-100 ms each
-    assert scan[(5_000, 15)]["goodput_rps"]["1P+1D"] == 300.0
+    assert len(scan) == 12 and scan[(10_000, 100)]["goodput_rps"] == {"1P+1D": 300.0, "2C": 0.0}
+    assert scan[(20_000, 200)]["ratio"] == math.inf
+    assert scan[(5_000, 75)]["goodput_rps"]["1P+1D"] == 300.0
     # Redrawn from the saved runs alone: the same scan, the plots written again.
     for name in ("slo_attainment", "ttft_cdf", "itl_cdf"):
         Path(doc["plots"][name]).unlink()
