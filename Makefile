@@ -85,7 +85,7 @@ MYPY_MODULES := engine.block_manager engine.prefix_hash engine.params engine.sch
 	kv_transfer.writers.select router.kv_index worker.kv_events telemetry.prefix_cache router.budget \
 	router.logprobs router.openai.logprobs \
 	engine.structured engine.tools router.openai.structured router.openai.tools engine.choices \
-	router.openai.choices engine.speculative worker.router_set worker.dial
+	router.openai.choices engine.speculative worker.router_set worker.dial kv_transfer.tp_plan
 # The folders that install as pdserve.* (pyproject.toml [tool.setuptools.package-dir]).
 PKG_DIRS := engine kv_transfer worker telemetry prefill_pool decode_pool router cli bench deploy
 lint: $(STAMP)

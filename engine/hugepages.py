@@ -81,24 +81,31 @@ class SharedTensor:
     (close-on-exec) as long as this object lives; ``huge``: whether the pages were advised onto huge pages
     (``shared_memory_huge_pages``)."""
 
-    def __init__(self, *size: int, dtype: torch.dtype) -> None:
+    def __init__(self, *size: int, dtype: torch.dtype, fd: int | None = None) -> None:
+        """A new memfd of ``size``; or, with ``fd``, a mapping of that existing memfd of another process's
+        ``SharedTensor`` (this object then owns ``fd``)."""
         import mmap
         import os
 
         nbytes = math.prod(size) * dtype.itemsize
         if nbytes <= 0:
             raise ValueError(f"a shared tensor needs a positive size, got {size}")
-        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        fresh = fd is None
+        self.fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC) if fd is None else fd
         try:
-            os.ftruncate(self.fd, nbytes)
+            if fresh:
+                os.ftruncate(self.fd, nbytes)
+            elif (held := os.fstat(self.fd).st_size) != nbytes:
+                raise ValueError(f"the shared tensor's memfd holds {held} bytes, not {nbytes}")
             self._map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
+        except (OSError, ValueError):
             os.close(self.fd)
             raise
         self.nbytes = nbytes
         flat = torch.frombuffer(self._map, dtype=torch.uint8)  # a fresh memfd reads as zeros
         self.huge = shared_memory_huge_pages() and _madvise_huge(flat.data_ptr(), flat.data_ptr() + nbytes)
-        flat[:: HUGE_PAGE if self.huge else 4096].zero_()  # touched now, after the advice, not mid-step
+        if fresh:
+            flat[:: HUGE_PAGE if self.huge else 4096].zero_()  # touched now, after the advice, not mid-step
         self.tensor = flat.view(dtype).view(size)
 
 

@@ -273,6 +273,11 @@ class ModelRunner:
             self.kv = self._kv_shared.tensor
         else:  # huge pages on CPU: attention and transports stream it
             self.kv = zeros_huge_pages(*shape, dtype=dtype, device=self.device)
+        # Every rank's KV cache, by rank: rank 0 maps its followers' (shared memory) for the KV transfer.
+        self._follower_kv: list[SharedTensor] = []
+        if self.tp is not None and self.tp.leads:
+            self._follower_kv = self.tp.follower_caches(shape, dtype)
+        self.rank_kv: list[torch.Tensor] = [self.kv] + [t.tensor for t in self._follower_kv]
         self._phase_s["kv_alloc"] = time.perf_counter() - t0
 
     @property

@@ -5,7 +5,8 @@ replicated when N exceeds their count, as vLLM does), the MLP's intermediate col
 head's vocabulary; the embedding and the norms are whole on every rank. The qkv and gate_up products are
 column-parallel (no communication), o_proj and down row-parallel: their partial sums are all-reduced before
 the residual add. The logits are all-gathered from the vocabulary slices. Each rank's KV cache holds its
-own heads only.
+own heads only; a follower's is in shared memory, mapped by rank 0 too, which moves every rank's KV for
+the KV transfer.
 
 Rank 0 runs the engine (scheduler, sampler, block manager) and every forward; the other ranks follow it
 call by call: the runner sends each forward's arguments to them over a pipe (``TensorParallel.send``) and
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.hugepages import SharedTensor
 
 # A collective that a rank never joins (it died, or hangs) fails after this long.
 COLLECTIVE_TIMEOUT_S = 30.0
@@ -189,6 +191,20 @@ class TensorParallel:
         for c in self.followers:
             c.send(call)
 
+    def follower_caches(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[SharedTensor]:
+        """Rank 0: every follower's KV cache (``shape``: a rank's), mapped here from the memfd each hands
+        over once its runner is up (``hand_over_cache``): rank 0 reads and writes every rank's heads for
+        the KV transfer, and nothing of the KV goes through the group. RuntimeError when a follower ends
+        first."""
+        caches: list[SharedTensor] = []
+        for rank, conn in enumerate(self.followers, start=1):
+            with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                _, fds, _, _ = socket.recv_fds(s, 1, 1)
+            if not fds:
+                raise RuntimeError(f"tensor-parallel rank {rank} ended before handing over its KV cache")
+            caches.append(SharedTensor(*shape, dtype=dtype, fd=fds[0]))
+        return caches
+
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Rank 0: call ``on_lost(why)`` once, from a thread of its own, when a follower dies while the group
         is open. A follower never writes to its pipe, so the pipe turning readable is its end (EOF): no
@@ -261,6 +277,13 @@ class ReducingStepOps:
         if partial is None:  # a product that added itself into x: its partial sum would be lost
             raise RuntimeError("tensor parallelism needs the row-parallel products' residuals unfused")
         return self.tp.all_reduce(partial.contiguous())
+
+
+def hand_over_cache(pipe: Connection, fd: int) -> None:
+    """A follower: pass rank 0 its KV cache's memfd over the pipe (SCM_RIGHTS): the one message a follower
+    ever writes to it, before rank 0 starts watching the pipe for its end."""
+    with socket.fromfd(pipe.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        socket.send_fds(s, [b"k"], [fd])
 
 
 def gloo_group(store: dist.Store, rank: int, size: int) -> Any:  # a ProcessGroupGloo (its stubs lack the ops)

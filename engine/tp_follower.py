@@ -1,5 +1,6 @@
 """A tensor-parallel follower rank (``engine.tensor_parallel``): started by rank 0, it loads its shard of
-the model and makes each call rank 0 sends, until rank 0 closes the pipe or dies."""
+the model, hands rank 0 its KV cache (shared memory), and makes each call rank 0 sends, until rank 0 closes
+the pipe or dies."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import torch.distributed as dist
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.tensor_parallel import COLLECTIVE_TIMEOUT, ShardLayout, TensorParallel, gloo_group
+from pdserve.engine.tensor_parallel import (
+    COLLECTIVE_TIMEOUT,
+    ShardLayout,
+    TensorParallel,
+    gloo_group,
+    hand_over_cache,
+)
 
 
 def follow(runner: ModelRunner, pipe: Connection) -> None:
@@ -63,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     tp.store = store
     if "dtype" in kwargs:
         kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-    runner = ModelRunner(model_dir, tensor_parallel=tp, **kwargs)
+    runner = ModelRunner(model_dir, tensor_parallel=tp, kv_shared=True, **kwargs)
+    assert runner.kv_shared_fd is not None
+    hand_over_cache(pipe, runner.kv_shared_fd)
     follow(runner, pipe)
     return 0
 

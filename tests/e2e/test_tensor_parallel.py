@@ -142,6 +142,11 @@ def test_runner_logits_agree_and_no_kv_crosses_the_group(gqa_model, monkeypatch)
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
         hidden = one.config.hidden_size
         assert sent == [hidden, hidden] * one.config.num_layers + [-1]  # never K/V (Hkv * D wide)
+        # Rank 0 maps the follower's KV cache: the ranks' heads side by side are one process's cache.
+        assert [t.shape[-2] for t in runner.rank_kv] == [2, 2]
+        whole = torch.cat(runner.rank_kv, dim=-2)
+        assert torch.equal(whole[0], one.kv[0])  # layer 0: nothing summed in another order yet
+        assert (whole - one.kv).abs().max().item() <= 1e-4 * one.kv.abs().max().item()
     finally:
         tp.close()
 
