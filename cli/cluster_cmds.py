@@ -149,6 +149,8 @@ def _up(args: argparse.Namespace) -> int:
         device=device,
         gpu_memory_utilization=util,
         colocated_tp=args.colocated_tp,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
     )
     # Written before any wait, so `down` finds whatever was started even if `up` dies.
     cluster.save_state(state_dir, state)

@@ -45,13 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=nonneg, default=1, help="prefill workers")
     p.add_argument("--decode", type=nonneg, default=1, help="decode workers")
     p.add_argument("--colocated", type=nonneg, default=0, help="workers that prefill and decode (role both)")
-    p.add_argument(
-        "--colocated-tp",
-        type=positive,
-        default=1,
-        help="split each colocated worker's model over this many processes (the worker's "
-        "--tensor-parallel-size; CPU only) (default %(default)s)",
-    )
+    for pool in ("prefill", "decode", "colocated"):
+        p.add_argument(
+            f"--{pool}-tp",
+            type=positive,
+            default=1,
+            help=f"split each {pool} worker's model over this many processes (the worker's "
+            "--tensor-parallel-size; CPU only; the pools' sizes may differ) (default %(default)s)",
+        )
     model_args(p)
     add_flags(p, (flags.DTYPE, flags.QUANTIZATION))
     cluster_device_args(p, "up")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import msgspec
 from prometheus_client import CollectorRegistry
 
 from pdserve.decode_pool.engine_loop import EngineDied, EngineLoop
@@ -16,10 +15,11 @@ from pdserve.decode_pool.remote import RemotePrefill
 from pdserve.decode_pool.servicer import DecodeServicer
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.quant import kv_model_id
+from pdserve.engine.tensor_parallel import RankLost
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.kv_transfer import compat_for
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
+from pdserve.worker.ranks import kv_compat, rank_caches
 from pdserve.worker.role import Role
 from pdserve.worker.shell import WorkerShell
 
@@ -48,10 +48,6 @@ def engine_config(args: WorkerArgs) -> EngineConfig:
         speculative_config=args.speculative_config(),
         tensor_parallel_size=args.tensor_parallel_size,
     )
-
-
-class RankLost(RuntimeError):
-    """A process of the worker's tensor-parallel group is gone: no forward can run any more."""
 
 
 class DecodePool:
@@ -91,19 +87,18 @@ class DecodePool:
         self.loop.on_step_failed(self.metrics.prefill.failed_steps.inc)
         engine = self.loop.engine
         # A colocated worker moves no KV, but it registers the record too: one cluster, one model setup.
-        compat = compat_for(engine.runner.kv, kv_model_id(model_dir.name, self.args.quantization))
-        layout = compat
+        # A tensor-parallel group's record is the model's whole KV shape; its transfers move every rank's
+        # heads (``ranks``).
+        compat = kv_compat(engine.runner, kv_model_id(model_dir.name, self.args.quantization))
+        ranks = rank_caches(engine.runner)
         tp = engine.runner.tp
         if tp is not None:
-            # Its rank 0's cache holds that rank's heads only: the cluster checks the model's whole KV
-            # shape, and transfers (which would carry rank 0's heads alone) fail its record's check.
-            layout = msgspec.structs.replace(compat, num_kv_heads=engine.runner.config.num_kv_heads)
             loop = self.loop
             tp.watch(lambda why: loop.fail(RankLost(why)))
         # Every decode-capable worker receives KV: a remote prefill's (role decode) and a stream moved here
         # live (either role); and it exports its own streams' KV when they move away.
         self.remote = RemotePrefill(
-            self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s
+            self.loop, compat, self.transfer_config, self.registry, self.args.kv_stall_timeout_s, ranks
         )
         if self.args.role is Role.DECODE:  # (a colocated worker's starts with its first stream moved in)
             await self.remote.start()
@@ -117,7 +112,7 @@ class DecodePool:
             engine.dtype,
             engine.device,
             engine.runner.startup_seconds,
-            layout.describe(),
+            compat.describe(),
             engine.block_manager if engine.block_manager.enable_prefix_caching else None,
             engine.cache_salt,
         )

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.decode_pool.engine_loop import EngineLoop
 from pdserve.kv_transfer import KVCompat, KVSender, SendStats, TransferConfig
+from pdserve.worker.ranks import rank_caches
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,9 @@ class StreamExport:
 
     async def _started(self) -> KVSender:
         if self._sender is None:
+            runner = self.loop.engine.runner
             self._sender = KVSender(
-                self.loop.engine.runner.kv, self.compat, self.config, self.registry, name="decode-export"
+                runner.kv, self.compat, self.config, self.registry, "decode-export", rank_caches(runner)
             )
         return self._sender
 

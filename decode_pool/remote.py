@@ -17,6 +17,7 @@ from pdserve.engine.params import SamplingParams
 from pdserve.engine.prefix_hash import block_hashes
 from pdserve.kv_transfer import KVCompat, KVReceiver, TransferConfig, TransferError
 from pdserve.kv_transfer.reservation import RxState
+from pdserve.kv_transfer.split import RankCaches
 from pdserve.proto import worker_pb2
 
 
@@ -31,7 +32,9 @@ class RemotePrefill:
         config: TransferConfig,
         registry=None,
         stall_timeout_s: float = 30.0,
+        ranks: RankCaches | None = None,
     ) -> None:
+        """``ranks``: a tensor-parallel group's caches, each rank's heads received (``kv_transfer.split``)."""
         self.loop = loop
         self.stall_timeout_s = stall_timeout_s
         self.config = config
@@ -40,7 +43,9 @@ class RemotePrefill:
         # the rules of the block-ownership contract in kv_transfer/__init__.py.
         # A KV cache in shared memory (--kv-shared-memory) is offered to same-host prefill workers.
         shared_fd = eng.runner.kv_shared_fd
-        self.receiver = KVReceiver(eng.runner.kv, eng.block_manager, compat, config, registry, shared_fd)
+        self.receiver = KVReceiver(
+            eng.runner.kv, eng.block_manager, compat, config, registry, shared_fd, ranks=ranks
+        )
         self.pending = 0  # requests reserved but not yet adopted
         self._started: asyncio.Future[None] | None = None
 

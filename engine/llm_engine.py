@@ -22,7 +22,6 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.choices import child_ids, fork_row_ids, fork_rows, split_first_tokens
-from pdserve.engine.config import ModelConfig
 from pdserve.engine.device import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     check_device,
@@ -34,7 +33,7 @@ from pdserve.engine.device import (
 from pdserve.engine.grammar import ConstrainedSequences, GrammarCompiler
 from pdserve.engine.logprob_requests import LogprobRequests
 from pdserve.engine.logprobs import TokenLogprob, token_logprobs
-from pdserve.engine.model_runner import Backend, DecodeItem, ModelRunner, PrefillItem
+from pdserve.engine.model_runner import Backend, DecodeItem, ModelRunner, PrefillItem, build_runner
 from pdserve.engine.params import SamplingParams, validate_params_for_model, validate_prompt_token_ids
 from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import check_quantization
@@ -51,7 +50,6 @@ from pdserve.engine.speculative import (
     speculative_config_from_dict,
 )
 from pdserve.engine.stopping import StopStringMatcher
-from pdserve.engine.tensor_parallel import start_group
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -281,19 +279,9 @@ class LLMEngine:
             "gpu_memory_utilization": config.gpu_memory_utilization,
             "quantization": config.quantization,
         }
-        if config.tensor_parallel_size == 1:
-            return ModelRunner(model, kv_shared=config.kv_shared_memory, **kwargs)
         if config.kv_shared_memory:
-            raise ValueError("kv_shared_memory is not supported with tensor_parallel_size > 1")
-        follower_kwargs = {**kwargs, "model_dir": str(model), "dtype": str(config.torch_dtype).split(".")[-1]}
-        tp = start_group(
-            ModelConfig.from_dir(model), config.tensor_parallel_size, follower_kwargs, config.threads or 1
-        )
-        try:
-            return ModelRunner(model, tensor_parallel=tp, **kwargs)
-        except BaseException:
-            tp.close()
-            raise
+            kwargs["kv_shared"] = True
+        return build_runner(model, config.tensor_parallel_size, config.threads or 1, **kwargs)
 
     def close(self) -> None:
         """Stop the tensor-parallel followers (if any); the engine serves nothing after."""

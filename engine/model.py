@@ -251,10 +251,13 @@ def forward_hidden(
     attend: AttendFn,
     layer_hook: LayerHook | None = None,
     num_layers: int | None = None,
+    hook_after_reduce: bool = False,
 ) -> torch.Tensor:
     """Run every decoder layer (or the first ``num_layers``: a self-speculative draft) over flattened
     tokens ``[T]``; returns the final hidden states ``[T, hidden]`` before the last norm. Each layer's K/V go
-    into ``kv[layer]`` before it attends."""
+    into ``kv[layer]`` before it attends. ``hook_after_reduce`` (tensor parallelism): the hook runs after the
+    layer's o_proj product, whose all-reduce every rank joins only once its own K/V of the layer are in its
+    cache, so the hook may read every rank's."""
     eps = config.rms_norm_eps
     x = F.embedding(token_ids, weights.embed)  # [T, hidden]; a fresh tensor, so the residual adds go in place
     # The last sub-block's output, added into x by the next norm (None: nothing, or already added into x
@@ -264,9 +267,11 @@ def forward_hidden(
         qkv = ops.norm_linear(lw.qkv, x, res, lw.input_norm, eps)  # [T, (H + 2Hkv) * D]
         q, k, v = ops.rope_store(kv[i], qkv)
         o = attend(i, q, k, v)  # [T, H * D]
-        if layer_hook is not None:
+        if layer_hook is not None and not hook_after_reduce:
             layer_hook(i, k, v)
         res = ops.residual(lw.o_proj, o, x)
+        if layer_hook is not None and hook_after_reduce:
+            layer_hook(i, k, v)
         # [T, I] when the product applied silu(gate) * up itself, else [T, 2I]
         gu = ops.norm_linear(lw.gate_up, x, res, lw.post_norm, eps)
         res = ops.down(lw.down, gu, lw.gate_up.silu_mul, x)  # [T, hidden]

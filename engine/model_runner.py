@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,7 @@ from pdserve.engine.model import (
 )
 from pdserve.engine.quant import check_quantization
 from pdserve.engine.sampler import Sampler, seeded_race
-from pdserve.engine.tensor_parallel import ReducingStepOps, TensorParallel
+from pdserve.engine.tensor_parallel import ReducingStepOps, TensorParallel, start_group
 from pdserve.engine.weights import ModelWeights, choose_linear
 
 if TYPE_CHECKING:
@@ -137,9 +137,13 @@ def _mirrored(fn: Callable) -> Callable:
         tp = self.tp
         if tp is None or not tp.leads or self._mirror_depth:
             return fn(self, *args, **kwargs)
+        # A layer hook stays here: the followers run the call without it (rank 0's hook reads their
+        # caches once the layer's all-reduce says they are written).
+        sent_args = tuple(None if callable(a) else a for a in args)
+        sent_kwargs = {k: None if callable(v) else v for k, v in kwargs.items()}
         try:
-            tp.send((fn.__name__, args, kwargs))
-        except (pickle.PicklingError, AttributeError, TypeError) as e:  # a callable: a layer hook
+            tp.send((fn.__name__, sent_args, sent_kwargs))
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(f"{fn.__name__} with such arguments cannot run tensor-parallel: {e}") from e
         self._mirror_depth += 1
         try:
@@ -286,6 +290,11 @@ class ModelRunner:
         return None if self._kv_shared is None else self._kv_shared.fd
 
     @property
+    def rank_shared_fds(self) -> tuple[int | None, ...]:
+        """Per rank of ``rank_kv``, the memfd its cache is mapped from here (None: not shared)."""
+        return (self.kv_shared_fd, *(t.fd for t in self._follower_kv))
+
+    @property
     def startup_seconds(self) -> dict[str, float]:
         """Seconds each start-up phase took: kernel_build (the CPU kernel library, built or loaded),
         model_load (weights, converted to the runtime layout), kv_alloc, and graph_capture when decode
@@ -425,7 +434,10 @@ class ModelRunner:
 
         token_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)  # [T]
         ops = self._ops(meta.positions, meta.k_rows, meta.v_rows)
-        hidden = forward_hidden(self.weights, self.config, token_ids, ops, self.kv, attend, layer_hook)
+        hidden = forward_hidden(
+            self.weights, self.config, token_ids, ops, self.kv, attend, layer_hook,
+            hook_after_reduce=self.tp is not None,
+        )  # fmt: skip
         return hidden, meta, ops
 
     @_mirrored
@@ -677,6 +689,27 @@ class ModelRunner:
         else:
             ops = TorchStepOps(c, self.rope, positions, k_rows, v_rows)
         return ops if self.tp is None else ReducingStepOps(ops, self.tp)
+
+
+def build_runner(
+    model_dir: str | Path, tensor_parallel_size: int = 1, threads: int = 1, **kwargs: Any
+) -> ModelRunner:
+    """A ``ModelRunner`` of ``kwargs``; with ``tensor_parallel_size`` > 1, rank 0 of a group whose other
+    ranks it starts, each with ``threads`` torch threads (stop them with ``runner.tp.close()``). ValueError
+    where the model does not divide."""
+    if tensor_parallel_size == 1:
+        return ModelRunner(model_dir, **kwargs)
+    if kwargs.get("kv_shared"):
+        raise ValueError("kv_shared_memory is not supported with tensor_parallel_size > 1")
+    follower_kwargs = {**kwargs, "model_dir": str(model_dir)}
+    if isinstance(follower_kwargs.get("dtype"), torch.dtype):
+        follower_kwargs["dtype"] = str(follower_kwargs["dtype"]).removeprefix("torch.")
+    tp = start_group(ModelConfig.from_dir(Path(model_dir)), tensor_parallel_size, follower_kwargs, threads)
+    try:
+        return ModelRunner(model_dir, tensor_parallel=tp, **kwargs)
+    except BaseException:
+        tp.close()
+        raise
 
 
 def _cuda_num_blocks(

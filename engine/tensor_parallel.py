@@ -17,6 +17,7 @@ follower exits when its pipe closes (rank 0 gone); a collective that a dead rank
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -142,6 +143,10 @@ def shard_state_dict(
     return sd
 
 
+class RankLost(RuntimeError):
+    """A process of a worker's tensor-parallel group is gone: no forward can run any more."""
+
+
 class TensorParallel:
     """One rank's membership of its group: the gloo process group for the collectives inside a forward,
     and, on rank 0, the pipes that carry each forward's call to the followers."""
@@ -230,6 +235,13 @@ class TensorParallel:
             return
         self.closed = True
         for c in self.followers:
+            # Shut down, not just closed: the watch thread's poll holds the socket open past a close, and
+            # the follower would not see its end of file.
+            with (
+                contextlib.suppress(OSError),
+                socket.fromfd(c.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as s,
+            ):
+                s.shutdown(socket.SHUT_RDWR)
             c.close()
         for p in self.processes:
             try:

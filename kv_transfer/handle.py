@@ -27,14 +27,19 @@ from pdserve.kv_transfer.errors import (
 )
 from pdserve.kv_transfer.kvbuf import layer_digests, ready_marker
 from pdserve.kv_transfer.plan import Segment, layer_tag, tag_base
+from pdserve.kv_transfer.tp_pack import sent_digests
+from pdserve.kv_transfer.tp_plan import dst_runs, writes_per_layer
 from pdserve.kv_transfer.transport import Connection, DataOp, RemoteWriter, describe
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from pdserve.kv_transfer.config import TransferConfig
     from pdserve.kv_transfer.kvbuf import KVSpans
     from pdserve.kv_transfer.metrics import TransferMetrics
+    from pdserve.kv_transfer.split import SplitRoute
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,7 +84,8 @@ class SendStats:
     bytes: int
     seconds: float  # open() to the receiver's acknowledgement
     layer_seconds: tuple[float, ...]  # per layer: push_layer call to every message of it completed
-    messages: int = 0  # data messages sent (layers x contiguous segments)
+    messages: int = 0  # data messages or writes sent (layers x contiguous segments, or x rank pairs too)
+    writes_per_layer: int = 0
 
 
 class PeerLink(Protocol):
@@ -118,7 +124,11 @@ class SenderHandle:
         writer: RemoteWriter | None = None,
         region: wire.RemoteRegion | None = None,
         eager: bool = False,
+        split: SplitRoute | None = None,
+        src_blocks: Sequence[int] = (),
     ) -> None:
+        """``split``: the connection's route between tensor-parallel ranks (``writer`` is its
+        ``SplitWriter``), which reads ``src_blocks`` (the source blocks sent, token order)."""
         self._sender = sender
         self._peer = peer
         self._loop = asyncio.get_running_loop()
@@ -160,12 +170,23 @@ class SenderHandle:
         self._accepted = self._writer is None or eager
         self._held: list[tuple[int, float]] = []
         # Fault injection (FaultConfig.corrupt_transfers): the last layer's first run gets a flipped byte.
-        self._corrupt = sender.take_corruption() if self._spans.host else False
+        self._corrupt = sender.take_corruption() if self._spans.host and split is None else False
         self._corrupted: Any = None  # the bad bytes, alive while a send or put may read them
         # Each layer's runs, in bytes from the layer's start on either side: (source, destination, length).
         unit = self._spans.block_bytes
         self._runs = [(seg.src_start * unit, seg.dst_start * unit, seg.num_blocks * unit) for seg in segments]
         self._run_bytes = sum(run[2] for run in self._runs)
+        self._writes_per_layer = len(segments)  # one message or put per run
+        # Tensor parallelism: each layer's pieces, rank by rank; packed pieces kept while puts may read them.
+        self._split = split
+        if split is not None:
+            self._src_blocks = list(src_blocks)
+            self._segment_blocks = [(seg.src_start, seg.dst_start, seg.num_blocks) for seg in segments]
+            self._dst_runs = dst_runs(ticket.block_ids)
+            self._keep: list[torch.Tensor] = []
+            heads = [len(h) for h in split.dst_heads]
+            self._run_bytes = len(ticket.block_ids) * sum(split.sizes.block(h) for h in heads)
+            self._writes_per_layer = writes_per_layer(split.plan, len(segments), len(self._dst_runs))
         # A direct writer (a memory copy: cma.py; a copy ordered after the layer on its CUDA stream:
         # cuda_ipc.py) with eager puts writes each layer on the thread that pushes it: no hop to the
         # loop, no wait for the layer to be ready, and the loop never blocks on the copy.
@@ -358,7 +379,11 @@ class SenderHandle:
         src_stride, dst_stride = self._spans.layer_bytes, self._region.layer_bytes
         local = self._spans.address + layer * src_stride
         try:
-            if count == 1:
+            if self._split is not None:
+                runs, keep = self._dst_runs, self._keep
+                for i in range(layer, layer + count):
+                    self._split.write_layer(i, self._src_blocks, self._segment_blocks, runs, keep)
+            elif count == 1:
                 self._writer.write_runs(local, layer * dst_stride, self._runs)
                 if self._corrupt and layer == self.num_layers - 1:
                     self._write_flipped_byte(layer)
@@ -385,6 +410,11 @@ class SenderHandle:
         configuration asks for none or the KV is in device memory."""
         if not self._sender.config.digest or not self._spans.host:
             return ()
+        if self._split is not None:
+            split, blocks = self._split, self._src_blocks
+            if self._run_bytes * self.num_layers <= _DIGEST_INLINE_BYTES:
+                return sent_digests(split.src.kv, split.plan, blocks, self.num_layers)
+            return await asyncio.to_thread(sent_digests, split.src.kv, split.plan, blocks, self.num_layers)
         runs = [(seg.src_start, seg.num_blocks) for seg in self._segments]
         if self._run_bytes * self.num_layers <= _DIGEST_INLINE_BYTES:
             return layer_digests(self._spans, runs, self.num_layers)
@@ -394,7 +424,7 @@ class SenderHandle:
         """The loop's books of one layer's puts (issued here or written by the forward thread)."""
         self._sent_layers.append(layer)  # also after a failed put: it may have written part
         self._settled.clear()  # until a flush covers this layer
-        self._op_ids += len(self._segments)
+        self._op_ids += self._writes_per_layer
         if err is not None:
             self.fail(err)
             return
@@ -419,7 +449,7 @@ class SenderHandle:
         n = len(written)
         self._sent_layers.extend(w[0] for w in written)
         self._settled.clear()  # until a flush covers these layers
-        self._op_ids += n * len(self._segments)
+        self._op_ids += n * self._writes_per_layer
         nbytes = sum(w[2] for w in written)
         self._bytes += nbytes
         metrics = self._sender.metrics
@@ -571,10 +601,11 @@ class SenderHandle:
         self.state = HandleState.DONE
         seconds = time.perf_counter() - self._t_open
         self._sender.metrics.transfer_done(seconds)
+        self._sender.metrics.writes_per_layer(self._writes_per_layer)
         self._sender.metrics.closed()
         self._sender.forget(self)
         layers = tuple(self._layer_seconds.get(layer, 0.0) for layer in range(self.num_layers))
-        return SendStats(self.request_id, self._bytes, seconds, layers, self._op_ids)
+        return SendStats(self.request_id, self._bytes, seconds, layers, self._op_ids, self._writes_per_layer)
 
     async def abort(self, reason: str = "prefill gave up") -> None:
         """Stop sending and tell the receiver; returns once no send touches P's blocks any more."""

@@ -18,27 +18,40 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def compat_for(kv: torch.Tensor, model_id: str, protocol_version: int = PROTOCOL_VERSION) -> KVCompat:
-    """The compatibility record of a KV tensor in the project layout."""
+def compat_for(
+    kv: torch.Tensor,
+    model_id: str,
+    protocol_version: int = PROTOCOL_VERSION,
+    num_kv_heads: int | None = None,
+) -> KVCompat:
+    """The compatibility record of a KV tensor in the project layout. ``num_kv_heads``: the model's, where
+    ``kv`` is one tensor-parallel rank's cache holding some of them (the record names the model's KV
+    shape; how a group splits it travels in the handshake)."""
     if kv.dim() != 6 or kv.shape[2] != 2:
         raise ValueError(f"KV tensor must be [L, N, 2, B, Hkv, D], got shape {tuple(kv.shape)}")
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv.shape
+    num_layers, _, _, block_size, heads_here, head_dim = kv.shape
     return KVCompat(
         model_id=model_id,
         dtype=dtype_name(kv.dtype),
         num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=heads_here if num_kv_heads is None else num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
         protocol_version=protocol_version,
     )
 
 
-def check_kv(kv: torch.Tensor, compat: KVCompat) -> None:
-    """The tensor must be one contiguous allocation matching ``compat``."""
-    expected = compat_for(kv, compat.model_id, compat.protocol_version)
-    if expected != compat:
-        raise ValueError(f"KV tensor {expected} does not match compatibility record {compat}")
+def check_kv(kv: torch.Tensor, compat: KVCompat, num_heads: int | None = None) -> None:
+    """The tensor must be one contiguous allocation matching ``compat`` (holding ``num_heads`` of its KV
+    heads: a tensor-parallel rank's cache; default all)."""
+    expected = compat_for(kv, compat.model_id, compat.protocol_version, compat.num_kv_heads)
+    if num_heads is None:
+        num_heads = compat.num_kv_heads
+    if expected != compat or kv.shape[4] != num_heads:
+        raise ValueError(
+            f"KV tensor of shape {tuple(kv.shape)} ({num_heads} KV heads expected) does not match "
+            f"compatibility record {compat}"
+        )
     if not kv.is_contiguous():
         raise ValueError("KV tensor must be contiguous (one registration for the transport)")
 

@@ -32,6 +32,7 @@ _TRANSFER_BUCKETS = (
 _LAYER_BUCKETS = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5,
 )  # fmt: skip
+_WRITE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 
 
 # How a transfer's KV moves (pdserve_kv_transfer_opened_total's path label; the sender knows it at open).
@@ -100,6 +101,15 @@ class _Families:
             ["role"],
             registry=registry,
         )
+        self.writes = Histogram(
+            "pdserve_kv_transfer_writes_per_layer",
+            "Writes one layer of a completed transfer took on the prefill side (a write: one tagged "
+            "message, UCX put or scatter-gather entry): one per run of blocks consecutive on both sides, "
+            "and between tensor-parallel groups of different sizes one per rank pair and run.",
+            ["role"],
+            buckets=_WRITE_BUCKETS,
+            registry=registry,
+        )
         self.inflight = Gauge(
             "pdserve_kv_transfer_inflight",
             "Transfers currently reserved or open.",
@@ -129,6 +139,7 @@ class TransferMetrics:
         self._layer = fam.layer.labels(role=role.value)
         self._inflight = fam.inflight.labels(role=role.value)
         self._settle_timeouts = fam.settle_timeouts.labels(role=role.value)
+        self._writes = fam.writes.labels(role=role.value)
         # Create every reason's series up front so dashboards see zeros, not gaps.
         for reason in FailureReason:
             self._failures.labels(role=role.value, reason=reason.value)
@@ -148,6 +159,9 @@ class TransferMetrics:
 
     def settle_timed_out(self) -> None:
         self._settle_timeouts.inc()
+
+    def writes_per_layer(self, n: int) -> None:
+        self._writes.observe(n)
 
     def layer_done(self, seconds: float) -> None:
         self._layer.observe(seconds)

@@ -40,6 +40,9 @@ from pdserve.kv_transfer.reservation import (
     RxState,
     TransferResult,
 )
+from pdserve.kv_transfer.split import RankCaches, heads_from_wire, needs_split
+from pdserve.kv_transfer.tp_pack import received_digests, unpack_received
+from pdserve.kv_transfer.tp_plan import pieces
 from pdserve.kv_transfer.transport import Connection, Transport
 from pdserve.kv_transfer.transports import make_transport
 
@@ -63,10 +66,20 @@ class KVReceiver:
         config: TransferConfig | None = None,
         registry: CollectorRegistry | None = None,
         shared_fd: int | None = None,
+        ranks: RankCaches | None = None,
     ) -> None:
         """``shared_fd``: the memfd ``kv`` is mapped from (``engine.hugepages.SharedTensor``), offered to
-        senders of this host, which then write it with plain copies (writers/shm.py)."""
-        check_kv(kv, compat)
+        senders of this host, which then write it with plain copies (writers/shm.py). ``ranks``: a
+        tensor-parallel group's caches (``kv`` is rank 0's), each exposed for the sender's writes."""
+        if ranks is None:
+            check_kv(kv, compat)
+            ranks = RankCaches((kv,), (range(compat.num_kv_heads),))
+        elif ranks.kv[0] is not kv:
+            raise ValueError("kv must be rank 0's cache of ranks")
+        ranks.check(compat)
+        self._ranks = ranks
+        # Bytes of one block of one layer over every rank (a one-sided transfer's books).
+        self._all_block_bytes = sum(t[0, 0].numel() * t.element_size() for t in ranks.kv)
         if blocks.block_size != compat.block_size or blocks.num_blocks > kv.shape[1]:
             raise ValueError("the block pool does not match the KV tensor (block size or block count)")
         if compat.num_layers > MAX_LAYERS:
@@ -93,6 +106,7 @@ class KVReceiver:
         self._seq = 0  # reservations made so far (TransferTicket.seq)
         self._rma_peers: set[PrefillConn] = set()  # live connections the region was offered to
         self._shared_fd = shared_fd
+        self._rank_regions: tuple[wire.RemoteRegion, ...] | None = ()  # ranks 1..; None: not exposed
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> None:
@@ -101,6 +115,17 @@ class KVReceiver:
         if region is not None:
             layer_bytes = self._spans.num_blocks * self._spans.block_bytes
             self._region = msgspec.structs.replace(region, layer_bytes=layer_bytes)
+        regions = []
+        for rank in range(1, len(self._ranks.kv)):
+            spans = KVSpans(self._ranks.kv[rank])
+            fds = self._ranks.shared_fds
+            exposed = self._transport.expose(spans.flat, fds[rank] if rank < len(fds) else None)
+            if exposed is None:
+                self._rank_regions = None
+                break
+            regions.append(msgspec.structs.replace(exposed, layer_bytes=spans.num_blocks * spans.block_bytes))
+        else:
+            self._rank_regions = tuple(regions)
         await self._transport.listen(self._on_connect)
 
     @property
@@ -353,6 +378,9 @@ class KVReceiver:
         peer.accepted = not reason
         conn_id = max(peer.conn_id, 0)
         proof = auth.reply_proof(token, msg.nonce, peer.accepted, conn_id) if token else ""
+        if not reason:
+            reason = self._route(peer, msg)
+            peer.accepted = not reason
         region = self._region if peer.accepted and msg.rma else None
         peer.rma = region is not None
         if peer.rma:
@@ -366,8 +394,27 @@ class KVReceiver:
             proof=proof,
             rma=region,
             seq=self._seq,
+            kv_heads=self._ranks.wire(),
+            rank_regions=(self._rank_regions or ()) if peer.plan is not None else (),
         )
         self._send(peer.conn, reply)
+
+    def _route(self, peer: PrefillConn, msg: wire.Hello) -> str:
+        """Set ``peer.plan`` where either side is a tensor-parallel group; the reason it cannot be, else
+        "". A group's heads move by one-sided writes only, into every rank's exposed cache."""
+        try:
+            src = heads_from_wire(msg.kv_heads, self._compat.num_kv_heads, "the prefill worker's ranks")
+        except ValueError as exc:
+            return str(exc)
+        if not needs_split(src, self._ranks.heads):
+            return ""
+        if not (msg.rma and self._region is not None and self._rank_regions is not None):
+            return (
+                f"tensor-parallel KV ({len(src)} prefill ranks, {len(self._ranks.heads)} decode ranks) moves "
+                "by one-sided writes only, which this connection does not have"
+            )
+        peer.plan = pieces(src, self._ranks.heads)
+        return ""
 
     def _proven(self, msg: wire.Hello, token: str) -> bool:
         """The Hello proves the token, with a nonce this receiver has not seen before."""
@@ -495,7 +542,7 @@ class KVReceiver:
     # -- data --------------------------------------------------------------
     def _rma_landed(self, rx: Reservation) -> None:
         """The sender's flush covered every put of ``rx``: all layers are in."""
-        nbytes = len(rx.targets) * self._spans.block_bytes * self._compat.num_layers
+        nbytes = len(rx.targets) * self._all_block_bytes * self._compat.num_layers
         rx.bytes += nbytes
         self.metrics.add_bytes(nbytes)
         rx.layers_done = self._compat.num_layers
@@ -518,6 +565,12 @@ class KVReceiver:
     def _maybe_finish(self, rx: Reservation) -> None:
         if rx.layers_done < self._compat.num_layers or rx.first_token_id is None or rx.verifying:
             return
+        plan = rx.peer.plan if rx.peer is not None else None
+        if plan is not None:
+            # Every write landed (flushed before Complete): runs that came packed go into the layout now,
+            # here on the loop, so no failure can free the blocks while they are rearranged; once only.
+            rx.verifying = True
+            unpack_received(self._ranks.kv, plan, rx.targets, self._compat.num_layers)
         if rx.digests:
             # Every writer has stopped (all receives landed; puts flushed before Complete): check what
             # landed before the request may run on it.
@@ -531,6 +584,8 @@ class KVReceiver:
         self._finish(rx)
 
     def _digests_match(self, rx: Reservation) -> bool:
+        if rx.peer is not None and rx.peer.plan is not None:
+            return received_digests(self._ranks.kv, rx.targets, self._compat.num_layers) == rx.digests
         return layer_digests(self._spans, rx.runs, self._compat.num_layers) == rx.digests
 
     def _verified(self, rx: Reservation, ok: bool) -> None:

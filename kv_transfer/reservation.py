@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+from pdserve.kv_transfer.tp_plan import Piece
 from pdserve.kv_transfer.transport import Connection, DataOp
 
 
@@ -141,6 +142,9 @@ class PrefillConn:
     # alive and still putting, so what it may write is held ``settle_timeout_s`` more, not freed at once.
     forced: bool = False
     greeted: bool = False  # its Hello came (a second one closes the connection)
+    # Tensor parallelism on either side: which sender rank's heads land in which of our ranks, packed per
+    # run where the two split differently (tp_plan); None: one whole cache into another.
+    plan: list[Piece] | None = None
 
 
 class ConnIds:

@@ -29,6 +29,7 @@ from pdserve.kv_transfer.handle import HandleState, SenderHandle
 from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
 from pdserve.kv_transfer.metrics import Role, TransferMetrics
 from pdserve.kv_transfer.plan import MAX_LAYERS, build_segments, segment_lengths
+from pdserve.kv_transfer.split import RankCaches, SplitRoute, SplitWriter, heads_from_wire, needs_split
 from pdserve.kv_transfer.transport import Connection, RemoteWriter, Transport, describe
 from pdserve.kv_transfer.transports import make_transport
 
@@ -53,6 +54,7 @@ class _Peer:
     region: wire.RemoteRegion | None = None
     hello_seq: int = -1  # the receiver's reservation count at the handshake; -1: never eager
     revoked: dict[int, wire.Abort] = field(default_factory=dict)  # transfer id -> the revoke
+    split: SplitRoute | None = None  # tensor parallelism on either side: every rank's heads, rank by rank
 
     def eager(self, ticket: wire.TransferTicket) -> bool:
         """Puts for ``ticket`` may start before the receiver's Accept (it revokes, not refuses)."""
@@ -87,8 +89,17 @@ class KVSender:
         config: TransferConfig | None = None,
         registry: CollectorRegistry | None = None,
         name: str = "prefill",
+        ranks: RankCaches | None = None,
     ) -> None:
-        check_kv(kv, compat)
+        """``ranks``: a tensor-parallel group's caches (``kv`` is rank 0's), whose heads go to whichever
+        ranks of the receiver hold them."""
+        if ranks is None:
+            check_kv(kv, compat)
+            ranks = RankCaches((kv,), (range(compat.num_kv_heads),))
+        elif ranks.kv[0] is not kv:
+            raise ValueError("kv must be rank 0's cache of ranks")
+        ranks.check(compat)
+        self.ranks = ranks
         if compat.num_layers > MAX_LAYERS:
             raise ValueError(f"{compat.num_layers} layers exceed the tag layout's {MAX_LAYERS}")
         self.kv = kv
@@ -185,6 +196,8 @@ class KVSender:
             writer=peer.writer,
             region=peer.region,
             eager=eager,
+            split=peer.split,
+            src_blocks=src_block_ids,
         )
         peer.handles[ticket.transfer_id] = handle
         rma = peer.writer is not None
@@ -250,7 +263,13 @@ class KVSender:
             pv = self.compat.protocol_version
             proof = auth.hello_proof(token, pv, self._hash, self._name, nonce) if token else ""
             hello = wire.Hello(
-                pv, self._hash, self._name, nonce=nonce if token else "", proof=proof, rma=self.config.rma
+                pv,
+                self._hash,
+                self._name,
+                nonce=nonce if token else "",
+                proof=proof,
+                rma=self.config.rma,
+                kv_heads=self.ranks.wire(),
             )
             conn.post_message(wire.encode_message(hello))
             reply = await asyncio.wait_for(asyncio.shield(peer.hello_reply), timeout)
@@ -292,8 +311,45 @@ class KVSender:
                     peer.writer, peer.region = None, None
                 if peer.writer is not None:
                     peer.hello_seq = reply.seq
+        if reply.ok:
+            refused = self._route(peer, reply)
+            if refused:  # a tensor-parallel pair this connection cannot serve: every Open refused here
+                log.warning("KV to %s: %s", describe(peer.address), refused)
+                peer.accepted, peer.reason, peer.writer, peer.hello_seq = False, refused, None, -1
         peer.refusal = reply.code or FailureReason.INCOMPATIBLE.value
         peer.ready.set_result(None)
+
+    def _route(self, peer: _Peer, reply: wire.HelloReply) -> str:
+        """Set ``peer.split`` where either side is a tensor-parallel group; the reason it cannot be, else
+        "". A group's heads move by one-sided writes only, one writer per receiving rank."""
+        try:
+            dst = heads_from_wire(reply.kv_heads, self.compat.num_kv_heads, "the decode worker's ranks")
+        except ValueError as exc:
+            return str(exc)
+        if not needs_split(self.ranks.heads, dst):
+            return ""
+        what = f"tensor-parallel KV ({len(self.ranks.heads)} prefill ranks, {len(dst)} decode ranks)"
+        regions = (reply.rma, *reply.rank_regions) if reply.rma is not None else ()
+        if peer.writer is None or peer.region is None or len(regions) != len(dst) or peer.conn is None:
+            return f"{what} moves by one-sided writes only, which this connection does not have"
+        writers = [peer.writer]
+        for region in regions[1:]:
+            if region.layer_bytes * self.compat.num_layers > region.length:
+                return f"{what}: a malformed region of a decode rank"
+            try:
+                w = peer.conn.remote_writer(region, self.spans.flat)
+            except Exception as exc:  # noqa: BLE001 - refused below, never a peer left half open
+                w, why = None, repr(exc)
+            else:
+                why = "no writer"
+            if w is None:
+                for opened in writers:
+                    opened.close()
+                return f"{what}: no one-sided writes into a decode rank ({why})"
+            writers.append(w)
+        split_writer = SplitWriter(writers)
+        peer.writer, peer.split = split_writer, SplitRoute(self.ranks, dst, split_writer, regions)
+        return ""
 
     def _send_open(self, handle: SenderHandle, peer: _Peer, opening: wire.Open) -> None:
         if handle.error is None:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import xxhash
 
-from pdserve.kv_transfer.tp_plan import Piece
+from pdserve.kv_transfer.tp_plan import Piece, dst_runs, needs_unpack
 
 
 def pack(kv: torch.Tensor, layer: int, blocks: Sequence[int], piece: Piece) -> torch.Tensor:
@@ -36,6 +36,21 @@ def unpack(kv: torch.Tensor, layer: int, first: int, num_blocks: int, mine: Sequ
     for p in mine:
         part = packed[p.dst_first * per_head : (p.dst_first + p.num_heads) * per_head]
         region[:, :, :, p.dst_first : p.dst_first + p.num_heads] = part.view(n, two, block_size, -1, head_dim)
+
+
+def unpack_received(
+    dst_kv: Sequence[torch.Tensor], plan: Sequence[Piece], blocks: Sequence[int], num_layers: int
+) -> None:
+    """The receiver's side once every write landed: each destination rank whose runs came packed gets
+    them into its layout, layer by layer, run by run."""
+    runs = dst_runs(blocks)
+    for j, kv in enumerate(dst_kv):
+        if not needs_unpack(plan, j):
+            continue
+        mine = [p for p in plan if p.dst_rank == j]
+        for layer in range(num_layers):
+            for _, first, count in runs:
+                unpack(kv, layer, first, count, mine)
 
 
 def received_digests(
@@ -71,5 +86,5 @@ def assembled(
 def _digest(parts: Iterable[torch.Tensor]) -> int:
     h = xxhash.xxh3_64()
     for t in parts:
-        h.update(t.contiguous().view(torch.uint8).numpy())
+        h.update(t.contiguous().view(torch.uint8).numpy().data)
     return h.intdigest()

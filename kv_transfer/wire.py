@@ -13,7 +13,7 @@ from pdserve.kv_transfer.errors import IncompatibleError
 
 # Bump on any change to these messages or to the tag layout (plan.py): it is part of the compatibility
 # hash, so peers of different versions refuse each other at the handshake, before any data moves.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class KVCompat(msgspec.Struct, frozen=True):
@@ -86,6 +86,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     nonce: str = ""
     proof: str = ""
     rma: bool = False  # the sender can put into a registered KV tensor (RMA)
+    # A tensor-parallel sender: each rank's KV heads of the model's, (start, stop). (): one process
+    # holding every head.
+    kv_heads: tuple[tuple[int, int], ...] = ()
 
 
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
@@ -97,10 +100,15 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     rma: RemoteRegion | None = None  # offered when both sides can: where puts go
     # The receiver's reservation count now: tickets with a larger seq may be written before Accept.
     seq: int = 0
+    # A tensor-parallel receiver: each rank's KV heads (as Hello's), and where puts into ranks 1.. go
+    # (rank 0's is ``rma``). (): one process holding every head.
+    kv_heads: tuple[tuple[int, int], ...] = ()
+    rank_regions: tuple[RemoteRegion, ...] = ()
 
 
 class RemoteRegion(msgspec.Struct, frozen=True):
-    """The receiver's whole KV tensor, registered with UCX for remote writes."""
+    """The receiver's whole KV tensor (a tensor-parallel receiver: one rank's), registered with UCX for
+    remote writes."""
 
     key: bytes  # UCX's packed remote key
     base: int  # the tensor's address in the receiver

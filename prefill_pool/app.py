@@ -14,16 +14,18 @@ from prometheus_client import CollectorRegistry
 from pdserve.engine.device import resolve_device, resolve_dtype
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.llm_engine import DTYPES
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import ModelRunner, build_runner
 from pdserve.engine.prefix_hash import model_cache_salt
 from pdserve.engine.quant import kv_model_id
+from pdserve.engine.tensor_parallel import RankLost
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.kv_transfer import KVSender, compat_for
+from pdserve.kv_transfer import KVSender
 from pdserve.prefill_pool.loop import PrefillLoop, PrefillLoopStopped
 from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.prefill_pool.servicer import PrefillServicer
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
+from pdserve.worker.ranks import kv_compat, rank_caches
 from pdserve.worker.shell import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class PrefillPool:
         self.failure: BaseException | None = None  # the loop died: the worker drains and exits with it
         self.loop: PrefillLoop | None = None
         self.sender: KVSender | None = None
+        self.runner: ModelRunner | None = None
         # Builds the runner and runs every forward: one thread makes this process's CPU-kernel calls (the
         # kernels' OpenMP pools belong to their calling thread: docs/engine.md, "One thread").
         self.forward_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
@@ -53,8 +56,10 @@ class PrefillPool:
         runner = await asyncio.get_running_loop().run_in_executor(
             self.forward_thread,
             functools.partial(
-                ModelRunner,
+                build_runner,
                 model_dir,
+                args.tensor_parallel_size,
+                args.threads or 1,
                 dtype=DTYPES[dtype],
                 device=device,
                 block_size=args.block_size,
@@ -76,13 +81,17 @@ class PrefillPool:
         except FileNotFoundError:
             pass
         sampler = runner.sampler(tuple(eos))
-        compat = compat_for(runner.kv, kv_model_id(model_dir.name, args.quantization))
+        self.runner = runner
+        # A tensor-parallel group's record is the model's whole KV shape; its transfers move every rank's
+        # heads into the decode ranks that hold them (``ranks``).
+        compat = kv_compat(runner, kv_model_id(model_dir.name, args.quantization))
         self.sender = KVSender(
             runner.kv,
             compat,
             args.transfer_config(),
             self.registry,
             name=args.worker_id,
+            ranks=rank_caches(runner),
         )
         salt = model_cache_salt(runner.model_dir, dtype, runner.quantization)
         self.loop = PrefillLoop(
@@ -99,6 +108,9 @@ class PrefillPool:
         self.loop.on_fatal(self._fatal)
         self.loop.on_forward_failed(self.metrics.failed_steps.inc)
         self.loop.start()
+        if runner.tp is not None:  # a rank gone: nothing can prefill any more, the worker drains and exits
+            loop = self.loop
+            runner.tp.watch(lambda why: loop.fail(RankLost(why)))
         self.servicer.attach(self.loop)
         return Capacity(
             runner.num_blocks,
@@ -121,6 +133,8 @@ class PrefillPool:
             await self.loop.close()
         if self.sender is not None:
             await self.sender.close()
+        if self.runner is not None and self.runner.tp is not None:
+            self.runner.tp.close()
         self.forward_thread.shutdown(wait=False)
 
 

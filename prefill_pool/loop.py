@@ -87,8 +87,23 @@ class PrefillLoop:
         self.constrained = ConstrainedSequences(grammar or GrammarCompiler(None, 0, ()))
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._event_loop = asyncio.get_running_loop()
+        self._task = self._event_loop.create_task(self._loop())
         self._task.add_done_callback(self._stopped)
+
+    def fail(self, cause: BaseException) -> None:
+        """The loop can prefill nothing more (a tensor-parallel rank is gone): stop as if it had died of
+        ``cause``. Safe from any thread."""
+
+        def die() -> None:
+            if self._task is not None and not self._task.done():
+                self._task.cancel()  # (_stopped ignores a cancel: the stop is this one)
+                self._stop_with(cause)
+
+        try:
+            self._event_loop.call_soon_threadsafe(die)
+        except RuntimeError:  # the event loop is closed: the process is ending anyway
+            pass
 
     def on_forward_failed(self, fn: Callable[[], object]) -> None:
         """``fn()`` runs after every failed forward (a metric)."""
@@ -104,7 +119,10 @@ class PrefillLoop:
         aborted, its blocks freed); ``submit`` refuses from now on; ``on_fatal`` runs."""
         if task.cancelled() or task.exception() is None:
             return
-        self.failure = task.exception()
+        self._stop_with(task.exception())
+
+    def _stop_with(self, failure: BaseException | None) -> None:
+        self.failure = failure
         log.critical("prefill loop stopped: %r; refusing new prompts", self.failure, exc_info=self.failure)
         err = PrefillLoopStopped(f"prefill loop stopped: {self.failure!r}")
         while (job := self.sched.pop_queued()) is not None:

@@ -108,7 +108,7 @@ class WorkerArgs:
     draft_layers: int = 0
     # A warm-pool worker: loads, registers and heartbeats, but the router routes to it only once promoted.
     standby: bool = False
-    # The model split over this many processes (``engine.tensor_parallel``); colocated CPU workers only.
+    # The model split over this many processes (``engine.tensor_parallel``); CPU workers only.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -155,12 +155,6 @@ class WorkerArgs:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {tp}")
         if tp == 1:
             return
-        if self.role is not Role.BOTH:
-            raise ValueError(
-                f"--tensor-parallel-size {tp} needs --role both: a prefill or decode worker moves its KV to "
-                "another worker, and a transfer between tensor-parallel groups (each rank writing its heads) "
-                "is not built yet"
-            )
         if device_index(self.device) is not None:
             raise ValueError(
                 f"--tensor-parallel-size {tp} runs on CPUs (gloo) only, not on --device {self.device}"

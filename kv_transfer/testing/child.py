@@ -18,7 +18,14 @@ from pdserve.kv_transfer.config import FaultConfig
 from pdserve.kv_transfer.kvbuf import block_bytes, compat_for
 from pdserve.kv_transfer.receiver import KVReceiver
 from pdserve.kv_transfer.sender import KVSender
-from pdserve.kv_transfer.testing.spec import PeerSpec, expected_bytes, fingerprint, scatter_allocate
+from pdserve.kv_transfer.split import RankCaches
+from pdserve.kv_transfer.testing.spec import (
+    PeerSpec,
+    expected_bytes,
+    fingerprint,
+    head_split,
+    scatter_allocate,
+)
 from pdserve.kv_transfer.wire import KVCompat, TransferTicket
 
 
@@ -26,7 +33,8 @@ class PeerState:
     def __init__(self, spec: PeerSpec) -> None:
         self.spec = spec
         dtype = getattr(torch, spec.dtype)
-        shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.heads = head_split(spec.num_kv_heads, spec.tp_size)
+        shape = (spec.num_layers, spec.num_blocks, 2, spec.block_size, len(self.heads[0]), spec.head_dim)
         # On CUDA this also creates the process's CUDA context, which must exist before ucxx starts
         # (start_receiver, the first sender, the raw baseline): UCX's CUDA transports look for it then.
         self._shared: SharedTensor | None = None
@@ -40,7 +48,13 @@ class PeerState:
         self.block_bytes = block_bytes(self.kv)
         self.kv_bytes = self.kv.view(spec.num_layers, spec.num_blocks, -1).view(torch.uint8)  # [L, N, bytes]
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
-        self.compat: KVCompat = compat_for(self.kv, spec.model_id)
+        self.compat: KVCompat = compat_for(self.kv, spec.model_id, num_kv_heads=spec.num_kv_heads)
+        # Tensor parallelism: the other ranks' caches, in shared memory (a group's followers' are).
+        self._rank_shared = [SharedTensor(*shape, dtype=dtype) for _ in self.heads[1:]]
+        self.ranks: RankCaches | None = None
+        if spec.tp_size > 1:
+            fds = (None if self._shared is None else self._shared.fd, *(t.fd for t in self._rank_shared))
+            self.ranks = RankCaches((self.kv, *(t.tensor for t in self._rank_shared)), self.heads, fds)
         self.receiver: KVReceiver | None = None
         self.senders: dict[tuple[int | None, FaultConfig | None, str], KVSender] = {}
         self.raw: Any = None
@@ -73,7 +87,9 @@ class PeerState:
     # -- decode side -------------------------------------------------------
     async def cmd_start_receiver(self) -> str:
         fd = None if self._shared is None else self._shared.fd
-        self.receiver = KVReceiver(self.kv, self.blocks, self.compat, self.spec.config, shared_fd=fd)
+        self.receiver = KVReceiver(
+            self.kv, self.blocks, self.compat, self.spec.config, shared_fd=fd, ranks=self.ranks
+        )
         await self.receiver.start()
         return self.receiver.address
 
@@ -135,8 +151,22 @@ class PeerState:
 
     def cmd_verify(self, request_id: str, seed: int) -> bool:
         blocks, _ = self._snapshots[request_id]
+        if self.ranks is not None:
+            return all(
+                torch.equal(got[:, blocks].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+                for got, want in zip(self.ranks.kv, self._logical_by_rank(seed, len(blocks)), strict=True)
+            )
         expected = expected_bytes(seed, self.spec.num_layers, len(blocks), self.block_bytes)
         return bool(torch.equal(self.kv_bytes[:, blocks].cpu(), expected))  # device KV: a host copy
+
+    def _logical_by_rank(self, seed: int, num_blocks: int) -> list[torch.Tensor]:
+        """Tensor parallelism: the seeded KV of ``num_blocks`` blocks over every head, as each rank holds
+        it (``[L, n, 2, B, h, D]``)."""
+        s = self.spec
+        whole_block = 2 * s.block_size * s.num_kv_heads * s.head_dim * self.kv.element_size()
+        logical = expected_bytes(seed, s.num_layers, num_blocks, whole_block).view(self.kv.dtype)
+        logical = logical.view(s.num_layers, num_blocks, 2, s.block_size, s.num_kv_heads, s.head_dim)
+        return [logical[..., h.start : h.stop, :].contiguous() for h in self.heads]
 
     def cmd_untouched(self, request_id: str) -> bool:
         blocks, digest = self._snapshots[request_id]
@@ -187,7 +217,7 @@ class PeerState:
             if protocol_version is not None:
                 compat = msgspec.structs.replace(compat, protocol_version=protocol_version)
             config = self.spec.config if faults is None else replace(self.spec.config, faults=faults)
-            sender = self.senders[key] = KVSender(self.kv, compat, config)
+            sender = self.senders[key] = KVSender(self.kv, compat, config, ranks=self.ranks)
         return sender
 
     async def cmd_connect(
@@ -229,7 +259,10 @@ class PeerState:
         else:
             src = self.blocks.allocate(seq, t.num_tokens)
         try:
-            if fill:  # device KV: an asynchronous copy, ordered before the sends by push_layer's CUDA event
+            if fill and self.ranks is not None:
+                for kv, part in zip(self.ranks.kv, self._logical_by_rank(seed, len(src)), strict=True):
+                    kv[:, src] = part
+            elif fill:  # device KV: an asynchronous copy, ordered before the sends by push_layer's CUDA event
                 seeded = expected_bytes(seed, self.spec.num_layers, len(src), self.block_bytes)
                 self.kv_bytes[:, src] = seeded.to(self.kv.device)
             loop = asyncio.get_running_loop()
@@ -272,6 +305,7 @@ class PeerState:
                 "seconds": stats.seconds,
                 "bytes": stats.bytes,
                 "messages": stats.messages,
+                "writes_per_layer": stats.writes_per_layer,
                 "rma": handle.rma,
                 # How this transfer's KV moved (``metrics.TRANSFER_PATHS``): the benchmark reports it,
                 # so that a fallback (e.g. device memory not written by puts) shows. The handle says;

@@ -36,12 +36,17 @@ class PeerSpec:
     # Host memory: the KV tensor in shared memory (engine.hugepages.SharedTensor), offered to same-host
     # senders, which write it with plain copies (writers/shm.py): a ``--kv-shared-memory`` decode worker.
     kv_shared: bool = False
+    # A tensor-parallel group's rank 0: that many rank caches (each its heads, ``head_split``), ranks 1..
+    # in shared memory as a group's followers' are, moved by ``kv_transfer.split``.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.kv_shared and self.device != "cpu":
             raise ValueError("kv_shared is for host memory (device cpu)")
+        if self.tp_size > 1 and self.device != "cpu":
+            raise ValueError("tp_size > 1 is for host memory (device cpu)")
 
 
 class PeerCallError(RuntimeError):
@@ -55,6 +60,15 @@ class PeerCallError(RuntimeError):
 def expected_bytes(seed: int, num_layers: int, num_blocks: int, block_bytes: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (num_layers, num_blocks, block_bytes), dtype=torch.uint8, generator=gen)
+
+
+def head_split(num_kv_heads: int, size: int) -> tuple[range, ...]:
+    """Each rank's KV heads, as ``engine.tensor_parallel.ShardLayout`` splits them (each head on several
+    ranks where ``size`` exceeds their count)."""
+    if size <= num_kv_heads:
+        per = num_kv_heads // size
+        return tuple(range(r * per, (r + 1) * per) for r in range(size))
+    return tuple(range(r // (size // num_kv_heads), r // (size // num_kv_heads) + 1) for r in range(size))
 
 
 def scatter_allocate(bm: BlockManager, seq_id: str, num_tokens: int, keep_every: int) -> list[int]:

@@ -104,7 +104,7 @@ def test_replicated_kv_heads_and_prompt_logprobs(tiny_llama_dir):
         llm.engine.close()
 
 
-def test_smollm2_at_tp3_equals_one_process(smollm2_cache):
+def test_smollm2_at_tp3_equals_one_process_and_prefills_for_one(tmp_path, smollm2_cache):
     # SmolLM2: 9 heads over 3 KV heads, one KV head per rank; its real vocabulary is split three ways.
     model = resolve_model(DEFAULT_MODEL, smollm2_cache, progress=False)
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 30] * k for k in (1, 3)]
@@ -121,6 +121,26 @@ def test_smollm2_at_tp3_equals_one_process(smollm2_cache):
         llm.engine.close()
     with pytest.raises(ValueError, match="tensor_parallel_size 2 does not divide the model's 9 attention"):
         LLM(model, dtype="float32", threads=1, tensor_parallel_size=2)
+
+    # Disaggregated, prefill TP=3 -> decode TP=1 through the router: each prefill rank's KV head into the
+    # decode worker's one cache (three pieces a layer, packed per run), the one process's tokens.
+    from pdserve.proto import generation_pb2
+    from tests.e2e.cluster_harness import run_all, running_cluster
+
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = generation_pb2.GenerateRequest(
+            request_id=f"s-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=p)
+        )
+        r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = STEPS, 0.0, True
+        reqs.append(r)
+    extra = ("--prefill-tp", "3", "--local-prefill-threshold", "1", "--heartbeat-timeout", "15")
+    with running_cluster(tmp_path, prefill=1, decode=1, model=model, extra=extra) as c:
+        served = run_all(c.address, reqs)
+        for r, w, wl in zip(reqs, want, want_logits, strict=True):
+            n = _first_near_tie(wl)
+            assert served[r.request_id][0][:n] == w.outputs[0].token_ids[:n], r.request_id
+        c.assert_no_leaks()
 
 
 def test_runner_logits_agree_and_no_kv_crosses_the_group(gqa_model, monkeypatch):
@@ -142,6 +162,19 @@ def test_runner_logits_agree_and_no_kv_crosses_the_group(gqa_model, monkeypatch)
         assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
         hidden = one.config.hidden_size
         assert sent == [hidden, hidden] * one.config.num_layers + [-1]  # never K/V (Hkv * D wide)
+        # A layer hook stays on rank 0 and runs once every rank's K/V of the layer are in its cache: the
+        # follower's too (what the KV transfer's push reads), seen through rank 0's mapping of it.
+        seen: list[tuple[int, bool]] = []
+        follower = runner.rank_kv[1]
+        hook_items = [PrefillItem(list(range(70, 90)), [8, 9])]
+
+        def hook(layer, k, v):
+            written = follower[layer, 8:10].reshape(2, -1)[:, :4].abs().sum(dim=1)
+            seen.append((layer, bool((written > 0).all())))
+
+        runner.prefill(hook_items, hook)
+        assert seen == [(layer, True) for layer in range(one.config.num_layers)]
+        one.prefill(hook_items)
         # Rank 0 maps the follower's KV cache: the ranks' heads side by side are one process's cache.
         assert [t.shape[-2] for t in runner.rank_kv] == [2, 2]
         whole = torch.cat(runner.rank_kv, dim=-2)
@@ -192,6 +225,14 @@ def test_a_dead_follower_is_heard_at_once(gqa_model):
         assert lost == [f"tensor-parallel rank 1 (pid {follower.pid}) of 2 is gone"]
     finally:
         llm.engine.close()
+    # Closing a watched group: each follower sees its pipe end and exits by itself (the watch's poll does
+    # not keep the pipe open), rather than being killed once close() has waited its bound.
+    llm = LLM(gqa_model, dtype="float32", threads=1, tensor_parallel_size=2)
+    tp = llm.engine.runner.tp
+    assert tp is not None
+    tp.watch(lambda why: lost.append(why))
+    llm.engine.close()
+    assert [p.returncode for p in tp.processes] == [0] and len(lost) == 1
 
 
 def _followers_of(pid: int) -> list[psutil.Process]:
@@ -253,3 +294,120 @@ def test_colocated_groups_serve_and_a_dead_rank_takes_its_worker_out(tmp_path, t
         pdserve("drain", "--worker-id", new["id"], "--state-dir", state_dir, "--timeout", "60", timeout=90)
         wait_until(lambda: gone(new_rank0) and gone(new_follower), 30, "the drained group to exit")
         c.assert_no_leaks(workers=[survivor["id"]])
+
+
+def _first_near_tie(logits) -> int:
+    """The exactness rule's cut: the first step whose top-2 reference logits are within 1e-5."""
+    for k, row in enumerate(logits):
+        top2 = row.topk(2).values
+        if (top2[0] - top2[1]).item() < 1e-5:
+            return k
+    return len(logits)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def test_pools_of_different_sizes_give_one_process_tokens(tmp_path, tiny_served_model, prefill_tp, decode_tp):
+    """`up --prefill-tp P --decode-tp D` (the tiny model: 2 KV heads): every prompt prefilled by the prefill
+    group reaches the decode group head slice by head slice, and the greedy tokens through the router are
+    one process's (compared up to the first near tie of its logits). The decode side's blocks are as the
+    pool allocates them; the prefill side reports its writes per layer, at most ranks x ranks x runs."""
+    from pdserve.proto import generation_pb2
+    from tests.e2e.cluster_harness import metric_sum, run_all, running_cluster
+
+    prompts = prompts_of([20, 70, 130, 33, 250, 90], seed=11, vocab=4000)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    one = LLM(tiny_served_model, dtype="float32", threads=1, num_blocks=128)
+    want, want_logits = generate_with_logits(one, prompts, params)
+    del one
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = generation_pb2.GenerateRequest(
+            request_id=f"tp-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=p)
+        )
+        r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = 24, 0.0, True
+        reqs.append(r)
+    extra = (
+        *("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)),
+        *("--local-prefill-threshold", "1", "--heartbeat-timeout", "15"),
+    )
+    with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
+        sizes = {w["role"]: w["tensor_parallel_size"] for w in c.workers()}
+        assert sizes == {"prefill": prefill_tp, "decode": decode_tp}
+        got = run_all(c.address, reqs)
+        for r, w, wl in zip(reqs, want, want_logits, strict=True):
+            n = _first_near_tie(wl)
+            assert n > len(wl) // 2, "too many near ties to compare: pick other prompts"
+            assert got[r.request_id][0][:n] == w.outputs[0].token_ids[:n], r.request_id
+        prefill = next(w for w in c.workers() if w["role"] == "prefill")
+        url = prefill["metrics_url"]
+        opened = metric_sum(url, "pdserve_kv_transfer_opened_total", role="prefill", path="cross_memory")
+        assert opened == len(reqs), opened
+        counted = metric_sum(url, "pdserve_kv_transfer_writes_per_layer_count", role="prefill")
+        writes = metric_sum(url, "pdserve_kv_transfer_writes_per_layer_sum", role="prefill")
+        # (the bound in runs: tests/e2e/test_kv_transfer_tp.py, on a deliberately scattered pool)
+        assert counted == len(reqs) and writes >= counted, (counted, writes)
+        c.assert_no_leaks()
+
+
+def test_a_dead_rank_of_a_decode_or_prefill_group_loses_no_request(tmp_path, tiny_served_model):
+    """2P+2D, every worker a group of two (P=2 -> D=2: each rank's heads into the same rank's cache), every
+    KV layer sent 1 s late. SIGKILL of a decode group's follower under 8 streams: that worker stops, its
+    streams re-prefill and go on elsewhere with the undisturbed tokens. Then SIGKILL of a prefill group's
+    follower while its transfers are in flight: no request is lost. Neither broken worker leaves a process
+    behind; the survivors end holding no KV block."""
+    from tests.e2e.cluster_harness import run_all, running_cluster, streaming, wait_until, worker_load
+
+    rng = torch.Generator().manual_seed(4)
+
+    def requests(prefix: str, n: int, prompt: int, tokens: int):
+        from pdserve.proto import generation_pb2
+
+        out = []
+        for i in range(n):
+            ids = torch.randint(100, 4000, (prompt + 7 * i,), generator=rng).tolist()
+            r = generation_pb2.GenerateRequest(request_id=f"{prefix}-{i}", prompt_token_ids={"ids": ids})
+            r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = tokens, 0.0, True
+            out.append(r)
+        return out
+
+    def gone(p: psutil.Process) -> bool:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+
+    def kill_follower(worker: dict) -> tuple[psutil.Process, psutil.Process]:
+        rank0 = psutil.Process(c.worker_pid(worker["id"]))
+        (follower,) = _followers_of(rank0.pid)
+        follower.kill()
+        return rank0, follower
+
+    extra = (
+        *("--prefill-tp", "2", "--decode-tp", "2", "--local-prefill-threshold", "1"),
+        *("--heartbeat-timeout", "15", "--fault-step-delay", "0.01", "--kv-fault-delay", "1"),
+    )
+    with running_cluster(tmp_path, prefill=2, decode=2, model=tiny_served_model, extra=extra) as c:
+        meta = c.token_metadata()
+        workers = c.workers()
+        decoders = [w for w in workers if w["role"] == "decode"]
+        prefills = [w for w in workers if w["role"] == "prefill"]
+        reqs = requests("d", 8, 40, 300)
+        want = run_all(c.address, reqs)
+        with streaming(c, reqs, after=4) as streams:
+            assert streams.wait_streaming(120)
+            victim_d = max(decoders, key=lambda w: worker_load(w["address"], meta).running)
+            dead_d = kill_follower(victim_d)
+            streams.join(180)
+        assert not streams.errors, streams.errors
+        assert {r: streams.got[r] for r in want} == {r: t for r, (t, _, _) in want.items()}
+        wait_until(lambda: all(map(gone, dead_d)), 60, "the broken decode group to exit")
+
+        long_reqs = requests("p", 6, 600, 16)
+        with streaming(c, long_reqs, after=1) as streams:
+            assert streams.wait_streaming(120)  # token 0 out: the transfers wait their second
+            victim_p = max(prefills, key=lambda w: worker_load(w["address"], meta).kv_blocks_used)
+            assert worker_load(victim_p["address"], meta).kv_blocks_used > 0
+            dead_p = kill_follower(victim_p)
+            streams.join(180)
+        assert not streams.errors, streams.errors
+        assert all(len(streams.got[r.request_id]) == 16 for r in long_reqs)
+        wait_until(lambda: all(map(gone, dead_p)), 60, "the broken prefill group to exit")
+        survivors = [w["id"] for w in workers if w["id"] not in (victim_d["id"], victim_p["id"])]
+        c.assert_no_leaks(workers=survivors)

@@ -151,12 +151,13 @@ def test_engine_config_errors(gpus):
 def test_the_engine_runs_and_reports_the_resolved_dtype(tiny_llama_dir, monkeypatch, caplog):
     seen: list[dict] = []
 
-    class Recording(llm_engine.ModelRunner):
-        def __init__(self, model_dir, **kwargs):
-            seen.append(kwargs)
-            super().__init__(model_dir, **kwargs)
+    real = llm_engine.build_runner
 
-    monkeypatch.setattr(llm_engine, "ModelRunner", Recording)
+    def recording(model_dir, *args, **kwargs):
+        seen.append(kwargs)
+        return real(model_dir, *args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "build_runner", recording)
     # Not cpu_kernels' flags here: they also key the kernel library's build cache.
     monkeypatch.setattr(dev, "host_cpu_flags", lambda: ["avx512f", "avx512_bf16"])
     caplog.set_level(logging.INFO, logger="pdserve.engine.llm_engine")

@@ -71,13 +71,13 @@ def test_engine_loop_build_hands_back_a_failed_build() -> None:
 
 def test_a_prefill_worker_builds_its_runner_on_its_forward_thread(tiny_llama_dir, monkeypatch) -> None:
     built: set[int] = set()
-    real = prefill_app.ModelRunner
+    real = prefill_app.build_runner
 
     def build(*a, **kw):
         built.add(threading.get_ident())
         return real(*a, **kw)
 
-    monkeypatch.setattr(prefill_app, "ModelRunner", build)
+    monkeypatch.setattr(prefill_app, "build_runner", build)
 
     async def main() -> None:
         args = _args(Role.PREFILL, tiny_llama_dir)

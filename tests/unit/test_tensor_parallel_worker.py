@@ -1,5 +1,5 @@
-"""A tensor-parallel worker's plumbing, in process: the flag's checks, what `up` starts, how the router
-treats a group (no live moves in or out), and what `pdserve status` shows. The group itself runs in
+"""A tensor-parallel worker's plumbing, in process: the flag's checks, what `up` starts for each pool, how
+the router treats a group (no live moves in or out), and what `pdserve status` shows. The group itself runs in
 tests/e2e/test_tensor_parallel.py."""
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ def _args(role: Role, **kw) -> WorkerArgs:
     return WorkerArgs(role=role, router="r:1", worker_id="w", **kw)
 
 
-def test_the_flag_splits_a_colocated_cpu_worker_and_names_itself_elsewhere():
+def test_the_flag_splits_a_cpu_worker_of_any_role():
     assert engine_config(_args(Role.BOTH, tensor_parallel_size=2)).tensor_parallel_size == 2
+    assert engine_config(_args(Role.DECODE, tensor_parallel_size=3)).tensor_parallel_size == 3
     assert engine_config(_args(Role.DECODE)).tensor_parallel_size == 1
-    for role in (Role.PREFILL, Role.DECODE):
-        with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 needs --role both"):
-            _args(role, tensor_parallel_size=2)
+    assert _args(Role.PREFILL, tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 and --kv-shared-memory"):
+        _args(Role.DECODE, tensor_parallel_size=2, kv_shared_memory=True)
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 runs on CPUs \(gloo\) only"):
         _args(Role.BOTH, tensor_parallel_size=2, device="cuda:0")
     with pytest.raises(ValueError, match=r"--tensor-parallel-size must be >= 1"):
@@ -42,15 +43,19 @@ def test_the_flag_splits_a_colocated_cpu_worker_and_names_itself_elsewhere():
     assert info.tensor_parallel_size == 3
 
 
-def test_up_starts_colocated_workers_as_groups_and_the_others_alone():
-    parsed = cli.build_parser().parse_args(["up", "--colocated", "1", "--colocated-tp", "2"])
-    assert parsed.colocated_tp == 2
+def test_up_starts_each_pools_workers_as_groups_of_its_size():
+    parsed = cli.build_parser().parse_args(
+        ["up", "--colocated", "1", "--colocated-tp", "2", "--prefill-tp", "3"]
+    )
+    assert (parsed.colocated_tp, parsed.prefill_tp, parsed.decode_tp) == (2, 3, 1)
     router = ProcessEntry(id="router", pid=1, start=1, log="r.log")
-    state = msgspec.structs.replace(fake_state(router), colocated_tp=2)
+    state = msgspec.structs.replace(fake_state(router), colocated_tp=2, prefill_tp=3)
     place = {"device": "cpu", "gpu_memory_utilization": 0.9, "threads": 1, "cpus": (), "standby": False}
     both = worker_argv(state, Role.BOTH, "both-1", **place)
+    prefill = worker_argv(state, Role.PREFILL, "prefill-1", **place)
     decode = worker_argv(state, Role.DECODE, "decode-2", **place)
     assert both[both.index("--tensor-parallel-size") + 1] == "2"
+    assert prefill[prefill.index("--tensor-parallel-size") + 1] == "3"
     assert "--tensor-parallel-size" not in decode
 
 

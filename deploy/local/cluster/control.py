@@ -69,8 +69,8 @@ def worker_argv(
         *(("--cpus", placement.format_cpu_list(cpus)) if cpus else ()),
         *(("--standby",) if standby else ()),
         *(
-            ("--tensor-parallel-size", str(state.colocated_tp))
-            if role is Role.BOTH and state.colocated_tp > 1
+            ("--tensor-parallel-size", str(state.tensor_parallel_size(role)))
+            if state.tensor_parallel_size(role) > 1
             else ()
         ),
         *state.worker_flags,

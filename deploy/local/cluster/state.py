@@ -69,8 +69,16 @@ class ClusterState(msgspec.Struct, frozen=True):
     # their addresses. Every worker registers with every router; any one of them can be asked anything.
     more_routers: tuple[ProcessEntry, ...] = ()
     more_router_addresses: tuple[str, ...] = ()
-    # `up --colocated-tp N`: every colocated worker is a tensor-parallel group of N processes.
+    # `up --colocated-tp N` (`--prefill-tp`, `--decode-tp`): every worker of that pool is a tensor-parallel
+    # group of N processes.
     colocated_tp: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    def tensor_parallel_size(self, role: Role) -> int:
+        """The size of every group of ``role``'s pool."""
+        sizes = {Role.BOTH: self.colocated_tp, Role.PREFILL: self.prefill_tp, Role.DECODE: self.decode_tp}
+        return sizes[role]
 
     def routers(self) -> list[tuple[str, ProcessEntry]]:
         """Every router of the cluster: (address, process), the first router first."""
