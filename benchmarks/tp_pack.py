@@ -42,45 +42,46 @@ def _median_s(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(tokens: int, reps: int, dtype: torch.dtype) -> list[dict[str, Any]]:
-    n = -(-tokens // BLOCK)
+def _row(p: int, d: int, n: int, reps: int, dtype: torch.dtype) -> dict[str, Any]:
     src_blocks = list(range(n))
     dst_blocks = [b for b in range(2 * n) if b % 5 != 4][:n]  # runs of 4
+    src_heads, dst_heads = head_split(HEADS, p), head_split(HEADS, d)
+    plan = pieces(src_heads, dst_heads)
+    src = [torch.randn(LAYERS, n, 2, BLOCK, len(h), HEAD_DIM).to(dtype) for h in src_heads]
+    dst = [torch.zeros(LAYERS, 2 * n, 2, BLOCK, len(h), HEAD_DIM, dtype=dtype) for h in dst_heads]
+    whole = torch.randn(LAYERS, n, 2, BLOCK, HEADS, HEAD_DIM).to(dtype)
+    into = torch.empty_like(whole)
+
+    def pack_all() -> None:
+        for layer in range(LAYERS):
+            for piece in plan:
+                if not piece.direct:
+                    pack(src[piece.src_rank], layer, src_blocks, piece)
+
+    copy_s = _median_s(lambda: into.copy_(whole), reps)
+    pack_s = _median_s(pack_all, reps) if not all(q.direct for q in plan) else 0.0
+    packed_ranks = any(needs_unpack(plan, j) for j in range(d))
+    unpack = lambda: unpack_received(dst, plan, dst_blocks, LAYERS)  # noqa: E731
+    unpack_s = _median_s(unpack, reps) if packed_ranks else 0.0
+    return {
+        "prefill_ranks": p,
+        "decode_ranks": d,
+        "pieces_per_layer": len(plan),
+        "packed_pieces_per_layer": sum(not q.direct for q in plan),
+        "kv_bytes": whole.numel() * whole.element_size(),
+        "copy_ms": round(copy_s * 1e3, 3),
+        "pack_ms": round(pack_s * 1e3, 3),
+        "unpack_ms": round(unpack_s * 1e3, 3),
+        "pack_vs_copy": round(pack_s / copy_s, 2),
+        "unpack_vs_copy": round(unpack_s / copy_s, 2),
+    }
+
+
+def measure(tokens: int, reps: int, dtype: torch.dtype) -> list[dict[str, Any]]:
+    n = -(-tokens // BLOCK)
     rows = []
     for p, d in SIZES:
-        src_heads, dst_heads = head_split(HEADS, p), head_split(HEADS, d)
-        plan = pieces(src_heads, dst_heads)
-        src = [torch.randn(LAYERS, n, 2, BLOCK, len(h), HEAD_DIM).to(dtype) for h in src_heads]
-        dst = [torch.zeros(LAYERS, 2 * n, 2, BLOCK, len(h), HEAD_DIM, dtype=dtype) for h in dst_heads]
-        whole = torch.randn(LAYERS, n, 2, BLOCK, HEADS, HEAD_DIM).to(dtype)
-        into = torch.empty_like(whole)
-
-        def pack_all() -> None:
-            for layer in range(LAYERS):
-                for piece in plan:
-                    if not piece.direct:
-                        pack(src[piece.src_rank], layer, src_blocks, piece)
-
-        def unpack_all() -> None:
-            unpack_received(dst, plan, dst_blocks, LAYERS)
-
-        copy_s = _median_s(lambda: into.copy_(whole), reps)
-        pack_s = _median_s(pack_all, reps) if not all(q.direct for q in plan) else 0.0
-        unpack_s = _median_s(unpack_all, reps) if any(needs_unpack(plan, j) for j in range(d)) else 0.0
-        rows.append(
-            {
-                "prefill_ranks": p,
-                "decode_ranks": d,
-                "pieces_per_layer": len(plan),
-                "packed_pieces_per_layer": sum(not q.direct for q in plan),
-                "kv_bytes": whole.numel() * whole.element_size(),
-                "copy_ms": round(copy_s * 1e3, 3),
-                "pack_ms": round(pack_s * 1e3, 3),
-                "unpack_ms": round(unpack_s * 1e3, 3),
-                "pack_vs_copy": round(pack_s / copy_s, 2),
-                "unpack_vs_copy": round(unpack_s / copy_s, 2),
-            }
-        )
+        rows.append(_row(p, d, n, reps, dtype))
         print(rows[-1], file=sys.stderr, flush=True)
     return rows
 

@@ -16,7 +16,7 @@ def pack(kv: torch.Tensor, layer: int, blocks: Sequence[int], piece: Piece) -> t
     a new contiguous ``[n, 2, B, hk, D]``, block ``i`` at ``[i]``."""
     idx = torch.as_tensor(list(blocks), dtype=torch.long, device=kv.device)
     heads = slice(piece.src_first, piece.src_first + piece.num_heads)
-    return kv[layer].index_select(0, idx)[:, :, :, heads].contiguous()
+    return kv[layer, :, :, :, heads].index_select(0, idx).contiguous()  # (one copy: already contiguous)
 
 
 def piece_offset(kv: torch.Tensor, num_blocks: int, piece: Piece) -> int:
@@ -26,16 +26,17 @@ def piece_offset(kv: torch.Tensor, num_blocks: int, piece: Piece) -> int:
     return piece.dst_first * num_blocks * 2 * block_size * head_dim * kv.element_size()
 
 
-def unpack(kv: torch.Tensor, layer: int, first: int, num_blocks: int, mine: Sequence[Piece]) -> None:
-    """Rearrange a packed run (``mine``: the destination rank's pieces) of ``kv`` in place into the cache's
-    layout."""
-    region = kv[layer, first : first + num_blocks]  # [n, 2, B, h, D], one contiguous span
-    packed = region.reshape(-1).clone()
-    n, two, block_size, _, head_dim = region.shape
+def unpack(kv: torch.Tensor, first: int, num_blocks: int, mine: Sequence[Piece]) -> None:
+    """Rearrange a packed run (``mine``: the destination rank's pieces) of every layer of ``kv`` in place
+    into the cache's layout: one copy out and one back per piece, all layers at once."""
+    region = kv[:, first : first + num_blocks]  # [L, n, 2, B, h, D]: each layer's span contiguous
+    layers, n, two, block_size, _, head_dim = region.shape
+    packed = region.reshape(layers, -1).clone()
     per_head = n * two * block_size * head_dim
     for p in mine:
-        part = packed[p.dst_first * per_head : (p.dst_first + p.num_heads) * per_head]
-        region[:, :, :, p.dst_first : p.dst_first + p.num_heads] = part.view(n, two, block_size, -1, head_dim)
+        part = packed[:, p.dst_first * per_head : (p.dst_first + p.num_heads) * per_head]
+        heads = slice(p.dst_first, p.dst_first + p.num_heads)
+        region[:, :, :, :, heads] = part.view(layers, n, two, block_size, p.num_heads, head_dim)
 
 
 def unpack_received(
@@ -48,9 +49,8 @@ def unpack_received(
         if not needs_unpack(plan, j):
             continue
         mine = [p for p in plan if p.dst_rank == j]
-        for layer in range(num_layers):
-            for _, first, count in runs:
-                unpack(kv, layer, first, count, mine)
+        for _, first, count in runs:
+            unpack(kv[:num_layers], first, count, mine)
 
 
 def received_digests(

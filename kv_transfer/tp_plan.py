@@ -5,8 +5,9 @@ A rank's KV cache holds its heads only, ``[L, N, 2, B, h, D]``, so the heads a d
 one source rank are a strided slice of both caches (per token). The writer packs them instead: for every
 destination run of consecutive blocks, a piece ``[n, 2, B, hk, D]`` (contiguous) goes into the run's span
 of the destination rank's layer, the pieces of one run side by side in head order; the receiver unpacks
-the run into its layout once every layer landed. A piece that is a whole source rank's heads and a whole
-destination rank's heads (the same split on both sides) needs neither: it moves as today, run for run.
+the run into its layout once every layer landed (a rank that gets one piece needs none). A piece that is
+a whole source rank's heads and a whole destination rank's heads (the same split on both sides) needs
+neither: it moves as today, run for run.
 So a layer costs at most (source ranks x destination ranks x runs) writes, whatever the prompt's length.
 """
 
@@ -94,9 +95,9 @@ def writes_per_layer(plan: Sequence[Piece], num_segments: int, num_dst_runs: int
 
 
 def needs_unpack(plan: Sequence[Piece], dst_rank: int) -> bool:
-    """Whether ``dst_rank``'s runs arrive packed (more than one piece, or one that is not direct)."""
-    mine = [p for p in plan if p.dst_rank == dst_rank]
-    return not (len(mine) == 1 and mine[0].direct)
+    """Whether ``dst_rank``'s runs arrive in another layout than its own: more than one piece side by side
+    (one piece holds all its heads, packed or not, in its layout)."""
+    return sum(p.dst_rank == dst_rank for p in plan) > 1
 
 
 @dataclass(frozen=True)

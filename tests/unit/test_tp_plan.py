@@ -69,9 +69,8 @@ def transfer(num_heads: int, p: int, d: int, flip: bool = False):
     for j in range(d):
         if needs_unpack(plan, j):
             mine = [q for q in plan if q.dst_rank == j]
-            for layer in range(L):
-                for _, first, count in runs:
-                    unpack(dst[j], layer, first, count, mine)
+            for _, first, count in runs:
+                unpack(dst[j], first, count, mine)
     return logical, src, dst, dst_heads, plan, writes, len(segs), len(runs)
 
 
@@ -89,6 +88,8 @@ def test_every_head_lands_where_its_rank_holds_it(num_heads, p, d):
     assert writes <= L * sources * d * max(num_segs, num_runs)
     if p == d:  # the same split on both sides: every piece direct, nothing to unpack
         assert all(q.direct for q in plan) and len(plan) == d
+    if p == 1:  # one source rank: each destination rank gets one piece, already in its layout
+        assert not any(needs_unpack(plan, j) for j in range(d))
     assert sent_digests(src, plan, SRC_BLOCKS, L) == received_digests(dst, DST_BLOCKS, L)
 
 
