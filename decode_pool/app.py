@@ -19,7 +19,7 @@ from pdserve.engine.tensor_parallel import RankLost
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
-from pdserve.worker.ranks import kv_compat, rank_caches
+from pdserve.worker.ranks import add_rank_metrics, kv_compat, rank_caches
 from pdserve.worker.role import Role
 from pdserve.worker.shell import WorkerShell
 
@@ -95,6 +95,7 @@ class DecodePool:
         if tp is not None:
             loop = self.loop
             tp.watch(lambda why: loop.fail(RankLost(why)))
+            add_rank_metrics(engine.runner, self.registry, self.args.role.value)
         # Every decode-capable worker receives KV: a remote prefill's (role decode) and a stream moved here
         # live (either role); and it exports its own streams' KV when they move away.
         self.remote = RemotePrefill(

@@ -25,7 +25,7 @@ from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.prefill_pool.servicer import PrefillServicer
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
-from pdserve.worker.ranks import kv_compat, rank_caches
+from pdserve.worker.ranks import add_rank_metrics, kv_compat, rank_caches
 from pdserve.worker.shell import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class PrefillPool:
         if runner.tp is not None:  # a rank gone: nothing can prefill any more, the worker drains and exits
             loop = self.loop
             runner.tp.watch(lambda why: loop.fail(RankLost(why)))
+            add_rank_metrics(runner, self.registry, "prefill")
         self.servicer.attach(self.loop)
         return Capacity(
             runner.num_blocks,

@@ -4,10 +4,15 @@ KV shape."""
 
 from __future__ import annotations
 
+import os
+
+from prometheus_client import CollectorRegistry
+
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tensor_parallel import ShardLayout
 from pdserve.kv_transfer import KVCompat, compat_for
 from pdserve.kv_transfer.split import RankCaches
+from pdserve.telemetry.ranks import RankCollector
 
 
 def rank_caches(runner: ModelRunner) -> RankCaches | None:
@@ -22,3 +27,10 @@ def rank_caches(runner: ModelRunner) -> RankCaches | None:
 def kv_compat(runner: ModelRunner, model_id: str) -> KVCompat:
     """The record of the model's KV (all its heads, whichever of them this process caches)."""
     return compat_for(runner.kv, model_id, num_kv_heads=runner.config.num_kv_heads)
+
+
+def add_rank_metrics(runner: ModelRunner, registry: CollectorRegistry, role: str) -> None:
+    """A tensor-parallel worker's per-rank process metrics (``telemetry.ranks``); nothing for one process."""
+    tp = runner.tp
+    if tp is not None:
+        registry.register(RankCollector([os.getpid(), *(p.pid for p in tp.processes)], role))

@@ -346,6 +346,12 @@ def test_pools_of_different_sizes_give_one_process_tokens(tmp_path, tiny_served_
         writes = metric_sum(url, "pdserve_kv_transfer_writes_per_layer_sum", role="prefill")
         # (the bound in runs: tests/e2e/test_kv_transfer_tp.py, on a deliberately scattered pool)
         assert counted == len(reqs) and writes >= counted, (counted, writes)
+        # The group's rank 0 exports each rank's process figures, labelled by rank.
+        group = next(w for w in c.workers() if w["tensor_parallel_size"] == 2)
+        for rank in ("0", "1"):
+            cpu = metric_sum(group["metrics_url"], "pdserve_tp_rank_cpu_seconds_total", rank=rank)
+            memory = metric_sum(group["metrics_url"], "pdserve_tp_rank_resident_memory_bytes", rank=rank)
+            assert cpu > 0 and memory > 0, (rank, cpu, memory)
         c.assert_no_leaks()
 
 
