@@ -116,7 +116,7 @@ class LiveMove:
         timeout: float | None,
         deadline_unix: float,
     ) -> tuple[Moved | None, int]:
-        if out.n != 1 or job.route is None or job.route.decode_unused or not d.moves_live:
+        if out.n != 1 or job.route is None or job.route.decode_unused:
             return None, 0
         wid = self._channels.worker_request_id(prep.request_id)
         meta = self._channels.metadata(prep.request_id)
@@ -324,7 +324,7 @@ class MoveWatch:
         """The stream to move off the busiest decode worker now, if the pool is uneven enough. A stream
         already asked to move counts as gone to the least busy worker (its move takes a while)."""
         cfg = self._rebalance
-        ready = [w.worker_id for w in self._registry.ready() if w.role.decodes and w.moves_live]
+        ready = [w.worker_id for w in self._registry.ready() if w.role.decodes]
         counts = {wid: sum(1 for j in by_worker.get(wid, ()) if not j.move) for wid in ready}
         if len(counts) < 2:
             self._relieving.clear()

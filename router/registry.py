@@ -57,12 +57,6 @@ class Worker:
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
-    def moves_live(self) -> bool:
-        """Its streams can move live to another worker and others' to it: not a tensor-parallel group's,
-        whose KV is spread over its ranks (a stream there re-prefills where it goes)."""
-        return self.tensor_parallel_size <= 1
-
-    @property
     def kv_blocks_free(self) -> int:
         """Free by the worker's last heartbeat, or by the router's own count of what it sent since, if
         that is more (the heartbeat lags the dispatches; the count leaves out tokens generated since)."""

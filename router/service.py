@@ -260,7 +260,7 @@ class Router:
         self.membership.worker_full(w)
 
     def move_target(self, job: Job, avoid: Worker, seq_len: int) -> Route | None:
-        ready = [w for w in self.registry.ready() if w.worker_id != avoid.worker_id and w.moves_live]
+        ready = [w for w in self.registry.ready() if w.worker_id != avoid.worker_id]
         routing = RoutingConfig(local_prefill_threshold=_ALWAYS_LOCAL, policy=self.routing.policy)
         return choose_route(ready, seq_len, routing, job.total_tokens, False, job.probe)
 

@@ -417,3 +417,39 @@ def test_a_dead_rank_of_a_decode_or_prefill_group_loses_no_request(tmp_path, tin
         wait_until(lambda: all(map(gone, dead_p)), 60, "the broken prefill group to exit")
         survivors = [w["id"] for w in workers if w["id"] not in (victim_d["id"], victim_p["id"])]
         c.assert_no_leaks(workers=survivors)
+
+
+def test_a_drained_group_moves_its_streams_live_into_one_process(tmp_path, tiny_served_model):
+    """A decode group of two and a colocated single-process worker, 8 streams over both: draining the group
+    moves each of its streams live (its two ranks' heads into the one cache), none re-prefilled, every
+    stream with its undisturbed tokens; the group's processes exit and the survivor holds no block."""
+    from tests.e2e.cluster_harness import metric_sum, run_all, running_cluster, streaming, wait_until
+    from tests.e2e.test_live_migration_e2e import _drain, _requests
+
+    extra = (
+        *("--decode-tp", "2", "--heartbeat-timeout", "15", "--fault-step-delay", "0.01"),
+        *("--local-prefill-threshold", "100000", "--no-rebalance"),
+    )
+    with running_cluster(tmp_path, decode=1, colocated=1, model=tiny_served_model, extra=extra) as c:
+        group = next(w for w in c.workers() if w["role"] == "decode")
+        assert group["tensor_parallel_size"] == 2
+        want = run_all(c.address, _requests("ref", 300)[:8])
+        reqs = _requests("mv", 300)[:8]
+        router_metrics = c.status()["router"]["metrics_url"]
+        rank0 = psutil.Process(c.worker_pid(group["id"]))
+        (follower,) = _followers_of(rank0.pid)
+        with streaming(c, reqs, after=8) as streams:
+            assert streams.wait_streaming(120)
+            _drain(c, group["id"])
+            streams.join(180)
+        assert not streams.errors, streams.errors
+        for r in reqs:
+            assert streams.got[r.request_id] == want["ref-" + r.request_id.split("-", 1)[1]][0], r.request_id
+        moved = metric_sum(router_metrics, "pdserve_router_live_moves_total", outcome="moved")
+        assert moved > 0 and metric_sum(router_metrics, "pdserve_router_migrations_total") == 0, moved
+
+        def gone(p: psutil.Process) -> bool:
+            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+
+        wait_until(lambda: gone(rank0) and gone(follower), 60, "the group to exit")
+        c.assert_no_leaks(workers=[w["id"] for w in c.workers() if w["id"] != group["id"]])

@@ -1,6 +1,5 @@
-"""A tensor-parallel worker's plumbing, in process: the flag's checks, what `up` starts for each pool, how
-the router treats a group (no live moves in or out), and what `pdserve status` shows. The group itself runs in
-tests/e2e/test_tensor_parallel.py."""
+"""A tensor-parallel worker's plumbing, in process: the flag's checks, what `up` starts for each pool, and
+what `pdserve status` shows. The group itself runs in tests/e2e/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from pdserve.decode_pool.app import engine_config
 from pdserve.deploy.local.cluster.control import worker_argv
 from pdserve.deploy.local.cluster.state import ProcessEntry
 from pdserve.proto import worker_pb2
-from pdserve.router.registry import Worker
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.role import Role
 from tests.e2e.cluster_harness import fake_state
@@ -57,12 +55,6 @@ def test_up_starts_each_pools_workers_as_groups_of_its_size():
     assert both[both.index("--tensor-parallel-size") + 1] == "2"
     assert prefill[prefill.index("--tensor-parallel-size") + 1] == "3"
     assert "--tensor-parallel-size" not in decode
-
-
-def test_a_group_neither_sends_nor_takes_streams_live():
-    group = Worker("both-1", Role.BOTH, "a:1", 10, 16, 8, tensor_parallel_size=2)
-    alone = Worker("both-2", Role.BOTH, "a:2", 10, 16, 8)
-    assert not group.moves_live and alone.moves_live
 
 
 def test_status_shows_a_groups_size():
