@@ -44,16 +44,20 @@ class ReadAheadBudget:
         self.used = 0
         self._room: asyncio.Event | None = None
 
-    async def wait(self) -> None:
-        """Until the router-wide read-ahead is under its limit."""
-        while self.used >= self.limit:
+    async def wait(self, own: asyncio.Queue[Any]) -> None:
+        """Until the router-wide read-ahead is under its limit or the waiting stream's own queue ``own``
+        is under ``_READ_AHEAD_OWN`` again (its client read: it may always read that far ahead, whatever
+        stalled streams hold)."""
+        while self.used >= self.limit and own.qsize() >= _READ_AHEAD_OWN:
             if self._room is None or self._room.is_set():
                 self._room = asyncio.Event()
             await self._room.wait()
 
     def give(self, n: int) -> None:
+        """``n`` messages left the read-ahead: every waiting stream looks again (one of them may be the
+        stream whose own queue they left)."""
         self.used -= n
-        if self._room is not None and self.used < self.limit:
+        if self._room is not None:
             self._room.set()
 
 
@@ -339,7 +343,7 @@ async def _read_ahead(
         m = await (pending if pending is not None else dcall.read())
         while True:
             if budget.used >= budget.limit and ahead.qsize() >= _READ_AHEAD_OWN:
-                await budget.wait()
+                await budget.wait(ahead)
             await ahead.put(m)
             budget.used += 1
             if m is _EOF:

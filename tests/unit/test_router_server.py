@@ -871,6 +871,44 @@ def test_read_ahead_of_stalled_clients_is_bounded_router_wide(model_dir, monkeyp
     run(main())
 
 
+def test_a_stream_that_fell_behind_its_own_read_ahead_resumes_while_others_stall(model_dir, monkeypatch):
+    """A stream whose client paused until its own read-ahead (``_READ_AHEAD_OWN``) was full, while stalled
+    streams hold the router-wide budget, reads on once its client catches up: its wait ends with its own
+    queue draining, not only with the stalled streams' (which here never drain first)."""
+    from pdserve.router import stream
+    from pdserve.router.service import generate
+
+    monkeypatch.setattr(stream, "_READ_AHEAD_OWN", 2)
+
+    async def main():
+        out = ids("hello world the cat sat on the mat a b c")
+        w = FakeWorker("b1", Role.BOTH, out)
+        async with cluster(model_dir, [w]) as (server, stub):
+            budget = server.router.relay.read_ahead
+            budget.limit = 3
+            _, stalled, resume, slow_client = _stalling_client()
+            slow = asyncio.ensure_future(
+                generate(server.router, request("the cat", max_tokens=len(out)), slow_client, 60)
+            )
+            await asyncio.wait_for(stalled.wait(), 10)
+            await until(lambda: budget.used == 3, what="the read-ahead to fill")
+            # The second client takes one message, then pauses until its own two are read ahead.
+            got2, paused, go_on, paused_client = _stalling_client()
+            second = asyncio.ensure_future(
+                generate(server.router, request("the cat", max_tokens=len(out)), paused_client, 60)
+            )
+            await asyncio.wait_for(paused.wait(), 10)
+            await until(lambda: budget.used == 3 + 2, what="the second stream's own read-ahead to fill")
+            go_on.set()
+            await asyncio.wait_for(second, 20)
+            assert [t for r in got2 for t in r.token_ids] == out
+            resume.set()
+            await asyncio.wait_for(slow, 10)
+            assert budget.used == 0
+
+    run(main())
+
+
 def test_a_client_cancel_during_a_blocked_write_is_an_abort_not_a_server_error(model_dir):
     """Exploratory testing: a client that cancels while the router's write waits on flow control made
     grpc.aio raise its internal ExecuteBatchError from ``context.write``: logged as an ERROR traceback and
