@@ -51,6 +51,7 @@ def status_dict(status: worker_pb2.ClusterStatus, now_unix: float | None = None)
                 "device": info.device or "cpu",  # a worker that leaves the field empty runs on the CPU
                 # processes of its tensor-parallel group (rank 0 registers; the others follow it)
                 "tensor_parallel_size": max(info.tensor_parallel_size, 1),
+                "rank_pids": list(info.rank_pids) or [info.pid],
                 "dtype": info.dtype,
                 "quantization": info.quantization or "none",
                 "kv_layout": info.kv_layout,

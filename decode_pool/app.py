@@ -19,7 +19,7 @@ from pdserve.engine.tensor_parallel import RankLost
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
-from pdserve.worker.ranks import add_rank_metrics, kv_compat, rank_caches
+from pdserve.worker.ranks import add_rank_metrics, kv_compat, rank_caches, rank_pids
 from pdserve.worker.role import Role
 from pdserve.worker.shell import WorkerShell
 
@@ -116,6 +116,7 @@ class DecodePool:
             compat.describe(),
             engine.block_manager if engine.block_manager.enable_prefix_caching else None,
             engine.cache_salt,
+            rank_pids(engine.runner),
         )
 
     async def close(self) -> None:

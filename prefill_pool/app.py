@@ -25,7 +25,7 @@ from pdserve.prefill_pool.metrics import PrefillMetrics
 from pdserve.prefill_pool.servicer import PrefillServicer
 from pdserve.worker.args import WorkerArgs
 from pdserve.worker.bringup import Capacity, run_pool
-from pdserve.worker.ranks import add_rank_metrics, kv_compat, rank_caches
+from pdserve.worker.ranks import add_rank_metrics, kv_compat, rank_caches, rank_pids
 from pdserve.worker.shell import WorkerShell
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class PrefillPool:
             compat.describe(),
             self.loop.sched.block_manager if args.enable_prefix_caching else None,
             salt,
+            rank_pids(runner),
         )
 
     def _fatal(self, err: PrefillLoopStopped) -> None:

@@ -144,7 +144,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., transfer_seconds: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., first_token_unix: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., choice_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby", "quantization", "kv_layout", "tokenizer_digest", "instance", "prefix_cache_salt", "tensor_parallel_size")
+    __slots__ = ("worker_id", "role", "address", "model", "dtype", "kv_blocks_total", "block_size", "pid", "metrics_url", "max_running", "context_length", "device", "standby", "quantization", "kv_layout", "tokenizer_digest", "instance", "prefix_cache_salt", "tensor_parallel_size", "rank_pids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class WorkerInfo(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_PIDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     address: str
@@ -183,7 +184,8 @@ class WorkerInfo(_message.Message):
     instance: str
     prefix_cache_salt: str
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., max_running: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., standby: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_layout: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., prefix_cache_salt: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    rank_pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., block_size: _Optional[int] = ..., pid: _Optional[int] = ..., metrics_url: _Optional[str] = ..., max_running: _Optional[int] = ..., context_length: _Optional[int] = ..., device: _Optional[str] = ..., standby: _Optional[bool] = ..., quantization: _Optional[str] = ..., kv_layout: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., instance: _Optional[str] = ..., prefix_cache_salt: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rank_pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("worker_id", "state", "running", "queued", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "kv_blocks_cached", "kv_events", "prefill_tokens_per_s", "standby")

@@ -49,6 +49,7 @@ class Capacity:
     # hashes (``engine.prefix_hash``); None: no prefix cache.
     prefix_cache: EventSource | None = None
     prefix_cache_salt: str = ""
+    rank_pids: tuple[int, ...] = ()  # a tensor-parallel group's processes by rank (rank 0: this one)
 
 
 class WorkerFailed(RuntimeError):
@@ -148,6 +149,7 @@ async def run_pool(args: WorkerArgs, build: Callable[[WorkerShell, CollectorRegi
             )
             if capacity.prefix_cache is not None:
                 info.prefix_cache_salt = capacity.prefix_cache_salt
+            info.rank_pids.extend(capacity.rank_pids)
             agent = RouterSet(
                 args.router_set_config(),
                 info,

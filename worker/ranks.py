@@ -29,6 +29,12 @@ def kv_compat(runner: ModelRunner, model_id: str) -> KVCompat:
     return compat_for(runner.kv, model_id, num_kv_heads=runner.config.num_kv_heads)
 
 
+def rank_pids(runner: ModelRunner) -> tuple[int, ...]:
+    """A tensor-parallel group's processes by rank (rank 0: this one); () for one process."""
+    tp = runner.tp
+    return () if tp is None else (os.getpid(), *(p.pid for p in tp.processes))
+
+
 def add_rank_metrics(runner: ModelRunner, registry: CollectorRegistry, role: str) -> None:
     """A tensor-parallel worker's per-rank process metrics (``telemetry.ranks``); nothing for one process."""
     tp = runner.tp

@@ -333,6 +333,10 @@ def test_pools_of_different_sizes_give_one_process_tokens(tmp_path, tiny_served_
     with running_cluster(tmp_path, prefill=1, decode=1, model=tiny_served_model, extra=extra) as c:
         sizes = {w["role"]: w["tensor_parallel_size"] for w in c.workers()}
         assert sizes == {"prefill": prefill_tp, "decode": decode_tp}
+        for w in c.workers():  # `status` names every rank's process, rank 0 first
+            pids = w["rank_pids"]
+            assert len(pids) == w["tensor_parallel_size"] and pids[0] == c.worker_pid(w["id"]), w
+            assert [f.pid for f in _followers_of(pids[0])] == pids[1:], w
         got = run_all(c.address, reqs)
         for r, w, wl in zip(reqs, want, want_logits, strict=True):
             n = _first_near_tie(wl)

@@ -59,13 +59,15 @@ def test_up_starts_each_pools_workers_as_groups_of_its_size():
 
 def test_status_shows_a_groups_size():
     status = worker_pb2.ClusterStatus(router_address="127.0.0.1:1")
-    for wid, tp in (("both-1", 2), ("both-2", 0)):
+    for wid, tp, pids in (("both-1", 2, [10, 11]), ("both-2", 0, [])):
         e = status.workers.add()
         e.info.worker_id, e.info.role, e.info.device = wid, worker_pb2.ROLE_BOTH, "cpu"
-        e.info.tensor_parallel_size = tp
+        e.info.tensor_parallel_size, e.info.pid = tp, 20
+        e.info.rank_pids.extend(pids)
         e.load.state = worker_pb2.WORKER_STATE_READY
     doc = client.status_dict(status, now_unix=0.0)
     assert [w["tensor_parallel_size"] for w in doc["workers"]] == [2, 1]
+    assert [w["rank_pids"] for w in doc["workers"]] == [[10, 11], [20]]
     table = client.status_table(doc).splitlines()
     assert "cpu x2" in next(ln for ln in table if ln.startswith("both-1"))
     assert "x" not in next(ln for ln in table if ln.startswith("both-2")).split()[3]
