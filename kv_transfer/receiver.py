@@ -29,7 +29,7 @@ from pdserve.kv_transfer.errors import (
     TransferError,
     error_for,
 )
-from pdserve.kv_transfer.kvbuf import KVSpans, check_kv, layer_digests
+from pdserve.kv_transfer.kvbuf import KVSpans, layer_digests
 from pdserve.kv_transfer.metrics import Role, TransferMetrics
 from pdserve.kv_transfer.plan import MAX_CONN_IDS, MAX_LAYERS, build_segments, layer_tag, tag_base
 from pdserve.kv_transfer.reservation import (
@@ -71,13 +71,7 @@ class KVReceiver:
         """``shared_fd``: the memfd ``kv`` is mapped from (``engine.hugepages.SharedTensor``), offered to
         senders of this host, which then write it with plain copies (writers/shm.py). ``ranks``: a
         tensor-parallel group's caches (``kv`` is rank 0's), each exposed for the sender's writes."""
-        if ranks is None:
-            check_kv(kv, compat)
-            ranks = RankCaches((kv,), (range(compat.num_kv_heads),))
-        elif ranks.kv[0] is not kv:
-            raise ValueError("kv must be rank 0's cache of ranks")
-        ranks.check(compat)
-        self._ranks = ranks
+        self._ranks = ranks = RankCaches.of(kv, compat, ranks)
         # Bytes of one block of one layer over every rank (a one-sided transfer's books).
         self._all_block_bytes = sum(t[0, 0].numel() * t.element_size() for t in ranks.kv)
         if blocks.block_size != compat.block_size or blocks.num_blocks > kv.shape[1]:

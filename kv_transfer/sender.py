@@ -26,7 +26,7 @@ from pdserve.kv_transfer.errors import (
     error_for,
 )
 from pdserve.kv_transfer.handle import HandleState, SenderHandle
-from pdserve.kv_transfer.kvbuf import KVSpans, check_kv
+from pdserve.kv_transfer.kvbuf import KVSpans
 from pdserve.kv_transfer.metrics import Role, TransferMetrics
 from pdserve.kv_transfer.plan import MAX_LAYERS, build_segments, segment_lengths
 from pdserve.kv_transfer.split import RankCaches, SplitRoute, SplitWriter, heads_from_wire, needs_split
@@ -93,13 +93,7 @@ class KVSender:
     ) -> None:
         """``ranks``: a tensor-parallel group's caches (``kv`` is rank 0's), whose heads go to whichever
         ranks of the receiver hold them."""
-        if ranks is None:
-            check_kv(kv, compat)
-            ranks = RankCaches((kv,), (range(compat.num_kv_heads),))
-        elif ranks.kv[0] is not kv:
-            raise ValueError("kv must be rank 0's cache of ranks")
-        ranks.check(compat)
-        self.ranks = ranks
+        self.ranks = RankCaches.of(kv, compat, ranks)
         if compat.num_layers > MAX_LAYERS:
             raise ValueError(f"{compat.num_layers} layers exceed the tag layout's {MAX_LAYERS}")
         self.kv = kv

@@ -29,6 +29,18 @@ class RankCaches:
     heads: tuple[range, ...]
     shared_fds: tuple[int | None, ...] = ()
 
+    @classmethod
+    def of(cls, kv: torch.Tensor, compat: KVCompat, ranks: RankCaches | None) -> RankCaches:
+        """A sender's or receiver's caches, checked against ``compat``: ``ranks`` (whose rank 0 must be
+        ``kv``), or ``kv`` alone holding every head."""
+        if ranks is None:
+            check_kv(kv, compat)
+            ranks = cls((kv,), (range(compat.num_kv_heads),))
+        elif ranks.kv[0] is not kv:
+            raise ValueError("kv must be rank 0's cache of ranks")
+        ranks.check(compat)
+        return ranks
+
     def check(self, compat: KVCompat) -> None:
         if len(self.kv) != len(self.heads) or not self.kv:
             raise ValueError(f"{len(self.kv)} rank caches for {len(self.heads)} ranks' heads")

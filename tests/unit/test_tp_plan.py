@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer.plan import build_segments, segment_lengths
+from pdserve.kv_transfer.testing.spec import head_split
 from pdserve.kv_transfer.tp_pack import pack, received_digests, sent_digests, unpack
 from pdserve.kv_transfer.tp_plan import (
     HeadBytes,
@@ -27,12 +28,7 @@ DST_BLOCKS = [2, 3, 7, 8, 9, 15, 11]  # 4 runs
 
 
 def split(num_heads: int, size: int) -> list[range]:
-    """Each rank's KV heads, as ``engine.tensor_parallel.ShardLayout`` splits them (replicated past their
-    count)."""
-    if size <= num_heads:
-        per = num_heads // size
-        return [range(r * per, (r + 1) * per) for r in range(size)]
-    return [range(r // (size // num_heads), r // (size // num_heads) + 1) for r in range(size)]
+    return list(head_split(num_heads, size))
 
 
 def transfer(num_heads: int, p: int, d: int, flip: bool = False):
