@@ -383,8 +383,10 @@ def test_scale_decode_up_and_down_under_traffic(tmp_path, tiny_served_model):
             with grpc.insecure_channel(c.address) as ch:
                 stub = generation_pb2_grpc.GenerationStub(ch)
                 i = 0
-                # Bounded: at most 400 requests or until told to stop.
-                while not stop.is_set() and i < 400:
+                # Bounded by time, not by count: a fast host would run out of requests before the
+                # scale-down ends and the test would wait on traffic that had stopped.
+                give_up = time.monotonic() + 600
+                while not stop.is_set() and time.monotonic() < give_up:
                     n = 16 if i % 2 else 80
                     r = generation_pb2.GenerateRequest(
                         request_id=f"s{worker}-{i}",
@@ -415,6 +417,7 @@ def test_scale_decode_up_and_down_under_traffic(tmp_path, tiny_served_model):
             decoders = [w for w in c.workers() if w["role"] == "decode"]
             assert len(decoders) == 1
             after = len(done)
+            assert all(t.is_alive() for t in threads), "the traffic threads stopped before the scale-down"
             wait_until(lambda: len(done) > after or bool(errors), 120, "traffic after the scale-down")
         finally:
             stop.set()
