@@ -186,8 +186,13 @@ static inline __attribute__((always_inline)) void decode_seq(
             const float* si = s + i * s_stride + j0;
             const vf* bh = buf + ((i % nq) / G) * NC;
             vf* ai = acc + i * NC;
+            /* The sums in registers over the group: through ai, which may alias bh and si for the
+               compiler, every product was a store and a reload. */
+            vf a[64];  /* NC <= 512 / 8 (supports()) */
+            for (int c = 0; c < NC; c++) a[c] = ai[c];
             for (int64_t t = 0; t < n; t++)
-                for (int c = 0; c < NC; c++) ai[c] += si[t] * bh[t * nh * NC + c];
+                for (int c = 0; c < NC; c++) a[c] += si[t] * bh[t * nh * NC + c];
+            for (int c = 0; c < NC; c++) ai[c] = a[c];
         }
     }
     char* o0 = orow + h0 * G * D * esz;
