@@ -188,16 +188,26 @@ ACCEPTANCE_DECAY = 0.7
 STEP_COST_DECAY = 0.97
 # The share of a decode step its rows cost, assumed until the fit has seen steps of different sizes.
 DEFAULT_ROW_SHARE = 0.2
+# How fast a row count's own departure from the fitted line forgets (per step of that many rows).
+RESIDUAL_DECAY = 0.7
 
 
 class StepCost:
     """A decode step's seconds as ``a + b * rows``, fitted by least squares over recent steps (exponential
-    forgetting): ``b`` is what one more verified row adds to the step it rides in."""
+    forgetting): ``b`` is what one more verified row adds to the step it rides in. Each row count seen
+    also keeps its own departure from the line: a CPU's matrix kernel works in tiles of rows, so one row
+    past a tile can cost as much as a tile (``seconds``)."""
 
     def __init__(self) -> None:
         self._n = self._x = self._y = self._xx = self._xy = 0.0
+        self._residual: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
+        line = self._line()
+        if line is not None:
+            off = seconds - (line[0] + line[1] * rows)
+            old = self._residual.get(rows)
+            self._residual[rows] = off if old is None else old * RESIDUAL_DECAY + off * (1 - RESIDUAL_DECAY)
         d = STEP_COST_DECAY
         self._n = self._n * d + 1.0
         self._x = self._x * d + rows
@@ -205,18 +215,33 @@ class StepCost:
         self._xx = self._xx * d + rows * rows
         self._xy = self._xy * d + rows * seconds
 
+    def _line(self) -> tuple[float, float] | None:
+        """``(a, b)``, or None until steps of different sizes were seen."""
+        spread = self._n * self._xx - self._x * self._x
+        if self._n < 4 or spread < 0.5 * self._n * self._n:  # (row counts' variance below 0.5)
+            return None
+        b = (self._n * self._xy - self._x * self._y) / spread
+        a = (self._y - b * self._x) / self._n
+        return max(a, 0.0), max(b, 0.0)
+
     def row_share(self, rows: int) -> float:
         """``b * rows / (a + b * rows)``: the share of a step of ``rows`` rows that goes with its rows (the
         rest is paid once a step: weights read, launches). ``DEFAULT_ROW_SHARE`` until steps of different
         sizes were seen."""
-        spread = self._n * self._xx - self._x * self._x
-        if self._n < 4 or spread < 0.5 * self._n * self._n:  # (row counts' variance below 0.5)
+        line = self._line()
+        if line is None:
             return DEFAULT_ROW_SHARE
-        b = (self._n * self._xy - self._x * self._y) / spread
-        a = (self._y - b * self._x) / self._n
-        b, a = max(b, 0.0), max(a, 0.0)
+        a, b = line
         step = a + b * rows
         return b * rows / step if step > 0 else DEFAULT_ROW_SHARE
+
+    def seconds(self, rows: int) -> float | None:
+        """A step of ``rows`` rows: the line plus that row count's own departure from it where one was
+        seen; None until the line is known."""
+        line = self._line()
+        if line is None:
+            return None
+        return line[0] + line[1] * rows + self._residual.get(rows, 0.0)
 
 
 @dataclass
@@ -291,7 +316,38 @@ class Speculator:
         return max(min(k, room), 0)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return self.proposer.propose(seqs, limits)
+        return self.trim(seqs, self.proposer.propose(seqs, limits))
+
+    def trim(self, seqs: list[Sequence], proposals: list[list[int]]) -> list[list[int]]:
+        """The proposed tokens that pay together (adaptive rule): the ``R`` likeliest of them (the j-th of a
+        stream's standing with chance ``p**j``), for the ``R`` that most exceeds what the ``R`` rows add
+        to the step, each expected token worth a plain step's seconds per token (``StepCost.seconds``).
+        Where one row past a tile costs a tile, a lone likely token may not pay while a tile of them
+        does; before the step cost is known, nothing is trimmed."""
+        if not self.config.adaptive:
+            return proposals
+        streams = len(seqs)
+        cost = self.step_cost
+        base = cost.seconds(streams)
+        if base is None or base <= 0:
+            return proposals
+        worth = base / streams
+        chances: list[tuple[float, int]] = []  # (chance, stream), each stream's in its proposal's order
+        for i, (seq, prop) in enumerate(zip(seqs, proposals, strict=True)):
+            p = _state(seq).acceptance
+            chances += [(p ** (j + 1), i) for j in range(len(prop))]
+        chances.sort(key=lambda c: -c[0])  # stable: a stream's tokens stay in order (p < 1)
+        best, best_gain, expected = 0, 0.0, 0.0
+        for r, (chance, _) in enumerate(chances, 1):
+            expected += chance * worth
+            step = cost.seconds(streams + r)
+            gain = expected - ((step if step is not None else base) - base)
+            if gain > best_gain:
+                best, best_gain = r, gain
+        keep = [0] * streams
+        for _, i in chances[:best]:
+            keep[i] += 1
+        return [prop[:n] for prop, n in zip(proposals, keep, strict=True)]
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verify forward checked ``proposed`` tokens of ``seq`` and accepted the first ``accepted``."""

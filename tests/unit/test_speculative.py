@@ -192,6 +192,48 @@ def test_the_adaptive_rule_weighs_acceptance_against_the_step_cost_and_rests_mis
     assert 0 < s.acceptance_rate < 1 and s.mean_accepted_length > 1
 
 
+def _tiled(rows: int) -> float:
+    """A CPU step whose matrix kernel works in tiles of 8 rows: one row past a tile costs a whole tile."""
+    return 0.010 + 0.008 * -(-rows // 8)
+
+
+def test_the_step_cost_learns_a_row_count_that_costs_a_tile_and_trims_what_does_not_pay():
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    seqs = [Sequence(f"s{i}", [1, 2], GREEDY, 0) for i in range(8)]
+    proposals = [[7, 7, 7, 7] for _ in seqs]
+    assert spec.trim(seqs, proposals) == proposals  # nothing trimmed before the step cost is known
+    for rows in (8, 9, 16, 12, 8, 9, 10, 16, 8, 24, 9, 16, 8, 32, 40) * 3:
+        spec.observe_step(rows, _tiled(rows))
+    cost = spec.step_cost
+    for rows in (8, 9, 16, 40):
+        assert cost.seconds(rows) == pytest.approx(_tiled(rows), rel=0.05)
+    for seq in seqs:  # an even chance that each stream's first token stands
+        for _ in range(3):
+            spec.record(seq, 4, 1)
+    # One token: the ninth row costs a tile (8 ms) for half a token's worth (3.25 ms).
+    lone = [[7, 7]] + [[] for _ in seqs[1:]]
+    assert spec.trim(seqs, lone) == [[] for _ in seqs]
+    # A tile of them pays (8 x 1/2 x 3.25 ms > 8 ms): every stream's first token fills the second tile;
+    # the second tokens (a chance in four each) would not pay for a third.
+    assert spec.trim(seqs, proposals) == [[7] for _ in seqs]
+    for seq in seqs:  # likelier: more tiles pay
+        for _ in range(3):
+            spec.record(seq, 4, 4)
+    assert all(len(g) >= 2 for g in spec.trim(seqs, proposals))
+    # Batch 1: rows cost little next to the step, and the whole proposal pays.
+    one = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in (1, 2, 5, 3, 1, 4) * 4:
+        one.observe_step(rows, 0.020 + 0.001 * rows)
+    for _ in range(2):
+        one.record(seqs[0], 4, 2)
+    assert one.trim(seqs[:1], [[7, 7, 7, 7]]) == [[7, 7, 7, 7]]
+    # Without the adaptive rule nothing is trimmed.
+    fixed = Speculator(SpeculativeConfig(num_speculative_tokens=4, adaptive=False))
+    for rows in (8, 9, 16) * 4:
+        fixed.observe_step(rows, _tiled(rows))
+    assert fixed.trim(seqs, lone) == lone
+
+
 def test_the_draft_proposer_drafts_every_stream_at_once_for_its_own_limit():
     calls = []
 
