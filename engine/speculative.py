@@ -16,11 +16,6 @@ from typing import Protocol
 
 from pdserve.engine.sequence import Sequence
 
-# A stream whose proposals were wholly rejected ``FREE_MISSES`` times in a row proposes nothing for 2, 4,
-# ... steps, up to ``MAX_PAUSE_STEPS``: a one-token proposal costs a decode step little, so a few misses
-# are worth the tries (a copied span often starts after one).
-FREE_MISSES = 2
-MAX_PAUSE_STEPS = 16
 # A stream none of whose proposed tokens would pay at its acceptance rests this long, then proposes anew.
 PROBE_PAUSE_STEPS = 4
 
@@ -167,7 +162,6 @@ class StreamState:
     accepted: float = 1.0
     rejected: float = 1.0
     pause: int = 0  # steps left before it proposes again
-    misses: int = 0  # consecutive wholly rejected proposals
     probing: bool = False  # resting because no token paid: it proposes one when the rest ends
     index: _NgramIndex | None = None
 
@@ -273,8 +267,9 @@ class Speculator:
     verify forward; a step of ``B`` streams makes ``B`` tokens for ``a + b * B`` seconds. So the j-th token
     pays while ``p**j / b > B / (a + b * B)``, i.e. ``p**j`` exceeds the step's row share (``StepCost``):
     small when weights dominate a step (batch 1, memory-bound devices), large when rows do (big batches
-    on a compute-bound CPU). A stream proposes at least one token while it is not resting; one whose
-    proposals keep being wholly rejected rests (``FREE_MISSES``, ``MAX_PAUSE_STEPS``)."""
+    on a compute-bound CPU). A stream proposes at least one token while it is not resting; one none of
+    whose tokens pays rests (``PROBE_PAUSE_STEPS``), and ``trim`` then keeps what pays for the step as a
+    whole. Misses need no rule of their own: they lower the stream's acceptance, and with it what pays."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -361,12 +356,6 @@ class Speculator:
         st = _state(seq)
         st.accepted = st.accepted * ACCEPTANCE_DECAY + accepted
         st.rejected = st.rejected * ACCEPTANCE_DECAY + (accepted < proposed)
-        if accepted == 0:
-            st.misses += 1
-            if st.misses > FREE_MISSES:
-                st.pause = min(1 << (st.misses - FREE_MISSES), MAX_PAUSE_STEPS)
-            return
-        st.misses = 0
 
 
 def accepted_prefix(proposal: list[int], samples: list[int]) -> int:
