@@ -11,6 +11,7 @@ Pure Python: imports no torch.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -278,10 +279,16 @@ class Speculator:
         self.stats = SpeculationStats()
         self.step_cost = StepCost()
         self._row_share = DEFAULT_ROW_SHARE  # of the step being planned (``plan``)
+        # The proposer's seconds per proposed token (decayed): a draft model's forward steps; next to
+        # nothing for prompt lookup.
+        self._propose_seconds = 0.0
+        self._propose_share = 0.0  # that, per token, as a share of a token's worth (``plan``)
 
     def plan(self, streams: int) -> None:
         """A decode step of ``streams`` streams is about to be proposed for."""
         self._row_share = self.step_cost.row_share(streams)
+        step = self.step_cost.seconds(streams)
+        self._propose_share = self._propose_seconds * streams / step if step else 0.0
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step (verifying or not) of ``rows`` rows took ``seconds``."""
@@ -297,7 +304,8 @@ class Speculator:
             return 0
         k = self.config.num_speculative_tokens
         if self.config.adaptive:
-            p, share, n = st.acceptance, self._row_share, 0
+            # A token pays when its chance exceeds what its row and its own proposing cost.
+            p, share, n = st.acceptance, self._row_share + self._propose_share, 0
             chance = p
             while n < k and chance > share:
                 n += 1
@@ -311,7 +319,17 @@ class Speculator:
         return max(min(k, room), 0)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return self.trim(seqs, self.proposer.propose(seqs, limits))
+        began = time.perf_counter()
+        proposals = self.proposer.propose(seqs, limits)
+        made = sum(map(len, proposals))
+        if made:
+            self.observe_proposing(made, time.perf_counter() - began)
+        return self.trim(seqs, proposals)
+
+    def observe_proposing(self, tokens: int, seconds: float) -> None:
+        """The proposer made ``tokens`` tokens in ``seconds``."""
+        d = ACCEPTANCE_DECAY
+        self._propose_seconds = self._propose_seconds * d + seconds / tokens * (1 - d)
 
     def trim(self, seqs: list[Sequence], proposals: list[list[int]]) -> list[list[int]]:
         """The proposed tokens that pay together (adaptive rule): the ``R`` likeliest of them (the j-th of a

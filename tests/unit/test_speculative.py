@@ -185,6 +185,19 @@ def test_the_adaptive_rule_weighs_acceptance_against_the_step_cost_and_rests_str
     assert 0 < s.acceptance_rate < 1 and s.mean_accepted_length > 1
 
 
+def test_a_costly_proposer_proposes_fewer_tokens():
+    # Batch 1, a row a tenth of a step: the prior even chance pays for 3 tokens when proposing is free
+    # (1/2, 1/4, 1/8 > 1/10). A draft whose every token costs a quarter of a step pays for one only.
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    spec.step_cost = _fitted(a=0.9, b=0.1)
+    spec.plan(1)
+    assert spec.limit(Sequence("s", [1, 2], GREEDY, 0), 10) == 3
+    for _ in range(30):
+        spec.observe_proposing(4, 1.0)  # 0.25 s a token against a 1 s step
+    spec.plan(1)
+    assert spec.limit(Sequence("t", [1, 2], GREEDY, 0), 10) == 1
+
+
 def _tiled(rows: int) -> float:
     """A CPU step whose matrix kernel works in tiles of 8 rows: one row past a tile costs a whole tile."""
     return 0.010 + 0.008 * -(-rows // 8)
