@@ -124,16 +124,9 @@ def test_smollm2_at_tp3_equals_one_process_and_prefills_for_one(tmp_path, smollm
 
     # Disaggregated, prefill TP=3 -> decode TP=1 through the router: each prefill rank's KV head into the
     # decode worker's one cache (three pieces a layer, packed per run), the one process's tokens.
-    from pdserve.proto import generation_pb2
     from tests.e2e.cluster_harness import run_all, running_cluster
 
-    reqs = []
-    for i, p in enumerate(prompts):
-        r = generation_pb2.GenerateRequest(
-            request_id=f"s-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=p)
-        )
-        r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = STEPS, 0.0, True
-        reqs.append(r)
+    reqs = greedy_requests("s", prompts, STEPS)
     extra = ("--prefill-tp", "3", "--local-prefill-threshold", "1", "--heartbeat-timeout", "15")
     with running_cluster(tmp_path, prefill=1, decode=1, model=model, extra=extra) as c:
         served = run_all(c.address, reqs)
@@ -233,6 +226,20 @@ def test_a_dead_follower_is_heard_at_once(gqa_model):
     tp.watch(lambda why: lost.append(why))
     llm.engine.close()
     assert [p.returncode for p in tp.processes] == [0] and len(lost) == 1
+
+
+def greedy_requests(prefix: str, prompts: list[list[int]], max_tokens: int) -> list:
+    """A greedy ``GenerateRequest`` per prompt (``{prefix}-{i}``) of exactly ``max_tokens`` tokens."""
+    from pdserve.proto import generation_pb2
+
+    out = []
+    for i, p in enumerate(prompts):
+        r = generation_pb2.GenerateRequest(
+            request_id=f"{prefix}-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=p)
+        )
+        r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = max_tokens, 0.0, True
+        out.append(r)
+    return out
 
 
 def first_near_tie(logits) -> int:

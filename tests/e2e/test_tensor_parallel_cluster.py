@@ -12,9 +12,14 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from tests.e2e.test_tensor_parallel import first_near_tie
+from tests.e2e.test_tensor_parallel import first_near_tie, greedy_requests
 from tests.unit.test_llm import prompts_of
 from tests.unit.test_prefix_cache import generate_with_logits
+
+
+def gone(p: psutil.Process) -> bool:
+    """The process exited (or is a zombie its parent has not reaped yet)."""
+    return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
 
 
 def _followers_of(pid: int) -> list[psutil.Process]:
@@ -27,7 +32,6 @@ def test_colocated_groups_serve_scale_and_drain_as_groups(tmp_path, tiny_served_
     one process's greedy tokens through the router. `scale --colocated 2` adds a second group; `drain` of
     the first ends both its processes while the second serves on, and the survivor holds no KV block. (A
     dead rank of a serving group: test_a_dead_rank_of_a_decode_or_prefill_group_loses_no_request.)"""
-    from pdserve.proto import generation_pb2
     from tests.e2e.cluster_harness import pdserve, run_all, running_cluster, wait_until
 
     prompts = prompts_of([12, 45, 80, 30], seed=13, vocab=4000)
@@ -36,26 +40,13 @@ def test_colocated_groups_serve_scale_and_drain_as_groups(tmp_path, tiny_served_
     want, want_logits = generate_with_logits(one, prompts, params)
     del one
 
-    def requests(prefix: str) -> list:
-        out = []
-        for i, p in enumerate(prompts):
-            r = generation_pb2.GenerateRequest(
-                request_id=f"{prefix}-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=p)
-            )
-            r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = 16, 0.0, True
-            out.append(r)
-        return out
-
     def served_as_one_process(prefix: str) -> None:
-        reqs = requests(prefix)
+        reqs = greedy_requests(prefix, prompts, 16)
         got = run_all(c.address, reqs)
         for r, w, wl in zip(reqs, want, want_logits, strict=True):
             n = first_near_tie(wl)
             assert n > len(wl) // 2, "too many near ties to compare: pick other prompts"
             assert got[r.request_id][0][:n] == w.outputs[0].token_ids[:n], r.request_id
-
-    def gone(p: psutil.Process) -> bool:
-        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
 
     extra = ("--colocated-tp", "2", "--heartbeat-timeout", "15")
     with running_cluster(tmp_path, colocated=1, model=tiny_served_model, extra=extra) as c:
@@ -83,7 +74,6 @@ def test_pools_of_different_sizes_give_one_process_tokens(tmp_path, tiny_served_
     group reaches the decode group head slice by head slice, and the greedy tokens through the router are
     one process's (compared up to the first near tie of its logits). The decode side's blocks are as the
     pool allocates them; the prefill side reports its writes per layer, at most ranks x ranks x runs."""
-    from pdserve.proto import generation_pb2
     from tests.e2e.cluster_harness import metric_sum, run_all, running_cluster
 
     prompts = prompts_of([20, 70, 130, 33, 250, 90], seed=11, vocab=4000)
@@ -91,13 +81,7 @@ def test_pools_of_different_sizes_give_one_process_tokens(tmp_path, tiny_served_
     one = LLM(tiny_served_model, dtype="float32", threads=1, num_blocks=128)
     want, want_logits = generate_with_logits(one, prompts, params)
     del one
-    reqs = []
-    for i, p in enumerate(prompts):
-        r = generation_pb2.GenerateRequest(
-            request_id=f"tp-{i}", prompt_token_ids=generation_pb2.TokenIds(ids=p)
-        )
-        r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = 24, 0.0, True
-        reqs.append(r)
+    reqs = greedy_requests("tp", prompts, 24)
     extra = (
         *("--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)),
         *("--local-prefill-threshold", "1", "--heartbeat-timeout", "15"),
@@ -142,18 +126,8 @@ def test_a_dead_rank_of_a_decode_or_prefill_group_loses_no_request(tmp_path, tin
     rng = torch.Generator().manual_seed(4)
 
     def requests(prefix: str, n: int, prompt: int, tokens: int):
-        from pdserve.proto import generation_pb2
-
-        out = []
-        for i in range(n):
-            ids = torch.randint(100, 4000, (prompt + 7 * i,), generator=rng).tolist()
-            r = generation_pb2.GenerateRequest(request_id=f"{prefix}-{i}", prompt_token_ids={"ids": ids})
-            r.sampling.max_tokens, r.sampling.temperature, r.sampling.ignore_eos = tokens, 0.0, True
-            out.append(r)
-        return out
-
-    def gone(p: psutil.Process) -> bool:
-        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+        prompts = [torch.randint(100, 4000, (prompt + 7 * i,), generator=rng).tolist() for i in range(n)]
+        return greedy_requests(prefix, prompts, tokens)
 
     def kill_follower(worker: dict) -> tuple[psutil.Process, psutil.Process]:
         rank0 = psutil.Process(c.worker_pid(worker["id"]))
@@ -223,9 +197,6 @@ def test_a_drained_group_moves_its_streams_live_into_one_process(tmp_path, tiny_
             assert streams.got[r.request_id] == want["ref-" + r.request_id.split("-", 1)[1]][0], r.request_id
         moved = metric_sum(router_metrics, "pdserve_router_live_moves_total", outcome="moved")
         assert moved > 0 and metric_sum(router_metrics, "pdserve_router_migrations_total") == 0, moved
-
-        def gone(p: psutil.Process) -> bool:
-            return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
 
         wait_until(lambda: gone(rank0) and gone(follower), 60, "the group to exit")
         c.assert_no_leaks(workers=[w["id"] for w in c.workers() if w["id"] != group["id"]])
