@@ -65,10 +65,25 @@ def spawn(
             env=env,
             start_new_session=True,
         )
+    _await_mark(proc.pid, f"{CLUSTER_ENV}={env[CLUSTER_ENV]}".encode())
     stat = proc_stat(proc.pid)
     return ProcessEntry(
         id=entry_id, pid=proc.pid, start=stat[1] if stat else 0, log=str(log_path), role=role, cpus=cpus
     )
+
+
+def _await_mark(pid: int, mark: bytes, timeout_s: float = 2.0) -> None:
+    """Until the new process's environment shows ``mark`` (bounded). Popen returns once the exec began,
+    and the kernel sets up the new environment a moment later: a ``down`` in that moment (the spawning
+    command interrupted) would not find the process by its mark."""
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up:
+        try:
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return
+        except OSError:  # gone, or no /proc here
+            return
+        time.sleep(0.001)
 
 
 def child_env(threads: int) -> dict[str, str]:
