@@ -108,7 +108,8 @@ class EngineConfig:
     # None: off. Output is the same token for token either way.
     speculative_config: SpeculativeConfig | None = None
     # Tensor parallelism (``engine.tensor_parallel``): the model split over this many processes of one
-    # host, each caching its own KV heads, with ``threads`` torch threads each; CPU (gloo) only.
+    # host, each caching its own KV heads, with ``threads`` torch threads each (CPU: gloo; CUDA: NCCL,
+    # or gloo where ranks share a GPU).
     tensor_parallel_size: int = 1
     # Resolved on this host when the config is made (``engine.device``): the device and dtype the engine
     # runs on, which it reports. A device this host lacks fails here, before anything loads.

@@ -198,8 +198,10 @@ class ModelRunner:
         self._kept: KeptRows | None = None  # tensor parallelism: each rank's latest kept rows
         # What this process runs: the whole model, or its rank's heads and columns.
         self.shard_config = self.config if self.tp is None else self.tp.layout.local_config(self.config)
-        if self.tp is not None and torch.device(device).type != "cpu":
-            raise ValueError("tensor parallelism runs on CPU (gloo) only")
+        if self.tp is not None and torch.device(device).type == "cuda" and backend is Backend.TRITON:
+            raise ValueError(
+                "backend='triton' does not run tensor-parallel: a group on CUDA runs the torch backend"
+            )
         self.dtype = dtype
         self.device = torch.device(device)
         self.block_size = block_size
@@ -237,7 +239,9 @@ class ModelRunner:
         self.backend = Backend.TORCH if self.kernels is None else Backend.CPU_KERNELS
         # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: tests ask for it there.
         interpreted = self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-        wants_triton = backend is Backend.TRITON or (backend is Backend.AUTO and on_cuda)
+        # (A tensor-parallel group runs the torch step: its all-reduces sit between products that the
+        # Triton step runs under CUDA graphs.)
+        wants_triton = backend is Backend.TRITON or (backend is Backend.AUTO and on_cuda and self.tp is None)
         if wants_triton and (on_cuda or interpreted) and _triton_fits(c):
             self.backend = Backend.TRITON
         if backend is Backend.TRITON and self.backend is not Backend.TRITON:
@@ -263,8 +267,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         block_bytes = self.kv_bytes_per_token * block_size
         if on_cuda:
-            num_blocks = _cuda_num_blocks(self.device, num_blocks, block_bytes, gpu_memory_utilization)
+            share = 1 if self.tp is None else self.tp.placement.share(self.tp.rank)
+            num_blocks = _cuda_num_blocks(self.device, num_blocks, block_bytes, gpu_memory_utilization, share)
         assert num_blocks is not None
+        if self.tp is not None:  # rank 0's block tables index every rank's cache: one block count for all
+            num_blocks = self.tp.agree_min(num_blocks)
         self.num_blocks = int(num_blocks)
         self._decoder: DecodeGraphs | None = None
         self._prefill_graphs: PrefillGraphs | None = None
@@ -277,9 +284,10 @@ class ModelRunner:
             self.kv = self._kv_shared.tensor
         else:  # huge pages on CPU: attention and transports stream it
             self.kv = zeros_huge_pages(*shape, dtype=dtype, device=self.device)
-        # Every rank's KV cache, by rank: rank 0 maps its followers' (shared memory) for the KV transfer.
+        # Every rank's KV cache, by rank: rank 0 maps its followers' (shared memory) for the KV transfer
+        # (on CPU: a group on CUDA has no KV transfer, so rank 0 holds its own cache only).
         self._follower_kv: list[SharedTensor] = []
-        if self.tp is not None and self.tp.leads:
+        if self.tp is not None and self.tp.leads and self.device.type == "cpu":
             self._follower_kv = self.tp.follower_caches(shape, dtype)
         self.rank_kv: list[torch.Tensor] = [self.kv] + [t.tensor for t in self._follower_kv]
         self._phase_s["kv_alloc"] = time.perf_counter() - t0
@@ -713,9 +721,10 @@ def build_runner(
 
 
 def _cuda_num_blocks(
-    device: torch.device, num_blocks: int | None, block_bytes: int, utilization: float | None
+    device: torch.device, num_blocks: int | None, block_bytes: int, utilization: float | None, share: int = 1
 ) -> int:
-    """The cache size on CUDA, checked against the device's free memory (weights are loaded by now)."""
+    """The cache size on CUDA, checked against the device's free memory (weights are loaded by now).
+    ``share``: how many processes split the device (tensor-parallel ranks on one GPU)."""
     free, total = torch.cuda.mem_get_info(device)
     room = free - CUDA_ACTIVATION_RESERVE
     gib = 1 << 30
@@ -730,7 +739,9 @@ def _cuda_num_blocks(
         return num_blocks
     util = 0.9 if utilization is None else utilization
     # The device's share for this worker, less what the process already holds (weights, workspaces).
-    budget = min(int(util * total) - torch.cuda.memory_reserved(device) - CUDA_ACTIVATION_RESERVE, room)
+    budget = min(
+        int(util * total) // share - torch.cuda.memory_reserved(device) - CUDA_ACTIVATION_RESERVE, room
+    )
     blocks = budget // block_bytes
     if blocks < 1:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""Tensor parallelism inside one engine: a group of N processes on ``torch.distributed`` (gloo on CPU).
+"""Tensor parallelism inside one engine: a group of N processes on ``torch.distributed`` (gloo on CPU, NCCL
+on CUDA where each rank has a GPU of its own, gloo through host memory where ranks share one).
 
 Each rank holds 1/N of every layer, Megatron-style: the q heads and the KV heads they read (a KV head is
 replicated when N exceeds their count, as vLLM does), the MLP's intermediate columns, and a slice of the LM
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import enum
 import json
 import socket
 import subprocess
@@ -143,23 +145,72 @@ def shard_state_dict(
     return sd
 
 
+class GroupBackend(enum.Enum):
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where each rank of a group runs, and which backend joins them."""
+
+    devices: tuple[torch.device, ...]
+    backend: GroupBackend
+
+    @property
+    def staged(self) -> bool:
+        """Whether collectives go through host memory: gloo between ranks on GPUs (its collectives take
+        host tensors)."""
+        return self.backend is GroupBackend.GLOO and self.devices[0].type == "cuda"
+
+    def share(self, rank: int) -> int:
+        """How many ranks run on ``rank``'s device (they split its memory)."""
+        return self.devices.count(self.devices[rank])
+
+
+def place_ranks(device: torch.device, size: int, gpu_count: int, nccl_available: bool) -> RankPlacement:
+    """A group of ``size`` ranks whose rank 0 runs on ``device``. CPU: every rank there, on gloo. CUDA:
+    rank ``r`` on the GPU ``r`` after rank 0's, wrapping round a host of fewer GPUs than ranks; on NCCL
+    where every rank has a GPU of its own (NCCL refuses two ranks on one GPU), else on gloo."""
+    if device.type != "cuda":
+        return RankPlacement(tuple(device for _ in range(size)), GroupBackend.GLOO)
+    if gpu_count < 1:
+        raise ValueError(f"tensor parallelism on {device}: this host has no CUDA device")
+    first = device.index or 0
+    devices = tuple(torch.device("cuda", (first + r) % gpu_count) for r in range(size))
+    own = gpu_count >= size and nccl_available
+    return RankPlacement(devices, GroupBackend.NCCL if own else GroupBackend.GLOO)
+
+
+def placement_for(device: str | torch.device, size: int) -> RankPlacement:
+    """``place_ranks`` on this host's GPUs (``cuda`` is the current one)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    gpus = torch.cuda.device_count() if dev.type == "cuda" else 0
+    return place_ranks(dev, size, gpus, dev.type == "cuda" and dist.is_nccl_available())
+
+
 class RankLost(RuntimeError):
     """A process of a worker's tensor-parallel group is gone: no forward can run any more."""
 
 
 class TensorParallel:
-    """One rank's membership of its group: the gloo process group for the collectives inside a forward,
-    and, on rank 0, the pipes that carry each forward's call to the followers."""
+    """One rank's membership of its group: the process group for the collectives inside a forward, and,
+    on rank 0, the pipes that carry each forward's call to the followers. ``placement``: every rank's
+    device and the backend (default: CPU, gloo)."""
 
     def __init__(
         self,
         layout: ShardLayout,
-        group: Any,  # a ProcessGroupGloo
+        group: Any,  # a ProcessGroupGloo or ProcessGroupNCCL
         followers: list[Connection] | None = None,
         processes: list[subprocess.Popen] | None = None,
+        placement: RankPlacement | None = None,
     ) -> None:
         self.layout = layout
         self.group = group
+        self.placement = placement or place_ranks(torch.device("cpu"), layout.size, 0, False)
         self.followers = followers or []
         self.processes = processes or []
         self.store: dist.Store | None = None
@@ -177,19 +228,38 @@ class TensorParallel:
     def leads(self) -> bool:
         return self.layout.rank == 0
 
+    @property
+    def backend(self) -> GroupBackend:
+        return self.placement.backend
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place (contiguous); returns it."""
+        if self.placement.staged:
+            host = t.cpu()
+            self.group.allreduce([host]).wait()
+            return t.copy_(host)
         self.group.allreduce([t]).wait()
         return t
 
     def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's logits ``[T, its vocab rows]`` -> the whole ``[T, V]`` on each rank."""
         t, chunk = local.shape[0], self.layout.vocab_chunk
-        padded = local.new_zeros(t, chunk)
-        padded[:, : local.shape[1]] = local
+        src = local.cpu() if self.placement.staged else local
+        padded = src.new_zeros(t, chunk)
+        padded[:, : local.shape[1]] = src
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         self.group.allgather([parts], [padded]).wait()
-        return torch.cat(parts, dim=1)[:, : self.layout.vocab_size]
+        return torch.cat(parts, dim=1)[:, : self.layout.vocab_size].to(local.device)
+
+    def agree_min(self, n: int) -> int:
+        """The least of every rank's ``n`` (each rank calls it at the same point): e.g. the KV blocks
+        every rank's cache holds, which rank 0's block tables index on all of them."""
+        device = self.placement.devices[self.rank] if self.backend is GroupBackend.NCCL else "cpu"
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+        self.group.allreduce([t], opts).wait()
+        return int(t.item())
 
     def send(self, call: tuple[str, tuple, dict]) -> None:
         """Rank 0: hand a forward's call to every follower before running it."""
@@ -305,34 +375,54 @@ def gloo_group(store: dist.Store, rank: int, size: int) -> Any:  # a ProcessGrou
     return dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size, opts)
 
 
+def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device) -> Any:
+    """A ProcessGroupNCCL of one rank per GPU, whose collectives fail after ``COLLECTIVE_TIMEOUT``."""
+    torch.cuda.set_device(device)
+    nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]  # absent from CPU builds' stubs
+    opts = nccl.Options()
+    opts._timeout = COLLECTIVE_TIMEOUT
+    return nccl(dist.PrefixStore("tp", store), rank, size, opts)
+
+
+def make_group(store: dist.Store, rank: int, placement: RankPlacement) -> Any:
+    size = len(placement.devices)
+    if placement.backend is GroupBackend.NCCL:
+        return nccl_group(store, rank, size, placement.devices[rank])
+    return gloo_group(store, rank, size)
+
+
 def start_group(
     config: ModelConfig, size: int, runner_kwargs: Mapping[str, Any], threads: int
 ) -> TensorParallel:
     """Rank 0's side: start ranks 1..size-1 as processes that load their shards of the model with
-    ``runner_kwargs`` (JSON-able ``ModelRunner`` arguments) and ``threads`` torch threads each, and join
-    them in a gloo group. ValueError when the model does not divide."""
+    ``runner_kwargs`` (JSON-able ``ModelRunner`` arguments; each its rank's ``device``, ``placement_for``)
+    and ``threads`` torch threads each, and join them in a group. ValueError when the model does not
+    divide."""
     layout = ShardLayout.of(config, 0, size)
+    placement = placement_for(runner_kwargs.get("device", "cpu"), size)
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     conns: list[Connection] = []
     procs: list[subprocess.Popen] = []
-    spec = json.dumps(dict(runner_kwargs))
     try:
         for rank in range(1, size):
+            spec = json.dumps({**runner_kwargs, "device": str(placement.devices[rank])})
             ours, theirs = socket.socketpair()
             argv = [
                 sys.executable, "-m", "pdserve.engine.tp_follower",
                 "--rank", str(rank), "--size", str(size), "--store-port", str(store.port),
                 "--pipe-fd", str(theirs.fileno()), "--threads", str(threads), "--runner", spec,
+                "--backend", placement.backend.value,
+                "--devices", ",".join(str(d) for d in placement.devices),
             ]  # fmt: skip
             procs.append(subprocess.Popen(argv, pass_fds=[theirs.fileno()]))
             theirs.close()
             conns.append(Connection(ours.detach()))
-        group = gloo_group(store, 0, size)
+        group = make_group(store, 0, placement)
     except BaseException:
         for p in procs:
             p.kill()
             p.wait()
         raise
-    tp = TensorParallel(layout, group, conns, procs)
+    tp = TensorParallel(layout, group, conns, procs, placement)
     tp.store = store  # the group's rendezvous lives as long as it does
     return tp

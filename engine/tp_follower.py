@@ -1,6 +1,6 @@
 """A tensor-parallel follower rank (``engine.tensor_parallel``): started by rank 0, it loads its shard of
-the model, hands rank 0 its KV cache (shared memory), and makes each call rank 0 sends, until rank 0 closes
-the pipe or dies."""
+the model, hands rank 0 its KV cache (shared memory, on CPU), and makes each call rank 0 sends, until rank
+0 closes the pipe or dies."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.tensor_parallel import (
     COLLECTIVE_TIMEOUT,
+    GroupBackend,
+    RankPlacement,
     ShardLayout,
     TensorParallel,
-    gloo_group,
     hand_over_cache,
+    make_group,
 )
 
 
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipe-fd", type=int, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runner", required=True, help="ModelRunner keyword arguments, as JSON")
+    ap.add_argument("--backend", choices=[b.value for b in GroupBackend], default="gloo")
+    ap.add_argument("--devices", default="", help="every rank's device, comma-separated (default: cpu)")
     args = ap.parse_args(argv)
     _die_with_parent()
     if os.getppid() == 1:
@@ -66,13 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = kwargs.pop("model_dir")
     config = ModelConfig.from_dir(model_dir)
     layout = ShardLayout.of(config, args.rank, args.size)
-    tp = TensorParallel(layout, gloo_group(store, args.rank, args.size))
+    devices = args.devices.split(",") if args.devices else ["cpu"] * args.size
+    placement = RankPlacement(tuple(torch.device(d) for d in devices), GroupBackend(args.backend))
+    tp = TensorParallel(layout, make_group(store, args.rank, placement), placement=placement)
     tp.store = store
     if "dtype" in kwargs:
         kwargs["dtype"] = getattr(torch, kwargs["dtype"])
     runner = ModelRunner(model_dir, tensor_parallel=tp, kv_shared=True, **kwargs)
-    assert runner.kv_shared_fd is not None
-    hand_over_cache(pipe, runner.kv_shared_fd)
+    if runner.kv_shared_fd is not None:  # (on CUDA rank 0 maps no follower's cache: no KV transfer there)
+        hand_over_cache(pipe, runner.kv_shared_fd)
     follow(runner, pipe)
     return 0
 

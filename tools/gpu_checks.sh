@@ -62,7 +62,7 @@ for stage in "${STAGES[@]}"; do
     # The kernels compiled (not interpreted), the CUDA backend and both parity suites on the GPU.
     run_stage tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 180 -rfE \
       tests/unit/test_triton_kernels.py tests/unit/test_cuda_backend.py tests/e2e/test_cuda_backend_cluster.py \
-      tests/unit/test_sampler.py tests/e2e/test_kv_transfer_cuda.py \
+      tests/unit/test_sampler.py tests/e2e/test_kv_transfer_cuda.py tests/e2e/test_tensor_parallel_gpu.py \
       "tests/unit/test_model_parity.py" -k "triton or gpu or cuda"
     tail -n 60 "$OUT/tests.log"
     fused_norms_failed "$OUT/tests.log" && fuse_off "a batch-1 / gemv GPU test failed"

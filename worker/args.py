@@ -157,7 +157,8 @@ class WorkerArgs:
             return
         if device_index(self.device) is not None:
             raise ValueError(
-                f"--tensor-parallel-size {tp} runs on CPUs (gloo) only, not on --device {self.device}"
+                f"--tensor-parallel-size {tp} runs on CPUs only in a worker, not on --device {self.device}: "
+                "the KV transfer between CUDA groups is not built (the engine, LLM, runs a group on CUDA)"
             )
         if self.kv_shared_memory:
             raise ValueError(f"--tensor-parallel-size {tp} and --kv-shared-memory do not go together")

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.model_runner import ModelRunner, PrefillItem
+from pdserve.engine.model_runner import DecodeItem, ModelRunner, PrefillItem
 from pdserve.engine.registry import DEFAULT_MODEL, resolve_model
 from pdserve.engine.tensor_parallel import start_group
 from tests.unit.test_llm import assert_no_leak, hf_greedy, prompts_of
@@ -173,6 +173,28 @@ def test_runner_logits_agree_and_no_kv_crosses_the_group(gqa_model, monkeypatch)
         whole = torch.cat(runner.rank_kv, dim=-2)
         assert torch.equal(whole[0], one.kv[0])  # layer 0: nothing summed in another order yet
         assert (whole - one.kv).abs().max().item() <= 1e-4 * one.kv.abs().max().item()
+    finally:
+        tp.close()
+
+
+def test_the_torch_step_a_cuda_group_runs_agrees_with_one_process(gqa_model):
+    # A group on CUDA runs the torch step (its all-reduces between products the Triton step graphs):
+    # the same code on CPU here, prefill then a decode step, against one process's torch step.
+    one = ModelRunner(gqa_model, num_blocks=16, backend="torch")
+    kwargs = {"model_dir": str(gqa_model), "dtype": "float32", "num_blocks": 16, "backend": "torch"}
+    tp = start_group(one.config, 2, kwargs, threads=1)
+    try:
+        runner = ModelRunner(gqa_model, num_blocks=16, backend="torch", tensor_parallel=tp)
+        assert runner.backend.value == "torch" and runner.kernels is None
+        items = [PrefillItem(list(range(3, 30)), [0, 1]), PrefillItem(list(range(50, 55)), [2])]
+        steps = [
+            (runner.prefill(items), one.prefill(items)),
+            (runner.decode([DecodeItem(7, 27, [0, 1]), DecodeItem(8, 5, [2])]),
+             one.decode([DecodeItem(7, 27, [0, 1]), DecodeItem(8, 5, [2])])),
+        ]  # fmt: skip
+        for got, want in steps:
+            assert got.shape == want.shape == (2, 509)
+            assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
     finally:
         tp.close()
 
