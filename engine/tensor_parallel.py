@@ -13,7 +13,8 @@ Rank 0 runs the engine (scheduler, sampler, block manager) and every forward; th
 call by call: the runner sends each forward's arguments to them over a pipe (``TensorParallel.send``) and
 they make the same call (``tp_follower``), so every rank runs the same collectives in the same order. A
 follower exits when its pipe closes (rank 0 gone); a collective that a dead rank never joins fails after
-``COLLECTIVE_TIMEOUT_S``, never gloo's 30-minute default.
+``COLLECTIVE_TIMEOUT_S``, never gloo's 30-minute default. On CPU the collectives go through shared memory
+(``engine.tp_host``) where they fit a slot.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.hugepages import SharedTensor
+from pdserve.engine.tp_host import HostChannels, HostCollectives, buffer_shape, close_others, make_channels
 
 # A collective that a rank never joins (it died, or hangs) fails after this long.
 COLLECTIVE_TIMEOUT_S = 30.0
@@ -207,10 +209,12 @@ class TensorParallel:
         followers: list[Connection] | None = None,
         processes: list[subprocess.Popen] | None = None,
         placement: RankPlacement | None = None,
+        host: HostCollectives | None = None,
     ) -> None:
         self.layout = layout
         self.group = group
         self.placement = placement or place_ranks(torch.device("cpu"), layout.size, 0, False)
+        self.host = host  # CPU ranks: collectives through shared memory (``engine.tp_host``)
         self.followers = followers or []
         self.processes = processes or []
         self.store: dist.Store | None = None
@@ -234,6 +238,8 @@ class TensorParallel:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place (contiguous); returns it."""
+        if self.host is not None and self.host.fits(t):
+            return self.host.all_reduce(t)
         if self.placement.staged:
             host = t.cpu()
             self.group.allreduce([host]).wait()
@@ -247,8 +253,11 @@ class TensorParallel:
         src = local.cpu() if self.placement.staged else local
         padded = src.new_zeros(t, chunk)
         padded[:, : local.shape[1]] = src
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self.group.allgather([parts], [padded]).wait()
+        if self.host is not None and self.host.fits(padded):
+            parts = self.host.all_gather(padded)
+        else:
+            parts = [torch.empty_like(padded) for _ in range(self.size)]
+            self.group.allgather([parts], [padded]).wait()
         return torch.cat(parts, dim=1)[:, : self.layout.vocab_size].to(local.device)
 
     def agree_min(self, n: int) -> int:
@@ -319,6 +328,8 @@ class TensorParallel:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.host is not None:
+            self.host.close()
 
 
 class ReducingStepOps:
@@ -384,6 +395,13 @@ def nccl_group(store: dist.Store, rank: int, size: int, device: torch.device) ->
     return nccl(dist.PrefixStore("tp", store), rank, size, opts)
 
 
+def host_collectives(rank: int, size: int, channels: str) -> HostCollectives:
+    """A follower's ``HostCollectives`` from the channels its command line names (``HostChannels``)."""
+    ends = HostChannels.decode(channels)
+    buffer = SharedTensor(*buffer_shape(size), dtype=torch.uint8, fd=ends.buffer_fd)
+    return HostCollectives(rank, size, buffer, ends, COLLECTIVE_TIMEOUT_S)
+
+
 def make_group(store: dist.Store, rank: int, placement: RankPlacement) -> Any:
     size = len(placement.devices)
     if placement.backend is GroupBackend.NCCL:
@@ -403,18 +421,22 @@ def start_group(
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     conns: list[Connection] = []
     procs: list[subprocess.Popen] = []
+    on_cpu = placement.devices[0].type == "cpu"
+    buffer, ends = make_channels(size) if on_cpu else (None, [])
     try:
         for rank in range(1, size):
             spec = json.dumps({**runner_kwargs, "device": str(placement.devices[rank])})
+            host = ["--host-channels", ends[rank].encode()] if ends else []
             ours, theirs = socket.socketpair()
             argv = [
                 sys.executable, "-m", "pdserve.engine.tp_follower",
                 "--rank", str(rank), "--size", str(size), "--store-port", str(store.port),
                 "--pipe-fd", str(theirs.fileno()), "--threads", str(threads), "--runner", spec,
                 "--backend", placement.backend.value,
-                "--devices", ",".join(str(d) for d in placement.devices),
+                "--devices", ",".join(str(d) for d in placement.devices), *host,
             ]  # fmt: skip
-            procs.append(subprocess.Popen(argv, pass_fds=[theirs.fileno()]))
+            fds = [theirs.fileno(), *(ends[rank].fds() if ends else [])]
+            procs.append(subprocess.Popen(argv, pass_fds=fds))
             theirs.close()
             conns.append(Connection(ours.detach()))
         group = make_group(store, 0, placement)
@@ -423,6 +445,12 @@ def start_group(
             p.kill()
             p.wait()
         raise
-    tp = TensorParallel(layout, group, conns, procs, placement)
+    finally:
+        if ends:
+            close_others(ends, 0)  # the followers hold theirs now: a dead one's pipes read end of file
+    collectives = None
+    if buffer is not None:
+        collectives = HostCollectives(0, size, buffer, ends[0], COLLECTIVE_TIMEOUT_S)
+    tp = TensorParallel(layout, group, conns, procs, placement, collectives)
     tp.store = store  # the group's rendezvous lives as long as it does
     return tp

@@ -23,6 +23,7 @@ from pdserve.engine.tensor_parallel import (
     ShardLayout,
     TensorParallel,
     hand_over_cache,
+    host_collectives,
     make_group,
 )
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", required=True, help="ModelRunner keyword arguments, as JSON")
     ap.add_argument("--backend", choices=[b.value for b in GroupBackend], default="gloo")
     ap.add_argument("--devices", default="", help="every rank's device, comma-separated (default: cpu)")
+    ap.add_argument("--host-channels", default="", help="CPU: the shared collectives' fds (engine.tp_host)")
     args = ap.parse_args(argv)
     _die_with_parent()
     if os.getppid() == 1:
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = ShardLayout.of(config, args.rank, args.size)
     devices = args.devices.split(",") if args.devices else ["cpu"] * args.size
     placement = RankPlacement(tuple(torch.device(d) for d in devices), GroupBackend(args.backend))
-    tp = TensorParallel(layout, make_group(store, args.rank, placement), placement=placement)
+    host = host_collectives(args.rank, args.size, args.host_channels) if args.host_channels else None
+    tp = TensorParallel(layout, make_group(store, args.rank, placement), placement=placement, host=host)
     tp.store = store
     if "dtype" in kwargs:
         kwargs["dtype"] = getattr(torch, kwargs["dtype"])
