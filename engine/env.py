@@ -17,6 +17,9 @@ LINEAR_KINDS = ("auto", "plain", "onednn", "panels")
 KERNEL_ISA_VAR = "PDSERVE_KERNEL_ISA"
 # Builds of the C kernels (engine.cpu_kernels._isa_cflags says what each compiles with).
 KERNEL_ISAS = ("native", "avx2", "generic", "simde-avx512")
+TP_COLLECTIVES_VAR = "PDSERVE_TP_COLLECTIVES"
+# How a CPU tensor-parallel group's ranks exchange activations (engine.tp_host).
+TP_COLLECTIVES = ("shared", "gloo")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class EngineEnv:
     # PDSERVE_KERNEL_ISA=native|avx2|generic|simde-avx512: which build of the C kernels to load (the
     # default, native, is the only one for serving; the others let the tests run every ISA path here).
     kernel_isa: str | None = None
+    # PDSERVE_TP_COLLECTIVES=shared|gloo: a CPU tensor-parallel group's collectives through shared memory
+    # (the default) or all through gloo's loopback (benchmarks compare them).
+    tp_collectives: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> EngineEnv:
@@ -45,6 +51,13 @@ class EngineEnv:
             raise ValueError(
                 f"{KERNEL_ISA_VAR} must be one of {', '.join(KERNEL_ISAS)} (or unset), got {isa!r}"
             )
+        collectives = env.get(TP_COLLECTIVES_VAR, "").strip().lower()
+        if collectives and collectives not in TP_COLLECTIVES:
+            known = ", ".join(TP_COLLECTIVES)
+            raise ValueError(f"{TP_COLLECTIVES_VAR} must be one of {known} (or unset), got {collectives!r}")
         return cls(
-            cache_dir=Path(raw).expanduser() if raw else None, linear=linear or None, kernel_isa=isa or None
+            cache_dir=Path(raw).expanduser() if raw else None,
+            linear=linear or None,
+            kernel_isa=isa or None,
+            tp_collectives=collectives or None,
         )

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.env import EngineEnv
 from pdserve.engine.hugepages import SharedTensor
 from pdserve.engine.tp_host import HostChannels, HostCollectives, buffer_shape, close_others, make_channels
 
@@ -421,8 +422,8 @@ def start_group(
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     conns: list[Connection] = []
     procs: list[subprocess.Popen] = []
-    on_cpu = placement.devices[0].type == "cpu"
-    buffer, ends = make_channels(size) if on_cpu else (None, [])
+    shared = placement.devices[0].type == "cpu" and EngineEnv.from_environ().tp_collectives != "gloo"
+    buffer, ends = make_channels(size) if shared else (None, [])
     try:
         for rank in range(1, size):
             spec = json.dumps({**runner_kwargs, "device": str(placement.devices[rank])})

@@ -136,14 +136,18 @@ def test_smollm2_at_tp3_equals_one_process_and_prefills_for_one(tmp_path, smollm
         c.assert_no_leaks()
 
 
-def test_runner_logits_agree_and_no_kv_crosses_the_group(gqa_model, monkeypatch):
+@pytest.mark.parametrize("collectives", ["shared", "gloo"])
+def test_runner_logits_agree_and_no_kv_crosses_the_group(gqa_model, monkeypatch, collectives):
     # The whole vocabulary's logits of a prefill, at TP=2 against one process, within 1e-4 of the largest;
-    # the only tensors through the group are the activations' partial sums and the logits.
+    # the only tensors through the group are the activations' partial sums and the logits. Either way the
+    # ranks exchange them: through shared memory (the default) or gloo's loopback.
+    monkeypatch.setenv("PDSERVE_TP_COLLECTIVES", collectives)
     sent: list[int] = []
     one = ModelRunner(gqa_model, num_blocks=16)
     kwargs = {"model_dir": str(gqa_model), "dtype": "float32", "num_blocks": 16}
     tp = start_group(one.config, 2, kwargs, threads=1)
     try:
+        assert (tp.host is not None) == (collectives == "shared")
         runner = ModelRunner(gqa_model, num_blocks=16, tensor_parallel=tp)
         real_reduce, real_gather = tp.all_reduce, tp.gather_vocab
         monkeypatch.setattr(tp, "all_reduce", lambda t: sent.append(t.shape[-1]) or real_reduce(t))
