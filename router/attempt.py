@@ -168,7 +168,7 @@ class Attempt:
         attach: asyncio.Future | None = None  # P's AttachTicket call, once D's ticket came
         attached = answered = False
         # With logprobs asked, D's tokens wait for P's answer, which has token 0's and the prompt's.
-        held: Any = None
+        held: Any = None  # D's message waiting for P's answer
         try:
             while True:
                 # (A finished AttachTicket call is not waited on again: it would wake every loop at once.)
@@ -209,7 +209,9 @@ class Attempt:
                                 grpc.StatusCode.INTERNAL,
                                 f"decode worker {d.worker_id} ended without a finish",
                             )
-                        if out.logprobs is not None and p_task is not None:
+                        # A finish waits for P's answer too: the usage it carries counts P's reused
+                        # prompt tokens, and D, streaming once all KV landed, may finish first.
+                        if p_task is not None and (out.logprobs is not None or m.finish_reason):
                             held = m
                         elif await self._deliver_decoded(out, m, write):
                             return True, None
@@ -224,7 +226,7 @@ class Attempt:
                         resp = outcome(task, job, p, "prefill", ops)
                     except RelayError:
                         # Once D streams, all KV has arrived: a late prefill failure changes nothing.
-                        if not out.any_sent:
+                        if not out.any_sent and (held is None or out.logprobs is not None):
                             raise
                         log.info("request %s: prefill failed after decode started; ignored", prep.request_id)
                     else:

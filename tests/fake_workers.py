@@ -158,6 +158,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.prefill_gate: asyncio.Event | None = None
         self.prefill_rate = 0.0  # prefill tokens/s its heartbeats report (0: not measured)
         self.attach_gate: asyncio.Event | None = None  # holds AttachTicket answers until set
+        self.answer_gate: asyncio.Event | None = None  # holds Prefill answers once the "KV" moved
+        self.cached_tokens = 0  # prompt tokens its Prefill answers report reused
         self.refuse_room = 0  # Generate calls still to refuse for room (as a full decode worker)
         self.fail_steps = 0  # Generate calls still to fail as a failed engine step (the worker lives on)
         self.abort_transfers = 0  # remote Generate calls still to end ABORTED: their KV transfer failed
@@ -318,9 +320,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 self.transfer_metrics.add_bytes(len(request.prompt_token_ids))
                 self.transfer_metrics.layer_done(1e-5)
                 self.transfer_metrics.transfer_done(1e-4)
+            if self.answer_gate is not None:
+                await self.answer_gate.wait()
             n = request.sampling.n
             resp = worker_pb2.PrefillResponse(
                 first_token_id=self._output(0)[0],
+                cached_tokens=self.cached_tokens,
                 transfer_bytes=len(request.prompt_token_ids),
                 first_token_ids=[self._output(c)[0] for c in range(n)] if n > 1 else [],
             )

@@ -427,6 +427,27 @@ def test_a_relay_waiting_on_a_prefill_sleeps_until_something_happens(model_dir, 
     run(main())
 
 
+def test_the_usage_counts_the_prefill_workers_reuse_though_decode_finishes_first(model_dir):
+    """D streams once all KV landed, which can be before P's answer reaches the router: a finish waits for
+    that answer, so the usage counts the prompt tokens P reused (cached_tokens)."""
+
+    async def main():
+        transfers = Transfers()
+        out = ids("hello world")
+        p = FakeWorker("p1", Role.PREFILL, out, transfers=transfers)
+        d = FakeWorker("d1", Role.DECODE, out, transfers=transfers)
+        p.cached_tokens, p.answer_gate = 2, asyncio.Event()
+        async with cluster(model_dir, [p, d], local_prefill_threshold=2) as (_, stub):
+            call = stub.Generate(request("the cat sat", max_tokens=2))
+            await d.wait_for(lambda: d.started and not d.active)  # D sent all it has, its finish too
+            p.answer_gate.set()
+            tokens, _, msgs = await collect(call)
+            assert tokens == out and msgs[-1].finish_reason == "length"
+            assert msgs[-1].usage.cached_tokens == 2
+
+    run(main())
+
+
 def test_remote_route_ends_on_eos_from_prefill(model_dir):
     async def main():
         transfers = Transfers()
