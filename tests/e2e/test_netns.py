@@ -173,6 +173,10 @@ def _start(net: Net, state_dir: Path, model: Path) -> cluster.ClusterState:
         ]
         if name == "decode_b":
             args += ["--kv-interface", h.iface]  # the other one derives it from --host
+        if role is Role.DECODE:
+            # Steps of 4 ms at least: at the cut the victim has seconds of its streams left, which a fast
+            # tiny-model step and a client slowed by a loaded host had let it finish around the cut.
+            args += ["--fault-step-delay", "0.004"]
         workers.append(_spawn(net, state_dir, name, args, role))
     state = cluster.ClusterState(
         router_address=router_addr, router=router, model=str(model), dtype="float32",
