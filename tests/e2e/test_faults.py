@@ -164,7 +164,12 @@ def test_overload_burst_past_the_prefill_queue_bound_is_refused_at_once(tmp_path
     RESOURCE_EXHAUSTED at once, every admitted request completes (the same tokens as a lone run)."""
     # Prefix caching off: after the lone run the prompt is cached, and its repeats would queue no prompt
     # tokens on the prefill worker.
-    extra = (*REMOTE, "--max-prefill-queue-tokens", "1000", "--no-enable-prefix-caching")
+    # A heartbeat that 16 prompts at once on a loaded host's 2 cores starved must not expire the prefill
+    # worker under the follow-up (this tests the queue bound, not heartbeats).
+    extra = (
+        *(*REMOTE, "--max-prefill-queue-tokens", "1000", "--no-enable-prefix-caching"),
+        *("--heartbeat-timeout", "15"),
+    )
     reqs = _prompts(16, 250, seed=4)
     for r in reqs[1:]:
         r.prompt_token_ids.CopyFrom(reqs[0].prompt_token_ids)  # one prompt: every output is the same
