@@ -55,6 +55,21 @@ def _followers(llm: LLM) -> list[subprocess.Popen]:
     return list(tp.processes)
 
 
+def assert_group_exact(llm: LLM, prompts, want, want_logits, oracle, check=None) -> None:
+    """A group's engine: ``check(llm)`` (its shape), then its greedy tokens against ``want`` (and the
+    oracle's), no block leaked; closed in any case, after which every follower has exited."""
+    try:
+        if check is not None:
+            check(llm)
+        got, got_logits = generate_with_logits(llm, prompts, GREEDY)
+        _assert_exact(got, got_logits, want, want_logits, oracle)
+        assert_no_leak(llm)
+    finally:
+        procs = _followers(llm)
+        llm.engine.close()
+    assert all(p.poll() is not None for p in procs), "every follower exits when the engine closes"
+
+
 def _assert_exact(got, got_logits, want, want_logits, oracle=None) -> None:
     for g, gl, w, wl, o in zip(got, got_logits, want, want_logits, oracle or [None] * len(want), strict=True):
         n = compared_steps(gl, wl, of_largest=True)
@@ -71,16 +86,12 @@ def test_tp_greedy_equals_one_process_and_transformers(gqa_model, size):
     want, want_logits = generate_with_logits(one, prompts, GREEDY)
     oracle = [hf_greedy(gqa_model, p, STEPS) for p in prompts]
     llm = LLM(gqa_model, dtype="float32", threads=1, num_blocks=96, tensor_parallel_size=size)
-    try:
+
+    def check(llm: LLM) -> None:
         assert llm.engine.runner.shard_config.num_heads == 8 // size
         assert llm.engine.runner.kv.shape[-2] == 4 // size  # each rank caches its KV heads only
-        got, got_logits = generate_with_logits(llm, prompts, GREEDY)
-        _assert_exact(got, got_logits, want, want_logits, oracle)
-        assert_no_leak(llm)
-    finally:
-        procs = _followers(llm)
-        llm.engine.close()
-    assert all(p.poll() is not None for p in procs), "every follower exits when the engine closes"
+
+    assert_group_exact(llm, prompts, want, want_logits, oracle, check)
 
 
 def test_replicated_kv_heads_and_prompt_logprobs(tiny_llama_dir):

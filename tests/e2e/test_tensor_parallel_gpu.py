@@ -9,8 +9,8 @@ import torch
 
 from pdserve.engine import LLM
 from pdserve.engine.tensor_parallel import GroupBackend
-from tests.e2e.test_tensor_parallel import GREEDY, _assert_exact, _followers, gqa_model  # noqa: F401
-from tests.unit.test_llm import assert_no_leak, hf_greedy, prompts_of
+from tests.e2e.test_tensor_parallel import GREEDY, assert_group_exact, gqa_model  # noqa: F401
+from tests.unit.test_llm import hf_greedy, prompts_of
 from tests.unit.test_prefix_cache import generate_with_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -27,18 +27,14 @@ def _run_on_cuda(model, backend: GroupBackend, devices: list[int]) -> None:
     )
     oracle = [hf_greedy(model, p, len(want[0].token_ids)) for p in prompts]
     llm = LLM(model, dtype="float32", device="cuda", threads=1, num_blocks=96, tensor_parallel_size=2)
-    try:
+
+    def check(llm: LLM) -> None:
         tp = llm.engine.runner.tp
         assert tp is not None and tp.backend is backend
         assert [d.index for d in tp.placement.devices] == devices
         assert llm.engine.runner.kv.is_cuda and llm.engine.runner.kv.shape[-2] == 2
-        got, got_logits = generate_with_logits(llm, prompts, GREEDY)
-        _assert_exact(got, got_logits, want, want_logits, oracle)
-        assert_no_leak(llm)
-    finally:
-        procs = _followers(llm)
-        llm.engine.close()
-    assert all(p.poll() is not None for p in procs), "every follower exits when the engine closes"
+
+    assert_group_exact(llm, prompts, want, want_logits, oracle, check)
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs: a rank on each, over NCCL")

@@ -52,24 +52,13 @@ def test_a_cuda_group_on_a_host_without_gpus_is_refused() -> None:
 
 
 def _config() -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=11,
-        hidden_size=16,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=4,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        bos_token_id=None,
-        eos_token_ids=(),
-    )
+    return ModelConfig.from_hf(
+        {
+            "model_type": "llama", "vocab_size": 11, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 32, "rms_norm_eps": 1e-6,
+        }
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "through-host"])
